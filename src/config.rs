@@ -1,0 +1,37 @@
+//! Process-wide settings other than the conv route, and once-only warnings.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+static STRICT: AtomicBool = AtomicBool::new(false);
+static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Process-wide strict mode: when on, `vmap` refuses to batch a primitive
+/// with the per-example loop fallback and returns an error instead of a
+/// warning. A transform's own `.strict(..)` wins.
+pub fn set_strict(on: bool) {
+    STRICT.store(on, Ordering::Relaxed);
+}
+
+/// Whether process-wide strict mode is on.
+pub fn strict() -> bool {
+    STRICT.load(Ordering::Relaxed)
+}
+
+/// Logs `msg` as a warning the first time `key` is seen in this process.
+/// Returns whether it was logged.
+pub(crate) fn warn_once(key: String, msg: String) -> bool {
+    let mut guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    let first = guard.get_or_insert_with(HashSet::new).insert(key);
+    if first {
+        log::warn!("{msg}");
+    }
+    first
+}
+
+/// Whether a warning with this key has been given (for tests).
+pub fn warned(key: &str) -> bool {
+    let guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    guard.as_ref().is_some_and(|s| s.contains(key))
+}

@@ -1,0 +1,156 @@
+//! The crate's error type: one enum whose variants a caller can match, each
+//! naming the operation and the offending shapes.
+
+use candle_core::DType;
+
+/// The crate's `Result` alias.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong while tracing, transforming or running.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Operand shapes do not fit the operation (reported while tracing,
+    /// before any kernel runs).
+    #[error("{op}: incompatible shapes {}: {msg}", fmt_shapes(.shapes))]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// The operands' shapes, in argument order.
+        shapes: Vec<Vec<usize>>,
+        /// What is wrong.
+        msg: String,
+    },
+    /// Operand dtypes do not fit the operation.
+    #[error("{op}: dtype mismatch {dtypes:?}: {msg}")]
+    DType {
+        /// The operation.
+        op: &'static str,
+        /// The operands' dtypes, in argument order.
+        dtypes: Vec<DType>,
+        /// What is wrong.
+        msg: String,
+    },
+    /// Tensors live on different devices.
+    #[error("{op}: device mismatch: {msg}")]
+    Device {
+        /// The operation.
+        op: &'static str,
+        /// Which devices.
+        msg: String,
+    },
+    /// An `in_dims` entry does not fit its argument.
+    #[error("vmap: bad in_dims for argument {arg}: {msg}")]
+    InDims {
+        /// Top-level argument index.
+        arg: usize,
+        /// What is wrong.
+        msg: String,
+    },
+    /// An `out_dims` entry does not fit its output.
+    #[error("vmap: bad out_dims for output {output}: {msg}")]
+    OutDims {
+        /// Top-level output index.
+        output: usize,
+        /// What is wrong.
+        msg: String,
+    },
+    /// Batched arguments disagree on the size of the mapped axis.
+    #[error("vmap: inconsistent batch sizes: {}", fmt_sizes(.sizes))]
+    BatchSize {
+        /// `(argument, axis, size)` for every batched leaf.
+        sizes: Vec<(usize, usize, usize)>,
+    },
+    /// A primitive or case that a transform cannot handle (for example a
+    /// missing batching rule in strict mode).
+    #[error("{op}: unsupported under {transform}: {msg}")]
+    Unsupported {
+        /// The primitive or operation.
+        op: String,
+        /// The transform (`vmap`, `grad`, `run`, ...).
+        transform: &'static str,
+        /// Why.
+        msg: String,
+    },
+    /// Arguments do not have the tree structure a function was traced with.
+    #[error("tree structure mismatch: {msg}")]
+    Tree {
+        /// What differs.
+        msg: String,
+    },
+    /// A bad setting (route name, environment variable, option value).
+    #[error("configuration: {msg}")]
+    Config {
+        /// What is wrong.
+        msg: String,
+    },
+    /// A symbolic tensor was used outside the trace that made it.
+    #[error("trace: {msg}")]
+    Trace {
+        /// What happened.
+        msg: String,
+    },
+    /// candle itself failed while running an operation.
+    #[error("{op}: candle error: {source}")]
+    Candle {
+        /// The operation candle was running.
+        op: String,
+        /// candle's error.
+        #[source]
+        source: candle_core::Error,
+    },
+}
+
+fn fmt_shapes(shapes: &[Vec<usize>]) -> String {
+    let parts: Vec<String> = shapes.iter().map(|s| format!("{s:?}")).collect();
+    parts.join(" and ")
+}
+
+fn fmt_sizes(sizes: &[(usize, usize, usize)]) -> String {
+    let parts: Vec<String> = sizes
+        .iter()
+        .map(|(arg, axis, size)| format!("argument {arg} has size {size} on axis {axis}"))
+        .collect();
+    parts.join(", ")
+}
+
+impl Error {
+    pub(crate) fn shape(op: &'static str, shapes: &[&[usize]], msg: impl Into<String>) -> Self {
+        Error::Shape {
+            op,
+            shapes: shapes.iter().map(|s| s.to_vec()).collect(),
+            msg: msg.into(),
+        }
+    }
+
+    pub(crate) fn unsupported(op: impl Into<String>, transform: &'static str, msg: impl Into<String>) -> Self {
+        Error::Unsupported {
+            op: op.into(),
+            transform,
+            msg: msg.into(),
+        }
+    }
+}
+
+/// Wraps candle's errors with the name of the operation that raised them.
+pub(crate) trait CandleContext<T> {
+    fn op(self, op: &str) -> Result<T>;
+}
+
+impl<T> CandleContext<T> for candle_core::Result<T> {
+    fn op(self, op: &str) -> Result<T> {
+        self.map_err(|source| Error::Candle {
+            op: op.to_string(),
+            source,
+        })
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(source: candle_core::Error) -> Self {
+        Error::Candle {
+            op: "candle".to_string(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! A jaxpr-like printout of a graph, for debugging:
+//!
+//! ```text
+//! { lambda %0:f32[3,4] %1:f32[4] .
+//!     %2:f32[3,4] = mul %0 %1
+//!     %3:f32[3] = sum[axes=[1]] %2
+//!   in (%3) }
+//! ```
+
+use super::{Graph, TensorType};
+use std::fmt;
+
+fn dtype_name(t: &TensorType) -> String {
+    format!("{:?}", t.dtype).to_lowercase()
+}
+
+fn typed(v: usize, t: &TensorType) -> String {
+    let dims: Vec<String> = t.shape.iter().map(|d| d.to_string()).collect();
+    format!("%{v}:{}[{}]", dtype_name(t), dims.join(","))
+}
+
+impl fmt::Display for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ins: Vec<String> = self.inputs.iter().map(|&v| typed(v, self.ty(v))).collect();
+        writeln!(f, "{{ lambda {} .", ins.join(" "))?;
+        for (v, node) in self.nodes.iter().enumerate() {
+            if matches!(node.prim, super::Prim::Input(_)) {
+                continue;
+            }
+            let args: Vec<String> = node.args.iter().map(|a| format!("%{a}")).collect();
+            let sep = if args.is_empty() { "" } else { " " };
+            writeln!(f, "    {} = {}{sep}{}", typed(v, &node.ty), node.prim.name(), args.join(" "))?;
+        }
+        let outs: Vec<String> = self.outputs.iter().map(|v| format!("%{v}")).collect();
+        write!(f, "  in ({}) }}", outs.join(", "))
+    }
+}

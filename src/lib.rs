@@ -1,0 +1,74 @@
+//! # candle-func
+//!
+//! Composable function transforms for [candle](https://github.com/huggingface/candle),
+//! in the style of JAX and `torch.func`: [`vmap`] vectorises a function over a
+//! batch axis, and transforms nest. A function is traced once per input
+//! signature into a small graph IR, rewritten by per-primitive rules, and
+//! run by an interpreter on candle tensors.
+//!
+//! ## Quick start
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_func::{vmap, ConvRoute, Tracer};
+//!
+//! let dev = Device::Cpu;
+//! // A tiny per-example model: conv -> relu -> global sum -> linear.
+//! let w = Tensor::randn(0f32, 1., (4, 1, 3, 3), &dev)?;
+//! let fc = Tensor::randn(0f32, 1., (4, 2), &dev)?;
+//! let model = |x: Tracer| -> candle_func::Result<Tracer> {
+//!     // x: [1, 8, 8] for one example; add the N axis candle's conv wants.
+//!     let h = x.unsqueeze(0)?.conv2d(&w, 1, 1, 1, 1)?.relu()?; // [1, 4, 8, 8]
+//!     h.sum([2, 3])?.matmul(&fc)?.squeeze(0)                  // [2]
+//! };
+//! let xs = Tensor::randn(0f32, 1., (16, 1, 8, 8), &dev)?;
+//! let ys = vmap(model).call(&xs)?;
+//! assert_eq!(ys.dims(), &[16, 2]);
+//!
+//! // Ensembling: five models' filters stacked on a leading axis, one batch.
+//! let ws = Tensor::randn(0f32, 1., (5, 4, 1, 3, 3), &dev)?;
+//! let ensemble = vmap(|w: Tracer, x: Tracer| x.conv2d(&w, 0, 1, 1, 1))
+//!     .in_dims([Some(0), None])
+//!     .conv_route(ConvRoute::Unfold);
+//! let out = ensemble.call((&ws, &xs))?;
+//! assert_eq!(out.dims(), &[5, 16, 4, 6, 6]);
+//! # Ok::<(), candle_func::Error>(())
+//! ```
+//!
+//! ## Pieces
+//!
+//! * [`Tracer`]: the symbolic tensor a traced closure receives; its methods
+//!   mirror candle's `Tensor` and check shapes as they record.
+//! * [`vmap`] with `in_dims`, `out_dims`, `chunk_size`, `conv_route`,
+//!   `strict`; [`jit`] runs a traced function without transforming it;
+//!   [`make_graph`] shows the graph a call runs.
+//! * [`ConvRoute`]: how a convolution with batched input and weight is
+//!   lowered (grouped convolution, unfold + batched matmul, or a loop).
+//! * Arguments and results are trees: a tensor, tuples, `Vec`s and
+//!   `String`-keyed maps of trees ([`TensorTree`], [`SymTree`]).
+
+#![warn(missing_docs)]
+
+mod config;
+mod error;
+pub mod interp;
+pub mod ir;
+pub mod kernels;
+mod ops;
+mod route;
+pub(crate) mod rules;
+mod trace;
+mod transforms;
+
+pub use config::{set_strict, strict};
+#[doc(hidden)]
+pub use config::warned;
+pub use error::{Error, Result};
+pub use ir::{Graph, TensorType};
+pub use kernels::unfold::ConvGeom;
+pub use ops::{custom_op, Axes, Axis};
+pub use route::{conv_route, set_conv_route, ConvRoute, ROUTE_ENV};
+pub use trace::{Operand, Tracer};
+pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
+pub use transforms::vmap::{vmap, Dims, Vmap};
+pub use transforms::{jit, make_graph, Function, Jit};

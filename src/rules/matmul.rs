@@ -1,0 +1,92 @@
+//! Matrix product with broadcast leading (batch) axes:
+//! `[.., m, k] @ [.., k, n] -> [.., m, n]`, both operands of rank >= 2.
+
+use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Rule};
+use crate::error::{CandleContext, Error, Result};
+use crate::ir::{Prim, TensorType};
+use candle_core::Tensor;
+
+/// The matrix product primitive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Matmul;
+
+impl Rule for Matmul {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        arity("matmul", args, 2)?;
+        let dt = same_dtype("matmul", args)?;
+        let (a, b) = (args[0].shape.as_slice(), args[1].shape.as_slice());
+        if a.len() < 2 || b.len() < 2 {
+            return Err(Error::shape("matmul", &[a, b], "both operands need rank >= 2"));
+        }
+        let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+        let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
+        if k != k2 {
+            return Err(Error::shape("matmul", &[a, b], format!("inner dimensions differ ({k} vs {k2})")));
+        }
+        let mut out = broadcast_shapes("matmul", &a[..a.len() - 2], &b[..b.len() - 2])?;
+        out.extend([m, n]);
+        Ok(TensorType::new(out, dt))
+    }
+
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+        let (a, b) = (args[0], args[1]);
+        let (ad, bd) = (a.dims(), b.dims());
+        let r = if bd.len() == 2 && ad.len() > 2 {
+            // [.., m, k] @ [k, n]: fold the leading axes into m, one GEMM.
+            let k = ad[ad.len() - 1];
+            let a2 = a.contiguous().op("matmul")?.reshape(((), k)).op("matmul")?;
+            mm(&a2, b)?.reshape(out.shape.as_slice()).op("matmul")?
+        } else if ad.len() == bd.len() && ad[..ad.len() - 2] == bd[..bd.len() - 2] {
+            mm(a, b)?
+        } else {
+            let a = a.broadcast_as([&out.shape[..out.shape.len() - 2], &ad[ad.len() - 2..]].concat()).op("matmul")?;
+            let b = b.broadcast_as([&out.shape[..out.shape.len() - 2], &bd[bd.len() - 2..]].concat()).op("matmul")?;
+            mm(&a.contiguous().op("matmul")?, &b.contiguous().op("matmul")?)?
+        };
+        Ok(r)
+    }
+
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        let (a, b) = (args[0], args[1]);
+        let (ra, rb) = (cx.logical_rank(a), cx.logical_rank(b));
+        let rank = ra.max(rb);
+        let out = match (a.1, b.1) {
+            // x.. m k @ k n with only the left batched: B x.. m k @ k n, which
+            // `run` folds into a single GEMM.
+            (Some(_), None) if rb == 2 => {
+                let ab = cx.front(a)?;
+                (cx.b.emit(Prim::Matmul, &[ab, b.0])?, Some(0))
+            }
+            // m k @ B k n: B k n -> k B n -> k (B n), one GEMM, -> m B n.
+            (None, Some(_)) if ra == 2 && rb == 2 => {
+                let bb = cx.front(b)?;
+                let [_, k, n] = cx.b.dims(bb)[..] else { unreachable!() };
+                let t = cx.b.permute(bb, vec![1, 0, 2])?;
+                let t = cx.b.reshape(t, vec![k, cx.size * n])?;
+                let y = cx.b.emit(Prim::Matmul, &[a.0, t])?;
+                let m = cx.b.dims(a.0)[0];
+                (cx.b.reshape(y, vec![m, cx.size, n])?, Some(1))
+            }
+            // Otherwise: batch axis first, unit axes up to the common rank,
+            // and let the leading axes broadcast.
+            _ => {
+                let ab = if a.1.is_some() { cx.front_padded(a, rank)? } else { a.0 };
+                let bb = if b.1.is_some() { cx.front_padded(b, rank)? } else { b.0 };
+                (cx.b.emit(Prim::Matmul, &[ab, bb])?, Some(0))
+            }
+        };
+        Ok(Some(out))
+    }
+}
+
+/// candle's matmul, copying to contiguous memory when a layout is refused.
+fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match a.matmul(b) {
+        Ok(t) => Ok(t),
+        Err(_) => a
+            .contiguous()
+            .op("matmul")?
+            .matmul(&b.contiguous().op("matmul")?)
+            .op("matmul"),
+    }
+}

@@ -1,0 +1,218 @@
+//! Primitive rules, one file per family. Every primitive implements [`Rule`]:
+//! how its result type follows from its operands (checked while tracing),
+//! how it runs on candle, and how it batches under `vmap`. Transforms own the
+//! driver loops; the families own the rules.
+//!
+//! Batching rules follow functorch: a pure function from `(value, Option<batch
+//! axis>)` operands to a `(value, Option<batch axis>)` result, emitting the
+//! batched computation into the builder of the enclosing trace.
+
+pub(crate) mod conv;
+pub(crate) mod custom;
+pub(crate) mod elementwise;
+pub(crate) mod fallback;
+pub(crate) mod index;
+pub(crate) mod matmul;
+pub(crate) mod pool;
+pub(crate) mod reduce;
+pub(crate) mod shape;
+
+use crate::error::{Error, Result};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::route::ConvRoute;
+use crate::trace::Builder;
+use candle_core::Tensor;
+
+/// A value under `vmap`: its id in the output builder and the axis that
+/// carries the batch, if any.
+pub(crate) type BVal = (VarId, Option<usize>);
+
+/// Options that batching rules read.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BatchOpts {
+    pub(crate) route: ConvRoute,
+    pub(crate) strict: bool,
+}
+
+/// What a batching rule works with: the builder it emits into, the size of
+/// the mapped axis, and the options.
+pub(crate) struct BatchCx<'a> {
+    pub(crate) b: &'a mut Builder,
+    pub(crate) size: usize,
+    pub(crate) opts: &'a BatchOpts,
+}
+
+/// The rules of one primitive.
+pub(crate) trait Rule {
+    /// The result type, or a shape/dtype error naming the operation.
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType>;
+    /// Computes the primitive on candle tensors.
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor>;
+    /// Emits the batched computation; `Ok(None)` asks for the generic loop.
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>>;
+}
+
+/// The rules of a computed primitive (not of inputs, constants, literals).
+pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
+    Ok(match prim {
+        Prim::Unary(r) => r,
+        Prim::Binary(r) => r,
+        Prim::Compare(r) => r,
+        Prim::Where => &elementwise::Where,
+        Prim::Reduce(r) => r,
+        Prim::Shape(r) => r,
+        Prim::Index(r) => r,
+        Prim::Matmul => &matmul::Matmul,
+        Prim::Conv(r) => r,
+        Prim::Pool(r) => r,
+        Prim::Loop(r) => r.as_ref(),
+        Prim::Custom(r) => r,
+        Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_) => {
+            return Err(Error::unsupported(prim.name(), "rules", "a leaf has no rules"))
+        }
+    })
+}
+
+/// Result type of `prim(args)`.
+pub(crate) fn infer(prim: &Prim, args: &[&TensorType]) -> Result<TensorType> {
+    rule(prim)?.infer(args)
+}
+
+/// Checks the operand count.
+pub(crate) fn arity(op: &'static str, args: &[&TensorType], n: usize) -> Result<()> {
+    if args.len() != n {
+        let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
+        return Err(Error::shape(op, &shapes, format!("expected {n} operands, got {}", args.len())));
+    }
+    Ok(())
+}
+
+/// Checks that all operands share one dtype and returns it.
+pub(crate) fn same_dtype(op: &'static str, args: &[&TensorType]) -> Result<candle_core::DType> {
+    let dt = args[0].dtype;
+    if args.iter().any(|t| t.dtype != dt) {
+        return Err(Error::DType {
+            op,
+            dtypes: args.iter().map(|t| t.dtype).collect(),
+            msg: "operands must share one dtype".into(),
+        });
+    }
+    Ok(dt)
+}
+
+/// Numpy broadcasting of two shapes (right-aligned).
+pub(crate) fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let r = a.len().max(b.len());
+    let mut out = vec![0; r];
+    for i in 0..r {
+        let da = if i + a.len() >= r { a[i + a.len() - r] } else { 1 };
+        let db = if i + b.len() >= r { b[i + b.len() - r] } else { 1 };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return Err(Error::shape(op, &[a, b], "shapes do not broadcast")),
+        };
+    }
+    Ok(out)
+}
+
+/// Normalises a possibly negative axis for a tensor of rank `rank`.
+pub(crate) fn norm_axis(op: &'static str, shape: &[usize], axis: isize) -> Result<usize> {
+    let r = shape.len() as isize;
+    let a = if axis < 0 { axis + r } else { axis };
+    if a < 0 || a >= r {
+        return Err(Error::shape(op, &[shape], format!("axis {axis} out of range for rank {r}")));
+    }
+    Ok(a as usize)
+}
+
+// Emitting helpers shared by the rules: each adds one shape node.
+impl Builder {
+    pub(crate) fn reshape(&mut self, v: VarId, shape: Vec<usize>) -> Result<VarId> {
+        if self.dims(v) == shape {
+            return Ok(v);
+        }
+        self.emit(Prim::Shape(shape::ShapeOp::Reshape(shape)), &[v])
+    }
+
+    pub(crate) fn permute(&mut self, v: VarId, perm: Vec<usize>) -> Result<VarId> {
+        if perm.iter().enumerate().all(|(i, &p)| i == p) {
+            return Ok(v);
+        }
+        self.emit(Prim::Shape(shape::ShapeOp::Permute(perm)), &[v])
+    }
+
+    /// Moves axis `from` to position `to`, keeping the others in order.
+    pub(crate) fn move_axis(&mut self, v: VarId, from: usize, to: usize) -> Result<VarId> {
+        let mut perm: Vec<usize> = (0..self.ty(v).rank()).filter(|&i| i != from).collect();
+        perm.insert(to, from);
+        self.permute(v, perm)
+    }
+
+    pub(crate) fn broadcast(&mut self, v: VarId, shape: Vec<usize>) -> Result<VarId> {
+        if self.dims(v) == shape {
+            return Ok(v);
+        }
+        self.emit(Prim::Shape(shape::ShapeOp::Broadcast(shape)), &[v])
+    }
+
+    pub(crate) fn narrow(&mut self, v: VarId, axis: usize, start: usize, len: usize) -> Result<VarId> {
+        if start == 0 && self.dims(v)[axis] == len {
+            return Ok(v);
+        }
+        self.emit(Prim::Shape(shape::ShapeOp::Narrow { axis, start, len }), &[v])
+    }
+
+    pub(crate) fn concat(&mut self, vs: &[VarId], axis: usize) -> Result<VarId> {
+        if vs.len() == 1 {
+            return Ok(vs[0]);
+        }
+        self.emit(Prim::Shape(shape::ShapeOp::Concat(axis)), vs)
+    }
+}
+
+impl BatchCx<'_> {
+    /// The batched value with its batch axis first; unbatched values are
+    /// returned as they are.
+    pub(crate) fn front(&mut self, (v, bdim): BVal) -> Result<VarId> {
+        match bdim {
+            Some(d) if d != 0 => self.b.move_axis(v, d, 0),
+            _ => Ok(v),
+        }
+    }
+
+    /// The value with a batch axis first, broadcasting an unbatched value
+    /// (`X -> B X`).
+    pub(crate) fn materialize(&mut self, (v, bdim): BVal) -> Result<VarId> {
+        match bdim {
+            Some(_) => self.front((v, bdim)),
+            None => {
+                let mut d = self.b.dims(v);
+                d.insert(0, self.size);
+                self.b.broadcast(v, d)
+            }
+        }
+    }
+
+    /// Batch axis first, then unit axes so the per-example part has rank
+    /// `rank` (`B x.. -> B 1.. x..`), for right-aligned broadcasting against
+    /// operands of a higher per-example rank.
+    pub(crate) fn front_padded(&mut self, v: BVal, rank: usize) -> Result<VarId> {
+        let id = self.front(v)?;
+        let mut d = self.b.dims(id);
+        let logical = d.len() - 1;
+        if logical < rank {
+            for _ in logical..rank {
+                d.insert(1, 1);
+            }
+            return self.b.reshape(id, d);
+        }
+        Ok(id)
+    }
+
+    /// Per-example rank of an operand.
+    pub(crate) fn logical_rank(&self, (v, bdim): BVal) -> usize {
+        self.b.ty(v).rank() - usize::from(bdim.is_some())
+    }
+}

@@ -1,0 +1,130 @@
+//! Reductions over axes, and (log-)softmax along one axis.
+
+use super::{arity, BVal, BatchCx, Rule};
+use crate::error::{CandleContext, Error, Result};
+use crate::ir::{Prim, TensorType};
+use candle_core::Tensor;
+
+/// Reductions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// Sum over `axes` (sorted, distinct), keeping them as unit axes or not.
+    Sum {
+        /// Reduced axes.
+        axes: Vec<usize>,
+        /// Keep reduced axes with size 1.
+        keepdim: bool,
+    },
+    /// Maximum over `axes`.
+    Max {
+        /// Reduced axes.
+        axes: Vec<usize>,
+        /// Keep reduced axes with size 1.
+        keepdim: bool,
+    },
+    /// Softmax along one axis.
+    Softmax(usize),
+    /// Log-softmax along one axis.
+    LogSoftmax(usize),
+}
+
+impl Reduce {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            Reduce::Sum { axes, keepdim } => format!("sum[axes={axes:?}{}]", kd(*keepdim)),
+            Reduce::Max { axes, keepdim } => format!("max[axes={axes:?}{}]", kd(*keepdim)),
+            Reduce::Softmax(a) => format!("softmax[axis={a}]"),
+            Reduce::LogSoftmax(a) => format!("log_softmax[axis={a}]"),
+        }
+    }
+
+    /// The same reduction on a tensor with `n` extra leading axes.
+    fn shifted(&self, n: usize) -> Reduce {
+        let sh = |axes: &Vec<usize>| axes.iter().map(|a| a + n).collect();
+        match self {
+            Reduce::Sum { axes, keepdim } => Reduce::Sum {
+                axes: sh(axes),
+                keepdim: *keepdim,
+            },
+            Reduce::Max { axes, keepdim } => Reduce::Max {
+                axes: sh(axes),
+                keepdim: *keepdim,
+            },
+            Reduce::Softmax(a) => Reduce::Softmax(a + n),
+            Reduce::LogSoftmax(a) => Reduce::LogSoftmax(a + n),
+        }
+    }
+}
+
+fn kd(keepdim: bool) -> &'static str {
+    if keepdim {
+        ",keepdim"
+    } else {
+        ""
+    }
+}
+
+fn check_axes(op: &'static str, shape: &[usize], axes: &[usize]) -> Result<()> {
+    for (i, &a) in axes.iter().enumerate() {
+        if a >= shape.len() || axes[..i].contains(&a) {
+            return Err(Error::shape(op, &[shape], format!("bad reduction axes {axes:?}")));
+        }
+    }
+    Ok(())
+}
+
+fn reduced_shape(shape: &[usize], axes: &[usize], keepdim: bool) -> Vec<usize> {
+    let mut out = Vec::new();
+    for (i, &d) in shape.iter().enumerate() {
+        if !axes.contains(&i) {
+            out.push(d);
+        } else if keepdim {
+            out.push(1);
+        }
+    }
+    out
+}
+
+impl Rule for Reduce {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        arity("reduce", args, 1)?;
+        let x = args[0];
+        match self {
+            Reduce::Sum { axes, keepdim } | Reduce::Max { axes, keepdim } => {
+                check_axes("reduce", &x.shape, axes)?;
+                Ok(x.with_shape(reduced_shape(&x.shape, axes, *keepdim)))
+            }
+            Reduce::Softmax(a) | Reduce::LogSoftmax(a) => {
+                check_axes("softmax", &x.shape, &[*a])?;
+                Ok(x.clone())
+            }
+        }
+    }
+
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+        let x = args[0];
+        let op = self.name();
+        match self {
+            Reduce::Sum { axes, .. } if axes.is_empty() => Ok(x.clone()),
+            Reduce::Sum { axes, .. } => x.sum_keepdim(axes.clone()).op(&op)?.reshape(out.shape.as_slice()).op(&op),
+            Reduce::Max { axes, .. } => {
+                let mut y = x.clone();
+                for &a in axes {
+                    y = y.max_keepdim(a).op(&op)?;
+                }
+                y.reshape(out.shape.as_slice()).op(&op)
+            }
+            Reduce::Softmax(a) if *a + 1 == x.rank() => {
+                candle_nn::ops::softmax_last_dim(&x.contiguous().op(&op)?).op(&op)
+            }
+            Reduce::Softmax(a) => candle_nn::ops::softmax(x, *a).op(&op),
+            Reduce::LogSoftmax(a) => candle_nn::ops::log_softmax(x, *a).op(&op),
+        }
+    }
+
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        // B x.. -> reduce the shifted axes; the batch axis stays first.
+        let x = cx.front(args[0])?;
+        Ok(Some((cx.b.emit(Prim::Reduce(self.shifted(1)), &[x])?, Some(0))))
+    }
+}

@@ -1,0 +1,169 @@
+//! Shape primitives: reshape, permute, broadcast, narrow, concatenate.
+//! (squeeze, unsqueeze, flatten, transpose and stack are built from these.)
+
+use super::{same_dtype, BVal, BatchCx, Rule};
+use crate::error::{CandleContext, Error, Result};
+use crate::ir::{Prim, TensorType};
+use candle_core::Tensor;
+
+/// Shape primitives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShapeOp {
+    /// Same elements, new dimensions (row-major order).
+    Reshape(Vec<usize>),
+    /// Axis `i` of the result is axis `perm[i]` of the operand.
+    Permute(Vec<usize>),
+    /// Numpy broadcasting (right-aligned) to a larger shape.
+    Broadcast(Vec<usize>),
+    /// `len` elements from `start` along `axis`.
+    Narrow {
+        /// The sliced axis.
+        axis: usize,
+        /// First index kept.
+        start: usize,
+        /// Number of indices kept.
+        len: usize,
+    },
+    /// Concatenation of all operands along an axis.
+    Concat(usize),
+}
+
+impl ShapeOp {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            ShapeOp::Reshape(s) => format!("reshape[{s:?}]"),
+            ShapeOp::Permute(p) => format!("permute[{p:?}]"),
+            ShapeOp::Broadcast(s) => format!("broadcast[{s:?}]"),
+            ShapeOp::Narrow { axis, start, len } => format!("narrow[axis={axis},start={start},len={len}]"),
+            ShapeOp::Concat(a) => format!("concat[axis={a}]"),
+        }
+    }
+}
+
+/// Whether `from` broadcasts to `to` (numpy rules, right-aligned).
+pub(crate) fn broadcasts_to(from: &[usize], to: &[usize]) -> bool {
+    from.len() <= to.len()
+        && from
+            .iter()
+            .rev()
+            .zip(to.iter().rev())
+            .all(|(&f, &t)| f == t || f == 1)
+}
+
+fn infer_one(op: &ShapeOp, x: &TensorType) -> Result<TensorType> {
+    let s = x.shape.as_slice();
+    match op {
+        ShapeOp::Reshape(to) => {
+            if to.iter().product::<usize>() != x.elem_count() {
+                return Err(Error::shape("reshape", &[s, to], "element counts differ"));
+            }
+            Ok(x.with_shape(to.clone()))
+        }
+        ShapeOp::Permute(p) => {
+            let mut seen = vec![false; s.len()];
+            let ok = p.len() == s.len() && p.iter().all(|&i| i < s.len() && !std::mem::replace(&mut seen[i], true));
+            if !ok {
+                return Err(Error::shape("permute", &[s], format!("{p:?} is not a permutation of the axes")));
+            }
+            Ok(x.with_shape(p.iter().map(|&i| s[i]).collect::<Vec<_>>()))
+        }
+        ShapeOp::Broadcast(to) => {
+            if !broadcasts_to(s, to) {
+                return Err(Error::shape("broadcast", &[s, to], "shape does not broadcast to the target"));
+            }
+            Ok(x.with_shape(to.clone()))
+        }
+        ShapeOp::Narrow { axis, start, len } => {
+            if *axis >= s.len() || start + len > s[*axis] {
+                return Err(Error::shape(
+                    "narrow",
+                    &[s],
+                    format!("range {start}..{} out of bounds on axis {axis}", start + len),
+                ));
+            }
+            let mut d = s.to_vec();
+            d[*axis] = *len;
+            Ok(x.with_shape(d))
+        }
+        ShapeOp::Concat(_) => unreachable!("concat is n-ary"),
+    }
+}
+
+fn infer_concat(axis: usize, args: &[&TensorType]) -> Result<TensorType> {
+    let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
+    if args.is_empty() {
+        return Err(Error::shape("concat", &shapes, "needs at least one operand"));
+    }
+    let dt = same_dtype("concat", args)?;
+    let first = shapes[0];
+    if axis >= first.len() {
+        return Err(Error::shape("concat", &shapes, format!("axis {axis} out of range")));
+    }
+    let mut out = first.to_vec();
+    out[axis] = 0;
+    for s in &shapes {
+        let fits = s.len() == first.len() && s.iter().zip(first).enumerate().all(|(i, (a, b))| i == axis || a == b);
+        if !fits {
+            return Err(Error::shape("concat", &shapes, format!("shapes differ off axis {axis}")));
+        }
+        out[axis] += s[axis];
+    }
+    Ok(TensorType::new(out, dt))
+}
+
+impl Rule for ShapeOp {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        match self {
+            ShapeOp::Concat(axis) => infer_concat(*axis, args),
+            op => {
+                super::arity("shape", args, 1)?;
+                infer_one(op, args[0])
+            }
+        }
+    }
+
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+        let x = args[0];
+        let op = self.name();
+        match self {
+            ShapeOp::Reshape(to) => x.reshape(to.as_slice()).op(&op),
+            ShapeOp::Permute(p) => x.permute(p.as_slice()).op(&op),
+            ShapeOp::Broadcast(_) => x.broadcast_as(out.shape.as_slice()).op(&op),
+            ShapeOp::Narrow { axis, start, len } => x.narrow(*axis, *start, *len).op(&op),
+            ShapeOp::Concat(axis) => Tensor::cat(args, *axis).op(&op),
+        }
+    }
+
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        let size = cx.size;
+        let with_b = |s: &[usize]| [&[size], s].concat();
+        let out = match self {
+            // x.. -> B x..: the batch axis leads, the per-example op follows.
+            ShapeOp::Reshape(to) => {
+                let x = cx.front(args[0])?;
+                cx.b.reshape(x, with_b(to))?
+            }
+            ShapeOp::Permute(p) => {
+                let x = cx.front(args[0])?;
+                let perm = std::iter::once(0).chain(p.iter().map(|i| i + 1)).collect();
+                cx.b.permute(x, perm)?
+            }
+            ShapeOp::Broadcast(to) => {
+                let x = cx.front_padded(args[0], to.len())?;
+                cx.b.broadcast(x, with_b(to))?
+            }
+            ShapeOp::Narrow { axis, start, len } => {
+                let x = cx.front(args[0])?;
+                cx.b.narrow(x, axis + 1, *start, *len)?
+            }
+            ShapeOp::Concat(axis) => {
+                let mut xs = Vec::with_capacity(args.len());
+                for &a in args {
+                    xs.push(cx.materialize(a)?);
+                }
+                cx.b.emit(Prim::Shape(ShapeOp::Concat(axis + 1)), &xs)?
+            }
+        };
+        Ok(Some((out, Some(0))))
+    }
+}

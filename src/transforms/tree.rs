@@ -1,0 +1,299 @@
+//! Trees of tensors (JAX's pytrees): a tensor, tuples of trees, `Vec`s of
+//! trees and name -> tree maps. Transforms work on flat lists of leaves;
+//! these traits flatten a user's arguments and rebuild a user's results.
+
+use crate::error::{Error, Result};
+use crate::trace::Tracer;
+use candle_core::Tensor;
+use std::collections::{BTreeMap, HashMap};
+use std::vec::IntoIter;
+
+/// The structure of a tree, without its leaves.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TreeDef {
+    /// One tensor.
+    Leaf,
+    /// A tuple of trees.
+    Tuple(Vec<TreeDef>),
+    /// A list of trees.
+    List(Vec<TreeDef>),
+    /// Named trees, in sorted key order.
+    Map(Vec<(String, TreeDef)>),
+}
+
+impl TreeDef {
+    /// Number of leaves.
+    pub fn leaf_count(&self) -> usize {
+        match self {
+            TreeDef::Leaf => 1,
+            TreeDef::Tuple(c) | TreeDef::List(c) => c.iter().map(TreeDef::leaf_count).sum(),
+            TreeDef::Map(c) => c.iter().map(|(_, d)| d.leaf_count()).sum(),
+        }
+    }
+}
+
+fn mismatch(want: &str, def: &TreeDef) -> Error {
+    Error::Tree {
+        msg: format!("expected {want}, found structure {def:?}"),
+    }
+}
+
+fn next_leaf<L>(it: &mut IntoIter<L>) -> Result<L> {
+    it.next().ok_or_else(|| Error::Tree {
+        msg: "fewer leaves than the structure needs".into(),
+    })
+}
+
+/// A tree of symbolic tensors: what traced functions take and return.
+pub trait SymTree: Sized {
+    /// The same structure with candle tensors as leaves.
+    type Concrete;
+    /// Appends the leaves in order and returns the structure.
+    fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef;
+    /// Rebuilds a tree of this type from a structure and leaves.
+    fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self>;
+    /// Rebuilds the concrete mirror from a structure and tensors.
+    fn concrete_from(def: &TreeDef, leaves: &mut IntoIter<Tensor>) -> Result<Self::Concrete>;
+}
+
+/// A tree of candle tensors: what transformed functions are called with.
+pub trait TensorTree {
+    /// The same structure with symbolic leaves.
+    type Sym: SymTree;
+    /// Appends the leaves in order and returns the structure.
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef;
+}
+
+impl SymTree for Tracer {
+    type Concrete = Tensor;
+    fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
+        out.push(self.clone());
+        TreeDef::Leaf
+    }
+    fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self> {
+        match def {
+            TreeDef::Leaf => next_leaf(leaves),
+            d => Err(mismatch("a tensor", d)),
+        }
+    }
+    fn concrete_from(def: &TreeDef, leaves: &mut IntoIter<Tensor>) -> Result<Tensor> {
+        match def {
+            TreeDef::Leaf => next_leaf(leaves),
+            d => Err(mismatch("a tensor", d)),
+        }
+    }
+}
+
+impl TensorTree for Tensor {
+    type Sym = Tracer;
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+        out.push(self.clone());
+        TreeDef::Leaf
+    }
+}
+
+impl<T: TensorTree + ?Sized> TensorTree for &T {
+    type Sym = T::Sym;
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+        (**self).flatten_into(out)
+    }
+}
+
+macro_rules! tuple_trees {
+    ($($t:ident $i:tt),+) => {
+        impl<$($t: SymTree),+> SymTree for ($($t,)+) {
+            type Concrete = ($($t::Concrete,)+);
+            fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
+                TreeDef::Tuple(vec![$(self.$i.flatten_into(out)),+])
+            }
+            fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self> {
+                match def {
+                    TreeDef::Tuple(c) if c.len() == [$($i),+].len() => Ok(($($t::unflatten_from(&c[$i], leaves)?,)+)),
+                    d => Err(mismatch("a tuple", d)),
+                }
+            }
+            fn concrete_from(def: &TreeDef, leaves: &mut IntoIter<Tensor>) -> Result<Self::Concrete> {
+                match def {
+                    TreeDef::Tuple(c) if c.len() == [$($i),+].len() => Ok(($($t::concrete_from(&c[$i], leaves)?,)+)),
+                    d => Err(mismatch("a tuple", d)),
+                }
+            }
+        }
+
+        impl<$($t: TensorTree),+> TensorTree for ($($t,)+) {
+            type Sym = ($($t::Sym,)+);
+            fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+                TreeDef::Tuple(vec![$(self.$i.flatten_into(out)),+])
+            }
+        }
+    };
+}
+
+tuple_trees!(A 0, B 1);
+tuple_trees!(A 0, B 1, C 2);
+tuple_trees!(A 0, B 1, C 2, D 3);
+
+impl<A: SymTree> SymTree for Vec<A> {
+    type Concrete = Vec<A::Concrete>;
+    fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
+        TreeDef::List(self.iter().map(|a| a.flatten_into(out)).collect())
+    }
+    fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self> {
+        match def {
+            TreeDef::List(c) => c.iter().map(|d| A::unflatten_from(d, leaves)).collect(),
+            d => Err(mismatch("a list", d)),
+        }
+    }
+    fn concrete_from(def: &TreeDef, leaves: &mut IntoIter<Tensor>) -> Result<Self::Concrete> {
+        match def {
+            TreeDef::List(c) => c.iter().map(|d| A::concrete_from(d, leaves)).collect(),
+            d => Err(mismatch("a list", d)),
+        }
+    }
+}
+
+impl<A: TensorTree> TensorTree for Vec<A> {
+    type Sym = Vec<A::Sym>;
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+        self.as_slice().flatten_into(out)
+    }
+}
+
+impl<A: TensorTree> TensorTree for [A] {
+    type Sym = Vec<A::Sym>;
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+        TreeDef::List(self.iter().map(|a| a.flatten_into(out)).collect())
+    }
+}
+
+fn map_from<A, L>(
+    def: &TreeDef,
+    leaves: &mut IntoIter<L>,
+    mut one: impl FnMut(&TreeDef, &mut IntoIter<L>) -> Result<A>,
+) -> Result<Vec<(String, A)>> {
+    match def {
+        TreeDef::Map(c) => c.iter().map(|(k, d)| Ok((k.clone(), one(d, leaves)?))).collect(),
+        d => Err(mismatch("a map", d)),
+    }
+}
+
+impl<A: SymTree> SymTree for BTreeMap<String, A> {
+    type Concrete = BTreeMap<String, A::Concrete>;
+    fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
+        TreeDef::Map(self.iter().map(|(k, a)| (k.clone(), a.flatten_into(out))).collect())
+    }
+    fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self> {
+        Ok(map_from(def, leaves, A::unflatten_from)?.into_iter().collect())
+    }
+    fn concrete_from(def: &TreeDef, leaves: &mut IntoIter<Tensor>) -> Result<Self::Concrete> {
+        Ok(map_from(def, leaves, A::concrete_from)?.into_iter().collect())
+    }
+}
+
+impl<A: SymTree> SymTree for HashMap<String, A> {
+    type Concrete = HashMap<String, A::Concrete>;
+    fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
+        let mut keys: Vec<&String> = self.keys().collect();
+        keys.sort();
+        TreeDef::Map(keys.into_iter().map(|k| (k.clone(), self[k].flatten_into(out))).collect())
+    }
+    fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self> {
+        Ok(map_from(def, leaves, A::unflatten_from)?.into_iter().collect())
+    }
+    fn concrete_from(def: &TreeDef, leaves: &mut IntoIter<Tensor>) -> Result<Self::Concrete> {
+        Ok(map_from(def, leaves, A::concrete_from)?.into_iter().collect())
+    }
+}
+
+impl<A: TensorTree> TensorTree for BTreeMap<String, A> {
+    type Sym = BTreeMap<String, A::Sym>;
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+        TreeDef::Map(self.iter().map(|(k, a)| (k.clone(), a.flatten_into(out))).collect())
+    }
+}
+
+impl<A: TensorTree> TensorTree for HashMap<String, A> {
+    type Sym = HashMap<String, A::Sym>;
+    fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
+        let mut keys: Vec<&String> = self.keys().collect();
+        keys.sort();
+        TreeDef::Map(keys.into_iter().map(|k| (k.clone(), self[k].flatten_into(out))).collect())
+    }
+}
+
+/// The argument list of a traced function: a tuple with one symbolic tree
+/// per parameter of the closure. `in_dims` has one entry per element.
+pub trait ArgList: Sized {
+    /// Leaves and structure of each argument.
+    fn flatten_args(&self) -> (Vec<Vec<Tracer>>, Vec<TreeDef>);
+    /// Rebuilds the arguments from structures and leaves.
+    fn unflatten_args(defs: &[TreeDef], leaves: Vec<Vec<Tracer>>) -> Result<Self>;
+}
+
+/// Concrete arguments for a function whose argument list is `S`: for a
+/// one-parameter function any tensor tree, for more a tuple with one tree
+/// per parameter.
+pub trait CallArgs<S> {
+    /// Leaves and structure of each argument.
+    fn flatten_args(&self) -> (Vec<Vec<Tensor>>, Vec<TreeDef>);
+}
+
+fn one<T: TensorTree + ?Sized>(t: &T, leaves: &mut Vec<Vec<Tensor>>, defs: &mut Vec<TreeDef>) {
+    let mut l = Vec::new();
+    defs.push(t.flatten_into(&mut l));
+    leaves.push(l);
+}
+
+fn one_sym<T: SymTree>(t: &T, leaves: &mut Vec<Vec<Tracer>>, defs: &mut Vec<TreeDef>) {
+    let mut l = Vec::new();
+    defs.push(t.flatten_into(&mut l));
+    leaves.push(l);
+}
+
+impl<C: TensorTree> CallArgs<(C::Sym,)> for C {
+    fn flatten_args(&self) -> (Vec<Vec<Tensor>>, Vec<TreeDef>) {
+        let (mut leaves, mut defs) = (Vec::new(), Vec::new());
+        one(self, &mut leaves, &mut defs);
+        (leaves, defs)
+    }
+}
+
+macro_rules! arg_lists {
+    ($n:expr; $($t:ident $c:ident $i:tt),+) => {
+        impl<$($t: SymTree),+> ArgList for ($($t,)+) {
+            fn flatten_args(&self) -> (Vec<Vec<Tracer>>, Vec<TreeDef>) {
+                let (mut leaves, mut defs) = (Vec::new(), Vec::new());
+                $(one_sym(&self.$i, &mut leaves, &mut defs);)+
+                (leaves, defs)
+            }
+            fn unflatten_args(defs: &[TreeDef], leaves: Vec<Vec<Tracer>>) -> Result<Self> {
+                if defs.len() != $n || leaves.len() != $n {
+                    return Err(Error::Tree { msg: format!("expected {} arguments, got {}", $n, defs.len()) });
+                }
+                let mut its: Vec<IntoIter<Tracer>> = leaves.into_iter().map(Vec::into_iter).collect();
+                Ok(($($t::unflatten_from(&defs[$i], &mut its[$i])?,)+))
+            }
+        }
+    };
+}
+
+arg_lists!(1; A CA 0);
+arg_lists!(2; A CA 0, B CB 1);
+arg_lists!(3; A CA 0, B CB 1, C CC 2);
+arg_lists!(4; A CA 0, B CB 1, C CC 2, D CD 3);
+
+macro_rules! call_args {
+    ($($c:ident $i:tt),+) => {
+        impl<$($c: TensorTree),+> CallArgs<($($c::Sym,)+)> for ($($c,)+) {
+            fn flatten_args(&self) -> (Vec<Vec<Tensor>>, Vec<TreeDef>) {
+                let (mut leaves, mut defs) = (Vec::new(), Vec::new());
+                $(one(&self.$i, &mut leaves, &mut defs);)+
+                (leaves, defs)
+            }
+        }
+    };
+}
+
+call_args!(A 0, B 1);
+call_args!(A 0, B 1, C 2);
+call_args!(A 0, B 1, C 2, D 3);
