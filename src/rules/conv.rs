@@ -118,8 +118,11 @@ impl Rule for ConvOp {
 }
 
 /// Runs an unbatched convolution: candle's own for 1D/2D, unfold + matmul
-/// for 3D (candle has no conv3d).
+/// for 3D (candle has no conv3d). candle's convolutions read strided
+/// operands wrongly (a dilated conv1d of a narrowed tensor gives wrong
+/// numbers), so operands are made contiguous first.
 pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
+    let (x, w) = (&x.contiguous()?, &w.contiguous()?);
     match g.kernel.len() {
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         2 if g.padding[0] == g.padding[1] && g.stride[0] == g.stride[1] && g.dilation[0] == g.dilation[1] => {

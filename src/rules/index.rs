@@ -72,7 +72,11 @@ impl Rule for IndexOp {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
         match *self {
-            IndexOp::IndexSelect(axis) => x.index_select(&idx.contiguous().op(&op)?, axis).op(&op),
+            IndexOp::IndexSelect(axis) => x
+                .contiguous()
+                .op(&op)?
+                .index_select(&idx.contiguous().op(&op)?, axis)
+                .op(&op),
             IndexOp::Gather(axis) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
         }
     }

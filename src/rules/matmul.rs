@@ -79,14 +79,18 @@ impl Rule for Matmul {
     }
 }
 
-/// candle's matmul, copying to contiguous memory when a layout is refused.
+/// candle's matmul. When candle refuses a layout (it is strict about the
+/// strides of size-1 axes, even on contiguous tensors), both operands are
+/// copied to contiguous memory with the batch axes merged (`.. m k -> (..) m k`).
 fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    match a.matmul(b) {
-        Ok(t) => Ok(t),
-        Err(_) => a
-            .contiguous()
-            .op("matmul")?
-            .matmul(&b.contiguous().op("matmul")?)
-            .op("matmul"),
+    if let Ok(t) = a.matmul(b) {
+        return Ok(t);
     }
+    let (ad, bd) = (a.dims(), b.dims());
+    let r = ad.len();
+    let batch: usize = ad[..r - 2].iter().product();
+    let a3 = a.contiguous().op("matmul")?.reshape((batch, ad[r - 2], ad[r - 1])).op("matmul")?;
+    let b3 = b.contiguous().op("matmul")?.reshape((batch, bd[r - 2], bd[r - 1])).op("matmul")?;
+    let y = a3.matmul(&b3).op("matmul")?;
+    y.reshape([&ad[..r - 2], &[ad[r - 2], bd[r - 1]]].concat()).op("matmul")
 }

@@ -162,13 +162,13 @@ where
 /// assert!(g.to_string().contains("exp"));
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn make_graph<S, F, C>(f: &F, args: &C) -> Result<Graph>
+pub fn make_graph<S, F, C>(f: &F, args: C) -> Result<Graph>
 where
     S: ArgList,
     F: Function<S>,
     C: CallArgs<S>,
 {
-    let (leaves, defs, _) = flatten_call(args)?;
+    let (leaves, defs, _) = flatten_call(&args)?;
     Ok(trace_top(f, &defs, &leaves)?.graph)
 }
 

@@ -39,6 +39,9 @@ macro_rules! dims_from_int {
         impl<const N: usize> From<[Option<$t>; N]> for Dims {
             fn from(d: [Option<$t>; N]) -> Dims { Dims::Each(d.iter().map(|x| x.map(|v| v as isize)).collect()) }
         }
+        impl<const N: usize> From<[$t; N]> for Dims {
+            fn from(d: [$t; N]) -> Dims { Dims::Each(d.iter().map(|&v| Some(v as isize)).collect()) }
+        }
         impl From<Vec<Option<$t>>> for Dims {
             fn from(d: Vec<Option<$t>>) -> Dims { Dims::Each(d.iter().map(|x| x.map(|v| v as isize)).collect()) }
         }

@@ -1,0 +1,125 @@
+//! Models described by the fixtures' `arch` strings (grammar in
+//! tests/fixtures/README.md), built from tracer operations.
+
+use candle_func::{Result, Tracer};
+use std::collections::BTreeMap;
+
+/// One layer of an architecture.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Layer {
+    Conv { name: String, nd: usize, k: usize, s: usize, p: usize, d: usize, g: usize, bias: bool },
+    Linear { name: String, bias: bool },
+    Relu,
+    Tanh,
+    MaxPool { k: usize, s: usize },
+    AvgPool { k: usize, s: usize },
+    Flatten,
+}
+
+fn kwargs(args: &str) -> (Vec<String>, BTreeMap<String, String>) {
+    let mut pos = Vec::new();
+    let mut kw = BTreeMap::new();
+    for a in args.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        match a.split_once('=') {
+            Some((k, v)) => {
+                kw.insert(k.trim().to_string(), v.trim().to_string());
+            }
+            None => pos.push(a.to_string()),
+        }
+    }
+    (pos, kw)
+}
+
+fn num(kw: &BTreeMap<String, String>, key: &str, default: usize) -> usize {
+    kw.get(key).map(|v| v.parse().expect("integer argument")).unwrap_or(default)
+}
+
+/// Parses an `arch` string; panics with the offending layer on bad input
+/// (it is test data).
+pub fn parse(arch: &str) -> Vec<Layer> {
+    arch.split(';')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (name, op) = match l.split_once('=') {
+                Some((n, rest)) if rest.contains('(') && !n.contains('(') => (n.trim().to_string(), rest.trim()),
+                _ => (String::new(), l),
+            };
+            let (head, args) = match op.split_once('(') {
+                Some((h, a)) => (h, a.trim_end_matches(')')),
+                None => (op, ""),
+            };
+            let (_, kw) = kwargs(args);
+            let bias = kw.get("bias").map(|b| b == "true").unwrap_or(true);
+            match head {
+                "conv1d" | "conv2d" | "conv3d" => Layer::Conv {
+                    name,
+                    nd: head[4..5].parse().unwrap(),
+                    k: num(&kw, "k", 1),
+                    s: num(&kw, "s", 1),
+                    p: num(&kw, "p", 0),
+                    d: num(&kw, "d", 1),
+                    g: num(&kw, "g", 1),
+                    bias,
+                },
+                "linear" => Layer::Linear { name, bias },
+                "relu" => Layer::Relu,
+                "tanh" => Layer::Tanh,
+                "maxpool2d" => Layer::MaxPool { k: num(&kw, "k", 1), s: num(&kw, "s", num(&kw, "k", 1)) },
+                "avgpool2d" => Layer::AvgPool { k: num(&kw, "k", 1), s: num(&kw, "s", num(&kw, "k", 1)) },
+                "flatten" => Layer::Flatten,
+                other => panic!("unknown layer {other:?} in {l:?}"),
+            }
+        })
+        .collect()
+}
+
+fn param<'a>(p: &'a BTreeMap<String, Tracer>, key: &str) -> &'a Tracer {
+    p.get(key).unwrap_or_else(|| panic!("missing parameter {key}"))
+}
+
+/// Runs the layers on a batch `x: [N, ...]` with parameters named
+/// `<layer>.weight` / `<layer>.bias`.
+pub fn forward(layers: &[Layer], p: &BTreeMap<String, Tracer>, x: &Tracer) -> Result<Tracer> {
+    let mut h = x.clone();
+    for layer in layers {
+        h = match layer {
+            Layer::Conv { name, nd, s, p: pad, d, g, bias, .. } => {
+                let w = param(p, &format!("{name}.weight"));
+                let y = match nd {
+                    1 => h.conv1d(w, *pad, *s, *d, *g)?,
+                    2 => h.conv2d(w, *pad, *s, *d, *g)?,
+                    _ => h.conv3d(w, *pad, *s, *d, *g)?,
+                };
+                if *bias {
+                    let b = param(p, &format!("{name}.bias"));
+                    let mut shape = vec![b.dims()[0]];
+                    shape.extend(vec![1; *nd]);
+                    y.add(&b.reshape(shape)?)?
+                } else {
+                    y
+                }
+            }
+            Layer::Linear { name, bias } => {
+                let y = h.matmul(&param(p, &format!("{name}.weight")).t()?)?;
+                if *bias {
+                    y.add(param(p, &format!("{name}.bias")))?
+                } else {
+                    y
+                }
+            }
+            Layer::Relu => h.relu()?,
+            Layer::Tanh => h.tanh()?,
+            Layer::MaxPool { k, s } => h.max_pool2d_with_stride(*k, *s)?,
+            Layer::AvgPool { k, s } => h.avg_pool2d_with_stride(*k, *s)?,
+            Layer::Flatten => h.flatten_from(1)?,
+        };
+    }
+    Ok(h)
+}
+
+/// Cross-entropy of one example's logits `[C]` against a label `[]` (i64).
+pub fn cross_entropy(logits: &Tracer, y: &Tracer) -> Result<Tracer> {
+    let lp = logits.log_softmax(0)?;
+    lp.gather(&y.reshape((1,))?, 0)?.neg()?.squeeze(0)
+}

@@ -1,0 +1,130 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::{jit, vmap, Function, Result, Tracer};
+
+/// A deterministic pseudo-random f32 tensor with values in [-1, 1).
+pub fn rand(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Integer indices in `0..bound`, deterministic.
+pub fn rand_idx(shape: &[usize], bound: usize, seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed ^ 0x9e3779b97f4a7c15;
+    let v: Vec<u32> = (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % bound as u64) as u32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Largest absolute difference, after casting both to f64; panics on a
+/// shape mismatch.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    if a.elem_count() == 0 {
+        return 0.0;
+    }
+    (a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+/// Asserts `a` and `b` agree to `tol` absolute or relative to b's magnitude.
+pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+    let d = max_diff(a, b);
+    let scale = b
+        .to_dtype(DType::F64)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .map(|t| t.to_scalar::<f64>().unwrap())
+        .unwrap_or(0.0)
+        .max(1.0);
+    assert!(d <= tol * scale, "{what}: max difference {d} exceeds {tol} (scale {scale})");
+}
+
+/// A batched argument: per-example `shape` with a batch of `b` inserted at
+/// `dim` (`None`: an unbatched argument of the per-example shape).
+pub fn batched(shape: &[usize], b: usize, dim: Option<isize>, seed: u64) -> Tensor {
+    match dim {
+        None => rand(shape, seed),
+        Some(d) => {
+            let mut s = shape.to_vec();
+            let at = if d < 0 { (s.len() as isize + 1 + d) as usize } else { d as usize };
+            s.insert(at, b);
+            rand(&s, seed)
+        }
+    }
+}
+
+/// Example `i` of an argument batched at `dim`.
+pub fn example(t: &Tensor, dim: Option<isize>, i: usize) -> Tensor {
+    match dim {
+        None => t.clone(),
+        Some(d) => {
+            let at = if d < 0 { (t.rank() as isize + d) as usize } else { d as usize };
+            t.narrow(at, i, 1).unwrap().squeeze(at).unwrap()
+        }
+    }
+}
+
+/// The loop oracle for a one-argument function: `vmap(f)(x)` against
+/// stacking `f` on each example.
+pub fn oracle1<F>(f: F, x: &Tensor, dim: Option<isize>, b: usize, tol: f64)
+where
+    F: Fn(Tracer) -> Result<Tracer> + Send + Sync + Clone,
+{
+    let got = vmap(f.clone()).in_dims([dim]).call(x).unwrap();
+    let one = jit(f);
+    let parts: Vec<Tensor> = (0..b).map(|i| one.call(example(x, dim, i)).unwrap()).collect();
+    assert_close(&got, &Tensor::stack(&parts, 0).unwrap(), tol, "vmap vs loop");
+}
+
+/// The loop oracle for two arguments.
+pub fn oracle2<F>(f: F, xs: (&Tensor, &Tensor), dims: [Option<isize>; 2], b: usize, tol: f64)
+where
+    F: Fn(Tracer, Tracer) -> Result<Tracer> + Send + Sync + Clone,
+{
+    let got = vmap(f.clone()).in_dims(dims).call(xs).unwrap();
+    let one = jit(f);
+    let parts: Vec<Tensor> = (0..b)
+        .map(|i| one.call((example(xs.0, dims[0], i), example(xs.1, dims[1], i))).unwrap())
+        .collect();
+    assert_close(&got, &Tensor::stack(&parts, 0).unwrap(), tol, "vmap vs loop");
+}
+
+/// The loop oracle for three arguments.
+pub fn oracle3<F>(f: F, xs: (&Tensor, &Tensor, &Tensor), dims: [Option<isize>; 3], b: usize, tol: f64)
+where
+    F: Fn(Tracer, Tracer, Tracer) -> Result<Tracer> + Send + Sync + Clone,
+{
+    let got = vmap(f.clone()).in_dims(dims).call(xs).unwrap();
+    let one = jit(f);
+    let parts: Vec<Tensor> = (0..b)
+        .map(|i| {
+            one.call((example(xs.0, dims[0], i), example(xs.1, dims[1], i), example(xs.2, dims[2], i)))
+                .unwrap()
+        })
+        .collect();
+    assert_close(&got, &Tensor::stack(&parts, 0).unwrap(), tol, "vmap vs loop");
+}
+
+/// Keeps a function usable where a `Function` bound is needed in helpers.
+pub fn is_function<S: candle_func::ArgList, F: Function<S>>(_f: &F) {}
+pub mod arch;
