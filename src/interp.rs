@@ -6,14 +6,35 @@ use crate::ir::{Graph, Prim, TensorType};
 use crate::rules::rule;
 use candle_core::{Device, Tensor};
 
+/// What a run held at its peak: the number of values alive at once and
+/// their bytes (inputs and captured constants included).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunStats {
+    /// Most values held at the same time.
+    pub peak_values: usize,
+    /// Most bytes held at the same time (by size and dtype; views of one
+    /// buffer count once each, so this is an upper bound).
+    pub peak_bytes: usize,
+}
+
 /// Runs `g` on `inputs` (in the graph's input order) and returns its outputs.
 /// Inputs must match the graph's input types; constants must live on the
 /// inputs' device.
 pub fn run(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    run_with_stats(g, inputs).map(|(outs, _)| outs)
+}
+
+fn bytes(t: &TensorType) -> usize {
+    t.elem_count() * t.dtype.size_in_bytes()
+}
+
+/// [`run`], also reporting the peak number and size of live values.
+pub fn run_with_stats(g: &Graph, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
     check_inputs(g, inputs)?;
     let device = run_device(g, inputs);
     let last = g.last_uses();
     let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+    let (mut live, mut live_bytes, mut stats) = (0usize, 0usize, RunStats::default());
     for (v, node) in g.nodes.iter().enumerate() {
         let t = match &node.prim {
             Prim::Input(k) => inputs[*k].clone(),
@@ -22,30 +43,54 @@ pub fn run(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
                 if !c.device().same_device(&device) {
                     return Err(Error::Device {
                         op: "run",
-                        msg: format!("a captured tensor of shape {:?} is on {:?}, the inputs on {:?}", c.dims(), c.device(), device),
+                        msg: format!(
+                            "a captured tensor of shape {:?} is on {:?}, the inputs on {:?}",
+                            c.dims(),
+                            c.device(),
+                            device
+                        ),
                     });
                 }
                 c.clone()
             }
-            Prim::Scalar(x) => Tensor::new(*x, &device).and_then(|t| t.to_dtype(node.ty.dtype)).op("scalar")?,
+            Prim::Scalar(x) => Tensor::new(*x, &device)
+                .and_then(|t| t.to_dtype(node.ty.dtype))
+                .op("scalar")?,
             prim => {
-                let args: Vec<&Tensor> = node.args.iter().map(|&a| vals[a].as_ref().expect("value freed before its last use")).collect();
+                let args: Vec<&Tensor> = node
+                    .args
+                    .iter()
+                    .map(|&a| vals[a].as_ref().expect("value freed before its last use"))
+                    .collect();
                 let t = rule(prim)?.run(&args, &node.ty)?;
                 check_result(prim, &t, &node.ty)?;
                 t
             }
         };
         vals[v] = Some(t);
-        for &a in &node.args {
-            if last[a] == v {
-                vals[a] = None;
+        live += 1;
+        live_bytes += bytes(&node.ty);
+        stats.peak_values = stats.peak_values.max(live);
+        stats.peak_bytes = stats.peak_bytes.max(live_bytes);
+        let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
+        if last[v] == 0 {
+            dead.push(v); // never read (an unused input)
+        }
+        dead.sort_unstable();
+        dead.dedup();
+        for a in dead {
+            if vals[a].take().is_some() {
+                live -= 1;
+                live_bytes -= bytes(&g.nodes[a].ty);
             }
         }
-        if last[v] == 0 {
-            vals[v] = None; // never read (an unused input)
-        }
     }
-    Ok(g.outputs.iter().map(|&o| vals[o].clone().expect("output computed")).collect())
+    let outs = g
+        .outputs
+        .iter()
+        .map(|&o| vals[o].clone().expect("output computed"))
+        .collect();
+    Ok((outs, stats))
 }
 
 fn check_inputs(g: &Graph, inputs: &[Tensor]) -> Result<()> {
@@ -82,7 +127,13 @@ fn check_result(prim: &Prim, t: &Tensor, ty: &TensorType) -> Result<()> {
         return Err(Error::unsupported(
             prim.name(),
             "run",
-            format!("internal error: computed {:?}{:?}, inferred {:?}{:?}", t.dtype(), t.dims(), ty.dtype, ty.shape),
+            format!(
+                "internal error: computed {:?}{:?}, inferred {:?}{:?}",
+                t.dtype(),
+                t.dims(),
+                ty.dtype,
+                ty.shape
+            ),
         ));
     }
     Ok(())

@@ -60,9 +60,9 @@ pub(crate) mod rules;
 mod trace;
 mod transforms;
 
-pub use config::{set_strict, strict};
 #[doc(hidden)]
 pub use config::warned;
+pub use config::{set_strict, strict};
 pub use error::{Error, Result};
 pub use ir::{Graph, TensorType};
 pub use kernels::unfold::ConvGeom;

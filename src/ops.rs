@@ -10,10 +10,10 @@ use crate::rules::conv::ConvOp;
 use crate::rules::custom::{CustomKernel, CustomOp};
 use crate::rules::elementwise::{Binary, Compare, Unary};
 use crate::rules::index::IndexOp;
+use crate::rules::norm_axis;
 use crate::rules::pool::PoolOp;
 use crate::rules::reduce::Reduce;
 use crate::rules::shape::ShapeOp;
-use crate::rules::norm_axis;
 use crate::trace::{Operand, Tracer};
 use candle_core::shape::ShapeWithOneHole;
 use candle_core::{DType, ToUsize2};
@@ -312,7 +312,11 @@ impl Tracer {
     pub fn squeeze(&self, axis: impl Axis) -> Result<Tracer> {
         let a = axis.index("squeeze", self.dims())?;
         if self.dims()[a] != 1 {
-            return Err(Error::shape("squeeze", &[self.dims()], format!("axis {a} has size {}", self.dims()[a])));
+            return Err(Error::shape(
+                "squeeze",
+                &[self.dims()],
+                format!("axis {a} has size {}", self.dims()[a]),
+            ));
         }
         let mut d = self.dims().to_vec();
         d.remove(a);
@@ -321,7 +325,11 @@ impl Tracer {
     /// Inserts a size-1 axis at `axis` (which may equal the rank).
     pub fn unsqueeze(&self, axis: usize) -> Result<Tracer> {
         if axis > self.rank() {
-            return Err(Error::shape("unsqueeze", &[self.dims()], format!("axis {axis} out of range")));
+            return Err(Error::shape(
+                "unsqueeze",
+                &[self.dims()],
+                format!("axis {axis} out of range"),
+            ));
         }
         let mut d = self.dims().to_vec();
         d.insert(axis, 1);
@@ -331,7 +339,11 @@ impl Tracer {
     pub fn flatten(&self, start: impl Axis, end: impl Axis) -> Result<Tracer> {
         let (s, e) = (start.index("flatten", self.dims())?, end.index("flatten", self.dims())?);
         if s > e {
-            return Err(Error::shape("flatten", &[self.dims()], format!("start {s} after end {e}")));
+            return Err(Error::shape(
+                "flatten",
+                &[self.dims()],
+                format!("start {s} after end {e}"),
+            ));
         }
         let d = self.dims();
         let merged: usize = d[s..=e].iter().product();
@@ -391,16 +403,37 @@ impl Tracer {
         self.emit(Prim::Conv(ConvOp::Conv { geom, groups }), &[&w])
     }
     /// 1D convolution: `[N, Cin, L] * [Cout, Cin/groups, k]` (candle's argument order).
-    pub fn conv1d(&self, w: impl Operand, padding: usize, stride: usize, dilation: usize, groups: usize) -> Result<Tracer> {
+    pub fn conv1d(
+        &self,
+        w: impl Operand,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<Tracer> {
         self.conv(w, ConvGeom::uniform(1, 0, stride, padding, dilation), groups)
     }
     /// 2D convolution: `[N, Cin, H, W] * [Cout, Cin/groups, kh, kw]`.
-    pub fn conv2d(&self, w: impl Operand, padding: usize, stride: usize, dilation: usize, groups: usize) -> Result<Tracer> {
+    pub fn conv2d(
+        &self,
+        w: impl Operand,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<Tracer> {
         self.conv(w, ConvGeom::uniform(2, 0, stride, padding, dilation), groups)
     }
     /// 3D convolution: `[N, Cin, D, H, W] * [Cout, Cin/groups, kd, kh, kw]`
     /// (candle has none; this crate supplies it).
-    pub fn conv3d(&self, w: impl Operand, padding: usize, stride: usize, dilation: usize, groups: usize) -> Result<Tracer> {
+    pub fn conv3d(
+        &self,
+        w: impl Operand,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<Tracer> {
         self.conv(w, ConvGeom::uniform(3, 0, stride, padding, dilation), groups)
     }
     /// im2col: `[N, C, *S] -> [N, C * prod(kernel), L]` (PyTorch's `F.unfold`

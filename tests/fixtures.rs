@@ -50,8 +50,20 @@ fn params(f: &Fixture) -> BTreeMap<String, Tensor> {
 /// |a - b| <= TOL * max(1, |b|) elementwise, reported as the worst ratio.
 fn check(what: &str, got: &Tensor, want: &Tensor) -> f64 {
     let d = max_diff(got, want);
-    let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap().max(1.0) as f64;
-    assert!(d <= TOL * scale, "{what}: max difference {d:e} exceeds {TOL:e} (scale {scale})");
+    let scale = want
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .max(1.0) as f64;
+    assert!(
+        d <= TOL * scale,
+        "{what}: max difference {d:e} exceeds {TOL:e} (scale {scale})"
+    );
     d
 }
 
@@ -86,7 +98,11 @@ fn run_ensemble(f: &Fixture, route: ConvRoute) -> String {
         .conv_route(route)
         .call((&p, x))
         .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
-    let d = check(&format!("{} {route:?} ensemble logits", f.name), &logits, &f.tensors["logits"]);
+    let d = check(
+        &format!("{} {route:?} ensemble logits", f.name),
+        &logits,
+        &f.tensors["logits"],
+    );
     format!("ensemble logits max diff {d:.2e}")
 }
 

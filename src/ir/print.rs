@@ -29,7 +29,13 @@ impl fmt::Display for Graph {
             }
             let args: Vec<String> = node.args.iter().map(|a| format!("%{a}")).collect();
             let sep = if args.is_empty() { "" } else { " " };
-            writeln!(f, "    {} = {}{sep}{}", typed(v, &node.ty), node.prim.name(), args.join(" "))?;
+            writeln!(
+                f,
+                "    {} = {}{sep}{}",
+                typed(v, &node.ty),
+                node.prim.name(),
+                args.join(" ")
+            )?;
         }
         let outs: Vec<String> = self.outputs.iter().map(|v| format!("%{v}")).collect();
         write!(f, "  in ({}) }}", outs.join(", "))

@@ -41,13 +41,7 @@ pub struct ConvGeom {
 
 impl ConvGeom {
     /// The same kernel/stride/padding/dilation in each of `ndim` spatial dims.
-    pub fn uniform(
-        ndim: usize,
-        kernel: usize,
-        stride: usize,
-        padding: usize,
-        dilation: usize,
-    ) -> Self {
+    pub fn uniform(ndim: usize, kernel: usize, stride: usize, padding: usize, dilation: usize) -> Self {
         Self {
             kernel: vec![kernel; ndim],
             stride: vec![stride; ndim],
@@ -131,12 +125,7 @@ fn check_input(op: &str, x: &Tensor, g: &ConvGeom) -> Result<Vec<usize>> {
 
 /// Checks `cols: [N, C * prod(k), L]` against `g` and the target `spatial`
 /// size; returns `(N, C, out_spatial)`.
-fn check_cols(
-    op: &str,
-    cols: &Tensor,
-    g: &ConvGeom,
-    spatial: &[usize],
-) -> Result<(usize, usize, Vec<usize>)> {
+fn check_cols(op: &str, cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<(usize, usize, Vec<usize>)> {
     let out = g.out_spatial_for(op, spatial)?;
     let (k, l) = (g.kernel_numel(), out.iter().product::<usize>());
     let &[n, ck, cl] = cols.dims() else {
@@ -242,101 +231,212 @@ impl Plan3 {
         let off = (k * self.dilation[dim]) as isize - self.padding[dim] as isize;
         let (stride, n_in) = (self.stride[dim], self.inp[dim] as isize);
         // lo: smallest o with o*stride + off >= 0; hi: number of o with o*stride + off < n_in.
-        let hi = ((n_in - off).max(0) as usize)
-            .div_ceil(stride)
-            .min(self.out[dim]);
+        let hi = ((n_in - off).max(0) as usize).div_ceil(stride).min(self.out[dim]);
         let lo = ((-off).max(0) as usize).div_ceil(stride).min(hi);
-        Tap {
-            lo,
-            hi,
-            off,
-            stride,
-        }
+        Tap { lo, hi, off, stride }
     }
 }
 
-/// Walks one channel's columns line by line: for every kernel tap and every
-/// output (d, h) position, `f` gets the start of that line (length
-/// `out[2]`) in the column block, the start of the input row (length
-/// `inp[2]`) it reads, or `None` if that row is padding, and the tap along w.
-fn for_each_line(p: &Plan3, mut f: impl FnMut(usize, Option<usize>, Tap)) {
-    let [_, in_h, in_w] = p.inp;
-    let [out_d, out_h, out_w] = p.out;
-    let l = p.out_len();
-    let mut row = 0;
-    for kd in 0..p.kernel[0] {
-        let td = p.tap(0, kd);
-        for kh in 0..p.kernel[1] {
-            let th = p.tap(1, kh);
-            for kw in 0..p.kernel[2] {
-                let tw = p.tap(2, kw);
-                for od in 0..out_d {
-                    let id = td.input(od);
-                    for oh in 0..out_h {
-                        let src = id.zip(th.input(oh)).map(|(d, h)| (d * in_h + h) * in_w);
-                        f(row * l + (od * out_h + oh) * out_w, src, tw);
-                    }
+/// Row re-layout that makes strided windows contiguous. With a w-stride
+/// `s > 1`, each row of a plane is stored phase by phase: `x[0], x[s],
+/// x[2s], .., x[1], x[1+s], ..`, so the elements `i, i+s, i+2s, ..` that one
+/// line of the columns reads sit next to each other. One pass over the
+/// (small) input plane buys `copy_from_slice` speed for every line.
+struct Phases {
+    stride: usize,
+    width: usize,
+    /// Where each phase starts within a split row.
+    starts: Vec<usize>,
+}
+
+impl Phases {
+    fn new(stride: usize, width: usize) -> Self {
+        let starts = (0..stride)
+            .scan(0, |next, phase| {
+                let start = *next;
+                *next += width.saturating_sub(phase).div_ceil(stride);
+                Some(start)
+            })
+            .collect();
+        Self { stride, width, starts }
+    }
+
+    /// Position of row element `i` within its split row.
+    fn index(&self, i: usize) -> usize {
+        self.starts[i % self.stride] + i / self.stride
+    }
+
+    /// Writes `plane` into `split` with every row phase-split.
+    fn split<T: Elem>(&self, plane: &[T], split: &mut [T]) {
+        let rows = plane.chunks_exact(self.width);
+        for (row, out) in rows.zip(split.chunks_exact_mut(self.width)) {
+            for (phase, &start) in self.starts.iter().enumerate() {
+                let phase_elems = row.iter().skip(phase).step_by(self.stride);
+                for (o, x) in out[start..].iter_mut().zip(phase_elems) {
+                    *o = *x;
                 }
-                row += 1;
+            }
+        }
+    }
+
+    /// The inverse of [`Self::split`].
+    fn merge<T: Elem>(&self, split: &[T], plane: &mut [T]) {
+        let rows = plane.chunks_exact_mut(self.width);
+        for (row, src) in rows.zip(split.chunks_exact(self.width)) {
+            for (phase, &start) in self.starts.iter().enumerate() {
+                let phase_elems = row.iter_mut().skip(phase).step_by(self.stride);
+                for (o, x) in phase_elems.zip(&src[start..]) {
+                    *o = *x;
+                }
             }
         }
     }
 }
 
-/// Fills one output line of the columns from one input row (zeros where the
-/// window is in the padding). Stride 1 is a plain `copy_from_slice`.
-fn gather_line<T: Elem>(line: &mut [T], src: Option<&[T]>, t: Tap) {
-    let Some(src) = src.filter(|_| t.lo < t.hi) else {
-        line.fill(T::default());
-        return;
-    };
-    line[..t.lo].fill(T::default());
-    line[t.hi..].fill(T::default());
-    let (dst, first) = (&mut line[t.lo..t.hi], t.first_input());
-    if t.stride == 1 {
-        dst.copy_from_slice(&src[first..first + dst.len()]);
-    } else {
-        for (d, s) in dst.iter_mut().zip(src[first..].iter().step_by(t.stride)) {
-            *d = *s;
+/// One kernel tap along w as a line loop needs it: outputs `lo..hi` of a
+/// line read the `hi - lo` contiguous elements of the (phase-split when
+/// strided) input row starting at `first`; the rest of the line is padding.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    lo: usize,
+    hi: usize,
+    first: usize,
+}
+
+/// The plane-independent part of the walk over one `(n, c)` plane, computed
+/// once per call so the per-plane loops are plain zips: for every `(kd, kh)`
+/// tap pair and output `(od, oh)`, the start of the input row read (`None`
+/// when that row is padding), and the runs along w.
+struct Lines {
+    /// `kernel[0] * kernel[1]` groups of `per_pair = out[0] * out[1]` entries.
+    rows: Vec<Option<usize>>,
+    per_pair: usize,
+    runs: Vec<Run>,
+    /// Present when the w-stride is > 1 (rows are then read phase-split).
+    phases: Option<Phases>,
+    in_w: usize,
+    out_w: usize,
+}
+
+impl Lines {
+    fn new(p: &Plan3) -> Self {
+        let [_, in_h, in_w] = p.inp;
+        let mut rows = Vec::with_capacity(p.kernel[0] * p.kernel[1] * p.out[0] * p.out[1]);
+        for kd in 0..p.kernel[0] {
+            let td = p.tap(0, kd);
+            for kh in 0..p.kernel[1] {
+                let th = p.tap(1, kh);
+                for od in 0..p.out[0] {
+                    let id = td.input(od);
+                    rows.extend((0..p.out[1]).map(|oh| id.zip(th.input(oh)).map(|(d, h)| (d * in_h + h) * in_w)));
+                }
+            }
         }
+        let phases = (p.stride[2] > 1).then(|| Phases::new(p.stride[2], in_w));
+        let runs = (0..p.kernel[2])
+            .map(|kw| {
+                let t = p.tap(2, kw);
+                let first = match (&phases, t.lo < t.hi) {
+                    (_, false) => 0,
+                    (None, true) => t.first_input(),
+                    (Some(ph), true) => ph.index(t.first_input()),
+                };
+                Run {
+                    lo: t.lo,
+                    hi: t.hi,
+                    first,
+                }
+            })
+            .collect();
+        Self {
+            rows,
+            per_pair: p.out[0] * p.out[1],
+            runs,
+            phases,
+            in_w,
+            out_w: p.out[2],
+        }
+    }
+
+    /// One channel's columns are `prod(kernel)` rows of `L` values, in the
+    /// order (tap pair, w tap); each row is `per_pair` lines of `out_w`.
+    fn row_len(&self) -> usize {
+        self.per_pair * self.out_w
     }
 }
 
-/// Adds one line of the columns into one row of the image (the adjoint of
+/// Fills one line of the columns from one input row (zeros where the window
+/// is in the padding).
+fn gather_line<T: Elem>(line: &mut [T], row: Option<&[T]>, run: Run) {
+    match row {
+        Some(row) if run.lo < run.hi => {
+            line[..run.lo].fill(T::default());
+            line[run.hi..].fill(T::default());
+            let len = run.hi - run.lo;
+            line[run.lo..run.hi].copy_from_slice(&row[run.first..run.first + len]);
+        }
+        _ => line.fill(T::default()),
+    }
+}
+
+/// Adds one line of the columns into one input row (the adjoint of
 /// [`gather_line`]); the padding part of the line is dropped.
-fn scatter_line<T: Elem>(row: &mut [T], line: &[T], t: Tap) {
-    if t.lo == t.hi {
-        return;
+fn scatter_line<T: Elem>(row: &mut [T], line: &[T], run: Run) {
+    let src = &line[run.lo..run.hi];
+    for (d, s) in row[run.first..run.first + src.len()].iter_mut().zip(src) {
+        *d += *s;
     }
-    let (src, first) = (&line[t.lo..t.hi], t.first_input());
-    if t.stride == 1 {
-        for (d, s) in row[first..first + src.len()].iter_mut().zip(src) {
-            *d += *s;
-        }
-    } else {
-        for (d, s) in row[first..].iter_mut().step_by(t.stride).zip(src) {
-            *d += *s;
+}
+
+/// Unfolds one `(n, c)` plane: `src` is the input plane, `dst` its
+/// `prod(kernel) * L` columns; `scratch` holds the phase-split plane.
+fn unfold_plane<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T], scratch: &mut Vec<T>) {
+    match &lines.phases {
+        None => unfold_lines(lines, src, dst),
+        Some(phases) => {
+            scratch.resize(src.len(), T::default());
+            phases.split(src, scratch);
+            unfold_lines(lines, scratch, dst)
         }
     }
 }
 
-/// Unfolds one `(n, c)` plane: `src` has `in_len` elements, `dst` `cols_len`.
-fn unfold_plane<T: Elem>(p: &Plan3, src: &[T], dst: &mut [T]) {
-    let (in_w, out_w) = (p.inp[2], p.out[2]);
-    for_each_line(p, |at, row, t| {
-        gather_line(&mut dst[at..at + out_w], row.map(|r| &src[r..r + in_w]), t)
-    });
+fn unfold_lines<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T]) {
+    let mut rows = dst.chunks_exact_mut(lines.row_len());
+    for pair in lines.rows.chunks_exact(lines.per_pair) {
+        for (&run, row) in lines.runs.iter().zip(&mut rows) {
+            for (line, &r) in row.chunks_exact_mut(lines.out_w).zip(pair) {
+                gather_line(line, r.map(|r| &src[r..r + lines.in_w]), run);
+            }
+        }
+    }
 }
 
-/// Folds one `(n, c)` plane: `src` has `cols_len` elements, `dst` (zeroed)
-/// `in_len`.
-fn fold_plane<T: Elem>(p: &Plan3, src: &[T], dst: &mut [T]) {
-    let (in_w, out_w) = (p.inp[2], p.out[2]);
-    for_each_line(p, |at, row, t| {
-        if let Some(r) = row {
-            scatter_line(&mut dst[r..r + in_w], &src[at..at + out_w], t)
+/// Folds one `(n, c)` plane: `src` is its `prod(kernel) * L` columns, `dst`
+/// the (zeroed) output plane; `scratch` accumulates the phase-split plane.
+fn fold_plane<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T], scratch: &mut Vec<T>) {
+    match &lines.phases {
+        None => fold_lines(lines, src, dst),
+        Some(phases) => {
+            scratch.clear();
+            scratch.resize(dst.len(), T::default());
+            fold_lines(lines, src, scratch);
+            phases.merge(scratch, dst)
         }
-    });
+    }
+}
+
+fn fold_lines<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T]) {
+    let mut rows = src.chunks_exact(lines.row_len());
+    for pair in lines.rows.chunks_exact(lines.per_pair) {
+        for (&run, row) in lines.runs.iter().zip(&mut rows) {
+            for (line, &r) in row.chunks_exact(lines.out_w).zip(pair) {
+                if let Some(r) = r {
+                    scatter_line(&mut dst[r..r + lines.in_w], line, run);
+                }
+            }
+        }
+    }
 }
 
 /// Below this many elements (read + written) per thread, spawning costs more
@@ -351,14 +451,15 @@ fn max_threads() -> usize {
 }
 
 /// Applies `f` to matching blocks of `src` and `dst` (both non-empty block
-/// sizes), spread over up to `get_num_threads()` scoped threads. Blocks are
-/// independent `(n, c)` planes, so no synchronisation is needed.
+/// sizes), spread over up to `get_num_threads()` scoped threads, each with
+/// its own scratch buffer. Blocks are independent `(n, c)` planes, so no
+/// synchronisation is needed.
 fn par_blocks<T: Elem>(
     src: &[T],
     src_block: usize,
     dst: &mut [T],
     dst_block: usize,
-    f: impl Fn(&[T], &mut [T]) + Sync,
+    f: impl Fn(&[T], &mut [T], &mut Vec<T>) + Sync,
 ) {
     let blocks = dst.len() / dst_block;
     let threads = max_threads()
@@ -366,14 +467,13 @@ fn par_blocks<T: Elem>(
         .min((src.len() + dst.len()) / MIN_ELEMS_PER_THREAD)
         .max(1);
     let run = |s: &[T], d: &mut [T]| {
+        let mut scratch = Vec::new();
         for (s, d) in s.chunks_exact(src_block).zip(d.chunks_exact_mut(dst_block)) {
-            f(s, d)
+            f(s, d, &mut scratch)
         }
     };
     let per = blocks.div_ceil(threads);
-    let mut jobs = src
-        .chunks(per * src_block)
-        .zip(dst.chunks_mut(per * dst_block));
+    let mut jobs = src.chunks(per * src_block).zip(dst.chunks_mut(per * dst_block));
     let Some((s0, d0)) = jobs.next() else { return };
     std::thread::scope(|scope| {
         for (s, d) in jobs {
@@ -389,8 +489,9 @@ fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
     let mut dst = vec![T::default(); planes * p.cols_len()];
     // An empty input plane unfolds to pure padding: already zeros.
     if p.in_len() > 0 && !dst.is_empty() {
-        par_blocks(src, p.in_len(), &mut dst, p.cols_len(), |s, d| {
-            unfold_plane(p, s, d)
+        let lines = Lines::new(p);
+        par_blocks(src, p.in_len(), &mut dst, p.cols_len(), |s, d, scratch| {
+            unfold_plane(&lines, s, d, scratch)
         });
     }
     dst
@@ -400,8 +501,9 @@ fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
 fn fold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
     let mut dst = vec![T::default(); planes * p.in_len()];
     if !dst.is_empty() {
-        par_blocks(src, p.cols_len(), &mut dst, p.in_len(), |s, d| {
-            fold_plane(p, s, d)
+        let lines = Lines::new(p);
+        par_blocks(src, p.cols_len(), &mut dst, p.in_len(), |s, d, scratch| {
+            fold_plane(&lines, s, d, scratch)
         });
     }
     dst
@@ -431,12 +533,8 @@ fn dispatch(
     kernel: Kernel,
 ) -> Result<CpuStorage> {
     Ok(match storage {
-        CpuStorage::F32(v) => {
-            CpuStorage::F32(kernel.run(contiguous_slice(op, v, layout)?, p, planes))
-        }
-        CpuStorage::F64(v) => {
-            CpuStorage::F64(kernel.run(contiguous_slice(op, v, layout)?, p, planes))
-        }
+        CpuStorage::F32(v) => CpuStorage::F32(kernel.run(contiguous_slice(op, v, layout)?, p, planes)),
+        CpuStorage::F64(v) => CpuStorage::F64(kernel.run(contiguous_slice(op, v, layout)?, p, planes)),
         s => bail!("{op}: no CPU kernel for dtype {:?}", s.dtype()),
     })
 }
@@ -479,10 +577,7 @@ impl CustomOp1 for UnfoldOp {
         let p = Plan3::new(&self.geom, &dims[2..], &out);
         let (n, c) = (dims[0], dims[1]);
         let shape = Shape::from((n, c * self.geom.kernel_numel(), p.out_len()));
-        Ok((
-            dispatch("unfold", storage, layout, &p, n * c, Kernel::Unfold)?,
-            shape,
-        ))
+        Ok((dispatch("unfold", storage, layout, &p, n * c, Kernel::Unfold)?, shape))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -505,10 +600,7 @@ impl CustomOp1 for FoldOp {
         let out = self.geom.out_spatial_for("fold", &self.spatial)?;
         let p = Plan3::new(&self.geom, &self.spatial, &out);
         let &[n, ck, l] = layout.dims() else {
-            bail!(
-                "fold: expected columns of rank 3, got shape {:?}",
-                layout.dims()
-            )
+            bail!("fold: expected columns of rank 3, got shape {:?}", layout.dims())
         };
         let k = self.geom.kernel_numel();
         if ck % k != 0 || l != p.out_len() {
@@ -659,13 +751,7 @@ fn strided_narrow(t: &Tensor, dim: usize, start: usize, len: usize, step: usize)
 
 /// The adjoint of [`strided_narrow`]: places the `len` elements of `t`
 /// along `dim` at `start, start + step, ..` of a zero axis of size `total`.
-fn strided_embed(
-    t: &Tensor,
-    dim: usize,
-    start: usize,
-    step: usize,
-    total: usize,
-) -> Result<Tensor> {
+fn strided_embed(t: &Tensor, dim: usize, start: usize, step: usize, total: usize) -> Result<Tensor> {
     let len = t.dim(dim)?;
     let t = if step == 1 {
         t.clone()
@@ -707,16 +793,8 @@ pub fn unfold_generic(x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
 pub fn fold_generic(cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tensor> {
     let (n, c, out) = check_cols("fold", cols, g, spatial)?;
     let cols = cols.reshape([&[n, c, g.kernel_numel()], out.as_slice()].concat())?;
-    let padded: Vec<usize> = spatial
-        .iter()
-        .zip(&g.padding)
-        .map(|(s, p)| s + 2 * p)
-        .collect();
-    let mut acc = Tensor::zeros(
-        [&[n, c], padded.as_slice()].concat(),
-        cols.dtype(),
-        cols.device(),
-    )?;
+    let padded: Vec<usize> = spatial.iter().zip(&g.padding).map(|(s, p)| s + 2 * p).collect();
+    let mut acc = Tensor::zeros([&[n, c], padded.as_slice()].concat(), cols.dtype(), cols.device())?;
     for (flat, tap) in kernel_taps(g).iter().enumerate() {
         let piece = (0..g.ndim()).try_fold(cols.narrow(2, flat, 1)?.squeeze(2)?, |t, i| {
             strided_embed(&t, 2 + i, tap[i] * g.dilation[i], g.stride[i], padded[i])
@@ -741,10 +819,7 @@ mod tests {
     const CPU: &Device = &Device::Cpu;
 
     fn randn(dims: &[usize], dtype: DType) -> Tensor {
-        Tensor::randn(0f64, 1f64, dims, CPU)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap()
+        Tensor::randn(0f64, 1f64, dims, CPU).unwrap().to_dtype(dtype).unwrap()
     }
 
     fn values(t: &Tensor) -> Vec<f64> {
@@ -837,15 +912,13 @@ mod tests {
                     each_index(&out, |o| {
                         let mut pos = vec![];
                         for i in 0..sp.len() {
-                            let p = (o[i] * g.stride[i] + tap[i] * g.dilation[i]) as isize
-                                - g.padding[i] as isize;
+                            let p = (o[i] * g.stride[i] + tap[i] * g.dilation[i]) as isize - g.padding[i] as isize;
                             if p >= 0 && (p as usize) < sp[i] {
                                 pos.push(p as usize);
                             }
                         }
                         if pos.len() == sp.len() {
-                            let src =
-                                (b * c + ch) * sp.iter().product::<usize>() + offset(sp, &pos);
+                            let src = (b * c + ch) * sp.iter().product::<usize>() + offset(sp, &pos);
                             res[((b * c + ch) * k + row) * l + col] = xv[src];
                         }
                         col += 1;
@@ -872,8 +945,7 @@ mod tests {
                 each_index(&g.kernel, |tap| {
                     let mut pos = vec![o[0], ci0 + ci];
                     for i in 0..3 {
-                        let p = (o[2 + i] * g.stride[i] + tap[i] * g.dilation[i]) as isize
-                            - g.padding[i] as isize;
+                        let p = (o[2 + i] * g.stride[i] + tap[i] * g.dilation[i]) as isize - g.padding[i] as isize;
                         if p < 0 || p as usize >= xd[2 + i] {
                             return;
                         }
@@ -929,10 +1001,7 @@ mod tests {
     #[test]
     fn unfold_2d_shape_and_order_like_torch() {
         // torch: F.unfold(arange(1*2*3*3).view(1,2,3,3), 2) rows (c, ki, kj).
-        let x = Tensor::arange(0f32, 18., CPU)
-            .unwrap()
-            .reshape((1, 2, 3, 3))
-            .unwrap();
+        let x = Tensor::arange(0f32, 18., CPU).unwrap().reshape((1, 2, 3, 3)).unwrap();
         let cols = unfold(&x, &ConvGeom::uniform(2, 2, 1, 0, 1)).unwrap();
         assert_eq!(cols.dims(), &[1, 8, 4]);
         let rows: Vec<Vec<f32>> = cols.squeeze(0).unwrap().to_vec2().unwrap();
@@ -950,27 +1019,14 @@ mod tests {
             for g in geometries(&dims[2..]) {
                 let ux = unfold(&x, &g).unwrap();
                 let y = randn(ux.dims(), DType::F64);
-                let lhs = (&ux * &y)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap();
+                let lhs = (&ux * &y).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
                 for fy in [
                     fold(&y, &g, &dims[2..]).unwrap(),
                     fold_generic(&y, &g, &dims[2..]).unwrap(),
                 ] {
                     assert_eq!(fy.dims(), &dims[..]);
-                    let rhs = (&x * &fy)
-                        .unwrap()
-                        .sum_all()
-                        .unwrap()
-                        .to_scalar::<f64>()
-                        .unwrap();
-                    assert!(
-                        (lhs - rhs).abs() < 1e-10 * (1.0 + lhs.abs()),
-                        "{g:?}: {lhs} vs {rhs}"
-                    );
+                    let rhs = (&x * &fy).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+                    assert!((lhs - rhs).abs() < 1e-10 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
                 }
             }
         }
@@ -1012,10 +1068,7 @@ mod tests {
         let big = randn(&[5, 3, 9, 8], DType::F64);
         let xo = big.narrow(0, 2, 2).unwrap();
         assert!(xo.is_contiguous() && xo.layout().start_offset() > 0);
-        assert_eq!(
-            max_diff(&unfold(&xo, &g).unwrap(), &naive_unfold(&xo, &g)),
-            0.0
-        );
+        assert_eq!(max_diff(&unfold(&xo, &g).unwrap(), &naive_unfold(&xo, &g)), 0.0);
         // Non-contiguous columns for fold.
         let cols = unfold(&xo, &g).unwrap();
         let cols_t = cols
@@ -1062,10 +1115,7 @@ mod tests {
                     let g = ConvGeom::uniform(1, 3, s, p, d);
                     let got = conv_unfold(&x, &w, &g, groups).unwrap();
                     let want = x.conv1d(&w, p, s, d, groups).unwrap();
-                    assert!(
-                        max_diff(&got, &want) < conv_tol(dtype),
-                        "{g:?} groups {groups}"
-                    );
+                    assert!(max_diff(&got, &want) < conv_tol(dtype), "{g:?} groups {groups}");
                 }
             }
         }
@@ -1081,10 +1131,7 @@ mod tests {
                     let g = ConvGeom::uniform(2, 3, s, p, d);
                     let got = conv_unfold(&x, &w, &g, groups).unwrap();
                     let want = x.conv2d(&w, p, s, d, groups).unwrap();
-                    assert!(
-                        max_diff(&got, &want) < conv_tol(dtype),
-                        "{g:?} groups {groups}"
-                    );
+                    assert!(max_diff(&got, &want) < conv_tol(dtype), "{g:?} groups {groups}");
                 }
             }
         }
@@ -1100,10 +1147,7 @@ mod tests {
                     let g = geom(&[2, 3, 2], &[s; 3], &[p; 3], &[d; 3]);
                     let got = conv_unfold(&x, &w, &g, groups).unwrap();
                     let want = naive_conv3d(&x, &w, &g, groups);
-                    assert!(
-                        max_diff(&got, &want) < conv_tol(dtype),
-                        "{g:?} groups {groups}"
-                    );
+                    assert!(max_diff(&got, &want) < conv_tol(dtype), "{g:?} groups {groups}");
                 }
             }
         }
@@ -1125,13 +1169,7 @@ mod tests {
                 .unwrap()
                 .sum_all()
                 .unwrap();
-            let theirs = x
-                .conv2d(&w, 1, 2, 1, groups)
-                .unwrap()
-                .sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap();
+            let theirs = x.conv2d(&w, 1, 2, 1, groups).unwrap().sqr().unwrap().sum_all().unwrap();
             let (go, gt) = (ours.backward().unwrap(), theirs.backward().unwrap());
             for v in [&x, &w] {
                 let (a, b) = (go.get(v).unwrap(), gt.get(v).unwrap());
@@ -1146,10 +1184,7 @@ mod tests {
         let g = ConvGeom::uniform(2, 3, 2, 1, 1);
         let z = randn(&[2, 3, 9, 8], DType::F64);
         let y = Var::from_tensor(&unfold(&randn(&[2, 3, 9, 8], DType::F64), &g).unwrap()).unwrap();
-        let loss = (fold(&y, &g, &[9, 8]).unwrap() * &z)
-            .unwrap()
-            .sum_all()
-            .unwrap();
+        let loss = (fold(&y, &g, &[9, 8]).unwrap() * &z).unwrap().sum_all().unwrap();
         let grad = loss.backward().unwrap();
         assert!(max_diff(grad.get(&y).unwrap(), &unfold(&z, &g).unwrap()) < 1e-12);
     }
@@ -1169,9 +1204,7 @@ mod tests {
         bad.padding = vec![0];
         assert!(err(unfold(&x, &bad)).contains("length"));
         assert!(err(unfold(&x, &ConvGeom::uniform(2, 3, 0, 0, 1))).contains("positive"));
-        assert!(ConvGeom::uniform(4, 1, 1, 0, 1)
-            .out_spatial(&[1; 4])
-            .is_err());
+        assert!(ConvGeom::uniform(4, 1, 1, 0, 1).out_spatial(&[1; 4]).is_err());
         // Window larger than the padded input.
         assert!(err(unfold(&x, &ConvGeom::uniform(2, 4, 1, 0, 2))).contains("does not fit"));
         assert!(err(unfold_generic(&x, &ConvGeom::uniform(2, 6, 1, 0, 1))).contains("does not fit"));
@@ -1193,10 +1226,7 @@ mod tests {
         // (10 + 2 - 2*2 - 1)/2 + 1 = 4; (7 - 1 - 1)/1 + 1 = 6.
         assert_eq!(g.out_spatial(&[10, 7]).unwrap(), vec![4, 6]);
         // Padding alone can make room for an empty input.
-        assert_eq!(
-            ConvGeom::uniform(1, 1, 1, 1, 1).out_spatial(&[0]).unwrap(),
-            vec![2]
-        );
+        assert_eq!(ConvGeom::uniform(1, 1, 1, 1, 1).out_spatial(&[0]).unwrap(), vec![2]);
         let x = Tensor::zeros((1, 2, 0), DType::F32, CPU).unwrap();
         let cols = unfold(&x, &ConvGeom::uniform(1, 1, 1, 1, 1)).unwrap();
         assert_eq!(cols.dims(), &[1, 2, 2]);

@@ -34,7 +34,9 @@ pub enum ConvOp {
 impl ConvOp {
     pub(crate) fn name(&self) -> String {
         match self {
-            ConvOp::Conv { geom, groups } => format!("conv{}d[{}{}]", geom.kernel.len(), geom_str(geom), groups_str(*groups)),
+            ConvOp::Conv { geom, groups } => {
+                format!("conv{}d[{}{}]", geom.kernel.len(), geom_str(geom), groups_str(*groups))
+            }
             ConvOp::Unfold(geom) => format!("unfold{}d[{}]", geom.kernel.len(), geom_str(geom)),
         }
     }
@@ -55,9 +57,14 @@ fn groups_str(groups: usize) -> String {
 fn out_spatial(op: &'static str, geom: &ConvGeom, x: &[usize]) -> Result<Vec<usize>> {
     let nd = geom.kernel.len();
     if !(1..=3).contains(&nd) || x.len() != nd + 2 {
-        return Err(Error::shape(op, &[x], format!("a {nd}-D window needs an input of rank {}", nd + 2)));
+        return Err(Error::shape(
+            op,
+            &[x],
+            format!("a {nd}-D window needs an input of rank {}", nd + 2),
+        ));
     }
-    geom.out_spatial(&x[2..]).map_err(|e| Error::shape(op, &[x], e.to_string()))
+    geom.out_spatial(&x[2..])
+        .map_err(|e| Error::shape(op, &[x], e.to_string()))
 }
 
 fn infer_conv(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Result<TensorType> {
@@ -75,7 +82,10 @@ fn infer_conv(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Result<Te
         return Err(Error::shape(
             "conv",
             &[x, w],
-            format!("expected input [N, C, ..{nd} dims] and weight [Cout, C/{groups}, {:?}]", geom.kernel),
+            format!(
+                "expected input [N, C, ..{nd} dims] and weight [Cout, C/{groups}, {:?}]",
+                geom.kernel
+            ),
         ));
     }
     let mut out = vec![x[0], w[0]];
@@ -146,7 +156,12 @@ fn split_n(cx: &mut BatchCx, y: usize) -> Result<usize> {
 }
 
 fn batch_conv(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[BVal]) -> Result<BVal> {
-    let conv = |groups| Prim::Conv(ConvOp::Conv { geom: geom.clone(), groups });
+    let conv = |groups| {
+        Prim::Conv(ConvOp::Conv {
+            geom: geom.clone(),
+            groups,
+        })
+    };
     let (x, w) = (args[0], args[1]);
     match (x.1, w.1) {
         // Input only: one convolution over (B N) examples.
@@ -211,7 +226,7 @@ fn batch_grouped(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, x: BVal, w: B
     let size = cx.size;
     let xb = cx.front(x)?;
     let xd = cx.b.dims(xb); // B N Cin S..
-    // B N Cin S.. -> N B Cin S.. -> N (B Cin) S..
+                            // B N Cin S.. -> N B Cin S.. -> N (B Cin) S..
     let t = cx.b.move_axis(xb, 1, 0)?;
     let xf = cx.b.reshape(t, [&[xd[1], size * xd[2]], &xd[3..]].concat())?;
     let wb = cx.front(w)?;

@@ -38,7 +38,11 @@ impl Rule for CustomOp {
         let same = args.len() == self.ins.len() && args.iter().zip(&self.ins).all(|(a, b)| *a == b);
         if !same {
             let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
-            return Err(Error::shape("custom", &shapes, format!("{} was declared for {:?}", self.name, self.ins)));
+            return Err(Error::shape(
+                "custom",
+                &shapes,
+                format!("{} was declared for {:?}", self.name, self.ins),
+            ));
         }
         Ok(self.out.clone())
     }

@@ -146,7 +146,10 @@ impl Rule for Binary {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         arity(self.name(), args, 2)?;
         let dt = same_dtype(self.name(), args)?;
-        Ok(TensorType::new(broadcast_shapes(self.name(), &args[0].shape, &args[1].shape)?, dt))
+        Ok(TensorType::new(
+            broadcast_shapes(self.name(), &args[0].shape, &args[1].shape)?,
+            dt,
+        ))
     }
 
     fn run(&self, args: &[&Tensor], _out: &TensorType) -> Result<Tensor> {

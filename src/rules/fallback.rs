@@ -23,7 +23,12 @@ pub struct LoopPrim {
 
 impl LoopPrim {
     pub(crate) fn name(&self) -> String {
-        format!("loop[size={},bdims={:?}]{{{}}}", self.size, self.bdims, self.inner.name())
+        format!(
+            "loop[size={},bdims={:?}]{{{}}}",
+            self.size,
+            self.bdims,
+            self.inner.name()
+        )
     }
 }
 
@@ -38,12 +43,20 @@ fn unbatched(t: &TensorType, bdim: Option<usize>) -> TensorType {
 impl Rule for LoopPrim {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         if args.len() != self.bdims.len() {
-            return Err(Error::unsupported(self.name(), "vmap", "operand count differs from the loop's"));
+            return Err(Error::unsupported(
+                self.name(),
+                "vmap",
+                "operand count differs from the loop's",
+            ));
         }
         for (t, bd) in args.iter().zip(&self.bdims) {
             if let Some(d) = bd {
                 if *d >= t.rank() || t.shape[*d] != self.size {
-                    return Err(Error::shape("loop", &[&t.shape], format!("axis {d} is not a batch of {}", self.size)));
+                    return Err(Error::shape(
+                        "loop",
+                        &[&t.shape],
+                        format!("axis {d} is not a batch of {}", self.size),
+                    ));
                 }
             }
         }

@@ -45,7 +45,11 @@ impl Rule for IndexOp {
             IndexOp::IndexSelect(axis) => {
                 check_index_dtype("index_select", idx)?;
                 if axis >= xs.len() || is.len() != 1 {
-                    return Err(Error::shape("index_select", &[xs, is], "needs a 1-D index and an axis in range"));
+                    return Err(Error::shape(
+                        "index_select",
+                        &[xs, is],
+                        "needs a 1-D index and an axis in range",
+                    ));
                 }
                 let mut d = xs.to_vec();
                 d[axis] = is[0];

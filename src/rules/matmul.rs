@@ -21,7 +21,11 @@ impl Rule for Matmul {
         let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
         let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
         if k != k2 {
-            return Err(Error::shape("matmul", &[a, b], format!("inner dimensions differ ({k} vs {k2})")));
+            return Err(Error::shape(
+                "matmul",
+                &[a, b],
+                format!("inner dimensions differ ({k} vs {k2})"),
+            ));
         }
         let mut out = broadcast_shapes("matmul", &a[..a.len() - 2], &b[..b.len() - 2])?;
         out.extend([m, n]);
@@ -39,8 +43,12 @@ impl Rule for Matmul {
         } else if ad.len() == bd.len() && ad[..ad.len() - 2] == bd[..bd.len() - 2] {
             mm(a, b)?
         } else {
-            let a = a.broadcast_as([&out.shape[..out.shape.len() - 2], &ad[ad.len() - 2..]].concat()).op("matmul")?;
-            let b = b.broadcast_as([&out.shape[..out.shape.len() - 2], &bd[bd.len() - 2..]].concat()).op("matmul")?;
+            let a = a
+                .broadcast_as([&out.shape[..out.shape.len() - 2], &ad[ad.len() - 2..]].concat())
+                .op("matmul")?;
+            let b = b
+                .broadcast_as([&out.shape[..out.shape.len() - 2], &bd[bd.len() - 2..]].concat())
+                .op("matmul")?;
             mm(&a.contiguous().op("matmul")?, &b.contiguous().op("matmul")?)?
         };
         Ok(r)
@@ -89,8 +97,16 @@ fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (ad, bd) = (a.dims(), b.dims());
     let r = ad.len();
     let batch: usize = ad[..r - 2].iter().product();
-    let a3 = a.contiguous().op("matmul")?.reshape((batch, ad[r - 2], ad[r - 1])).op("matmul")?;
-    let b3 = b.contiguous().op("matmul")?.reshape((batch, bd[r - 2], bd[r - 1])).op("matmul")?;
+    let a3 = a
+        .contiguous()
+        .op("matmul")?
+        .reshape((batch, ad[r - 2], ad[r - 1]))
+        .op("matmul")?;
+    let b3 = b
+        .contiguous()
+        .op("matmul")?
+        .reshape((batch, bd[r - 2], bd[r - 1]))
+        .op("matmul")?;
     let y = a3.matmul(&b3).op("matmul")?;
     y.reshape([&ad[..r - 2], &[ad[r - 2], bd[r - 1]]].concat()).op("matmul")
 }

@@ -82,7 +82,11 @@ pub(crate) fn infer(prim: &Prim, args: &[&TensorType]) -> Result<TensorType> {
 pub(crate) fn arity(op: &'static str, args: &[&TensorType], n: usize) -> Result<()> {
     if args.len() != n {
         let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
-        return Err(Error::shape(op, &shapes, format!("expected {n} operands, got {}", args.len())));
+        return Err(Error::shape(
+            op,
+            &shapes,
+            format!("expected {n} operands, got {}", args.len()),
+        ));
     }
     Ok(())
 }
@@ -122,7 +126,11 @@ pub(crate) fn norm_axis(op: &'static str, shape: &[usize], axis: isize) -> Resul
     let r = shape.len() as isize;
     let a = if axis < 0 { axis + r } else { axis };
     if a < 0 || a >= r {
-        return Err(Error::shape(op, &[shape], format!("axis {axis} out of range for rank {r}")));
+        return Err(Error::shape(
+            op,
+            &[shape],
+            format!("axis {axis} out of range for rank {r}"),
+        ));
     }
     Ok(a as usize)
 }

@@ -106,7 +106,11 @@ impl Rule for Reduce {
         let op = self.name();
         match self {
             Reduce::Sum { axes, .. } if axes.is_empty() => Ok(x.clone()),
-            Reduce::Sum { axes, .. } => x.sum_keepdim(axes.clone()).op(&op)?.reshape(out.shape.as_slice()).op(&op),
+            Reduce::Sum { axes, .. } => x
+                .sum_keepdim(axes.clone())
+                .op(&op)?
+                .reshape(out.shape.as_slice())
+                .op(&op),
             Reduce::Max { axes, .. } => {
                 let mut y = x.clone();
                 for &a in axes {

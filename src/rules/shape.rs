@@ -42,12 +42,7 @@ impl ShapeOp {
 
 /// Whether `from` broadcasts to `to` (numpy rules, right-aligned).
 pub(crate) fn broadcasts_to(from: &[usize], to: &[usize]) -> bool {
-    from.len() <= to.len()
-        && from
-            .iter()
-            .rev()
-            .zip(to.iter().rev())
-            .all(|(&f, &t)| f == t || f == 1)
+    from.len() <= to.len() && from.iter().rev().zip(to.iter().rev()).all(|(&f, &t)| f == t || f == 1)
 }
 
 fn infer_one(op: &ShapeOp, x: &TensorType) -> Result<TensorType> {
@@ -63,13 +58,21 @@ fn infer_one(op: &ShapeOp, x: &TensorType) -> Result<TensorType> {
             let mut seen = vec![false; s.len()];
             let ok = p.len() == s.len() && p.iter().all(|&i| i < s.len() && !std::mem::replace(&mut seen[i], true));
             if !ok {
-                return Err(Error::shape("permute", &[s], format!("{p:?} is not a permutation of the axes")));
+                return Err(Error::shape(
+                    "permute",
+                    &[s],
+                    format!("{p:?} is not a permutation of the axes"),
+                ));
             }
             Ok(x.with_shape(p.iter().map(|&i| s[i]).collect::<Vec<_>>()))
         }
         ShapeOp::Broadcast(to) => {
             if !broadcasts_to(s, to) {
-                return Err(Error::shape("broadcast", &[s, to], "shape does not broadcast to the target"));
+                return Err(Error::shape(
+                    "broadcast",
+                    &[s, to],
+                    "shape does not broadcast to the target",
+                ));
             }
             Ok(x.with_shape(to.clone()))
         }
@@ -104,7 +107,11 @@ fn infer_concat(axis: usize, args: &[&TensorType]) -> Result<TensorType> {
     for s in &shapes {
         let fits = s.len() == first.len() && s.iter().zip(first).enumerate().all(|(i, (a, b))| i == axis || a == b);
         if !fits {
-            return Err(Error::shape("concat", &shapes, format!("shapes differ off axis {axis}")));
+            return Err(Error::shape(
+                "concat",
+                &shapes,
+                format!("shapes differ off axis {axis}"),
+            ));
         }
         out[axis] += s[axis];
     }

@@ -19,8 +19,10 @@ use tree::{ArgList, CallArgs, SymTree, TreeDef};
 /// one tree per parameter) it records its computation and returns a tree of
 /// symbolic results. Implemented for closures of one to four parameters
 /// returning `Result<tree>`, and for every transform, so transforms nest:
-/// `vmap(vmap(f))`, `vmap(jit(f))`.
-pub trait Function<S: ArgList>: Send + Sync {
+/// `vmap(vmap(f))`, `vmap(jit(f))`. A transform of a `Send + Sync` function
+/// is itself `Send + Sync`; closures that capture symbolic tensors of an
+/// enclosing trace are not, and need not be.
+pub trait Function<S: ArgList> {
     /// The symbolic result tree.
     type Output: SymTree;
     /// Records the function applied to `args`.
@@ -31,7 +33,7 @@ macro_rules! closure_functions {
     ($($a:ident),+) => {
         impl<F, R, $($a),+> Function<($($a,)+)> for F
         where
-            F: Fn($($a),+) -> Result<R> + Send + Sync,
+            F: Fn($($a),+) -> Result<R>,
             R: SymTree,
             $($a: SymTree),+
         {
@@ -85,7 +87,10 @@ impl GraphCache {
 fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>>, Vec<TreeDef>, DeviceLocation)> {
     let (leaves, defs) = args.flatten_args();
     let flat: Vec<&Tensor> = leaves.iter().flatten().collect();
-    let device = flat.first().map(|t| t.device().location()).unwrap_or(DeviceLocation::Cpu);
+    let device = flat
+        .first()
+        .map(|t| t.device().location())
+        .unwrap_or(DeviceLocation::Cpu);
     if let Some(t) = flat.iter().find(|t| t.device().location() != device) {
         return Err(Error::Device {
             op: "call",
@@ -142,7 +147,11 @@ where
         Some(c) => c,
         None => {
             let c = Arc::new(trace_top(f, &key.defs, &leaves)?);
-            cache.map.lock().unwrap_or_else(|e| e.into_inner()).insert(key, c.clone());
+            cache
+                .map
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, c.clone());
             c
         }
     };

@@ -195,7 +195,11 @@ impl<A: SymTree> SymTree for HashMap<String, A> {
     fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
         let mut keys: Vec<&String> = self.keys().collect();
         keys.sort();
-        TreeDef::Map(keys.into_iter().map(|k| (k.clone(), self[k].flatten_into(out))).collect())
+        TreeDef::Map(
+            keys.into_iter()
+                .map(|k| (k.clone(), self[k].flatten_into(out)))
+                .collect(),
+        )
     }
     fn unflatten_from(def: &TreeDef, leaves: &mut IntoIter<Tracer>) -> Result<Self> {
         Ok(map_from(def, leaves, A::unflatten_from)?.into_iter().collect())
@@ -217,7 +221,11 @@ impl<A: TensorTree> TensorTree for HashMap<String, A> {
     fn flatten_into(&self, out: &mut Vec<Tensor>) -> TreeDef {
         let mut keys: Vec<&String> = self.keys().collect();
         keys.sort();
-        TreeDef::Map(keys.into_iter().map(|k| (k.clone(), self[k].flatten_into(out))).collect())
+        TreeDef::Map(
+            keys.into_iter()
+                .map(|k| (k.clone(), self[k].flatten_into(out)))
+                .collect(),
+        )
     }
 }
 

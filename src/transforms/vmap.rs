@@ -211,7 +211,12 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
 }
 
 /// Traces `f` on per-example types in a trace nested in `outer`.
-fn trace_inner<S, F>(f: &F, outer: &BuilderRef, defs: &[TreeDef], types: &[Vec<TensorType>]) -> Result<(Graph, Vec<Tracer>, TreeDef)>
+fn trace_inner<S, F>(
+    f: &F,
+    outer: &BuilderRef,
+    defs: &[TreeDef],
+    types: &[Vec<TensorType>],
+) -> Result<(Graph, Vec<Tracer>, TreeDef)>
 where
     S: ArgList,
     F: Function<S>,
@@ -279,7 +284,10 @@ fn check_batched(prim: &Prim, cx: &BatchCx, (v, bdim): BVal, per: &TensorType) -
         return Err(Error::unsupported(
             prim.name(),
             "vmap",
-            format!("internal error: batching rule gave {:?}{:?}, expected {:?}{want:?}", got.dtype, got.shape, per.dtype),
+            format!(
+                "internal error: batching rule gave {:?}{:?}, expected {:?}{want:?}",
+                got.dtype, got.shape, per.dtype
+            ),
         ));
     }
     Ok(())
@@ -316,7 +324,9 @@ fn leaf_out_dims(dims: &Dims, def: &TreeDef) -> Result<Vec<Option<isize>>> {
         TreeDef::Tuple(c) => c.iter().collect(),
         d => vec![d],
     };
-    let per_top = dims.for_count(tops.len(), "outputs").map_err(|msg| Error::OutDims { output: 0, msg })?;
+    let per_top = dims
+        .for_count(tops.len(), "outputs")
+        .map_err(|msg| Error::OutDims { output: 0, msg })?;
     Ok(tops
         .iter()
         .zip(per_top)
@@ -366,7 +376,11 @@ fn run_chunks(
     out_dims: &[Option<isize>],
 ) -> Result<Vec<VarId>> {
     let k = match chunk {
-        Some(0) => return Err(Error::Config { msg: "vmap: chunk_size must be positive".into() }),
+        Some(0) => {
+            return Err(Error::Config {
+                msg: "vmap: chunk_size must be positive".into(),
+            })
+        }
         Some(k) => k.min(size),
         None => size,
     };

@@ -7,12 +7,30 @@ use std::collections::BTreeMap;
 /// One layer of an architecture.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Layer {
-    Conv { name: String, nd: usize, k: usize, s: usize, p: usize, d: usize, g: usize, bias: bool },
-    Linear { name: String, bias: bool },
+    Conv {
+        name: String,
+        nd: usize,
+        k: usize,
+        s: usize,
+        p: usize,
+        d: usize,
+        g: usize,
+        bias: bool,
+    },
+    Linear {
+        name: String,
+        bias: bool,
+    },
     Relu,
     Tanh,
-    MaxPool { k: usize, s: usize },
-    AvgPool { k: usize, s: usize },
+    MaxPool {
+        k: usize,
+        s: usize,
+    },
+    AvgPool {
+        k: usize,
+        s: usize,
+    },
     Flatten,
 }
 
@@ -31,7 +49,9 @@ fn kwargs(args: &str) -> (Vec<String>, BTreeMap<String, String>) {
 }
 
 fn num(kw: &BTreeMap<String, String>, key: &str, default: usize) -> usize {
-    kw.get(key).map(|v| v.parse().expect("integer argument")).unwrap_or(default)
+    kw.get(key)
+        .map(|v| v.parse().expect("integer argument"))
+        .unwrap_or(default)
 }
 
 /// Parses an `arch` string; panics with the offending layer on bad input
@@ -65,8 +85,14 @@ pub fn parse(arch: &str) -> Vec<Layer> {
                 "linear" => Layer::Linear { name, bias },
                 "relu" => Layer::Relu,
                 "tanh" => Layer::Tanh,
-                "maxpool2d" => Layer::MaxPool { k: num(&kw, "k", 1), s: num(&kw, "s", num(&kw, "k", 1)) },
-                "avgpool2d" => Layer::AvgPool { k: num(&kw, "k", 1), s: num(&kw, "s", num(&kw, "k", 1)) },
+                "maxpool2d" => Layer::MaxPool {
+                    k: num(&kw, "k", 1),
+                    s: num(&kw, "s", num(&kw, "k", 1)),
+                },
+                "avgpool2d" => Layer::AvgPool {
+                    k: num(&kw, "k", 1),
+                    s: num(&kw, "s", num(&kw, "k", 1)),
+                },
                 "flatten" => Layer::Flatten,
                 other => panic!("unknown layer {other:?} in {l:?}"),
             }
@@ -84,7 +110,16 @@ pub fn forward(layers: &[Layer], p: &BTreeMap<String, Tracer>, x: &Tracer) -> Re
     let mut h = x.clone();
     for layer in layers {
         h = match layer {
-            Layer::Conv { name, nd, s, p: pad, d, g, bias, .. } => {
+            Layer::Conv {
+                name,
+                nd,
+                s,
+                p: pad,
+                d,
+                g,
+                bias,
+                ..
+            } => {
                 let w = param(p, &format!("{name}.weight"));
                 let y = match nd {
                     1 => h.conv1d(w, *pad, *s, *d, *g)?,

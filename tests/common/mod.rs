@@ -39,7 +39,14 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     if a.elem_count() == 0 {
         return 0.0;
     }
-    (a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
 }
 
 /// Asserts `a` and `b` agree to `tol` absolute or relative to b's magnitude.
@@ -56,7 +63,10 @@ pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
         .map(|t| t.to_scalar::<f64>().unwrap())
         .unwrap_or(0.0)
         .max(1.0);
-    assert!(d <= tol * scale, "{what}: max difference {d} exceeds {tol} (scale {scale})");
+    assert!(
+        d <= tol * scale,
+        "{what}: max difference {d} exceeds {tol} (scale {scale})"
+    );
 }
 
 /// A batched argument: per-example `shape` with a batch of `b` inserted at
@@ -66,7 +76,11 @@ pub fn batched(shape: &[usize], b: usize, dim: Option<isize>, seed: u64) -> Tens
         None => rand(shape, seed),
         Some(d) => {
             let mut s = shape.to_vec();
-            let at = if d < 0 { (s.len() as isize + 1 + d) as usize } else { d as usize };
+            let at = if d < 0 {
+                (s.len() as isize + 1 + d) as usize
+            } else {
+                d as usize
+            };
             s.insert(at, b);
             rand(&s, seed)
         }
@@ -78,7 +92,11 @@ pub fn example(t: &Tensor, dim: Option<isize>, i: usize) -> Tensor {
     match dim {
         None => t.clone(),
         Some(d) => {
-            let at = if d < 0 { (t.rank() as isize + d) as usize } else { d as usize };
+            let at = if d < 0 {
+                (t.rank() as isize + d) as usize
+            } else {
+                d as usize
+            };
             t.narrow(at, i, 1).unwrap().squeeze(at).unwrap()
         }
     }
@@ -104,7 +122,10 @@ where
     let got = vmap(f.clone()).in_dims(dims).call(xs).unwrap();
     let one = jit(f);
     let parts: Vec<Tensor> = (0..b)
-        .map(|i| one.call((example(xs.0, dims[0], i), example(xs.1, dims[1], i))).unwrap())
+        .map(|i| {
+            one.call((example(xs.0, dims[0], i), example(xs.1, dims[1], i)))
+                .unwrap()
+        })
         .collect();
     assert_close(&got, &Tensor::stack(&parts, 0).unwrap(), tol, "vmap vs loop");
 }
@@ -118,8 +139,12 @@ where
     let one = jit(f);
     let parts: Vec<Tensor> = (0..b)
         .map(|i| {
-            one.call((example(xs.0, dims[0], i), example(xs.1, dims[1], i), example(xs.2, dims[2], i)))
-                .unwrap()
+            one.call((
+                example(xs.0, dims[0], i),
+                example(xs.1, dims[1], i),
+                example(xs.2, dims[2], i),
+            ))
+            .unwrap()
         })
         .collect();
     assert_close(&got, &Tensor::stack(&parts, 0).unwrap(), tol, "vmap vs loop");

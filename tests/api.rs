@@ -1,0 +1,201 @@
+//! The vmap API: trees of arguments and results, in_dims/out_dims, chunking,
+//! nesting and captured outer values, the graph cache, dead-code removal,
+//! liveness, and the generic loop fallback.
+
+mod common;
+
+use candle_core::{DType, Tensor};
+use candle_func::{custom_op, interp, jit, make_graph, vmap, Error, Function, Tracer};
+use common::*;
+use std::collections::{BTreeMap, HashMap};
+
+#[test]
+fn tuple_vec_and_map_arguments_and_results() {
+    let xs = rand(&[4, 3], 1);
+    let ys = rand(&[4, 3], 2);
+    let w = rand(&[3], 3);
+    let mut params = BTreeMap::new();
+    params.insert("a".to_string(), rand(&[4, 3], 4));
+    params.insert("b".to_string(), rand(&[4, 3], 5));
+    // tuple in, tuple out; a Vec argument; a map argument, a map result
+    let f = |(x, y): (Tracer, Tracer), v: Vec<Tracer>, p: BTreeMap<String, Tracer>| -> candle_func::Result<_> {
+        let s = x.add(&y)?.mul(&v[0])?;
+        let mut out = BTreeMap::new();
+        out.insert("sum".to_string(), p["a"].add(&p["b"])?);
+        Ok((s.sum(0)?, vec![s.clone(), x.clone()], out))
+    };
+    let (total, list, map) = vmap(f)
+        .in_dims([Some(0), None, Some(0)])
+        .call(((&xs, &ys), vec![w.clone()], &params))
+        .unwrap();
+    let s = (&xs + &ys).unwrap().broadcast_mul(&w).unwrap();
+    assert_close(&total, &s.sum(1).unwrap(), 1e-6, "tuple result");
+    assert_close(&list[0], &s, 1e-6, "vec result");
+    assert_close(&list[1], &xs, 0.0, "passthrough");
+    assert_close(&map["sum"], &(&params["a"] + &params["b"]).unwrap(), 1e-6, "map result");
+
+    // HashMap in and out
+    let hp: HashMap<String, Tensor> = params.clone().into_iter().collect();
+    let out = vmap(
+        |p: HashMap<String, Tracer>| -> candle_func::Result<HashMap<String, Tracer>> {
+            Ok(p.iter().map(|(k, v)| (k.clone(), v.exp().unwrap())).collect())
+        },
+    )
+    .call(&hp)
+    .unwrap();
+    assert_close(&out["b"], &params["b"].exp().unwrap(), 1e-6, "hashmap");
+}
+
+#[test]
+fn in_dims_and_out_dims() {
+    let x = rand(&[3, 5, 2], 1); // batch on axis 1
+    let f = |x: Tracer| x.sqr()?.sum(-1);
+    let want = x.sqr().unwrap().sum(2).unwrap().t().unwrap(); // [5, 3]
+    let got = vmap(f).in_dims(1).call(&x).unwrap();
+    assert_close(&got, &want, 1e-6, "in_dims 1");
+    let got = vmap(f).in_dims(-2).call(&x).unwrap();
+    assert_close(&got, &want, 1e-6, "in_dims -2");
+    let got = vmap(f).in_dims(1).out_dims(1).call(&x).unwrap();
+    assert_close(&got, &want.t().unwrap(), 1e-6, "out_dims 1");
+    let got = vmap(f).in_dims(1).out_dims(-1).call(&x).unwrap();
+    assert_close(&got, &want.t().unwrap(), 1e-6, "out_dims -1");
+    // an output that does not depend on the batch may be unbatched...
+    let w = rand(&[2], 9);
+    let g = vmap(|x: Tracer, w: Tracer| Ok((x.sum_all()?, w.exp()?)))
+        .in_dims([Some(0), None])
+        .out_dims([Some(0), None]);
+    let (s, e) = g.call((&x, &w)).unwrap();
+    assert_eq!(s.dims(), &[3]);
+    assert_close(&e, &w.exp().unwrap(), 1e-6, "unbatched output");
+    // ...and is broadcast when a batch axis is asked for
+    let g = vmap(|x: Tracer, w: Tracer| Ok((x.sum_all()?, w.exp()?))).in_dims([Some(0), None]);
+    let (_, e) = g.call((&x, &w)).unwrap();
+    assert_eq!(e.dims(), &[3, 2]);
+}
+
+#[test]
+fn chunking_matches_the_whole_batch() {
+    let x = rand(&[10, 4], 1);
+    let w = rand(&[4, 3], 2);
+    let f = |x: Tracer| x.unsqueeze(0)?.matmul(&w)?.tanh()?.squeeze(0);
+    let whole = vmap(f).call(&x).unwrap();
+    for k in [1, 3, 4, 10, 64] {
+        let chunked = vmap(f).chunk_size(k).call(&x).unwrap();
+        assert_close(&chunked, &whole, 1e-6, &format!("chunk {k}"));
+    }
+    let g = make_graph(&vmap(f).chunk_size(3), &x).unwrap().to_string();
+    assert!(g.contains("concat"), "{g}");
+    // out_dims != 0 with chunks
+    let chunked = vmap(f).chunk_size(3).out_dims(1).call(&x).unwrap();
+    assert_close(&chunked, &whole.t().unwrap(), 1e-6, "chunk with out_dims 1");
+}
+
+#[test]
+fn nested_vmap_captures_outer_values() {
+    // outer over x, inner over the rows of m (shared), reading x from the
+    // enclosing trace: out[i, j] = x[i] * m[j]
+    let x = rand(&[3, 2], 1);
+    let m = rand(&[4, 2], 2);
+    let f = |x: Tracer, m: Tracer| vmap(|row: Tracer| x.mul(&row)).apply((m,));
+    let got = vmap(f).in_dims([Some(0), None]).call((&x, &m)).unwrap();
+    assert_eq!(got.dims(), &[3, 4, 2]);
+    let want = x.unsqueeze(1).unwrap().broadcast_mul(&m.unsqueeze(0).unwrap()).unwrap();
+    assert_close(&got, &want, 1e-6, "captured outer tracer");
+}
+
+#[test]
+fn graphs_are_cached_per_signature() {
+    let f = vmap(|x: Tracer| x.exp());
+    f.call(rand(&[4, 3], 1)).unwrap();
+    f.call(rand(&[4, 3], 2)).unwrap();
+    assert_eq!(f.traced_signatures(), 1);
+    f.call(rand(&[5, 3], 3)).unwrap();
+    f.call(rand(&[4, 3], 3).to_dtype(DType::F64).unwrap()).unwrap();
+    assert_eq!(f.traced_signatures(), 3);
+    // the cache is shared safely between threads
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let f = f.clone();
+            std::thread::spawn(move || f.call(rand(&[4, 3], i)).unwrap())
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(f.traced_signatures(), 3);
+}
+
+#[test]
+fn dead_code_is_removed_and_values_are_freed() {
+    let x = rand(&[4, 3], 1);
+    let g = make_graph(
+        &jit(|x: Tracer| {
+            let _unused = x.exp()?.log()?;
+            x.relu()
+        }),
+        &x,
+    )
+    .unwrap();
+    assert_eq!(g.equation_count(), 1, "{g}");
+    assert!(!g.to_string().contains("exp"));
+    // a chain of 20 ops holds at most input, current and next value
+    let big = rand(&[256, 256], 2);
+    let chain = jit(|x: Tracer| {
+        let mut h = x.clone();
+        for _ in 0..20 {
+            h = h.affine(0.5, 0.1)?;
+        }
+        Ok(h)
+    });
+    let g = make_graph(&chain, &big).unwrap();
+    let (out, stats) = interp::run_with_stats(&g, std::slice::from_ref(&big)).unwrap();
+    assert_close(&out[0], &chain.call(&big).unwrap(), 0.0, "stats run");
+    assert!(stats.peak_values <= 3, "{stats:?}");
+    assert!(stats.peak_bytes <= 3 * 256 * 256 * 4, "{stats:?}");
+}
+
+#[test]
+fn graph_prints_like_a_jaxpr() {
+    let x = rand(&[2, 3], 1);
+    let g = make_graph(&vmap(|x: Tracer| x.sum(0)), &x).unwrap().to_string();
+    assert!(g.starts_with("{ lambda %0:f32[2,3] ."), "{g}");
+    assert!(g.contains("sum[axes=[1]]"), "{g}");
+    assert!(g.trim_end().ends_with("in (%1) }"), "{g}");
+}
+
+fn custom_square(x: &Tracer) -> candle_func::Result<Tracer> {
+    custom_op("square", &[x], x.tensor_type().clone(), |xs| xs[0].sqr())
+}
+
+#[test]
+fn primitives_without_a_rule_loop_and_warn_once() {
+    let x = rand(&[5, 3], 1);
+    let f = vmap(|x: Tracer| custom_square(&x)?.sum(0));
+    let got = f.call(&x).unwrap();
+    assert_close(&got, &x.sqr().unwrap().sum(1).unwrap(), 1e-6, "custom op under vmap");
+    assert!(candle_func::warned("loop-custom"));
+    let g = make_graph(&f, &x).unwrap();
+    assert_eq!(
+        g.to_string().matches("loop[").count(),
+        1,
+        "one loop node, not B copies: {g}"
+    );
+    let strict = vmap(|x: Tracer| custom_square(&x)).strict(true);
+    match strict.call(&x) {
+        Err(Error::Unsupported { op, transform, .. }) => assert_eq!((op.as_str(), transform), ("custom", "vmap")),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+    // nested: a loop under another vmap
+    let xs = rand(&[2, 5, 3], 2);
+    let nested = vmap(vmap(|x: Tracer| custom_square(&x)));
+    assert_close(&nested.call(&xs).unwrap(), &xs.sqr().unwrap(), 1e-6, "nested loop");
+}
+
+#[test]
+fn jit_runs_the_traced_function() {
+    let x = rand(&[3, 4], 1);
+    let f = jit(|x: Tracer| x.softmax(1)?.log()?.mul(2.0f64));
+    let want = (candle_nn::ops::log_softmax(&x, 1).unwrap() * 2.0).unwrap();
+    assert_close(&f.call(&x).unwrap(), &want, 1e-5, "jit");
+}
