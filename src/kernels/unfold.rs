@@ -439,9 +439,10 @@ fn fold_lines<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T]) {
     }
 }
 
-/// Below this many elements (read + written) per thread, spawning costs more
-/// than it saves.
-const MIN_ELEMS_PER_THREAD: usize = 1 << 15;
+/// Below this many elements (read + written, ~1 MiB of f32) per thread,
+/// spawning costs more than it saves: unfold is memory-bound, and on a
+/// 2-vCPU machine a second thread only paid off above this size.
+const MIN_ELEMS_PER_THREAD: usize = 1 << 18;
 
 /// `candle_core::utils::get_num_threads()`, read once: it probes the CPU
 /// topology on every call (~20 µs on Linux), more than a small unfold takes.
@@ -680,17 +681,16 @@ pub fn conv_unfold(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> Resul
     let (cin_g, cout_g) = (cin / groups, cout / groups);
     let cols = unfold(x, g)?;
     let w = w.reshape((cout, cin_g * k))?;
-    let mut outs = (0..groups)
+    // The weight is broadcast over the batch (stride 0), so candle runs one
+    // gemm per sample without copying it.
+    let outs = (0..groups)
         .map(|i| {
             let wg = w.narrow(0, i * cout_g, cout_g)?;
             wg.broadcast_matmul(&cols.narrow(1, i * cin_g * k, cin_g * k)?)
         })
         .collect::<Result<Vec<_>>>()?;
-    let y = match outs.len() {
-        1 => outs.pop().expect("one group"),
-        _ => Tensor::cat(&outs, 1)?,
-    };
-    y.reshape([&[n, cout], out.as_slice()].concat())
+    // `cat` of a single tensor is free.
+    Tensor::cat(&outs, 1)?.reshape([&[n, cout], out.as_slice()].concat())
 }
 
 /// Checks the weight of [`conv_unfold`]; returns `Cout`.
@@ -1044,15 +1044,37 @@ mod tests {
         }
     }
 
-    /// Big enough that `par_blocks` uses every thread.
+    /// Big enough that `par_blocks` uses several threads (given >1 core).
     #[test]
     fn multithreaded_matches_generic() {
-        let x = randn(&[4, 16, 32, 32], DType::F32);
-        let g = ConvGeom::uniform(2, 3, 1, 1, 1);
-        let a = unfold(&x, &g).unwrap();
-        assert_eq!(max_diff(&a, &unfold_generic(&x, &g).unwrap()), 0.0);
-        let f = fold(&a, &g, &[32, 32]).unwrap();
-        assert!(max_diff(&f, &fold_generic(&a, &g, &[32, 32]).unwrap()) < 1e-5);
+        let x = randn(&[16, 16, 32, 32], DType::F32);
+        for stride in [1, 2] {
+            let g = ConvGeom::uniform(2, 3, stride, 1, 1);
+            let a = unfold(&x, &g).unwrap();
+            assert_eq!(max_diff(&a, &unfold_generic(&x, &g).unwrap()), 0.0);
+            let f = fold(&a, &g, &[32, 32]).unwrap();
+            assert!(max_diff(&f, &fold_generic(&a, &g, &[32, 32]).unwrap()) < 1e-5);
+        }
+    }
+
+    /// Rows narrower than the stride (some phases of the split rows are
+    /// empty) and windows that mostly sit in the padding.
+    #[test]
+    fn narrow_inputs_with_large_strides() {
+        let cases = [
+            (vec![2, 3, 2], geom(&[1], &[3], &[2], &[1])),
+            (vec![1, 2, 1], geom(&[2], &[4], &[3], &[2])),
+            (vec![2, 2, 3, 2], geom(&[3, 2], &[2, 3], &[2, 2], &[1, 2])),
+            (vec![1, 2, 2, 1, 3], ConvGeom::uniform(3, 2, 3, 1, 1)),
+        ];
+        for (dims, g) in cases {
+            let x = randn(&dims, DType::F64);
+            let ux = unfold(&x, &g).unwrap();
+            assert_eq!(max_diff(&ux, &naive_unfold(&x, &g)), 0.0, "{g:?}");
+            let y = randn(ux.dims(), DType::F64);
+            let fy = fold(&y, &g, &dims[2..]).unwrap();
+            assert!(max_diff(&fy, &fold_generic(&y, &g, &dims[2..]).unwrap()) < 1e-12);
+        }
     }
 
     #[test]
