@@ -1,9 +1,10 @@
 //! Elementwise primitives: unary maps, casts, broadcasting binary maps,
 //! comparisons and `where`.
 
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Rule};
+use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::trace::Builder;
 use candle_core::{DType, Tensor};
 
 /// Unary elementwise maps.
@@ -103,6 +104,75 @@ impl Rule for Unary {
         let (v, bdim) = args[0];
         Ok(Some((cx.b.emit(Prim::Unary(self.clone()), &[v])?, bdim)))
     }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        Ok(Some(vec![unary_vjp(self, b, args[0], out, ct)?]))
+    }
+}
+
+/// `d/dx` of each unary map, times the cotangent.
+fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Result<Option<VarId>> {
+    use Binary::{Div, Mul};
+    let g = match u {
+        Unary::Neg => b.un(Unary::Neg, ct)?,
+        Unary::Exp => b.bin(Mul, ct, out)?,
+        Unary::Log => b.bin(Div, ct, x)?,
+        Unary::Sqrt => {
+            let two_out = b.un(Unary::Affine(2.0, 0.0), out)?;
+            b.bin(Div, ct, two_out)?
+        }
+        Unary::Sqr => {
+            let two_x = b.un(Unary::Affine(2.0, 0.0), x)?;
+            b.bin(Mul, ct, two_x)?
+        }
+        Unary::Recip => {
+            let sq = b.un(Unary::Sqr, out)?;
+            let g = b.bin(Mul, ct, sq)?;
+            b.un(Unary::Neg, g)?
+        }
+        Unary::Abs => {
+            let sign = sign(b, x)?;
+            b.bin(Mul, ct, sign)?
+        }
+        Unary::Relu => {
+            let zero = b.scalar_as(0.0, x);
+            let pos = b.cmp(Compare::Gt, x, zero)?;
+            b.select(pos, ct, zero)?
+        }
+        Unary::Tanh => {
+            let sq = b.un(Unary::Sqr, out)?;
+            let d = b.un(Unary::Affine(-1.0, 1.0), sq)?;
+            b.bin(Mul, ct, d)?
+        }
+        Unary::Sigmoid => {
+            let one_minus = b.un(Unary::Affine(-1.0, 1.0), out)?;
+            let d = b.bin(Mul, out, one_minus)?;
+            b.bin(Mul, ct, d)?
+        }
+        Unary::Powf(e) => {
+            let p = b.un(Unary::Powf(e - 1.0), x)?;
+            let d = b.un(Unary::Affine(*e, 0.0), p)?;
+            b.bin(Mul, ct, d)?
+        }
+        Unary::Affine(m, _) => b.un(Unary::Affine(*m, 0.0), ct)?,
+        Unary::Cast(_) => {
+            let dt = b.ty(x).dtype;
+            if !is_float(dt) {
+                return Ok(None);
+            }
+            b.un(Unary::Cast(dt), ct)?
+        }
+    };
+    Ok(Some(g))
+}
+
+/// `sign(x)` as `1`, `-1` or `0`, in x's dtype.
+fn sign(b: &mut Builder, x: VarId) -> Result<VarId> {
+    let (zero, one, minus) = (b.scalar_as(0.0, x), b.scalar_as(1.0, x), b.scalar_as(-1.0, x));
+    let pos = b.cmp(Compare::Gt, x, zero)?;
+    let neg = b.cmp(Compare::Lt, x, zero)?;
+    let inner = b.select(neg, minus, zero)?;
+    b.select(pos, one, inner)
 }
 
 impl TensorType {
@@ -168,6 +238,43 @@ impl Rule for Binary {
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
         batch_broadcasting(cx, Prim::Binary(*self), args).map(Some)
     }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let (x, y) = (args[0], args[1]);
+        let (gx, gy) = binary_vjp(*self, b, x, y, out, ct)?;
+        let (sx, sy) = (b.dims(x), b.dims(y));
+        Ok(Some(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)]))
+    }
+}
+
+/// Cotangents of both operands at the broadcast shape (summed back to each
+/// operand's shape by the caller).
+fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: VarId) -> Result<(VarId, VarId)> {
+    use Binary::*;
+    Ok(match op {
+        Add => (ct, ct),
+        Sub => (ct, b.un(Unary::Neg, ct)?),
+        Mul => (b.bin(Mul, ct, y)?, b.bin(Mul, ct, x)?),
+        Div => {
+            let gx = b.bin(Div, ct, y)?;
+            let q = b.bin(Div, out, y)?;
+            let gy = b.bin(Mul, ct, q)?;
+            (gx, b.un(Unary::Neg, gy)?)
+        }
+        // Ties split the cotangent evenly, as PyTorch does.
+        Maximum => (extremum_share(b, Compare::Gt, x, y, ct)?, extremum_share(b, Compare::Gt, y, x, ct)?),
+        Minimum => (extremum_share(b, Compare::Lt, x, y, ct)?, extremum_share(b, Compare::Lt, y, x, ct)?),
+    })
+}
+
+/// `ct` where `x` wins the comparison against `y`, `ct / 2` where they tie.
+fn extremum_share(b: &mut Builder, wins: Compare, x: VarId, y: VarId, ct: VarId) -> Result<VarId> {
+    let zero = b.scalar_as(0.0, ct);
+    let half = b.un(Unary::Affine(0.5, 0.0), ct)?;
+    let tie = b.cmp(Compare::Eq, x, y)?;
+    let win = b.cmp(wins, x, y)?;
+    let tied = b.select(tie, half, zero)?;
+    b.select(win, ct, tied)
 }
 
 /// Elementwise comparisons, giving a `u8` mask (1 where true).
@@ -224,6 +331,10 @@ impl Rule for Compare {
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
         batch_broadcasting(cx, Prim::Compare(*self), args).map(Some)
     }
+
+    fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
+        Ok(Some(vec![None, None]))
+    }
 }
 
 /// `where(mask, on_true, on_false)`, all three broadcast together.
@@ -255,6 +366,15 @@ impl Rule for Where {
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
         batch_broadcasting(cx, Prim::Where, args).map(Some)
+    }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let (m, t, f) = (args[0], args[1], args[2]);
+        let zero = b.scalar_as(0.0, ct);
+        let gt = b.select(m, ct, zero)?;
+        let gf = b.select(m, zero, ct)?;
+        let (st, sf) = (b.dims(t), b.dims(f));
+        Ok(Some(vec![None, Some(b.sum_to(gt, &st)?), Some(b.sum_to(gf, &sf)?)]))
     }
 }
 

@@ -3,10 +3,12 @@
 //! the results are stacked. `vmap` therefore never gives a wrong answer for
 //! want of a rule; it warns once per primitive, and strict mode refuses.
 
-use super::{rule, BVal, BatchCx, Rule};
+use super::{rule, BVal, BatchCx, BatchOpts, Cts, Rule};
 use crate::config::warn_once;
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::route::ConvRoute;
+use crate::trace::Builder;
 use candle_core::Tensor;
 
 /// `inner` mapped over axis `bdims[i]` of each batched operand; the result
@@ -89,6 +91,65 @@ impl Rule for LoopPrim {
         // A loop under another vmap is a loop of loops: no warning, the
         // inner loop was already reported.
         emit_loop(cx, Prim::Loop(Box::new(self.clone())), args).map(Some)
+    }
+
+    /// The VJP of a loop is the inner primitive's VJP, traced once on
+    /// per-example types and batched over the same axes (as a loop again,
+    /// so the user's choice of the `Loop` route holds).
+    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let inner = rule(&self.inner)?;
+        let scratch = Builder::root();
+        let (graph, has) = {
+            let mut sb = scratch.borrow_mut();
+            let ids: Vec<VarId> = args
+                .iter()
+                .zip(&self.bdims)
+                .map(|(&a, &bd)| sb.input(unbatched(b.ty(a), bd)))
+                .collect();
+            let o = sb.input(unbatched(b.ty(out), Some(0)));
+            let c = sb.input(unbatched(b.ty(ct), Some(0)));
+            let Some(cts) = inner.vjp(&mut sb, &ids, o, c)? else {
+                return Ok(None);
+            };
+            let has: Vec<bool> = cts.iter().map(Option::is_some).collect();
+            (sb.finish(cts.into_iter().flatten().collect()).0, has)
+        };
+        let opts = BatchOpts {
+            route: ConvRoute::Loop,
+            strict: false,
+        };
+        let mut inputs: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
+        inputs.extend([(out, Some(0)), (ct, Some(0))]);
+        let mut cx = BatchCx {
+            b,
+            size: self.size,
+            opts: &opts,
+        };
+        let mut outs = crate::transforms::vmap::batch_graph(&graph, &mut cx, &inputs)?.into_iter();
+        let mut cts = Vec::with_capacity(args.len());
+        for (i, &a) in args.iter().enumerate() {
+            cts.push(match has[i] {
+                true => {
+                    let g = outs.next().ok_or_else(|| Error::unsupported(self.name(), "grad", "missing cotangent"))?;
+                    Some(match_operand(&mut cx, g, (a, self.bdims[i]))?)
+                }
+                false => None,
+            });
+        }
+        Ok(Some(cts))
+    }
+}
+
+/// Gives a batched cotangent the layout of its operand: the operand's batch
+/// axis, or summed over the batch for an operand shared by all examples.
+fn match_operand(cx: &mut BatchCx, g: BVal, (_, bdim): BVal) -> Result<VarId> {
+    match (g.1, bdim) {
+        (None, None) => Ok(g.0),
+        (Some(d), None) => cx.b.sum_axes(g.0, vec![d], false),
+        (_, Some(d)) => {
+            let v = cx.materialize(g)?;
+            cx.b.move_axis(v, 0, d)
+        }
     }
 }
 

@@ -1,9 +1,10 @@
 //! Indexing primitives: index-select and gather (picking a label's
 //! log-probability is `gather` along the class axis).
 
-use super::{arity, BVal, BatchCx, Rule};
+use super::{arity, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::trace::Builder;
 use candle_core::{DType, Tensor};
 
 /// Indexing primitives; the index operand is an integer tensor.
@@ -14,6 +15,22 @@ pub enum IndexOp {
     IndexSelect(usize),
     /// `x.gather(idx, axis)`: `idx` has x's rank; `out[.., k, ..] = x[.., idx[.., k, ..], ..]`.
     Gather(usize),
+    /// The adjoint of index-select: `src` rows added into `size` rows at
+    /// `idx` along `axis` (zeros elsewhere).
+    IndexAdd {
+        /// The axis.
+        axis: usize,
+        /// Size of the result along `axis`.
+        size: usize,
+    },
+    /// The adjoint of gather: `src` (shaped like `idx`) added into `size`
+    /// positions along `axis` at `idx`.
+    ScatterAdd {
+        /// The axis.
+        axis: usize,
+        /// Size of the result along `axis`.
+        size: usize,
+    },
 }
 
 impl IndexOp {
@@ -21,6 +38,8 @@ impl IndexOp {
         match self {
             IndexOp::IndexSelect(a) => format!("index_select[axis={a}]"),
             IndexOp::Gather(a) => format!("gather[axis={a}]"),
+            IndexOp::IndexAdd { axis, size } => format!("index_add[axis={axis},size={size}]"),
+            IndexOp::ScatterAdd { axis, size } => format!("scatter_add[axis={axis},size={size}]"),
         }
     }
 }
@@ -69,10 +88,28 @@ impl Rule for IndexOp {
                 }
                 Ok(x.with_shape(is.to_vec()))
             }
+            IndexOp::IndexAdd { axis, size } => {
+                check_index_dtype("index_add", idx)?;
+                if axis >= xs.len() || is.len() != 1 || is[0] != xs[axis] {
+                    return Err(Error::shape("index_add", &[xs, is], "needs a 1-D index as long as the source's axis"));
+                }
+                let mut d = xs.to_vec();
+                d[axis] = size;
+                Ok(x.with_shape(d))
+            }
+            IndexOp::ScatterAdd { axis, size } => {
+                check_index_dtype("scatter_add", idx)?;
+                if axis >= xs.len() || is != xs {
+                    return Err(Error::shape("scatter_add", &[xs, is], "the index must have the source's shape"));
+                }
+                let mut d = xs.to_vec();
+                d[axis] = size;
+                Ok(x.with_shape(d))
+            }
         }
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
         match *self {
@@ -82,6 +119,12 @@ impl Rule for IndexOp {
                 .index_select(&idx.contiguous().op(&op)?, axis)
                 .op(&op),
             IndexOp::Gather(axis) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
+            IndexOp::IndexAdd { axis, .. } => Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
+                .and_then(|z| z.index_add(&idx.contiguous()?, &x.contiguous()?, axis))
+                .op(&op),
+            IndexOp::ScatterAdd { axis, .. } => Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
+                .and_then(|z| z.scatter_add(&idx.contiguous()?, &x.contiguous()?, axis))
+                .op(&op),
         }
     }
 
@@ -112,7 +155,62 @@ impl Rule for IndexOp {
                 let ib = cx.materialize(idx)?;
                 cx.b.emit(Prim::Index(IndexOp::Gather(axis + 1)), &[xb, ib])?
             }
+            (IndexOp::IndexAdd { axis, size }, None) => {
+                let xb = cx.front(x)?;
+                cx.b.emit(Prim::Index(IndexOp::IndexAdd { axis: axis + 1, size }), &[xb, idx.0])?
+            }
+            // A per-example index: B K -> B 1.. K 1.. -> the source's shape, then scatter-add.
+            (IndexOp::IndexAdd { axis, size }, Some(_)) => {
+                let xb = cx.materialize(x)?;
+                let ib = cx.front(idx)?;
+                let target = cx.b.dims(xb);
+                let mut unit = vec![1; target.len()];
+                unit[0] = cx.size;
+                unit[axis + 1] = target[axis + 1];
+                let ib = cx.b.reshape(ib, unit)?;
+                let ib = cx.b.broadcast(ib, target)?;
+                cx.b.emit(Prim::Index(IndexOp::ScatterAdd { axis: axis + 1, size }), &[xb, ib])?
+            }
+            (IndexOp::ScatterAdd { axis, size }, _) => {
+                let xb = cx.materialize(x)?;
+                let ib = cx.materialize(idx)?;
+                cx.b.emit(Prim::Index(IndexOp::ScatterAdd { axis: axis + 1, size }), &[xb, ib])?
+            }
         };
         Ok(Some((out, Some(0))))
     }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let (x, idx) = (args[0], args[1]);
+        let xs = b.dims(x);
+        let g = match *self {
+            IndexOp::IndexSelect(axis) => {
+                let op = IndexOp::IndexAdd { axis, size: xs[axis] };
+                b.emit(Prim::Index(op), &[ct, idx])?
+            }
+            IndexOp::Gather(axis) => {
+                let op = IndexOp::ScatterAdd { axis, size: xs[axis] };
+                let g = b.emit(Prim::Index(op), &[ct, idx])?;
+                pad_to(b, g, &xs)?
+            }
+            IndexOp::IndexAdd { axis, .. } => b.emit(Prim::Index(IndexOp::IndexSelect(axis)), &[ct, idx])?,
+            IndexOp::ScatterAdd { axis, .. } => b.emit(Prim::Index(IndexOp::Gather(axis)), &[ct, idx])?,
+        };
+        Ok(Some(vec![Some(g), None]))
+    }
+}
+
+/// Zero-pads `v` at the end of each axis up to `shape` (a gather's index may
+/// be smaller than its operand off the gathered axis).
+fn pad_to(b: &mut Builder, v: VarId, shape: &[usize]) -> Result<VarId> {
+    let mut v = v;
+    for (axis, &want) in shape.iter().enumerate() {
+        let mut d = b.dims(v);
+        if d[axis] < want {
+            d[axis] = want - d[axis];
+            let z = b.zeros(d, b.ty(v).dtype)?;
+            v = b.concat(&[v, z], axis)?;
+        }
+    }
+    Ok(v)
 }

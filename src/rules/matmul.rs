@@ -1,9 +1,10 @@
 //! Matrix product with broadcast leading (batch) axes:
 //! `[.., m, k] @ [.., k, n] -> [.., m, n]`, both operands of rank >= 2.
 
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Rule};
+use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::trace::Builder;
 use candle_core::Tensor;
 
 /// The matrix product primitive.
@@ -85,6 +86,25 @@ impl Rule for Matmul {
         };
         Ok(Some(out))
     }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        // da = ct @ b^T, db = a^T @ ct, summed back over broadcast batch axes.
+        let (x, y) = (args[0], args[1]);
+        let yt = transpose_last(b, y)?;
+        let gx = b.emit(Prim::Matmul, &[ct, yt])?;
+        let xt = transpose_last(b, x)?;
+        let gy = b.emit(Prim::Matmul, &[xt, ct])?;
+        let (sx, sy) = (b.dims(x), b.dims(y));
+        Ok(Some(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)]))
+    }
+}
+
+/// Swaps the last two axes (`.. m n -> .. n m`).
+fn transpose_last(b: &mut Builder, v: VarId) -> Result<VarId> {
+    let r = b.ty(v).rank();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    b.permute(v, perm)
 }
 
 /// candle's matmul. When candle refuses a layout (it is strict about the

@@ -50,7 +50,16 @@ pub(crate) trait Rule {
     fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor>;
     /// Emits the batched computation; `Ok(None)` asks for the generic loop.
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>>;
+    /// Emits the cotangent of each operand from the cotangent `ct` of the
+    /// result (`out`); `None` for an operand without one (indices, masks).
+    /// `Ok(None)`: the primitive has no VJP rule.
+    fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
+        Ok(None)
+    }
 }
+
+/// Cotangents of a primitive's operands, in operand order.
+pub(crate) type Cts = Vec<Option<VarId>>;
 
 /// The rules of a computed primitive (not of inputs, constants, literals).
 pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
@@ -177,6 +186,59 @@ impl Builder {
             return Ok(vs[0]);
         }
         self.emit(Prim::Shape(shape::ShapeOp::Concat(axis)), vs)
+    }
+}
+
+// Emitting helpers for the VJP rules.
+impl Builder {
+    pub(crate) fn un(&mut self, u: elementwise::Unary, v: VarId) -> Result<VarId> {
+        self.emit(Prim::Unary(u), &[v])
+    }
+
+    pub(crate) fn bin(&mut self, op: elementwise::Binary, a: VarId, b: VarId) -> Result<VarId> {
+        self.emit(Prim::Binary(op), &[a, b])
+    }
+
+    pub(crate) fn cmp(&mut self, op: elementwise::Compare, a: VarId, b: VarId) -> Result<VarId> {
+        self.emit(Prim::Compare(op), &[a, b])
+    }
+
+    /// `where(mask, t, f)`
+    pub(crate) fn select(&mut self, mask: VarId, t: VarId, f: VarId) -> Result<VarId> {
+        self.emit(Prim::Where, &[mask, t, f])
+    }
+
+    /// A scalar literal with `like`'s dtype.
+    pub(crate) fn scalar_as(&mut self, value: f64, like: VarId) -> VarId {
+        let dt = self.ty(like).dtype;
+        self.scalar(value, dt)
+    }
+
+    /// Zeros of a shape and dtype (a broadcast literal).
+    pub(crate) fn zeros(&mut self, shape: Vec<usize>, dtype: candle_core::DType) -> Result<VarId> {
+        let z = self.scalar(0.0, dtype);
+        self.broadcast(z, shape)
+    }
+
+    pub(crate) fn sum_axes(&mut self, v: VarId, axes: Vec<usize>, keepdim: bool) -> Result<VarId> {
+        if axes.is_empty() {
+            return Ok(v);
+        }
+        self.emit(Prim::Reduce(reduce::Reduce::Sum { axes, keepdim }), &[v])
+    }
+
+    /// Sums a broadcast result back to an operand's shape: over the leading
+    /// axes the operand lacks and the axes where it has size 1.
+    pub(crate) fn sum_to(&mut self, v: VarId, shape: &[usize]) -> Result<VarId> {
+        let s = self.dims(v);
+        if s == shape {
+            return Ok(v);
+        }
+        let lead = s.len() - shape.len();
+        let mut axes: Vec<usize> = (0..lead).collect();
+        axes.extend((0..shape.len()).filter(|&i| shape[i] == 1 && s[lead + i] != 1).map(|i| i + lead));
+        let r = self.sum_axes(v, axes, true)?;
+        self.reshape(r, shape.to_vec())
     }
 }
 

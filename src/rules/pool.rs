@@ -1,11 +1,17 @@
-//! 2D pooling over `[N, C, H, W]`, any kernel and stride, no padding.
+//! 2D pooling over `[N, C, H, W]`, any kernel and stride, no padding, with
+//! the gradients as primitives of their own. The gradients work on the
+//! windows laid out by unfold (`[N C, kh kw, L]`) and fold them back, so
+//! they hold for any kernel and stride (candle's own max-pool backward
+//! refuses a stride other than the kernel).
 
-use super::{arity, BVal, BatchCx, Rule};
+use super::{arity, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::unfold::{fold, unfold, ConvGeom};
+use crate::trace::Builder;
 use candle_core::Tensor;
 
-/// Pooling primitives.
+/// Pooling primitives and their gradients.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PoolOp {
     /// Maximum over each `kernel` window, windows `stride` apart.
@@ -22,55 +28,204 @@ pub enum PoolOp {
         /// Step (height, width).
         stride: (usize, usize),
     },
+    /// `(x, ct) -> dx`: each window's cotangent goes to the window's first
+    /// maximum of `x`.
+    MaxPoolGrad {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+    },
+    /// `(x, g) -> [N, C, H', W']`: `g` read at each window's first maximum of
+    /// `x` (the adjoint of `MaxPoolGrad` in its second operand).
+    MaxPoolSelect {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+    },
+    /// `ct -> dx`: each window's cotangent spread evenly over the window.
+    AvgPoolGrad {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+        /// Input (height, width).
+        input: (usize, usize),
+    },
 }
+
+type Window = ((usize, usize), (usize, usize));
 
 impl PoolOp {
     pub(crate) fn name(&self) -> String {
-        let (kind, k, s) = self.parts();
-        format!("{kind}[k={k:?},s={s:?}]")
-    }
-
-    fn parts(&self) -> (&'static str, (usize, usize), (usize, usize)) {
-        match *self {
-            PoolOp::MaxPool2d { kernel, stride } => ("max_pool2d", kernel, stride),
-            PoolOp::AvgPool2d { kernel, stride } => ("avg_pool2d", kernel, stride),
+        let (kind, (k, s)) = (self.kind(), self.window());
+        match self {
+            PoolOp::AvgPoolGrad { input, .. } => format!("{kind}[k={k:?},s={s:?},size={input:?}]"),
+            _ => format!("{kind}[k={k:?},s={s:?}]"),
         }
     }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            PoolOp::MaxPool2d { .. } => "max_pool2d",
+            PoolOp::AvgPool2d { .. } => "avg_pool2d",
+            PoolOp::MaxPoolGrad { .. } => "max_pool2d_grad",
+            PoolOp::MaxPoolSelect { .. } => "max_pool2d_select",
+            PoolOp::AvgPoolGrad { .. } => "avg_pool2d_grad",
+        }
+    }
+
+    fn window(&self) -> Window {
+        match *self {
+            PoolOp::MaxPool2d { kernel, stride }
+            | PoolOp::AvgPool2d { kernel, stride }
+            | PoolOp::MaxPoolGrad { kernel, stride }
+            | PoolOp::MaxPoolSelect { kernel, stride }
+            | PoolOp::AvgPoolGrad { kernel, stride, .. } => (kernel, stride),
+        }
+    }
+}
+
+fn pooled(kind: &'static str, (k, s): Window, x: &[usize]) -> Result<Vec<usize>> {
+    let ((kh, kw), (sh, sw)) = (k, s);
+    if x.len() != 4 || kh == 0 || kw == 0 || sh == 0 || sw == 0 || x[2] < kh || x[3] < kw {
+        return Err(Error::shape(
+            kind,
+            &[x],
+            format!("needs [N, C, H, W] with H >= {kh}, W >= {kw} and a non-zero stride"),
+        ));
+    }
+    Ok(vec![x[0], x[1], (x[2] - kh) / sh + 1, (x[3] - kw) / sw + 1])
+}
+
+fn expect_shape(kind: &'static str, got: &[usize], want: &[usize], other: &[usize]) -> Result<()> {
+    if got != want {
+        return Err(Error::shape(kind, &[other, got], format!("expected shape {want:?}")));
+    }
+    Ok(())
 }
 
 impl Rule for PoolOp {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
-        arity("pool", args, 1)?;
-        let (kind, (kh, kw), (sh, sw)) = self.parts();
-        let x = args[0].shape.as_slice();
-        if x.len() != 4 || kh == 0 || kw == 0 || sh == 0 || sw == 0 || x[2] < kh || x[3] < kw {
-            return Err(Error::shape(
-                kind,
-                &[x],
-                format!("needs [N, C, H, W] with H >= {kh}, W >= {kw} and a non-zero stride"),
-            ));
+        let (kind, w) = (self.kind(), self.window());
+        let x = args.first().map(|t| t.shape.as_slice()).unwrap_or(&[]);
+        match self {
+            PoolOp::MaxPool2d { .. } | PoolOp::AvgPool2d { .. } => {
+                arity(kind, args, 1)?;
+                Ok(args[0].with_shape(pooled(kind, w, x)?))
+            }
+            PoolOp::MaxPoolGrad { .. } => {
+                arity(kind, args, 2)?;
+                expect_shape(kind, &args[1].shape, &pooled(kind, w, x)?, x)?;
+                Ok(args[1].with_shape(x.to_vec()))
+            }
+            PoolOp::MaxPoolSelect { .. } => {
+                arity(kind, args, 2)?;
+                expect_shape(kind, &args[1].shape, x, x)?;
+                Ok(args[1].with_shape(pooled(kind, w, x)?))
+            }
+            PoolOp::AvgPoolGrad { input, .. } => {
+                arity(kind, args, 1)?;
+                let full = if x.len() == 4 { vec![x[0], x[1], input.0, input.1] } else { vec![] };
+                expect_shape(kind, x, &pooled(kind, w, &full)?, &full)?;
+                Ok(args[0].with_shape(full))
+            }
         }
-        let out = vec![x[0], x[1], (x[2] - kh) / sh + 1, (x[3] - kw) / sw + 1];
-        Ok(args[0].with_shape(out))
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType) -> Result<Tensor> {
-        let x = args[0];
-        let r = match *self {
-            PoolOp::MaxPool2d { kernel, stride } => x.max_pool2d_with_stride(kernel, stride),
-            PoolOp::AvgPool2d { kernel, stride } => x.avg_pool2d_with_stride(kernel, stride),
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+        let op = self.name();
+        let w = self.window();
+        let r = match self {
+            PoolOp::MaxPool2d { kernel, stride } => args[0].max_pool2d_with_stride(*kernel, *stride),
+            PoolOp::AvgPool2d { kernel, stride } => args[0].avg_pool2d_with_stride(*kernel, *stride),
+            PoolOp::MaxPoolGrad { .. } => max_pool_grad(args[0], args[1], w),
+            PoolOp::MaxPoolSelect { .. } => max_pool_select(args[0], args[1], w, &out.shape),
+            PoolOp::AvgPoolGrad { .. } => avg_pool_grad(args[0], w, &out.shape),
         };
-        r.op(&self.name())
+        r.op(&op)
     }
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
         // B N C H W -> (B N) C H W -> pool -> B N C H' W'
-        let xb = cx.front(args[0])?;
-        let d = cx.b.dims(xb);
-        let xf = cx.b.reshape(xb, vec![d[0] * d[1], d[2], d[3], d[4]])?;
-        let y = cx.b.emit(Prim::Pool(self.clone()), &[xf])?;
+        let mut ids = Vec::with_capacity(args.len());
+        for &a in args {
+            let v = cx.materialize(a)?;
+            let d = cx.b.dims(v);
+            ids.push(cx.b.reshape(v, vec![d[0] * d[1], d[2], d[3], d[4]])?);
+        }
+        let y = cx.b.emit(Prim::Pool(self.clone()), &ids)?;
         let yd = cx.b.dims(y);
-        let y = cx.b.reshape(y, vec![d[0], d[1], yd[1], yd[2], yd[3]])?;
+        let y = cx.b.reshape(y, vec![cx.size, yd[0] / cx.size, yd[1], yd[2], yd[3]])?;
         Ok(Some((y, Some(0))))
     }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let (kernel, stride) = self.window();
+        let pool = |op: PoolOp| Prim::Pool(op);
+        let cts = match self {
+            PoolOp::MaxPool2d { .. } => {
+                vec![Some(b.emit(pool(PoolOp::MaxPoolGrad { kernel, stride }), &[args[0], ct])?)]
+            }
+            // Piecewise constant in x; linear in the cotangent.
+            PoolOp::MaxPoolGrad { .. } => {
+                vec![None, Some(b.emit(pool(PoolOp::MaxPoolSelect { kernel, stride }), &[args[0], ct])?)]
+            }
+            PoolOp::MaxPoolSelect { .. } => {
+                vec![None, Some(b.emit(pool(PoolOp::MaxPoolGrad { kernel, stride }), &[args[0], ct])?)]
+            }
+            PoolOp::AvgPool2d { .. } => {
+                let d = b.dims(args[0]);
+                let input = (d[2], d[3]);
+                vec![Some(b.emit(pool(PoolOp::AvgPoolGrad { kernel, stride, input }), &[ct])?)]
+            }
+            PoolOp::AvgPoolGrad { .. } => vec![Some(b.emit(pool(PoolOp::AvgPool2d { kernel, stride }), &[ct])?)],
+        };
+        Ok(Some(cts))
+    }
 }
+
+fn geom(((kh, kw), (sh, sw)): Window) -> ConvGeom {
+    ConvGeom {
+        kernel: vec![kh, kw],
+        stride: vec![sh, sw],
+        padding: vec![0, 0],
+        dilation: vec![1, 1],
+    }
+}
+
+/// The windows of each plane: `N C H W -> (N C) (kh kw) L`.
+fn windows(x: &Tensor, w: Window) -> candle_core::Result<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    unfold(&x.contiguous()?.reshape((n * c, 1, h, wd))?, &geom(w))
+}
+
+/// Index of each window's first maximum: `(N C) 1 L`.
+fn argmax(x: &Tensor, w: Window) -> candle_core::Result<Tensor> {
+    windows(x, w)?.argmax_keepdim(1)
+}
+
+fn max_pool_grad(x: &Tensor, ct: &Tensor, w: Window) -> candle_core::Result<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let idx = argmax(x, w)?;
+    let kk = w.0 .0 * w.0 .1;
+    let l = idx.dims()[2];
+    let src = ct.contiguous()?.reshape((n * c, 1, l))?;
+    let cols = Tensor::zeros((n * c, kk, l), ct.dtype(), ct.device())?.scatter_add(&idx, &src, 1)?;
+    fold(&cols, &geom(w), &[h, wd])?.reshape((n, c, h, wd))
+}
+
+fn max_pool_select(x: &Tensor, g: &Tensor, w: Window, out: &[usize]) -> candle_core::Result<Tensor> {
+    let idx = argmax(x, w)?;
+    windows(g, w)?.gather(&idx, 1)?.reshape(out)
+}
+
+fn avg_pool_grad(ct: &Tensor, w: Window, out: &[usize]) -> candle_core::Result<Tensor> {
+    let (n, c, ho, wo) = ct.dims4()?;
+    let kk = w.0 .0 * w.0 .1;
+    let share = (ct.contiguous()?.reshape((n * c, 1, ho * wo))? / kk as f64)?;
+    let cols = share.broadcast_as((n * c, kk, ho * wo))?.contiguous()?;
+    fold(&cols, &geom(w), &out[2..])?.reshape(out)
+}
+

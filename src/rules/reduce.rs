@@ -1,8 +1,10 @@
 //! Reductions over axes, and (log-)softmax along one axis.
 
-use super::{arity, BVal, BatchCx, Rule};
+use super::elementwise::{Binary, Compare, Unary};
+use super::{arity, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::trace::Builder;
 use candle_core::Tensor;
 
 /// Reductions.
@@ -130,5 +132,44 @@ impl Rule for Reduce {
         // B x.. -> reduce the shifted axes; the batch axis stays first.
         let x = cx.front(args[0])?;
         Ok(Some((cx.b.emit(Prim::Reduce(self.shifted(1)), &[x])?, Some(0))))
+    }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let x = args[0];
+        let xs = b.dims(x);
+        let g = match self {
+            // The cotangent of a sum spreads over the reduced axes.
+            Reduce::Sum { axes, .. } => {
+                let c = b.reshape(ct, reduced_shape(&xs, axes, true))?;
+                b.broadcast(c, xs)?
+            }
+            // ...of a max, evenly over the positions that attain it.
+            Reduce::Max { axes, .. } => {
+                let kept = reduced_shape(&xs, axes, true);
+                let o = b.reshape(out, kept.clone())?;
+                let o = b.broadcast(o, xs.clone())?;
+                let hit = b.cmp(Compare::Eq, x, o)?;
+                let hit = b.un(Unary::Cast(b.ty(x).dtype), hit)?;
+                let count = b.sum_axes(hit, axes.clone(), true)?;
+                let c = b.reshape(ct, kept)?;
+                let share = b.bin(Binary::Div, c, count)?;
+                b.bin(Binary::Mul, hit, share)?
+            }
+            // s * (ct - sum(ct * s))
+            Reduce::Softmax(a) => {
+                let p = b.bin(Binary::Mul, ct, out)?;
+                let sp = b.sum_axes(p, vec![*a], true)?;
+                let d = b.bin(Binary::Sub, ct, sp)?;
+                b.bin(Binary::Mul, out, d)?
+            }
+            // ct - exp(out) * sum(ct)
+            Reduce::LogSoftmax(a) => {
+                let s = b.sum_axes(ct, vec![*a], true)?;
+                let e = b.un(Unary::Exp, out)?;
+                let es = b.bin(Binary::Mul, e, s)?;
+                b.bin(Binary::Sub, ct, es)?
+            }
+        };
+        Ok(Some(vec![Some(g)]))
     }
 }

@@ -1,9 +1,10 @@
 //! Shape primitives: reshape, permute, broadcast, narrow, concatenate.
 //! (squeeze, unsqueeze, flatten, transpose and stack are built from these.)
 
-use super::{same_dtype, BVal, BatchCx, Rule};
+use super::{same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType};
+use crate::ir::{Prim, TensorType, VarId};
+use crate::trace::Builder;
 use candle_core::Tensor;
 
 /// Shape primitives.
@@ -172,5 +173,47 @@ impl Rule for ShapeOp {
             }
         };
         Ok(Some((out, Some(0))))
+    }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let xs = b.dims(args[0]);
+        let g = match self {
+            ShapeOp::Reshape(_) => vec![Some(b.reshape(ct, xs)?)],
+            ShapeOp::Permute(p) => {
+                let mut inv = vec![0; p.len()];
+                for (i, &a) in p.iter().enumerate() {
+                    inv[a] = i;
+                }
+                vec![Some(b.permute(ct, inv)?)]
+            }
+            ShapeOp::Broadcast(_) => vec![Some(b.sum_to(ct, &xs)?)],
+            // Zeros around the narrowed range.
+            ShapeOp::Narrow { axis, start, len } => {
+                let dt = b.ty(ct).dtype;
+                let mut parts = Vec::new();
+                for (from, n) in [(0, *start), (start + len, xs[*axis] - start - len)] {
+                    if n > 0 {
+                        let mut s = xs.clone();
+                        s[*axis] = n;
+                        parts.push((from, b.zeros(s, dt)?));
+                    }
+                }
+                parts.push((*start, ct));
+                parts.sort_by_key(|p| p.0);
+                let ids: Vec<VarId> = parts.into_iter().map(|p| p.1).collect();
+                vec![Some(b.concat(&ids, *axis)?)]
+            }
+            ShapeOp::Concat(axis) => {
+                let mut start = 0;
+                let mut gs = Vec::with_capacity(args.len());
+                for &a in args {
+                    let len = b.dims(a)[*axis];
+                    gs.push(Some(b.narrow(ct, *axis, start, len)?));
+                    start += len;
+                }
+                gs
+            }
+        };
+        Ok(Some(g))
     }
 }

@@ -2,6 +2,7 @@
 //! function: a closure or another transform), the per-signature graph cache,
 //! and calling a traced function on concrete tensors.
 
+pub(crate) mod grad;
 pub(crate) mod tree;
 pub(crate) mod vmap;
 
@@ -9,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::interp;
 use crate::ir::{Graph, TensorType};
 use crate::route::{conv_route, ConvRoute};
-use crate::trace::{Builder, Tracer};
+use crate::trace::{Builder, BuilderRef, Tracer};
 use candle_core::{DeviceLocation, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -81,6 +82,49 @@ impl GraphCache {
     pub(crate) fn len(&self) -> usize {
         self.map.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
+}
+
+/// The innermost builder among the leaves (all must belong to one chain of
+/// nested traces).
+pub(crate) fn innermost(leaves: &[Vec<Tracer>]) -> Option<BuilderRef> {
+    leaves
+        .iter()
+        .flatten()
+        .max_by_key(|t| t.b.borrow().ancestors.len())
+        .map(|t| t.b.clone())
+}
+
+/// Traces `f` on symbolic inputs of the given types in a trace nested in
+/// `outer`: the graph, the outer values it captured, and the result's structure.
+pub(crate) fn trace_inner<S, F>(
+    f: &F,
+    outer: &BuilderRef,
+    defs: &[TreeDef],
+    types: &[Vec<TensorType>],
+) -> Result<(Graph, Vec<Tracer>, TreeDef)>
+where
+    S: ArgList,
+    F: Function<S>,
+{
+    let b = Builder::child(outer);
+    let tracers = types
+        .iter()
+        .map(|arg| {
+            arg.iter()
+                .map(|ty| {
+                    let id = b.borrow_mut().input(ty.clone());
+                    Tracer::new(&b, id)
+                })
+                .collect()
+        })
+        .collect();
+    let out = f.apply(S::unflatten_args(defs, tracers)?)?;
+    let mut leaves = Vec::new();
+    let out_def = out.flatten_into(&mut leaves);
+    let mut bb = b.borrow_mut();
+    let ids = leaves.iter().map(|t| bb.lift(t)).collect::<Result<Vec<_>>>()?;
+    let (g, captures) = bb.finish(ids);
+    Ok((g, captures, out_def))
 }
 
 /// Flattened concrete arguments with their device.

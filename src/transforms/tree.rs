@@ -232,10 +232,14 @@ impl<A: TensorTree> TensorTree for HashMap<String, A> {
 /// The argument list of a traced function: a tuple with one symbolic tree
 /// per parameter of the closure. `in_dims` has one entry per element.
 pub trait ArgList: Sized {
+    /// The same arguments with candle tensors as leaves.
+    type Concrete;
     /// Leaves and structure of each argument.
     fn flatten_args(&self) -> (Vec<Vec<Tracer>>, Vec<TreeDef>);
     /// Rebuilds the arguments from structures and leaves.
     fn unflatten_args(defs: &[TreeDef], leaves: Vec<Vec<Tracer>>) -> Result<Self>;
+    /// Rebuilds the concrete mirror from structures and tensors.
+    fn concrete_from(defs: &[TreeDef], leaves: Vec<Vec<Tensor>>) -> Result<Self::Concrete>;
 }
 
 /// Concrete arguments for a function whose argument list is `S`: for a
@@ -269,6 +273,7 @@ impl<C: TensorTree> CallArgs<(C::Sym,)> for C {
 macro_rules! arg_lists {
     ($n:expr; $($t:ident $c:ident $i:tt),+) => {
         impl<$($t: SymTree),+> ArgList for ($($t,)+) {
+            type Concrete = ($($t::Concrete,)+);
             fn flatten_args(&self) -> (Vec<Vec<Tracer>>, Vec<TreeDef>) {
                 let (mut leaves, mut defs) = (Vec::new(), Vec::new());
                 $(one_sym(&self.$i, &mut leaves, &mut defs);)+
@@ -280,6 +285,13 @@ macro_rules! arg_lists {
                 }
                 let mut its: Vec<IntoIter<Tracer>> = leaves.into_iter().map(Vec::into_iter).collect();
                 Ok(($($t::unflatten_from(&defs[$i], &mut its[$i])?,)+))
+            }
+            fn concrete_from(defs: &[TreeDef], leaves: Vec<Vec<Tensor>>) -> Result<Self::Concrete> {
+                if defs.len() != $n || leaves.len() != $n {
+                    return Err(Error::Tree { msg: format!("expected {} arguments, got {}", $n, defs.len()) });
+                }
+                let mut its: Vec<IntoIter<Tensor>> = leaves.into_iter().map(Vec::into_iter).collect();
+                Ok(($($t::concrete_from(&defs[$i], &mut its[$i])?,)+))
             }
         }
     };

@@ -2,7 +2,7 @@
 //! node through its primitive's batching rule into the enclosing trace.
 
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{call_concrete, Function, GraphCache};
+use super::{call_concrete, innermost, trace_inner, Function, GraphCache};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Prim, TensorType, VarId};
 use crate::route::{self, ConvRoute};
@@ -148,16 +148,6 @@ impl<F> Vmap<F> {
     }
 }
 
-/// The innermost builder among the leaves (all must belong to one chain of
-/// nested traces).
-fn innermost(leaves: &[Vec<Tracer>]) -> Option<BuilderRef> {
-    leaves
-        .iter()
-        .flatten()
-        .max_by_key(|t| t.b.borrow().ancestors.len())
-        .map(|t| t.b.clone())
-}
-
 /// Batched inputs of the inner graph: ids in `outer`, batch axes, and the
 /// per-example types; plus the batch size.
 struct Inputs {
@@ -208,38 +198,6 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
         return Err(Error::BatchSize { sizes });
     }
     Ok(Inputs { vals, types, size })
-}
-
-/// Traces `f` on per-example types in a trace nested in `outer`.
-fn trace_inner<S, F>(
-    f: &F,
-    outer: &BuilderRef,
-    defs: &[TreeDef],
-    types: &[Vec<TensorType>],
-) -> Result<(Graph, Vec<Tracer>, TreeDef)>
-where
-    S: ArgList,
-    F: Function<S>,
-{
-    let b = Builder::child(outer);
-    let tracers = types
-        .iter()
-        .map(|arg| {
-            arg.iter()
-                .map(|ty| {
-                    let id = b.borrow_mut().input(ty.clone());
-                    Tracer::new(&b, id)
-                })
-                .collect()
-        })
-        .collect();
-    let out = f.apply(S::unflatten_args(defs, tracers)?)?;
-    let mut leaves = Vec::new();
-    let out_def = out.flatten_into(&mut leaves);
-    let mut bb = b.borrow_mut();
-    let ids = leaves.iter().map(|t| bb.lift(t)).collect::<Result<Vec<_>>>()?;
-    let (g, captures) = bb.finish(ids);
-    Ok((g, captures, out_def))
 }
 
 /// Re-emits `g` into `cx.b` through the batching rules; `inputs` binds the

@@ -1,0 +1,524 @@
+//! `grad`, `value_and_grad` and `vjp`: reverse-mode differentiation as a
+//! graph transform. The function is traced, its forward pass re-emitted into
+//! the enclosing trace, and its reverse pass emitted node by node through
+//! each primitive's VJP rule. The result is itself traceable, so `grad`
+//! composes with `vmap` (and with itself) in any order.
+
+use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
+use super::{call_concrete, flatten_call, innermost, trace_inner, trace_top, Function, GraphCache};
+use crate::error::{Error, Result};
+use crate::interp;
+use crate::ir::{Graph, Node, Prim, TensorType, VarId};
+use crate::rules::elementwise::Binary;
+use crate::rules::rule;
+use crate::trace::{Builder, Tracer};
+use candle_core::Tensor;
+use std::marker::PhantomData;
+
+/// Re-emits `g` into `b` with its inputs bound to `inputs`; returns the id
+/// of every node.
+fn forward(g: &Graph, b: &mut Builder, inputs: &[VarId]) -> Result<Vec<VarId>> {
+    let mut env = vec![usize::MAX; g.nodes.len()];
+    for (k, &v) in g.inputs.iter().enumerate() {
+        env[v] = inputs[k];
+    }
+    for (v, node) in g.nodes.iter().enumerate() {
+        env[v] = match &node.prim {
+            Prim::Input(_) => env[v],
+            Prim::Const(k) => b.constant(&g.consts[*k]),
+            Prim::Scalar(x) => b.scalar(*x, node.ty.dtype),
+            prim => {
+                let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
+                b.emit(prim.clone(), &args)?
+            }
+        };
+    }
+    Ok(env)
+}
+
+/// Emits the forward pass of `g` and then its reverse pass into `b`. `wrt`
+/// marks the inputs to differentiate; `seeds` gives the cotangent of some
+/// outputs. Returns the forward outputs and each input's cotangent (`None`
+/// where no differentiated path reaches it).
+pub(crate) fn vjp_graph(
+    g: &Graph,
+    b: &mut Builder,
+    inputs: &[VarId],
+    wrt: &[bool],
+    seeds: &[(usize, VarId)],
+) -> Result<(Vec<VarId>, Vec<Option<VarId>>)> {
+    let env = forward(g, b, inputs)?;
+    // Only nodes downstream of a differentiated input carry cotangents.
+    let mut needs = vec![false; g.nodes.len()];
+    for (k, &v) in g.inputs.iter().enumerate() {
+        needs[v] = wrt[k];
+    }
+    for (v, node) in g.nodes.iter().enumerate() {
+        if !node.prim.is_leaf() {
+            needs[v] = node.args.iter().any(|&a| needs[a]);
+        }
+    }
+    let mut cts: Vec<Option<VarId>> = vec![None; g.nodes.len()];
+    for &(o, seed) in seeds {
+        accumulate(b, &mut cts, g.outputs[o], seed)?;
+    }
+    for (v, node) in g.nodes.iter().enumerate().rev() {
+        let Some(ct) = cts[v] else { continue };
+        if !needs[v] || node.prim.is_leaf() {
+            continue;
+        }
+        let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
+        let arg_cts = rule(&node.prim)?
+            .vjp(b, &args, env[v], ct)?
+            .ok_or_else(|| no_rule(&node.prim))?;
+        for (&a, g_a) in node.args.iter().zip(arg_cts) {
+            if let (Some(g_a), true) = (g_a, needs[a]) {
+                accumulate(b, &mut cts, a, g_a)?;
+            }
+        }
+    }
+    let outs = g.outputs.iter().map(|&o| env[o]).collect();
+    Ok((outs, g.inputs.iter().map(|&v| cts[v]).collect()))
+}
+
+fn no_rule(prim: &Prim) -> Error {
+    Error::unsupported(prim.kind(), "grad", format!("{} has no VJP rule", prim.name()))
+}
+
+fn accumulate(b: &mut Builder, cts: &mut [Option<VarId>], v: VarId, g: VarId) -> Result<()> {
+    cts[v] = Some(match cts[v] {
+        None => g,
+        Some(prev) => b.bin(Binary::Add, prev, g)?,
+    });
+    Ok(())
+}
+
+/// The argument list's element `I`.
+pub trait Nth<const I: usize> {
+    /// Its type.
+    type T: SymTree;
+}
+
+macro_rules! nth {
+    ($i:tt => $t:ident; $($a:ident),+) => {
+        impl<$($a: SymTree),+> Nth<$i> for ($($a,)+) {
+            type T = $t;
+        }
+    };
+}
+nth!(0 => A; A);
+nth!(0 => A; A, B);
+nth!(1 => B; A, B);
+nth!(0 => A; A, B, C);
+nth!(1 => B; A, B, C);
+nth!(2 => C; A, B, C);
+nth!(0 => A; A, B, C, D);
+nth!(1 => B; A, B, C, D);
+nth!(2 => C; A, B, C, D);
+nth!(3 => D; A, B, C, D);
+
+/// Which arguments a gradient is taken with respect to (`argnums`), and the
+/// type of the gradients: [`Wrt`] for one argument, [`Wrt2`] for two.
+pub trait Argnums<S> {
+    /// The gradients' tree type.
+    type Grads: SymTree;
+    /// The argument positions.
+    fn indices() -> Vec<usize>;
+    /// Builds the gradients from each selected argument's structure and leaves.
+    fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads>;
+}
+
+/// Differentiate with respect to argument `I` (the default is 0, as in JAX).
+pub struct Wrt<const I: usize>;
+
+/// Differentiate with respect to arguments `I` and `J`; the gradients come
+/// as a pair.
+pub struct Wrt2<const I: usize, const J: usize>;
+
+impl<S: Nth<I>, const I: usize> Argnums<S> for Wrt<I> {
+    type Grads = <S as Nth<I>>::T;
+    fn indices() -> Vec<usize> {
+        vec![I]
+    }
+    fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads> {
+        let mut it = grads.into_iter().next().unwrap_or_default().into_iter();
+        <S as Nth<I>>::T::unflatten_from(&defs[I], &mut it)
+    }
+}
+
+impl<S: Nth<I> + Nth<J>, const I: usize, const J: usize> Argnums<S> for Wrt2<I, J> {
+    type Grads = (<S as Nth<I>>::T, <S as Nth<J>>::T);
+    fn indices() -> Vec<usize> {
+        vec![I, J]
+    }
+    fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads> {
+        let mut g = grads.into_iter();
+        let mut a = g.next().unwrap_or_default().into_iter();
+        let mut b = g.next().unwrap_or_default().into_iter();
+        Ok((
+            <S as Nth<I>>::T::unflatten_from(&defs[I], &mut a)?,
+            <S as Nth<J>>::T::unflatten_from(&defs[J], &mut b)?,
+        ))
+    }
+}
+
+/// Mode marker: the gradients only.
+pub struct Plain;
+/// Mode marker: the function returns `(loss, aux)`; the result is `(grads, aux)`.
+pub struct Aux;
+/// Mode marker: the result is `(value, grads)`.
+pub struct Value;
+/// Mode marker: the function returns `(loss, aux)`; the result is
+/// `((value, aux), grads)`.
+pub struct ValueAux;
+
+/// The gradient of a scalar function (see [`grad`], [`value_and_grad`]).
+pub struct Grad<F, W = Wrt<0>, M = Plain> {
+    f: F,
+    cache: GraphCache,
+    _sel: PhantomData<fn() -> (W, M)>,
+}
+
+/// The gradient of `f` with respect to its first argument, like `jax.grad`
+/// and `torch.func.grad`: `f` returns a scalar (shape `[]`), and the result
+/// has the structure of the first argument (a tensor, a tuple, a map of
+/// parameters, ...). Choose other arguments with [`Grad::argnum`] or
+/// [`Grad::argnums`]; return `(loss, aux)` and call [`Grad::has_aux`] to
+/// carry auxiliary outputs.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{grad, vmap, Tracer};
+/// let w = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+/// let xs = Tensor::new(&[[1f32, 0., 0.], [0., 1., 1.]], &Device::Cpu)?;
+/// // loss(w, x) = (w . x)^2; its gradient is 2 (w . x) x
+/// let loss = |w: Tracer, x: Tracer| w.mul(&x)?.sum_all()?.sqr();
+/// let per_sample = vmap(grad(loss)).in_dims([None, Some(0)]).call((&w, &xs))?;
+/// assert_eq!(per_sample.to_vec2::<f32>()?, vec![vec![2., 0., 0.], vec![0., 10., 10.]]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn grad<F>(f: F) -> Grad<F> {
+    Grad {
+        f,
+        cache: GraphCache::default(),
+        _sel: PhantomData,
+    }
+}
+
+/// The value of `f` and its gradient, computed together: the result is
+/// `(value, grads)`.
+pub fn value_and_grad<F>(f: F) -> Grad<F, Wrt<0>, Value> {
+    Grad {
+        f,
+        cache: GraphCache::default(),
+        _sel: PhantomData,
+    }
+}
+
+impl<F, W, M> Grad<F, W, M> {
+    fn with<W2, M2>(self) -> Grad<F, W2, M2> {
+        Grad {
+            f: self.f,
+            cache: GraphCache::default(),
+            _sel: PhantomData,
+        }
+    }
+
+    /// Differentiate with respect to argument `I` instead.
+    pub fn argnum<const I: usize>(self) -> Grad<F, Wrt<I>, M> {
+        self.with()
+    }
+
+    /// Differentiate with respect to arguments `I` and `J`; the gradients
+    /// come as a pair.
+    pub fn argnums<const I: usize, const J: usize>(self) -> Grad<F, Wrt2<I, J>, M> {
+        self.with()
+    }
+
+    /// Calls the gradient function on concrete tensors (traced once per
+    /// input signature).
+    pub fn call<S, C>(&self, args: C) -> Result<<<Self as Function<S>>::Output as SymTree>::Concrete>
+    where
+        S: ArgList,
+        Self: Function<S>,
+        C: CallArgs<S>,
+    {
+        call_concrete(self, &self.cache, &args)
+    }
+
+    /// Number of input signatures traced so far.
+    pub fn traced_signatures(&self) -> usize {
+        self.cache.len()
+    }
+}
+
+impl<F, W> Grad<F, W, Plain> {
+    /// The function returns `(loss, aux)`; the result becomes `(grads, aux)`.
+    pub fn has_aux(self) -> Grad<F, W, Aux> {
+        self.with()
+    }
+}
+
+impl<F, W> Grad<F, W, Value> {
+    /// The function returns `(loss, aux)`; the result becomes
+    /// `((value, aux), grads)`.
+    pub fn has_aux(self) -> Grad<F, W, ValueAux> {
+        self.with()
+    }
+}
+
+/// The forward result and the selected gradients, as tracers of the
+/// enclosing trace.
+struct Differentiated<O, G> {
+    out: O,
+    grads: G,
+}
+
+fn differentiate<S, F, W>(f: &F, args: S) -> Result<Differentiated<F::Output, W::Grads>>
+where
+    S: ArgList,
+    F: Function<S>,
+    W: Argnums<S>,
+{
+    let (leaves, defs) = args.flatten_args();
+    let outer = innermost(&leaves).ok_or_else(|| Error::unsupported("grad", "grad", "the function has no tensor arguments"))?;
+    let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(|t| t.ty.clone()).collect()).collect();
+    let (g, captures, out_def) = trace_inner(f, &outer, &defs, &types)?;
+    let loss = g.outputs.first().map(|&o| g.ty(o).clone()).unwrap_or(TensorType::new(vec![0], candle_core::DType::F32));
+    if loss.rank() != 0 {
+        return Err(Error::shape("grad", &[&loss.shape], "the differentiated function must return a scalar (shape [])"));
+    }
+    let sel = W::indices();
+    let (outs, grads) = {
+        let mut ob = outer.borrow_mut();
+        let (mut inputs, mut wrt) = (Vec::new(), Vec::new());
+        for (arg, arg_leaves) in leaves.iter().enumerate() {
+            for t in arg_leaves {
+                inputs.push(ob.lift(t)?);
+                wrt.push(sel.contains(&arg));
+            }
+        }
+        for c in &captures {
+            inputs.push(ob.lift(c)?);
+            wrt.push(false);
+        }
+        let seed = ob.scalar(1.0, loss.dtype);
+        let (outs, cts) = vjp_graph(&g, &mut ob, &inputs, &wrt, &[(0, seed)])?;
+        let mut grads = Vec::with_capacity(sel.len());
+        for &arg in &sel {
+            let start: usize = leaves[..arg].iter().map(Vec::len).sum();
+            let mut arg_grads = Vec::new();
+            for (k, t) in leaves[arg].iter().enumerate() {
+                arg_grads.push(match cts[start + k] {
+                    Some(ct) => ct,
+                    None => ob.zeros(t.ty.shape.clone(), t.ty.dtype)?,
+                });
+            }
+            grads.push(arg_grads);
+        }
+        (outs, grads)
+    };
+    let tr = |ids: Vec<VarId>| ids.into_iter().map(|id| Tracer::new(&outer, id)).collect::<Vec<_>>();
+    let out = F::Output::unflatten_from(&out_def, &mut tr(outs).into_iter())?;
+    let grads = W::build(&defs, grads.into_iter().map(tr).collect())?;
+    Ok(Differentiated { out, grads })
+}
+
+impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for Grad<F, W, Plain> {
+    type Output = W::Grads;
+    fn apply(&self, args: S) -> Result<W::Grads> {
+        Ok(differentiate::<S, F, W>(&self.f, args)?.grads)
+    }
+}
+
+impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S> for Grad<F, W, Aux> {
+    type Output = (W::Grads, A);
+    fn apply(&self, args: S) -> Result<(W::Grads, A)> {
+        let d = differentiate::<S, F, W>(&self.f, args)?;
+        Ok((d.grads, d.out.1))
+    }
+}
+
+impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for Grad<F, W, Value> {
+    type Output = (Tracer, W::Grads);
+    fn apply(&self, args: S) -> Result<(Tracer, W::Grads)> {
+        let d = differentiate::<S, F, W>(&self.f, args)?;
+        Ok((d.out, d.grads))
+    }
+}
+
+impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S>
+    for Grad<F, W, ValueAux>
+{
+    type Output = ((Tracer, A), W::Grads);
+    fn apply(&self, args: S) -> Result<((Tracer, A), W::Grads)> {
+        let d = differentiate::<S, F, W>(&self.f, args)?;
+        Ok((d.out, d.grads))
+    }
+}
+
+/// The pullback of [`vjp`]: maps cotangents of the function's outputs to
+/// cotangents of all its arguments. The forward values it needs were kept
+/// when `vjp` ran, so each call runs only the reverse pass.
+pub struct Pullback<S: ArgList> {
+    residuals: Vec<Tensor>,
+    backward: Graph,
+    out_def: TreeDef,
+    out_types: Vec<TensorType>,
+    in_defs: Vec<TreeDef>,
+    _s: PhantomData<fn() -> S>,
+}
+
+/// Evaluates `f` at `args` and returns its value with a [`Pullback`], like
+/// `jax.vjp` and `torch.func.vjp`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{vjp, Tracer};
+/// let x = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+/// let (y, pullback) = vjp(&|x: Tracer| x.sqr(), &x)?;
+/// assert_eq!(y.to_vec1::<f32>()?, vec![1., 4., 9.]);
+/// let (dx,) = pullback.call(&Tensor::new(&[1f32, 1., 0.], &Device::Cpu)?)?;
+/// assert_eq!(dx.to_vec1::<f32>()?, vec![2., 4., 0.]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn vjp<S, F, C>(f: &F, args: C) -> Result<(<F::Output as SymTree>::Concrete, Pullback<S>)>
+where
+    S: ArgList,
+    F: Function<S>,
+    C: CallArgs<S>,
+{
+    let (leaves, defs, _) = flatten_call(&args)?;
+    let compiled = trace_top(f, &defs, &leaves)?;
+    let fwd_graph = compiled.graph;
+    let n_out = fwd_graph.outputs.len();
+    let out_types = fwd_graph.output_types();
+    // The joint graph: primals and output cotangents in, outputs and
+    // argument cotangents out.
+    let b = Builder::root();
+    let joint = {
+        let mut bb = b.borrow_mut();
+        let primals: Vec<VarId> = fwd_graph.input_types().into_iter().map(|t| bb.input(t)).collect();
+        let seeds: Vec<(usize, VarId)> = out_types.iter().enumerate().map(|(i, t)| (i, bb.input(t.clone()))).collect();
+        let wrt = vec![true; primals.len()];
+        let (outs, cts) = vjp_graph(&fwd_graph, &mut bb, &primals, &wrt, &seeds)?;
+        let mut results = outs;
+        for (&p, ct) in primals.iter().zip(cts) {
+            let ty = bb.ty(p).clone();
+            results.push(match ct {
+                Some(c) => c,
+                None => bb.zeros(ty.shape, ty.dtype)?,
+            });
+        }
+        bb.finish(results).0.eliminate_dead_code()
+    };
+    let (fwd, backward) = partition(&joint, leaves.iter().map(Vec::len).sum(), n_out);
+    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
+    let mut outs = interp::run(&fwd, &flat)?;
+    let residuals = outs.split_off(n_out);
+    let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
+    let pullback = Pullback {
+        residuals,
+        backward,
+        out_def: compiled.out_def,
+        out_types,
+        in_defs: defs,
+        _s: PhantomData,
+    };
+    Ok((value, pullback))
+}
+
+impl<S: ArgList> Pullback<S> {
+    /// The cotangents of all arguments for the given cotangents of the
+    /// outputs (a tree shaped like the function's result).
+    pub fn call<T: super::tree::TensorTree + ?Sized>(&self, cts: &T) -> Result<S::Concrete> {
+        let mut leaves = Vec::new();
+        let def = cts.flatten_into(&mut leaves);
+        let types: Vec<TensorType> = leaves.iter().map(TensorType::of).collect();
+        if def != self.out_def || types != self.out_types {
+            return Err(Error::Tree {
+                msg: format!("vjp: cotangents {types:?} do not match the outputs {:?}", self.out_types),
+            });
+        }
+        let mut inputs = self.residuals.clone();
+        inputs.extend(leaves);
+        let grads = interp::run(&self.backward, &inputs)?;
+        let mut it = grads.into_iter();
+        let per_arg = self
+            .in_defs
+            .iter()
+            .map(|d| (&mut it).take(d.leaf_count()).collect())
+            .collect();
+        S::concrete_from(&self.in_defs, per_arg)
+    }
+}
+
+/// Splits a joint graph (primals, then cotangents, in; `n_out` outputs, then
+/// gradients, out) into a forward graph (primals in; outputs, then the
+/// residuals the reverse pass reads, out) and a backward graph (residuals,
+/// then cotangents, in; gradients out).
+fn partition(j: &Graph, n_primals: usize, n_out: usize) -> (Graph, Graph) {
+    let mut dep = vec![false; j.nodes.len()];
+    for &v in &j.inputs[n_primals..] {
+        dep[v] = true;
+    }
+    for (v, node) in j.nodes.iter().enumerate() {
+        if !node.prim.is_leaf() {
+            dep[v] = node.args.iter().any(|&a| dep[a]);
+        }
+    }
+    // Residuals: forward values read by the reverse pass or returned as
+    // gradients.
+    let mut residual = vec![false; j.nodes.len()];
+    for (v, node) in j.nodes.iter().enumerate() {
+        if dep[v] && !matches!(node.prim, Prim::Input(_)) {
+            for &a in &node.args {
+                residual[a] |= !dep[a];
+            }
+        }
+    }
+    for &o in &j.outputs[n_out..] {
+        residual[o] |= !dep[o];
+    }
+    let residuals: Vec<VarId> = (0..j.nodes.len()).filter(|&v| residual[v]).collect();
+    let fwd = Graph {
+        nodes: j.nodes.clone(),
+        inputs: j.inputs[..n_primals].to_vec(),
+        outputs: j.outputs[..n_out].iter().copied().chain(residuals.iter().copied()).collect(),
+        consts: j.consts.clone(),
+    }
+    .eliminate_dead_code();
+    // The backward graph: residuals become inputs, then the cotangents.
+    let mut bwd = Graph {
+        consts: j.consts.clone(),
+        ..Graph::default()
+    };
+    let mut env = vec![usize::MAX; j.nodes.len()];
+    for &r in &residuals {
+        env[r] = push_input(&mut bwd, j.nodes[r].ty.clone());
+    }
+    for &v in &j.inputs[n_primals..] {
+        env[v] = push_input(&mut bwd, j.nodes[v].ty.clone());
+    }
+    for (v, node) in j.nodes.iter().enumerate() {
+        if dep[v] && !matches!(node.prim, Prim::Input(_)) {
+            let mut n = node.clone();
+            n.args = node.args.iter().map(|&a| env[a]).collect();
+            bwd.nodes.push(n);
+            env[v] = bwd.nodes.len() - 1;
+        }
+    }
+    bwd.outputs = j.outputs[n_out..].iter().map(|&o| env[o]).collect();
+    (fwd, bwd.eliminate_dead_code())
+}
+
+fn push_input(g: &mut Graph, ty: TensorType) -> VarId {
+    let k = g.inputs.len();
+    g.nodes.push(Node {
+        prim: Prim::Input(k),
+        args: vec![],
+        ty,
+    });
+    g.inputs.push(g.nodes.len() - 1);
+    g.nodes.len() - 1
+}
