@@ -1,13 +1,14 @@
 //! PyTorch's numbers: every `*.safetensors` case in `tests/fixtures` (or in
 //! the directory named by `CANDLE_FUNC_FIXTURES`) runs through every conv
 //! route. `ensemble` cases compare the logits of all models (vmap over
-//! stacked parameters); `per_sample_grad` cases compare the logits and the
+//! stacked parameters); `per_sample_grad` cases compare the per-sample
+//! gradients of every parameter (`vmap(grad)`), the logits and the
 //! per-example losses. A case the crate cannot handle fails; none is skipped.
 
 mod common;
 
 use candle_core::{Device, Tensor};
-use candle_func::{vmap, ConvRoute, Tracer};
+use candle_func::{value_and_grad, vmap, ConvRoute, Tracer};
 use common::arch::{cross_entropy, forward, parse};
 use common::max_diff;
 use std::collections::{BTreeMap, HashMap};
@@ -72,19 +73,25 @@ fn run_per_sample(f: &Fixture, route: ConvRoute) -> String {
     let x = &f.tensors["x"];
     let y = &f.tensors["y"];
     let p = params(f);
-    let model = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
+    // Each example's own loss, as PyTorch computed it on a batch of one.
+    let loss_fn = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
         let logits = forward(&layers, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
-        let loss = cross_entropy(&logits, &y)?;
-        Ok((logits, loss))
+        Ok((cross_entropy(&logits, &y)?, logits))
     };
-    let (logits, loss) = vmap(model)
+    let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
         .in_dims([None, Some(0), Some(0)])
         .conv_route(route)
         .call((&p, x, y))
         .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
     let dl = check(&format!("{} {route:?} logits", f.name), &logits, &f.tensors["logits"]);
     let dx = check(&format!("{} {route:?} loss", f.name), &loss, &f.tensors["loss"]);
-    format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}")
+    let mut dg: f64 = 0.0;
+    assert_eq!(grads.len(), p.len(), "{}: one gradient per parameter", f.name);
+    for (name, g) in &grads {
+        let want = &f.tensors[&format!("grad.{name}")];
+        dg = dg.max(check(&format!("{} {route:?} grad.{name}", f.name), g, want));
+    }
+    format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}")
 }
 
 fn run_ensemble(f: &Fixture, route: ConvRoute) -> String {
