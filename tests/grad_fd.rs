@@ -1,0 +1,227 @@
+//! Finite differences in f64 for every VJP rule: the directional derivative
+//! `<grad f(x), v>` against `(f(x + eps v) - f(x - eps v)) / 2 eps` along a
+//! random direction, with `f = sum(r * prim(x))` for a random `r`, over
+//! random shapes. Gradient primitives (conv input/weight gradients, fold,
+//! pooling gradients, index-add, scatter-add) are checked through
+//! `grad(grad(..))`.
+
+mod common;
+
+use candle_core::{DType, Tensor};
+use candle_func::{grad, jit, ConvGeom, Result, Tracer};
+use common::*;
+use proptest::prelude::*;
+
+const EPS: f64 = 1e-6;
+
+fn f64t(shape: &[usize], seed: u64) -> Tensor {
+    rand(shape, seed).to_dtype(DType::F64).unwrap()
+}
+
+fn dot(a: &Tensor, b: &Tensor) -> f64 {
+    (a * b).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+}
+
+fn close(what: &str, analytic: f64, numeric: f64) {
+    close_to(what, analytic, numeric, 1e-6)
+}
+
+fn close_to(what: &str, analytic: f64, numeric: f64, tol: f64) {
+    let tol = tol * numeric.abs().max(analytic.abs()).max(1.0);
+    assert!((analytic - numeric).abs() <= tol, "{what}: analytic {analytic} vs finite differences {numeric}");
+}
+
+/// Checks the gradient of `x -> sum(r * f(x))` along a random direction.
+fn fd1<F>(what: &str, f: F, x: &Tensor, seed: u64)
+where
+    F: Fn(Tracer) -> Result<Tracer> + Clone,
+{
+    let out = jit(f.clone()).call(x).unwrap();
+    let r = f64t(out.dims(), seed + 7);
+    let scalar = move |x: Tracer| f(x)?.mul(&r)?.sum_all();
+    let g = grad(scalar.clone()).call(x).unwrap();
+    let v = f64t(x.dims(), seed + 11);
+    let run = jit(scalar);
+    let at = |s: f64| run.call((x + (&v * s).unwrap()).unwrap()).unwrap().to_scalar::<f64>().unwrap();
+    close(what, dot(&g, &v), (at(EPS) - at(-EPS)) / (2.0 * EPS));
+}
+
+/// The same for a function of two tensors, differentiated in both.
+fn fd2<F>(what: &str, f: F, x: &Tensor, y: &Tensor, seed: u64)
+where
+    F: Fn(Tracer, Tracer) -> Result<Tracer> + Clone,
+{
+    let out = jit(f.clone()).call((x, y)).unwrap();
+    let r = f64t(out.dims(), seed + 7);
+    let scalar = move |x: Tracer, y: Tracer| f(x, y)?.mul(&r)?.sum_all();
+    let (gx, gy) = grad(scalar.clone()).argnums::<0, 1>().call((x, y)).unwrap();
+    let (vx, vy) = (f64t(x.dims(), seed + 11), f64t(y.dims(), seed + 13));
+    let run = jit(scalar);
+    let at = |s: f64| {
+        let xs = (x + (&vx * s).unwrap()).unwrap();
+        let ys = (y + (&vy * s).unwrap()).unwrap();
+        run.call((xs, ys)).unwrap().to_scalar::<f64>().unwrap()
+    };
+    close(what, dot(&gx, &vx) + dot(&gy, &vy), (at(EPS) - at(-EPS)) / (2.0 * EPS));
+}
+
+type Un = fn(Tracer) -> Result<Tracer>;
+
+fn unary_ops() -> Vec<(&'static str, Un)> {
+    vec![
+        ("neg", |x| x.neg()),
+        ("exp", |x| x.exp()),
+        ("log", |x| x.abs()?.affine(1.0, 0.5)?.log()),
+        ("sqrt", |x| x.abs()?.affine(1.0, 0.5)?.sqrt()),
+        ("sqr", |x| x.sqr()),
+        ("recip", |x| x.abs()?.affine(1.0, 0.5)?.recip()),
+        ("abs", |x| x.abs()),
+        ("relu", |x| x.relu()),
+        ("tanh", |x| x.tanh()),
+        ("sigmoid", |x| x.sigmoid()),
+        ("powf", |x| x.abs()?.affine(1.0, 0.5)?.powf(1.7)),
+        ("affine", |x| x.affine(2.0, -1.0)),
+        ("softmax", |x| x.softmax(-1)),
+        ("log_softmax", |x| x.log_softmax(0)),
+        ("sum", |x| x.sum_keepdim(0)),
+        ("mean", |x| x.mean_all()),
+        ("max", |x| x.max(-1)),
+        ("reshape", |x| x.flatten_all()),
+        ("permute", |x| x.t()),
+        ("broadcast", |x| x.broadcast_as([&[2], x.dims()].concat())),
+        ("narrow", |x| x.narrow(-1, 1, 1)),
+        ("concat", |x| Tracer::cat(&[&x, &x.exp()?], 0)),
+        ("where", |x| x.gt(0.0)?.where_cond(&x.sqr()?, &x.neg()?)),
+    ]
+}
+
+type Bin = fn(Tracer, Tracer) -> Result<Tracer>;
+
+fn binary_ops() -> Vec<(&'static str, Bin)> {
+    vec![
+        ("add", |a, b| a.add(&b)),
+        ("sub", |a, b| a.sub(&b)),
+        ("mul", |a, b| a.mul(&b)),
+        ("div", |a, b| a.div(&b.abs()?.affine(1.0, 0.5)?)),
+        ("maximum", |a, b| a.maximum(&b)),
+        ("minimum", |a, b| a.minimum(&b)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, .. ProptestConfig::default() })]
+
+    #[test]
+    fn unary_and_shape_rules(s in prop::collection::vec(2usize..4, 2..=3), seed in any::<u64>()) {
+        let x = f64t(&s, seed);
+        for (name, f) in unary_ops() {
+            fd1(name, f, &x, seed);
+        }
+        // A round trip through f32 rounds to ~1e-7, so this one takes a
+        // coarser step and tolerance.
+        let cast = |x: Tracer| x.to_dtype(DType::F32)?.exp()?.to_dtype(DType::F64);
+        let g = grad(move |x: Tracer| cast(x)?.sum_all()).call(&x).unwrap();
+        let v = f64t(x.dims(), seed + 11);
+        let run = jit(move |x: Tracer| cast(x)?.sum_all());
+        let at = |s: f64| run.call((&x + (&v * s).unwrap()).unwrap()).unwrap().to_scalar::<f64>().unwrap();
+        close_to("cast", dot(&g, &v), (at(1e-3) - at(-1e-3)) / 2e-3, 1e-3);
+    }
+
+    #[test]
+    fn binary_rules_with_broadcasting(s in prop::collection::vec(2usize..4, 2..=3), drop in 0usize..2, seed in any::<u64>()) {
+        let x = f64t(&s, seed);
+        let mut t = s[drop..].to_vec();
+        t[0] = 1;
+        let y = f64t(&t, seed + 1);
+        for (name, f) in binary_ops() {
+            fd2(name, f, &x, &y, seed);
+            fd2(name, f, &y, &x, seed + 3);
+        }
+    }
+
+    #[test]
+    fn matmul_rule(m in 1usize..4, k in 1usize..4, n in 1usize..4, lead in 0usize..3, seed in any::<u64>()) {
+        let la = if lead == 1 { vec![2] } else { vec![] };
+        let lb = if lead == 2 { vec![2] } else { vec![] };
+        let a = f64t(&[&la[..], &[m, k]].concat(), seed);
+        let b = f64t(&[&lb[..], &[k, n]].concat(), seed + 1);
+        fd2("matmul", |a: Tracer, b: Tracer| a.matmul(&b), &a, &b, seed);
+    }
+
+    #[test]
+    fn index_rules(s in prop::collection::vec(2usize..4, 2..=3), k in 1usize..4, seed in any::<u64>()) {
+        let x = f64t(&s, seed);
+        let idx = rand_idx(&[k], s[1], seed);
+        fd1("index_select", move |x: Tracer| x.index_select(&idx, 1), &x, seed);
+        let mut is = s.clone();
+        *is.last_mut().unwrap() = k;
+        is[0] = 1; // smaller than the operand off the gathered axis
+        let gi = rand_idx(&is, *s.last().unwrap(), seed + 5);
+        fd1("gather", move |x: Tracer| x.gather(&gi, -1), &x, seed);
+    }
+
+    #[test]
+    fn conv_rules(nd in 1usize..4, groups in 1usize..3, size in 4usize..7, k in 1usize..4, st in 1usize..3,
+                  p in 0usize..2, dl in 1usize..3, seed in any::<u64>()) {
+        prop_assume!(size + 2 * p > dl * (k - 1));
+        let x = f64t(&[[2, 2 * groups].as_slice(), &vec![size; nd]].concat(), seed);
+        let w = f64t(&[[2 * groups, 2].as_slice(), &vec![k; nd]].concat(), seed + 1);
+        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        let conv = move |x: Tracer, w: Tracer| x.conv(&w, g.clone(), groups);
+        fd2("conv", conv.clone(), &x, &w, seed);
+        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        fd1("unfold", move |x: Tracer| x.unfold(g.clone()), &x, seed);
+        // second order: the gradients of conv (input and weight gradients,
+        // and fold through unfold's gradient) differentiated again
+        let q = {
+            let out = jit(conv.clone()).call((&x, &w)).unwrap();
+            f64t(out.dims(), seed + 17)
+        };
+        let inner = std::sync::Arc::new(grad(move |x: Tracer, w: Tracer| conv(x, w)?.mul(&q)?.sum_all()).argnums::<0, 1>());
+        let (rx, rw) = (f64t(x.dims(), seed + 19), f64t(w.dims(), seed + 23));
+        let outer = move |x: Tracer, w: Tracer| {
+            let (gx, gw) = candle_func::Function::apply(&*inner, (x, w))?;
+            gx.sqr()?.mul(&rx)?.sum_all()?.add(&gw.sqr()?.mul(&rw)?.sum_all()?)
+        };
+        fd2("conv grad_input/grad_weight", outer, &x, &w, seed);
+        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        let fold_twice = move |x: Tracer| {
+            let inner = grad(|x: Tracer| x.unfold(g.clone())?.sqr()?.sum_all());
+            candle_func::Function::apply(&inner, (x,))
+        };
+        fd1("fold", fold_twice, &x, seed);
+    }
+
+    #[test]
+    fn pool_rules(h in 3usize..7, w in 3usize..7, k in 1usize..4, st in 1usize..3, seed in any::<u64>()) {
+        prop_assume!(k <= h && k <= w);
+        let x = f64t(&[2, 2, h, w], seed);
+        fd1("max_pool2d", move |x: Tracer| x.max_pool2d_with_stride(k, st), &x, seed);
+        fd1("avg_pool2d", move |x: Tracer| x.avg_pool2d_with_stride(k, st), &x, seed);
+        // second order through max_pool2d_grad / max_pool2d_select / avg_pool2d_grad
+        let twice = move |x: Tracer| {
+            let g = grad(move |x: Tracer| x.max_pool2d_with_stride(k, st)?.sqr()?.sum_all());
+            let a = grad(move |x: Tracer| x.avg_pool2d_with_stride(k, st)?.sqr()?.sum_all());
+            candle_func::Function::apply(&g, (x.clone(),))?.add(&candle_func::Function::apply(&a, (x,))?)
+        };
+        fd1("pool gradients", twice, &x, seed);
+    }
+
+    #[test]
+    fn index_gradient_rules(s in prop::collection::vec(2usize..4, 2..=3), k in 1usize..4, seed in any::<u64>()) {
+        let x = f64t(&s, seed);
+        let idx = rand_idx(&[k], s[1], seed);
+        let mut is = s.clone();
+        *is.last_mut().unwrap() = k;
+        let gi = rand_idx(&is, *s.last().unwrap(), seed + 5);
+        // index_add and scatter_add appear as the gradients of index_select
+        // and gather; differentiate them again.
+        let twice = move |x: Tracer| {
+            let (i, g) = (idx.clone(), gi.clone());
+            let a = grad(move |x: Tracer| x.index_select(&i, 1)?.sqr()?.sum_all());
+            let b = grad(move |x: Tracer| x.gather(&g, -1)?.sqr()?.sum_all());
+            candle_func::Function::apply(&a, (x.clone(),))?.mul(&candle_func::Function::apply(&b, (x,))?)
+        };
+        fd1("index_add / scatter_add", twice, &x, seed);
+    }
+}
