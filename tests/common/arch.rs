@@ -158,3 +158,48 @@ pub fn cross_entropy(logits: &Tracer, y: &Tracer) -> Result<Tracer> {
     let lp = logits.log_softmax(0)?;
     lp.gather(&y.reshape((1,))?, 0)?.neg()?.squeeze(0)
 }
+
+/// The same layers run eagerly with candle's own operations (so candle's
+/// `backward()` can differentiate them); conv3d uses the crate's unfold
+/// kernel, which carries a candle backward.
+pub fn forward_eager(
+    layers: &[Layer],
+    p: &BTreeMap<String, candle_core::Tensor>,
+    x: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    let mut h = x.clone();
+    for layer in layers {
+        h = match layer {
+            Layer::Conv { name, nd, k, s, p: pad, d, g, bias } => {
+                let w = &p[&format!("{name}.weight")];
+                let y = match nd {
+                    1 => h.contiguous()?.conv1d(w, *pad, *s, *d, *g)?,
+                    2 => h.contiguous()?.conv2d(w, *pad, *s, *d, *g)?,
+                    _ => candle_func::kernels::unfold::conv_unfold(&h, w, &candle_func::ConvGeom::uniform(3, *k, *s, *pad, *d), *g)?,
+                };
+                if *bias {
+                    let b = &p[&format!("{name}.bias")];
+                    let mut shape = vec![1, b.dims()[0]];
+                    shape.extend(vec![1; *nd]);
+                    y.broadcast_add(&b.reshape(shape)?)?
+                } else {
+                    y
+                }
+            }
+            Layer::Linear { name, bias } => {
+                let y = h.matmul(&p[&format!("{name}.weight")].t()?)?;
+                if *bias {
+                    y.broadcast_add(&p[&format!("{name}.bias")])?
+                } else {
+                    y
+                }
+            }
+            Layer::Relu => h.relu()?,
+            Layer::Tanh => h.tanh()?,
+            Layer::MaxPool { k, s } => h.max_pool2d_with_stride(*k, *s)?,
+            Layer::AvgPool { k, s } => h.avg_pool2d_with_stride(*k, *s)?,
+            Layer::Flatten => h.flatten_from(1)?,
+        };
+    }
+    Ok(h)
+}
