@@ -68,7 +68,10 @@ fn routes_table(shapes: &[Shape], reps: usize) -> candle_func::Result<()> {
     Ok(())
 }
 
-fn unbatched_table(shapes: &[(&str, Vec<usize>, Vec<usize>, usize, usize)], reps: usize) -> candle_func::Result<()> {
+/// (label, input shape, weight shape, stride, padding)
+type Unbatched<'a> = (&'a str, Vec<usize>, Vec<usize>, usize, usize);
+
+fn unbatched_table(shapes: &[Unbatched], reps: usize) -> candle_func::Result<()> {
     println!("\n## Unbatched convolution: candle's conv2d against unfold + matmul\n");
     println!("| shape | candle conv2d ms | unfold + matmul ms | candle / unfold |");
     println!("| --- | --- | --- | --- |");

@@ -69,7 +69,9 @@ pub use kernels::unfold::ConvGeom;
 pub use ops::{custom_op, Axes, Axis};
 pub use route::{conv_route, set_conv_route, ConvRoute, ROUTE_ENV};
 pub use trace::{Operand, Tracer};
+pub use transforms::grad::{
+    grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,
+};
 pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
-pub use transforms::grad::{grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2};
 pub use transforms::vmap::{vmap, Dims, Vmap};
 pub use transforms::{jit, make_graph, Function, Jit};

@@ -16,7 +16,10 @@ fn f64t(shape: &[usize], seed: u64) -> Tensor {
 /// f(x) = sum(tanh(x) * x) + (sum x)^2 / n, per example.
 fn f(x: Tracer) -> candle_func::Result<Tracer> {
     let n = x.elem_count() as f64;
-    x.tanh()?.mul(&x)?.sum_all()?.add(&x.sum_all()?.sqr()?.affine(1.0 / n, 0.0)?)
+    x.tanh()?
+        .mul(&x)?
+        .sum_all()?
+        .add(&x.sum_all()?.sqr()?.affine(1.0 / n, 0.0)?)
 }
 
 /// Central differences of a scalar function of one tensor, per element.
@@ -120,7 +123,10 @@ fn value_aux_argnums_and_vjp() {
     assert_close(&aux, &(&x + &y).unwrap(), "aux");
     assert_close(&gy, &x, "d/dy x.y = x");
     // both arguments
-    let (gx, gy) = grad(|x: Tracer, y: Tracer| x.mul(&y)?.sum_all()).argnums::<0, 1>().call((&x, &y)).unwrap();
+    let (gx, gy) = grad(|x: Tracer, y: Tracer| x.mul(&y)?.sum_all())
+        .argnums::<0, 1>()
+        .call((&x, &y))
+        .unwrap();
     assert_close(&gx, &y, "d/dx");
     assert_close(&gy, &x, "d/dy");
     // grad with aux
@@ -137,7 +143,10 @@ fn value_aux_argnums_and_vjp() {
         assert_close(&gx, &want_x, "pullback x");
         assert_close(&gy, &(&c0 * &x).unwrap(), "pullback y");
     }
-    assert!(pullback.call(&(f64t(&[4], 1), f64t(&[3], 2))).is_err(), "cotangents of the wrong shape");
+    assert!(
+        pullback.call(&(f64t(&[4], 1), f64t(&[3], 2))).is_err(),
+        "cotangents of the wrong shape"
+    );
 }
 
 #[test]
@@ -145,11 +154,14 @@ fn grad_needs_a_scalar_and_names_missing_rules() {
     let x = f64t(&[3], 9);
     let r = grad(|x: Tracer| x.exp()).call(&x);
     assert!(matches!(r, Err(candle_func::Error::Shape { op: "grad", .. })), "{r:?}");
-    let custom = |x: Tracer| {
-        candle_func::custom_op("opaque", &[&x], x.tensor_type().clone(), |xs| xs[0].exp())?.sum_all()
-    };
+    let custom =
+        |x: Tracer| candle_func::custom_op("opaque", &[&x], x.tensor_type().clone(), |xs| xs[0].exp())?.sum_all();
     match grad(custom).call(&x) {
-        Err(candle_func::Error::Unsupported { op, transform: "grad", msg }) => {
+        Err(candle_func::Error::Unsupported {
+            op,
+            transform: "grad",
+            msg,
+        }) => {
             assert_eq!(op, "custom");
             assert!(msg.contains("opaque"), "{msg}");
         }

@@ -21,10 +21,15 @@ fn candle_grads(
     params: &BTreeMap<String, Tensor>,
     loss: impl Fn(&BTreeMap<String, Tensor>) -> candle_core::Result<Tensor>,
 ) -> BTreeMap<String, Tensor> {
-    let vars: BTreeMap<String, Var> = params.iter().map(|(k, v)| (k.clone(), Var::from_tensor(v).unwrap())).collect();
+    let vars: BTreeMap<String, Var> = params
+        .iter()
+        .map(|(k, v)| (k.clone(), Var::from_tensor(v).unwrap()))
+        .collect();
     let ts: BTreeMap<String, Tensor> = vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
     let store = loss(&ts).unwrap().backward().unwrap();
-    vars.iter().map(|(k, v)| (k.clone(), store.get(v.as_tensor()).unwrap().clone())).collect()
+    vars.iter()
+        .map(|(k, v)| (k.clone(), store.get(v.as_tensor()).unwrap().clone()))
+        .collect()
 }
 
 fn candle_ce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
@@ -97,13 +102,28 @@ fn per_sample_against_candle(arch: &str, input: &[usize], classes: usize, batch:
     for l in &layers {
         use common::arch::Layer::*;
         match l {
-            Conv { name, nd, k, s: st, p, d, g, bias } => {
+            Conv {
+                name,
+                nd,
+                k,
+                s: st,
+                p,
+                d,
+                g,
+                bias,
+            } => {
                 let cout = 4;
-                params.insert(format!("{name}.weight"), rand(&[&[cout, shape[0] / g], &vec![*k; *nd][..]].concat(), s));
+                params.insert(
+                    format!("{name}.weight"),
+                    rand(&[&[cout, shape[0] / g], &vec![*k; *nd][..]].concat(), s),
+                );
                 if *bias {
                     params.insert(format!("{name}.bias"), rand(&[cout], s + 1));
                 }
-                let sp: Vec<usize> = shape[1..].iter().map(|&n| (n + 2 * p - d * (k - 1) - 1) / st + 1).collect();
+                let sp: Vec<usize> = shape[1..]
+                    .iter()
+                    .map(|&n| (n + 2 * p - d * (k - 1) - 1) / st + 1)
+                    .collect();
                 shape = [&[cout], &sp[..]].concat();
             }
             Linear { name, bias } => {
@@ -127,12 +147,21 @@ fn per_sample_against_candle(arch: &str, input: &[usize], classes: usize, batch:
         cross_entropy(&forward(&layers, &p, &x.unsqueeze(0)?)?.squeeze(0)?, &y)
     };
     for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
-        let ours = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route).call((&params, &xs, &ys)).unwrap();
+        let ours = vmap(grad(loss))
+            .in_dims([None, Some(0), Some(0)])
+            .conv_route(route)
+            .call((&params, &xs, &ys))
+            .unwrap();
         for i in 0..batch {
             let (x, y) = (xs.narrow(0, i, 1).unwrap(), ys.narrow(0, i, 1).unwrap());
             let theirs = candle_grads(&params, |p| candle_ce(&forward_eager(&layers, p, &x)?, &y));
             for (k, g) in &ours {
-                assert_close(&g.get(i).unwrap(), &theirs[k], 1e-4, &format!("{arch} {route:?} example {i} {k}"));
+                assert_close(
+                    &g.get(i).unwrap(),
+                    &theirs[k],
+                    1e-4,
+                    &format!("{arch} {route:?} example {i} {k}"),
+                );
             }
         }
     }
@@ -148,7 +177,19 @@ fn per_sample_gradients_match_a_loop_of_candle_backward() {
         4,
         2,
     );
-    per_sample_against_candle("c1=conv2d(2,4,k=3,g=2);relu;avgpool2d(k=3,s=3);flatten;fc=linear(16,4)", &[2, 8, 8], 4, 5, 3);
+    per_sample_against_candle(
+        "c1=conv2d(2,4,k=3,g=2);relu;avgpool2d(k=3,s=3);flatten;fc=linear(16,4)",
+        &[2, 8, 8],
+        4,
+        5,
+        3,
+    );
     per_sample_against_candle("c1=conv1d(2,4,k=3,d=2);tanh;flatten;fc=linear(16,3)", &[2, 8], 3, 4, 4);
-    per_sample_against_candle("c1=conv3d(1,4,k=3);relu;c2=conv3d(4,4,k=3,s=2);relu;flatten;fc=linear(32,4)", &[1, 8, 8, 8], 4, 3, 5);
+    per_sample_against_candle(
+        "c1=conv3d(1,4,k=3);relu;c2=conv3d(4,4,k=3,s=2);relu;flatten;fc=linear(32,4)",
+        &[1, 8, 8, 8],
+        4,
+        3,
+        5,
+    );
 }

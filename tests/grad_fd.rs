@@ -28,7 +28,10 @@ fn close(what: &str, analytic: f64, numeric: f64) {
 
 fn close_to(what: &str, analytic: f64, numeric: f64, tol: f64) {
     let tol = tol * numeric.abs().max(analytic.abs()).max(1.0);
-    assert!((analytic - numeric).abs() <= tol, "{what}: analytic {analytic} vs finite differences {numeric}");
+    assert!(
+        (analytic - numeric).abs() <= tol,
+        "{what}: analytic {analytic} vs finite differences {numeric}"
+    );
 }
 
 /// Checks the gradient of `x -> sum(r * f(x))` along a random direction.
@@ -42,7 +45,12 @@ where
     let g = grad(scalar.clone()).call(x).unwrap();
     let v = f64t(x.dims(), seed + 11);
     let run = jit(scalar);
-    let at = |s: f64| run.call((x + (&v * s).unwrap()).unwrap()).unwrap().to_scalar::<f64>().unwrap();
+    let at = |s: f64| {
+        run.call((x + (&v * s).unwrap()).unwrap())
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
     close(what, dot(&g, &v), (at(EPS) - at(-EPS)) / (2.0 * EPS));
 }
 

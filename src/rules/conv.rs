@@ -11,9 +11,9 @@ use super::{arity, fallback, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::config::warn_once;
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::trace::Builder;
 use crate::kernels::unfold::{self, ConvGeom};
 use crate::route::ConvRoute;
+use crate::trace::Builder;
 use candle_core::Tensor;
 
 /// Convolution-family primitives.
@@ -65,7 +65,9 @@ impl ConvOp {
                 format!("conv{}d[{}{}]", geom.kernel.len(), geom_str(geom), groups_str(*groups))
             }
             ConvOp::Unfold(geom) => format!("unfold{}d[{}]", geom.kernel.len(), geom_str(geom)),
-            ConvOp::Fold { geom, spatial } => format!("fold{}d[{},size={spatial:?}]", geom.kernel.len(), geom_str(geom)),
+            ConvOp::Fold { geom, spatial } => {
+                format!("fold{}d[{},size={spatial:?}]", geom.kernel.len(), geom_str(geom))
+            }
             ConvOp::GradInput { geom, groups, spatial } => format!(
                 "conv{}d_grad_input[{}{},size={spatial:?}]",
                 geom.kernel.len(),
@@ -73,7 +75,12 @@ impl ConvOp {
                 groups_str(*groups)
             ),
             ConvOp::GradWeight { geom, groups } => {
-                format!("conv{}d_grad_weight[{}{}]", geom.kernel.len(), geom_str(geom), groups_str(*groups))
+                format!(
+                    "conv{}d_grad_weight[{}{}]",
+                    geom.kernel.len(),
+                    geom_str(geom),
+                    groups_str(*groups)
+                )
             }
         }
     }
@@ -153,7 +160,9 @@ impl Rule for ConvOp {
             ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups).op(&op),
             ConvOp::Unfold(geom) => unfold::unfold(args[0], geom).op(&op),
             ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].contiguous().op(&op)?, geom, spatial).op(&op),
-            ConvOp::GradInput { geom, groups, spatial } => run_grad_input(args[0], args[1], geom, *groups, spatial).op(&op),
+            ConvOp::GradInput { geom, groups, spatial } => {
+                run_grad_input(args[0], args[1], geom, *groups, spatial).op(&op)
+            }
             ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], geom, *groups).op(&op),
         }
     }
@@ -179,25 +188,40 @@ impl Rule for ConvOp {
                 let (x, w) = (args[0], args[1]);
                 let spatial = b.dims(x)[2..].to_vec();
                 let gi = grad_input(geom, *groups, spatial);
-                let gw = Prim::Conv(ConvOp::GradWeight { geom: geom.clone(), groups: *groups });
+                let gw = Prim::Conv(ConvOp::GradWeight {
+                    geom: geom.clone(),
+                    groups: *groups,
+                });
                 vec![Some(b.emit(gi, &[ct, w])?), Some(b.emit(gw, &[x, ct])?)]
             }
             ConvOp::GradInput { geom, groups, .. } => {
                 let (dy, w) = (args[0], args[1]);
-                let conv = Prim::Conv(ConvOp::Conv { geom: geom.clone(), groups: *groups });
-                let gw = Prim::Conv(ConvOp::GradWeight { geom: geom.clone(), groups: *groups });
+                let conv = Prim::Conv(ConvOp::Conv {
+                    geom: geom.clone(),
+                    groups: *groups,
+                });
+                let gw = Prim::Conv(ConvOp::GradWeight {
+                    geom: geom.clone(),
+                    groups: *groups,
+                });
                 vec![Some(b.emit(conv, &[ct, w])?), Some(b.emit(gw, &[ct, dy])?)]
             }
             ConvOp::GradWeight { geom, groups } => {
                 let (x, dy) = (args[0], args[1]);
                 let spatial = b.dims(x)[2..].to_vec();
                 let gi = grad_input(geom, *groups, spatial);
-                let conv = Prim::Conv(ConvOp::Conv { geom: geom.clone(), groups: *groups });
+                let conv = Prim::Conv(ConvOp::Conv {
+                    geom: geom.clone(),
+                    groups: *groups,
+                });
                 vec![Some(b.emit(gi, &[dy, ct])?), Some(b.emit(conv, &[x, ct])?)]
             }
             ConvOp::Unfold(geom) => {
                 let spatial = b.dims(args[0])[2..].to_vec();
-                let fold = Prim::Conv(ConvOp::Fold { geom: geom.clone(), spatial });
+                let fold = Prim::Conv(ConvOp::Fold {
+                    geom: geom.clone(),
+                    spatial,
+                });
                 vec![Some(b.emit(fold, &[ct])?)]
             }
             ConvOp::Fold { geom, .. } => vec![Some(b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[ct])?)],
@@ -223,8 +247,12 @@ fn infer_fold(geom: &ConvGeom, spatial: &[usize], args: &[&TensorType]) -> Resul
         .map_err(|e| Error::shape("fold", &[c], e.to_string()))?
         .iter()
         .product();
-    if c.len() != 3 || k == 0 || c[1] % k != 0 || c[2] != l || spatial.len() != geom.kernel.len() {
-        return Err(Error::shape("fold", &[c], format!("expected [N, C*{k}, {l}] for size {spatial:?}")));
+    if c.len() != 3 || k == 0 || !c[1].is_multiple_of(k) || c[2] != l || spatial.len() != geom.kernel.len() {
+        return Err(Error::shape(
+            "fold",
+            &[c],
+            format!("expected [N, C*{k}, {l}] for size {spatial:?}"),
+        ));
     }
     Ok(args[0].with_shape([&[c[0], c[1] / k], spatial].concat()))
 }
@@ -233,10 +261,21 @@ fn infer_grad_input(geom: &ConvGeom, groups: usize, spatial: &[usize], args: &[&
     arity("conv_grad_input", args, 2)?;
     let dt = same_dtype("conv_grad_input", args)?;
     let (ct, w) = (args[0].shape.as_slice(), args[1].shape.as_slice());
-    let x = [&[ct.first().copied().unwrap_or(0), w.get(1).copied().unwrap_or(0) * groups], spatial].concat();
+    let x = [
+        &[
+            ct.first().copied().unwrap_or(0),
+            w.get(1).copied().unwrap_or(0) * groups,
+        ],
+        spatial,
+    ]
+    .concat();
     let want = infer_conv(geom, groups, &[&TensorType::new(x.clone(), dt), args[1]])?;
     if want.shape != ct {
-        return Err(Error::shape("conv_grad_input", &[ct, w], format!("expected a cotangent of shape {:?}", want.shape)));
+        return Err(Error::shape(
+            "conv_grad_input",
+            &[ct, w],
+            format!("expected a cotangent of shape {:?}", want.shape),
+        ));
     }
     Ok(TensorType::new(x, dt))
 }
@@ -246,30 +285,52 @@ fn infer_grad_weight(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Re
     let dt = same_dtype("conv_grad_weight", args)?;
     let (x, ct) = (args[0].shape.as_slice(), args[1].shape.as_slice());
     if x.len() < 2 || ct.len() < 2 || groups == 0 || x[1] % groups != 0 {
-        return Err(Error::shape("conv_grad_weight", &[x, ct], format!("bad operands for {groups} groups")));
+        return Err(Error::shape(
+            "conv_grad_weight",
+            &[x, ct],
+            format!("bad operands for {groups} groups"),
+        ));
     }
     let w = [&[ct[1], x[1] / groups], &geom.kernel[..]].concat();
     let want = infer_conv(geom, groups, &[args[0], &TensorType::new(w.clone(), dt)])?;
     if want.shape != ct {
-        return Err(Error::shape("conv_grad_weight", &[x, ct], format!("expected a cotangent of shape {:?}", want.shape)));
+        return Err(Error::shape(
+            "conv_grad_weight",
+            &[x, ct],
+            format!("expected a cotangent of shape {:?}", want.shape),
+        ));
     }
     Ok(TensorType::new(w, dt))
 }
 
 /// `dx = fold(w^T @ ct)`, one GEMM per group with the examples folded into
 /// the columns: `ct: N Cout L -> g Cout/g (N L)`.
-fn run_grad_input(ct: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, spatial: &[usize]) -> candle_core::Result<Tensor> {
+fn run_grad_input(
+    ct: &Tensor,
+    w: &Tensor,
+    g: &ConvGeom,
+    groups: usize,
+    spatial: &[usize],
+) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l = ct.elem_count() / (n * cout);
     let cpg = cout / groups;
     let ck = w.elem_count() / cout; // Cin/g * K
-    // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
+                                    // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
     let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?;
     // N Cout O.. -> N g Cout/g L -> g Cout/g N L -> g Cout/g (N L)
-    let c = ct.reshape((n, groups, cpg, l))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((groups, cpg, n * l))?;
+    let c = ct
+        .reshape((n, groups, cpg, l))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((groups, cpg, n * l))?;
     let cols = wt.contiguous()?.matmul(&c)?; // g CK (N L)
-    // g CK N L -> N g CK L -> N (g CK) L
-    let cols = cols.reshape((groups, ck, n, l))?.permute((2, 0, 1, 3))?.contiguous()?.reshape((n, groups * ck, l))?;
+                                             // g CK N L -> N g CK L -> N (g CK) L
+    let cols = cols
+        .reshape((groups, ck, n, l))?
+        .permute((2, 0, 1, 3))?
+        .contiguous()?
+        .reshape((n, groups * ck, l))?;
     unfold::fold(&cols, g, spatial)
 }
 
@@ -282,8 +343,16 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
     let ck = cols.dims()[1] / groups;
     // N Cin*K L -> N g CK L -> g CK N L -> g CK (N L), used transposed
-    let cols = cols.reshape((n, groups, ck, l))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((groups, ck, n * l))?;
-    let c = ct.reshape((n, groups, cpg, l))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((groups, cpg, n * l))?;
+    let cols = cols
+        .reshape((n, groups, ck, l))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((groups, ck, n * l))?;
+    let c = ct
+        .reshape((n, groups, cpg, l))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((groups, cpg, n * l))?;
     let gw = c.matmul(&cols.transpose(1, 2)?)?; // g Cout/g CK
     gw.reshape([&[cout, x.dims()[1] / groups], &g.kernel[..]].concat())
 }
@@ -449,7 +518,13 @@ fn merge_front(cx: &mut BatchCx, v: VarId) -> Result<VarId> {
 
 /// Batches the input gradient (a transposed convolution). With only the
 /// cotangent batched the batch joins `N`; otherwise the route decides.
-fn batch_grad_input(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, spatial: &[usize], args: &[BVal]) -> Result<BVal> {
+fn batch_grad_input(
+    cx: &mut BatchCx,
+    geom: &ConvGeom,
+    groups: usize,
+    spatial: &[usize],
+    args: &[BVal],
+) -> Result<BVal> {
     let (ct, w) = (args[0], args[1]);
     if w.1.is_none() {
         let cf = fold_into_n(cx, ct)?;
@@ -460,11 +535,16 @@ fn batch_grad_input(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, spatial: &
     let cb = cx.materialize(ct)?; // B N Cout O..
     let wb = cx.materialize(w)?; // B Cout Cin/g k..
     match effective_route(cx.opts.route, geom) {
-        ConvRoute::Loop => fallback::emit_loop(cx, grad_input(geom, groups, spatial.to_vec()), &[(cb, Some(0)), (wb, Some(0))]),
+        ConvRoute::Loop => fallback::emit_loop(
+            cx,
+            grad_input(geom, groups, spatial.to_vec()),
+            &[(cb, Some(0)), (wb, Some(0))],
+        ),
         ConvRoute::Grouped => {
             let cf = batch_into_channels(cx, cb)?; // N (B Cout) O..
             let wf = merge_front(cx, wb)?; // (B Cout) Cin/g k..
-            let y = cx.b.emit(grad_input(geom, groups * size, spatial.to_vec()), &[cf, wf])?;
+            let y =
+                cx.b.emit(grad_input(geom, groups * size, spatial.to_vec()), &[cf, wf])?;
             let yd = cx.b.dims(y); // N (B Cin) S..
             let y = cx.b.reshape(y, [&[yd[0], size, yd[1] / size], &yd[2..]].concat())?;
             Ok((y, Some(1)))
@@ -475,13 +555,13 @@ fn batch_grad_input(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, spatial: &
             let l: usize = cd[3..].iter().product();
             let wd = cx.b.dims(wb);
             let ck: usize = wd[2..].iter().product(); // Cin/g K
-            // B N Cout O.. -> B N g Cout/g L
+                                                      // B N Cout O.. -> B N g Cout/g L
             let c = cx.b.reshape(cb, vec![size, n, groups, cout / groups, l])?;
             // B Cout Cin/g k.. -> B 1 g Cout/g CK -> B 1 g CK Cout/g
             let wm = cx.b.reshape(wb, vec![size, 1, groups, cout / groups, ck])?;
             let wt = cx.b.permute(wm, vec![0, 1, 2, 4, 3])?;
             let cols = cx.b.emit(Prim::Matmul, &[wt, c])?; // B N g CK L
-            // B N g CK L -> (B N) (g CK) L -> fold -> (B N) Cin S.. -> B N Cin S..
+                                                           // B N g CK L -> (B N) (g CK) L -> fold -> (B N) Cin S.. -> B N Cin S..
             let cols = cx.b.reshape(cols, vec![size * n, groups * ck, l])?;
             let fold = Prim::Conv(ConvOp::Fold {
                 geom: geom.clone(),
@@ -535,7 +615,8 @@ fn batch_grad_weight(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[B
             // B g CK (N L) -> B g (N L) CK; the product is B g Cout/g CK
             let colst = cx.b.permute(cols, vec![0, 1, 3, 2])?;
             let y = cx.b.emit(Prim::Matmul, &[c, colst])?;
-            let y = cx.b.reshape(y, [&[size, cout, xd[2] / groups], &geom.kernel[..]].concat())?;
+            let y =
+                cx.b.reshape(y, [&[size, cout, xd[2] / groups], &geom.kernel[..]].concat())?;
             Ok((y, Some(0)))
         }
     }

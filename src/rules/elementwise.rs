@@ -262,8 +262,14 @@ fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: V
             (gx, b.un(Unary::Neg, gy)?)
         }
         // Ties split the cotangent evenly, as PyTorch does.
-        Maximum => (extremum_share(b, Compare::Gt, x, y, ct)?, extremum_share(b, Compare::Gt, y, x, ct)?),
-        Minimum => (extremum_share(b, Compare::Lt, x, y, ct)?, extremum_share(b, Compare::Lt, y, x, ct)?),
+        Maximum => (
+            extremum_share(b, Compare::Gt, x, y, ct)?,
+            extremum_share(b, Compare::Gt, y, x, ct)?,
+        ),
+        Minimum => (
+            extremum_share(b, Compare::Lt, x, y, ct)?,
+            extremum_share(b, Compare::Lt, y, x, ct)?,
+        ),
     })
 }
 

@@ -130,7 +130,9 @@ impl Rule for LoopPrim {
         for (i, &a) in args.iter().enumerate() {
             cts.push(match has[i] {
                 true => {
-                    let g = outs.next().ok_or_else(|| Error::unsupported(self.name(), "grad", "missing cotangent"))?;
+                    let g = outs
+                        .next()
+                        .ok_or_else(|| Error::unsupported(self.name(), "grad", "missing cotangent"))?;
                     Some(match_operand(&mut cx, g, (a, self.bdims[i]))?)
                 }
                 false => None,

@@ -91,7 +91,11 @@ impl Rule for IndexOp {
             IndexOp::IndexAdd { axis, size } => {
                 check_index_dtype("index_add", idx)?;
                 if axis >= xs.len() || is.len() != 1 || is[0] != xs[axis] {
-                    return Err(Error::shape("index_add", &[xs, is], "needs a 1-D index as long as the source's axis"));
+                    return Err(Error::shape(
+                        "index_add",
+                        &[xs, is],
+                        "needs a 1-D index as long as the source's axis",
+                    ));
                 }
                 let mut d = xs.to_vec();
                 d[axis] = size;
@@ -100,7 +104,11 @@ impl Rule for IndexOp {
             IndexOp::ScatterAdd { axis, size } => {
                 check_index_dtype("scatter_add", idx)?;
                 if axis >= xs.len() || is != xs {
-                    return Err(Error::shape("scatter_add", &[xs, is], "the index must have the source's shape"));
+                    return Err(Error::shape(
+                        "scatter_add",
+                        &[xs, is],
+                        "the index must have the source's shape",
+                    ));
                 }
                 let mut d = xs.to_vec();
                 d[axis] = size;

@@ -236,7 +236,11 @@ impl Builder {
         }
         let lead = s.len() - shape.len();
         let mut axes: Vec<usize> = (0..lead).collect();
-        axes.extend((0..shape.len()).filter(|&i| shape[i] == 1 && s[lead + i] != 1).map(|i| i + lead));
+        axes.extend(
+            (0..shape.len())
+                .filter(|&i| shape[i] == 1 && s[lead + i] != 1)
+                .map(|i| i + lead),
+        );
         let r = self.sum_axes(v, axes, true)?;
         self.reshape(r, shape.to_vec())
     }

@@ -127,7 +127,11 @@ impl Rule for PoolOp {
             }
             PoolOp::AvgPoolGrad { input, .. } => {
                 arity(kind, args, 1)?;
-                let full = if x.len() == 4 { vec![x[0], x[1], input.0, input.1] } else { vec![] };
+                let full = if x.len() == 4 {
+                    vec![x[0], x[1], input.0, input.1]
+                } else {
+                    vec![]
+                };
                 expect_shape(kind, x, &pooled(kind, w, &full)?, &full)?;
                 Ok(args[0].with_shape(full))
             }
@@ -166,19 +170,29 @@ impl Rule for PoolOp {
         let pool = |op: PoolOp| Prim::Pool(op);
         let cts = match self {
             PoolOp::MaxPool2d { .. } => {
-                vec![Some(b.emit(pool(PoolOp::MaxPoolGrad { kernel, stride }), &[args[0], ct])?)]
+                vec![Some(
+                    b.emit(pool(PoolOp::MaxPoolGrad { kernel, stride }), &[args[0], ct])?,
+                )]
             }
             // Piecewise constant in x; linear in the cotangent.
             PoolOp::MaxPoolGrad { .. } => {
-                vec![None, Some(b.emit(pool(PoolOp::MaxPoolSelect { kernel, stride }), &[args[0], ct])?)]
+                vec![
+                    None,
+                    Some(b.emit(pool(PoolOp::MaxPoolSelect { kernel, stride }), &[args[0], ct])?),
+                ]
             }
             PoolOp::MaxPoolSelect { .. } => {
-                vec![None, Some(b.emit(pool(PoolOp::MaxPoolGrad { kernel, stride }), &[args[0], ct])?)]
+                vec![
+                    None,
+                    Some(b.emit(pool(PoolOp::MaxPoolGrad { kernel, stride }), &[args[0], ct])?),
+                ]
             }
             PoolOp::AvgPool2d { .. } => {
                 let d = b.dims(args[0]);
                 let input = (d[2], d[3]);
-                vec![Some(b.emit(pool(PoolOp::AvgPoolGrad { kernel, stride, input }), &[ct])?)]
+                vec![Some(
+                    b.emit(pool(PoolOp::AvgPoolGrad { kernel, stride, input }), &[ct])?,
+                )]
             }
             PoolOp::AvgPoolGrad { .. } => vec![Some(b.emit(pool(PoolOp::AvgPool2d { kernel, stride }), &[ct])?)],
         };
@@ -228,4 +242,3 @@ fn avg_pool_grad(ct: &Tensor, w: Window, out: &[usize]) -> candle_core::Result<T
     let cols = share.broadcast_as((n * c, kk, ho * wo))?.contiguous()?;
     fold(&cols, &geom(w), &out[2..])?.reshape(out)
 }
-

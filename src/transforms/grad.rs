@@ -281,12 +281,24 @@ where
     W: Argnums<S>,
 {
     let (leaves, defs) = args.flatten_args();
-    let outer = innermost(&leaves).ok_or_else(|| Error::unsupported("grad", "grad", "the function has no tensor arguments"))?;
-    let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(|t| t.ty.clone()).collect()).collect();
+    let outer =
+        innermost(&leaves).ok_or_else(|| Error::unsupported("grad", "grad", "the function has no tensor arguments"))?;
+    let types: Vec<Vec<TensorType>> = leaves
+        .iter()
+        .map(|a| a.iter().map(|t| t.ty.clone()).collect())
+        .collect();
     let (g, captures, out_def) = trace_inner(f, &outer, &defs, &types)?;
-    let loss = g.outputs.first().map(|&o| g.ty(o).clone()).unwrap_or(TensorType::new(vec![0], candle_core::DType::F32));
+    let loss = g
+        .outputs
+        .first()
+        .map(|&o| g.ty(o).clone())
+        .unwrap_or(TensorType::new(vec![0], candle_core::DType::F32));
     if loss.rank() != 0 {
-        return Err(Error::shape("grad", &[&loss.shape], "the differentiated function must return a scalar (shape [])"));
+        return Err(Error::shape(
+            "grad",
+            &[&loss.shape],
+            "the differentiated function must return a scalar (shape [])",
+        ));
     }
     let sel = W::indices();
     let (outs, grads) = {
@@ -347,9 +359,7 @@ impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for
     }
 }
 
-impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S>
-    for Grad<F, W, ValueAux>
-{
+impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S> for Grad<F, W, ValueAux> {
     type Output = ((Tracer, A), W::Grads);
     fn apply(&self, args: S) -> Result<((Tracer, A), W::Grads)> {
         let d = differentiate::<S, F, W>(&self.f, args)?;
@@ -399,7 +409,11 @@ where
     let joint = {
         let mut bb = b.borrow_mut();
         let primals: Vec<VarId> = fwd_graph.input_types().into_iter().map(|t| bb.input(t)).collect();
-        let seeds: Vec<(usize, VarId)> = out_types.iter().enumerate().map(|(i, t)| (i, bb.input(t.clone()))).collect();
+        let seeds: Vec<(usize, VarId)> = out_types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (i, bb.input(t.clone())))
+            .collect();
         let wrt = vec![true; primals.len()];
         let (outs, cts) = vjp_graph(&fwd_graph, &mut bb, &primals, &wrt, &seeds)?;
         let mut results = outs;
@@ -437,7 +451,10 @@ impl<S: ArgList> Pullback<S> {
         let types: Vec<TensorType> = leaves.iter().map(TensorType::of).collect();
         if def != self.out_def || types != self.out_types {
             return Err(Error::Tree {
-                msg: format!("vjp: cotangents {types:?} do not match the outputs {:?}", self.out_types),
+                msg: format!(
+                    "vjp: cotangents {types:?} do not match the outputs {:?}",
+                    self.out_types
+                ),
             });
         }
         let mut inputs = self.residuals.clone();
@@ -484,7 +501,11 @@ fn partition(j: &Graph, n_primals: usize, n_out: usize) -> (Graph, Graph) {
     let fwd = Graph {
         nodes: j.nodes.clone(),
         inputs: j.inputs[..n_primals].to_vec(),
-        outputs: j.outputs[..n_out].iter().copied().chain(residuals.iter().copied()).collect(),
+        outputs: j.outputs[..n_out]
+            .iter()
+            .copied()
+            .chain(residuals.iter().copied())
+            .collect(),
         consts: j.consts.clone(),
     }
     .eliminate_dead_code();

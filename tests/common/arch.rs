@@ -170,12 +170,26 @@ pub fn forward_eager(
     let mut h = x.clone();
     for layer in layers {
         h = match layer {
-            Layer::Conv { name, nd, k, s, p: pad, d, g, bias } => {
+            Layer::Conv {
+                name,
+                nd,
+                k,
+                s,
+                p: pad,
+                d,
+                g,
+                bias,
+            } => {
                 let w = &p[&format!("{name}.weight")];
                 let y = match nd {
                     1 => h.contiguous()?.conv1d(w, *pad, *s, *d, *g)?,
                     2 => h.contiguous()?.conv2d(w, *pad, *s, *d, *g)?,
-                    _ => candle_func::kernels::unfold::conv_unfold(&h, w, &candle_func::ConvGeom::uniform(3, *k, *s, *pad, *d), *g)?,
+                    _ => candle_func::kernels::unfold::conv_unfold(
+                        &h,
+                        w,
+                        &candle_func::ConvGeom::uniform(3, *k, *s, *pad, *d),
+                        *g,
+                    )?,
                 };
                 if *bias {
                     let b = &p[&format!("{name}.bias")];

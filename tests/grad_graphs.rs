@@ -1,0 +1,97 @@
+//! What the transforms emit: under `vmap(grad)` a convolution's weight
+//! gradient takes the conv route (the Opacus unfold formula, a grouped
+//! gradient, or a loop), a linear layer's per-sample gradient is one batched
+//! matmul no larger than `[B, out, in]`, and no dead forward work remains.
+
+mod common;
+
+use candle_func::ir::Prim;
+use candle_func::{grad, make_graph, vmap, ConvRoute, Graph, Tracer};
+use common::rand;
+
+fn count(g: &Graph, pred: impl Fn(&Prim) -> bool) -> usize {
+    g.nodes.iter().filter(|n| pred(&n.prim)).count()
+}
+
+fn has(g: &Graph, name: &str) -> bool {
+    g.nodes.iter().any(|n| n.prim.name().starts_with(name))
+}
+
+fn conv_loss(w: Tracer, x: Tracer) -> candle_func::Result<Tracer> {
+    x.unsqueeze(0)?.conv2d(&w, 1, 1, 1, 2)?.sqr()?.sum_all()
+}
+
+#[test]
+fn conv_weight_gradient_takes_the_route() {
+    let w = rand(&[6, 2, 3, 3], 1);
+    let xs = rand(&[5, 4, 7, 7], 2);
+    let graph = |r| make_graph(&vmap(grad(conv_loss)).in_dims([None, Some(0)]).conv_route(r), (&w, &xs)).unwrap();
+    let g = graph(ConvRoute::Unfold);
+    assert!(has(&g, "unfold2d") && has(&g, "matmul"), "{g}");
+    assert!(!has(&g, "conv2d_grad_weight") && !has(&g, "loop"), "{g}");
+    let g = graph(ConvRoute::Grouped);
+    assert!(
+        g.nodes
+            .iter()
+            .any(|n| n.prim.name().starts_with("conv2d_grad_weight") && n.prim.name().contains("g=10")),
+        "{g}"
+    );
+    let g = graph(ConvRoute::Loop);
+    assert!(
+        g.nodes
+            .iter()
+            .any(|n| n.prim.name().starts_with("loop") && n.prim.name().contains("conv2d_grad_weight")),
+        "{g}"
+    );
+    // and the three agree
+    let run = |r| {
+        vmap(grad(conv_loss))
+            .in_dims([None, Some(0)])
+            .conv_route(r)
+            .call((&w, &xs))
+            .unwrap()
+    };
+    let base = run(ConvRoute::Loop);
+    for r in [ConvRoute::Unfold, ConvRoute::Grouped] {
+        common::assert_close(&run(r), &base, 1e-4, &format!("{r:?}"));
+    }
+}
+
+#[test]
+fn linear_per_sample_gradient_is_one_batched_matmul() {
+    let (b, fin, fout) = (8, 32, 10);
+    let w = rand(&[fout, fin], 1);
+    let xs = rand(&[b, fin], 2);
+    let loss = |w: Tracer, x: Tracer| x.unsqueeze(0)?.matmul(&w.t()?)?.tanh()?.sum_all();
+    let g = make_graph(&vmap(grad(loss)).in_dims([None, Some(0)]), (&w, &xs)).unwrap();
+    let biggest = g.nodes.iter().map(|n| n.ty.elem_count()).max().unwrap();
+    assert_eq!(biggest, b * fin * fout, "{g}");
+    let big_matmuls = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.prim, Prim::Matmul) && n.ty.elem_count() == b * fin * fout)
+        .count();
+    assert_eq!(big_matmuls, 1, "{g}");
+}
+
+#[test]
+fn no_dead_forward_work() {
+    // A two-layer MLP differentiated with respect to its weights only: two
+    // forward matmuls, two weight gradients, one backward through layer 2;
+    // no gradient with respect to the data.
+    let w1 = rand(&[16, 8], 1);
+    let w2 = rand(&[4, 16], 2);
+    let xs = rand(&[6, 8], 3);
+    let loss = |(w1, w2): (Tracer, Tracer), x: Tracer| {
+        let h = x.unsqueeze(0)?.matmul(&w1.t()?)?.relu()?;
+        let _unused = h.exp()?.sum_all()?;
+        h.matmul(&w2.t()?)?.log_softmax(1)?.sum_all()
+    };
+    let g = make_graph(&vmap(grad(loss)).in_dims([None, Some(0)]), ((&w1, &w2), &xs)).unwrap();
+    assert_eq!(count(&g, |p| matches!(p, Prim::Matmul)), 5, "{g}");
+    assert_eq!(
+        count(&g, |p| p.name() == "exp"),
+        1,
+        "only log_softmax's gradient needs an exp: {g}"
+    );
+}
