@@ -2,7 +2,8 @@
 //!
 //! Composable function transforms for [candle](https://github.com/huggingface/candle),
 //! in the style of JAX and `torch.func`: [`vmap`] vectorises a function over a
-//! batch axis, and transforms nest. A function is traced once per input
+//! batch axis, [`grad`] differentiates it, and transforms nest:
+//! `vmap(grad(loss))` gives per-sample gradients. A function is traced once per input
 //! signature into a small graph IR, rewritten by per-primitive rules, and
 //! run by an interpreter on candle tensors.
 //!
@@ -10,7 +11,7 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
-//! use candle_func::{vmap, ConvRoute, Tracer};
+//! use candle_func::{grad, vmap, ConvRoute, Tracer};
 //!
 //! let dev = Device::Cpu;
 //! // A tiny per-example model: conv -> relu -> global sum -> linear.
@@ -32,6 +33,11 @@
 //!     .conv_route(ConvRoute::Unfold);
 //! let out = ensemble.call((&ws, &xs))?;
 //! assert_eq!(out.dims(), &[5, 16, 4, 6, 6]);
+//!
+//! // Per-sample gradients: the gradient of each example's own loss.
+//! let loss = |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv2d(&w, 1, 1, 1, 1)?.sqr()?.mean_all();
+//! let per_sample = vmap(grad(loss)).in_dims([None, Some(0)]).call((&w, &xs))?;
+//! assert_eq!(per_sample.dims(), &[16, 4, 1, 3, 3]);
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 //!
@@ -40,7 +46,8 @@
 //! * [`Tracer`]: the symbolic tensor a traced closure receives; its methods
 //!   mirror candle's `Tensor` and check shapes as they record.
 //! * [`vmap`] with `in_dims`, `out_dims`, `chunk_size`, `conv_route`,
-//!   `strict`; [`jit`] runs a traced function without transforming it;
+//!   `strict`; [`grad`], [`value_and_grad`] and [`vjp`] for reverse mode;
+//!   [`jit`] runs a traced function without transforming it;
 //!   [`make_graph`] shows the graph a call runs.
 //! * [`ConvRoute`]: how a convolution with batched input and weight is
 //!   lowered (grouped convolution, unfold + batched matmul, or a loop).
