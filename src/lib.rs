@@ -57,10 +57,12 @@
 #![warn(missing_docs)]
 
 mod config;
+pub mod dp;
 mod error;
 pub mod interp;
 pub mod ir;
 pub mod kernels;
+pub mod nn;
 mod ops;
 mod route;
 pub(crate) mod rules;
@@ -75,10 +77,11 @@ pub use ir::{Graph, TensorType};
 pub use kernels::unfold::ConvGeom;
 pub use ops::{custom_op, Axes, Axis};
 pub use route::{conv_route, set_conv_route, ConvRoute, ROUTE_ENV};
+pub use rules::random::manual_seed;
 pub use trace::{Operand, Tracer};
 pub use transforms::grad::{
     grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,
 };
 pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
-pub use transforms::vmap::{vmap, Dims, Vmap};
+pub use transforms::vmap::{vmap, Dims, Randomness, Vmap};
 pub use transforms::{jit, make_graph, Function, Jit};

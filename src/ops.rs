@@ -442,6 +442,15 @@ impl Tracer {
         self.emit(Prim::Conv(ConvOp::Unfold(geom)), &[])
     }
 
+    /// Values uniform in `[0, 1)` with this tensor's shape and dtype, drawn
+    /// anew at every run (see [`crate::manual_seed`]; under `vmap`, the
+    /// transform's `randomness` setting applies).
+    pub fn rand_uniform_like(&self) -> Result<Tracer> {
+        let prim = Prim::Random(crate::rules::random::Uniform { ty: self.ty.clone() });
+        let id = self.b.borrow_mut().emit(prim, &[])?;
+        Ok(Tracer::new(&self.b, id))
+    }
+
     /// Max pooling over `[N, C, H, W]` with stride equal to the kernel.
     pub fn max_pool2d(&self, kernel: impl ToUsize2) -> Result<Tracer> {
         let k = kernel.to_usize2();

@@ -4,12 +4,16 @@
 //! stacked parameters); `per_sample_grad` cases compare the per-sample
 //! gradients of every parameter (`vmap(grad)`), the logits and the
 //! per-example losses. A case the crate cannot handle fails; none is skipped.
+//! Models are built from the `arch` string with `candle_func::nn` layers whose
+//! weights load from the fixture's tensors by name (as a PyTorch state dict
+//! would), and run through `functional_call` and `stack_params`.
 
 mod common;
 
 use candle_core::{Device, Tensor};
+use candle_func::nn::{functional_call, stack_params, Module};
 use candle_func::{value_and_grad, vmap, ConvRoute, Tracer};
-use common::arch::{cross_entropy, forward, parse};
+use common::arch::{build_nn, cross_entropy, parse};
 use common::max_diff;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -68,14 +72,28 @@ fn check(what: &str, got: &Tensor, want: &Tensor) -> f64 {
     d
 }
 
+/// The fixture's model as `nn` layers, weights loaded by name from `p`.
+fn model(f: &Fixture, p: &BTreeMap<String, Tensor>) -> candle_func::nn::Sequential {
+    let vb =
+        candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &Device::Cpu);
+    let m = build_nn(&parse(&f.meta["arch"]), &vb).unwrap_or_else(|e| panic!("{}: {e}", f.name));
+    assert_eq!(
+        m.params().keys().collect::<Vec<_>>(),
+        p.keys().collect::<Vec<_>>(),
+        "{}: parameter names",
+        f.name
+    );
+    m
+}
+
 fn run_per_sample(f: &Fixture, route: ConvRoute) -> String {
-    let layers = parse(&f.meta["arch"]);
     let x = &f.tensors["x"];
     let y = &f.tensors["y"];
     let p = params(f);
+    let net = model(f, &p);
     // Each example's own loss, as PyTorch computed it on a batch of one.
     let loss_fn = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
-        let logits = forward(&layers, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
+        let logits = functional_call(&net, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
         Ok((cross_entropy(&logits, &y)?, logits))
     };
     let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
@@ -95,12 +113,23 @@ fn run_per_sample(f: &Fixture, route: ConvRoute) -> String {
 }
 
 fn run_ensemble(f: &Fixture, route: ConvRoute) -> String {
-    let layers = parse(&f.meta["arch"]);
     let shared = f.meta.get("shared_batch").map(|s| s == "true").unwrap_or(false);
-    let p = params(f);
+    let stacked = params(f);
+    // one model per slice of the stacked parameters, stacked again
+    let m: usize = f.meta["models"].parse().unwrap();
+    let nets: Vec<_> = (0..m)
+        .map(|i| {
+            model(
+                f,
+                &stacked.iter().map(|(k, v)| (k.clone(), v.get(i).unwrap())).collect(),
+            )
+        })
+        .collect();
+    let refs: Vec<&candle_func::nn::Sequential> = nets.iter().collect();
+    let p = stack_params(&refs).unwrap();
     let x = &f.tensors["x"];
     let x_dim = if shared { None } else { Some(0) };
-    let logits = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| forward(&layers, &p, &x))
+    let logits = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(&nets[0], &p, &x))
         .in_dims([Some(0), x_dim])
         .conv_route(route)
         .call((&p, x))

@@ -111,6 +111,7 @@ fn per_sample_against_candle(arch: &str, input: &[usize], classes: usize, batch:
                 d,
                 g,
                 bias,
+                ..
             } => {
                 let cout = 4;
                 params.insert(
@@ -126,7 +127,7 @@ fn per_sample_against_candle(arch: &str, input: &[usize], classes: usize, batch:
                     .collect();
                 shape = [&[cout], &sp[..]].concat();
             }
-            Linear { name, bias } => {
+            Linear { name, bias, .. } => {
                 let fin: usize = shape.iter().product();
                 params.insert(format!("{name}.weight"), rand(&[classes, fin], s));
                 if *bias {

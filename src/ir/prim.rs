@@ -7,6 +7,7 @@ use crate::rules::elementwise::{Binary, Compare, Unary};
 use crate::rules::fallback::LoopPrim;
 use crate::rules::index::IndexOp;
 use crate::rules::pool::PoolOp;
+use crate::rules::random::Uniform;
 use crate::rules::reduce::Reduce;
 use crate::rules::shape::ShapeOp;
 
@@ -43,6 +44,8 @@ pub enum Prim {
     Loop(Box<LoopPrim>),
     /// A user-supplied candle function (no batching rule: loops under vmap).
     Custom(CustomOp),
+    /// Random values, drawn anew at every run.
+    Random(Uniform),
 }
 
 impl Prim {
@@ -69,6 +72,7 @@ impl Prim {
             Prim::Pool(p) => p.name(),
             Prim::Loop(l) => l.name(),
             Prim::Custom(c) => format!("custom[{}]", c.name),
+            Prim::Random(r) => r.name(),
         }
     }
 

@@ -117,6 +117,7 @@ impl Rule for LoopPrim {
         let opts = BatchOpts {
             route: ConvRoute::Loop,
             strict: false,
+            randomness: crate::transforms::vmap::Randomness::Different,
         };
         let mut inputs: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
         inputs.extend([(out, Some(0)), (ct, Some(0))]);

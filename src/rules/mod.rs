@@ -14,6 +14,7 @@ pub(crate) mod fallback;
 pub(crate) mod index;
 pub(crate) mod matmul;
 pub(crate) mod pool;
+pub(crate) mod random;
 pub(crate) mod reduce;
 pub(crate) mod shape;
 
@@ -32,6 +33,7 @@ pub(crate) type BVal = (VarId, Option<usize>);
 pub(crate) struct BatchOpts {
     pub(crate) route: ConvRoute,
     pub(crate) strict: bool,
+    pub(crate) randomness: crate::transforms::vmap::Randomness,
 }
 
 /// What a batching rule works with: the builder it emits into, the size of
@@ -76,6 +78,7 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Pool(r) => r,
         Prim::Loop(r) => r.as_ref(),
         Prim::Custom(r) => r,
+        Prim::Random(r) => r,
         Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_) => {
             return Err(Error::unsupported(prim.name(), "rules", "a leaf has no rules"))
         }

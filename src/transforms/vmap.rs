@@ -50,6 +50,19 @@ macro_rules! dims_from_int {
 
 dims_from_int!(i32, i64, isize, usize);
 
+/// What random operations (dropout) do under `vmap`, as `torch.func.vmap`'s
+/// `randomness` option.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Randomness {
+    /// Refuse to trace a random operation (the default).
+    #[default]
+    Error,
+    /// One draw shared by every example.
+    Same,
+    /// An independent draw per example.
+    Different,
+}
+
 /// The vectorising map of `f` (see [`vmap`]).
 pub struct Vmap<F> {
     f: F,
@@ -58,6 +71,7 @@ pub struct Vmap<F> {
     chunk_size: Option<usize>,
     route: Option<ConvRoute>,
     strict: Option<bool>,
+    randomness: Randomness,
     cache: GraphCache,
 }
 
@@ -84,6 +98,7 @@ pub fn vmap<F>(f: F) -> Vmap<F> {
         chunk_size: None,
         route: None,
         strict: None,
+        randomness: Randomness::Error,
         cache: GraphCache::default(),
     }
 }
@@ -124,6 +139,13 @@ impl<F> Vmap<F> {
         self
     }
 
+    /// What random operations (dropout) do: an error (default), one draw
+    /// for all examples, or a draw per example.
+    pub fn randomness(mut self, r: Randomness) -> Self {
+        self.randomness = r;
+        self
+    }
+
     /// Calls the vectorised function on concrete tensors. The traced graph is
     /// cached per input signature, so a repeated call does not trace again.
     pub fn call<S, C>(&self, args: C) -> Result<<F::Output as SymTree>::Concrete>
@@ -144,6 +166,7 @@ impl<F> Vmap<F> {
         Ok(BatchOpts {
             route: route::resolve(self.route)?,
             strict: self.strict.unwrap_or_else(crate::config::strict),
+            randomness: self.randomness,
         })
     }
 }
@@ -212,6 +235,7 @@ pub(crate) fn batch_graph(g: &Graph, cx: &mut BatchCx, inputs: &[BVal]) -> Resul
             Prim::Input(_) => env[v],
             Prim::Const(k) => (cx.b.constant(&g.consts[*k]), None),
             Prim::Scalar(x) => (cx.b.scalar(*x, node.ty.dtype), None),
+            Prim::Random(r) => batch_random(cx, r)?,
             prim => {
                 let args: Vec<BVal> = node.args.iter().map(|&a| env[a]).collect();
                 if args.iter().all(|a| a.1.is_none()) {
@@ -226,6 +250,26 @@ pub(crate) fn batch_graph(g: &Graph, cx: &mut BatchCx, inputs: &[BVal]) -> Resul
         };
     }
     Ok(g.outputs.iter().map(|&o| env[o]).collect())
+}
+
+/// A random primitive under `vmap`, as the `randomness` setting says.
+fn batch_random(cx: &mut BatchCx, r: &crate::rules::random::Uniform) -> Result<BVal> {
+    match cx.opts.randomness {
+        Randomness::Error => Err(Error::unsupported(
+            r.name(),
+            "vmap",
+            "random operations under vmap need .randomness(Randomness::Same) or (Randomness::Different)",
+        )),
+        Randomness::Same => Ok((cx.b.emit(Prim::Random(r.clone()), &[])?, None)),
+        Randomness::Different => {
+            let mut ty = r.ty.clone();
+            ty.shape.insert(0, cx.size);
+            Ok((
+                cx.b.emit(Prim::Random(crate::rules::random::Uniform { ty }), &[])?,
+                Some(0),
+            ))
+        }
+    }
 }
 
 /// A batching rule must give the per-example type with the batch axis

@@ -10,6 +10,8 @@ pub enum Layer {
     Conv {
         name: String,
         nd: usize,
+        cin: usize,
+        cout: usize,
         k: usize,
         s: usize,
         p: usize,
@@ -19,6 +21,8 @@ pub enum Layer {
     },
     Linear {
         name: String,
+        fin: usize,
+        fout: usize,
         bias: bool,
     },
     Relu,
@@ -69,12 +73,15 @@ pub fn parse(arch: &str) -> Vec<Layer> {
                 Some((h, a)) => (h, a.trim_end_matches(')')),
                 None => (op, ""),
             };
-            let (_, kw) = kwargs(args);
+            let (pos, kw) = kwargs(args);
+            let positional = |i: usize| pos.get(i).map(|v| v.parse::<usize>().expect("integer")).unwrap_or(0);
             let bias = kw.get("bias").map(|b| b == "true").unwrap_or(true);
             match head {
                 "conv1d" | "conv2d" | "conv3d" => Layer::Conv {
                     name,
                     nd: head[4..5].parse().unwrap(),
+                    cin: positional(0),
+                    cout: positional(1),
                     k: num(&kw, "k", 1),
                     s: num(&kw, "s", 1),
                     p: num(&kw, "p", 0),
@@ -82,7 +89,12 @@ pub fn parse(arch: &str) -> Vec<Layer> {
                     g: num(&kw, "g", 1),
                     bias,
                 },
-                "linear" => Layer::Linear { name, bias },
+                "linear" => Layer::Linear {
+                    name,
+                    fin: positional(0),
+                    fout: positional(1),
+                    bias,
+                },
                 "relu" => Layer::Relu,
                 "tanh" => Layer::Tanh,
                 "maxpool2d" => Layer::MaxPool {
@@ -135,7 +147,7 @@ pub fn forward(layers: &[Layer], p: &BTreeMap<String, Tracer>, x: &Tracer) -> Re
                     y
                 }
             }
-            Layer::Linear { name, bias } => {
+            Layer::Linear { name, bias, .. } => {
                 let y = h.matmul(&param(p, &format!("{name}.weight")).t()?)?;
                 if *bias {
                     y.add(param(p, &format!("{name}.bias")))?
@@ -179,6 +191,7 @@ pub fn forward_eager(
                 d,
                 g,
                 bias,
+                ..
             } => {
                 let w = &p[&format!("{name}.weight")];
                 let y = match nd {
@@ -200,7 +213,7 @@ pub fn forward_eager(
                     y
                 }
             }
-            Layer::Linear { name, bias } => {
+            Layer::Linear { name, bias, .. } => {
                 let y = h.matmul(&p[&format!("{name}.weight")].t()?)?;
                 if *bias {
                     y.broadcast_add(&p[&format!("{name}.bias")])?
@@ -216,4 +229,54 @@ pub fn forward_eager(
         };
     }
     Ok(h)
+}
+
+/// The same architecture as `candle_func::nn` layers, with weights from
+/// `vb` under the layer names (a PyTorch state dict loads unchanged).
+pub fn build_nn(layers: &[Layer], vb: &candle_nn::VarBuilder) -> candle_func::Result<candle_func::nn::Sequential> {
+    use candle_func::nn;
+    let mut m = nn::seq();
+    for l in layers {
+        m = match l {
+            Layer::Conv {
+                name,
+                nd,
+                cin,
+                cout,
+                k,
+                s,
+                p,
+                d,
+                g,
+                bias,
+            } => {
+                let cfg = nn::ConvConfig {
+                    padding: *p,
+                    stride: *s,
+                    dilation: *d,
+                    groups: *g,
+                };
+                let vb = vb.pp(name);
+                m.add(match (nd, bias) {
+                    (1, true) => nn::conv1d(*cin, *cout, *k, cfg, vb)?,
+                    (1, false) => nn::conv1d_no_bias(*cin, *cout, *k, cfg, vb)?,
+                    (2, true) => nn::conv2d(*cin, *cout, *k, cfg, vb)?,
+                    (2, false) => nn::conv2d_no_bias(*cin, *cout, *k, cfg, vb)?,
+                    (_, true) => nn::conv3d(*cin, *cout, *k, cfg, vb)?,
+                    (_, false) => nn::conv3d_no_bias(*cin, *cout, *k, cfg, vb)?,
+                })
+            }
+            Layer::Linear { name, fin, fout, bias } => m.add(if *bias {
+                nn::linear(*fin, *fout, vb.pp(name))?
+            } else {
+                nn::linear_no_bias(*fin, *fout, vb.pp(name))?
+            }),
+            Layer::Relu => m.add(nn::Activation::Relu),
+            Layer::Tanh => m.add(nn::Activation::Tanh),
+            Layer::MaxPool { k, s } => m.add(nn::MaxPool2d { kernel: *k, stride: *s }),
+            Layer::AvgPool { k, s } => m.add(nn::AvgPool2d { kernel: *k, stride: *s }),
+            Layer::Flatten => m.add(nn::Flatten),
+        };
+    }
+    Ok(m)
 }

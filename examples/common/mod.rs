@@ -1,0 +1,36 @@
+//! Shared by the examples: the digits data set and the small CNN they train.
+#![allow(dead_code)]
+
+pub mod digits;
+
+use candle_func::nn::{self, Activation, ConvConfig, MaxPool2d, Sequential};
+use candle_nn::VarBuilder;
+
+/// A small CNN for 8x8 digits: conv 1->16 k3 p1, tanh, max-pool 2,
+/// conv 16->32 k3 p1, tanh, max-pool 2, linear 128->10. Tanh rather than
+/// ReLU, as is usual for DP-SGD (bounded activations suit clipping).
+pub fn digits_cnn(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    let pad = ConvConfig {
+        padding: 1,
+        ..Default::default()
+    };
+    Ok(nn::seq()
+        .add(nn::conv2d(1, 16, 3, pad, vb.pp("conv1"))?)
+        .add(Activation::Tanh)
+        .add(MaxPool2d { kernel: 2, stride: 2 })
+        .add(nn::conv2d(16, 32, 3, pad, vb.pp("conv2"))?)
+        .add(Activation::Tanh)
+        .add(MaxPool2d { kernel: 2, stride: 2 })
+        .add(nn::Flatten)
+        .add(nn::linear(128, 10, vb.pp("fc"))?))
+}
+
+/// Parses `--name value` from the command line.
+pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -1,0 +1,160 @@
+//! Differentially private training helpers: per-sample gradient norms and
+//! clipping, Gaussian noise from a seeded generator, Poisson sampling of
+//! batches, an SGD optimiser with momentum, and a Rényi-DP accountant
+//! (Opacus's `RDPAccountant`).
+//!
+//! One DP-SGD step, as Opacus takes it: sample a batch by Poisson sampling
+//! (each example joins independently with probability `q`), compute
+//! per-sample gradients (`vmap(grad(loss))`), clip each to norm `C`, sum,
+//! add `N(0, (σC)²)` noise, divide by the expected batch size `qN`, and step.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use candle_func::dp::{self, rng::Rng};
+//! use std::collections::BTreeMap;
+//! let mut per_sample = BTreeMap::new();
+//! per_sample.insert("w".to_string(), Tensor::new(&[[3f32, 4.], [0.3, 0.4]], &Device::Cpu)?);
+//! let norms = dp::per_sample_norms(&per_sample)?;
+//! assert_eq!(norms.to_vec1::<f32>()?, vec![5., 0.5]);
+//! let clipped = dp::clip_per_sample(&per_sample, 1.0)?;
+//! let n = dp::per_sample_norms(&clipped)?.to_vec1::<f32>()?;
+//! assert!((n[0] - 1.0).abs() < 1e-4 && (n[1] - 0.5).abs() < 1e-6);
+//! let mut rng = Rng::new(0);
+//! let g = dp::privatize(&per_sample, 1.0, 1.1, 2.0, &mut rng)?; // noisy mean gradient
+//! assert_eq!(g["w"].dims(), &[2]);
+//! # Ok::<(), candle_func::Error>(())
+//! ```
+
+pub mod accountant;
+pub mod rng;
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Tensor, Var};
+use rng::Rng;
+use std::collections::BTreeMap;
+
+/// The L2 norm of each example's gradient across all parameters: `[B]` for
+/// per-sample gradients shaped `[B, ...]`.
+pub fn per_sample_norms(grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+    let mut total: Option<Tensor> = None;
+    for (name, g) in grads {
+        if g.rank() == 0 {
+            return Err(Error::shape(
+                "per_sample_norms",
+                &[g.dims()],
+                format!("{name:?} has no batch axis"),
+            ));
+        }
+        let sq = g.to_dtype(DType::F32)?.sqr()?.flatten_from(1)?.sum(1)?;
+        total = Some(match total {
+            None => sq,
+            Some(t) => (t + sq)?,
+        });
+    }
+    let total = total.ok_or_else(|| Error::Tree {
+        msg: "per_sample_norms: no gradients".into(),
+    })?;
+    Ok(total.sqrt()?)
+}
+
+/// Scales each example's gradient so its norm is at most `max_norm`
+/// (Opacus's factor `min(1, C / (norm + 1e-6))`); gradients below the bound
+/// are unchanged.
+pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Result<BTreeMap<String, Tensor>> {
+    let norms = per_sample_norms(grads)?;
+    let factor = (norms.affine(1.0, 1e-6)?.recip()? * max_norm)?.clamp(0f32, 1f32)?;
+    grads
+        .iter()
+        .map(|(k, g)| {
+            // B -> B 1.. to scale every entry of example b
+            let shape: Vec<usize> = std::iter::once(g.dims()[0])
+                .chain(std::iter::repeat_n(1, g.rank() - 1))
+                .collect();
+            let f = factor.to_dtype(g.dtype())?.reshape(shape)?;
+            Ok((k.clone(), g.broadcast_mul(&f)?))
+        })
+        .collect()
+}
+
+/// The private gradient of a batch: per-sample gradients clipped to
+/// `max_norm`, summed, with Gaussian noise of standard deviation
+/// `noise_multiplier * max_norm` added to each coordinate, divided by
+/// `expected_batch` (for Poisson sampling, `q N`, as Opacus does).
+pub fn privatize(
+    per_sample: &BTreeMap<String, Tensor>,
+    max_norm: f64,
+    noise_multiplier: f64,
+    expected_batch: f64,
+    rng: &mut Rng,
+) -> Result<BTreeMap<String, Tensor>> {
+    let clipped = clip_per_sample(per_sample, max_norm)?;
+    clipped
+        .into_iter()
+        .map(|(k, g)| {
+            let sum = g.sum(0)?;
+            let noise = rng.normal_tensor(noise_multiplier * max_norm, sum.dims(), sum.dtype(), sum.device())?;
+            Ok((k, ((sum + noise)? / expected_batch)?))
+        })
+        .collect()
+}
+
+/// Stochastic gradient descent with momentum (PyTorch's formulation:
+/// `v = momentum v + g; w -= lr v`), applied to named variables.
+#[derive(Debug)]
+pub struct Sgd {
+    vars: BTreeMap<String, Var>,
+    lr: f64,
+    momentum: f64,
+    velocity: BTreeMap<String, Tensor>,
+}
+
+impl Sgd {
+    /// An optimiser over the variables of `varmap` (by name).
+    pub fn new(varmap: &candle_nn::VarMap, lr: f64, momentum: f64) -> Result<Sgd> {
+        let data = varmap.data().lock().map_err(|_| Error::Config {
+            msg: "Sgd: the VarMap's lock is poisoned".into(),
+        })?;
+        Ok(Sgd {
+            vars: data.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            lr,
+            momentum,
+            velocity: BTreeMap::new(),
+        })
+    }
+
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    /// Sets the learning rate.
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    /// One step with `grads` (name -> gradient, shaped like the variable).
+    /// Every gradient must name a variable; variables without a gradient
+    /// are left alone.
+    pub fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
+        for (name, g) in grads {
+            let var = self.vars.get(name).ok_or_else(|| Error::Tree {
+                msg: format!("Sgd: no variable named {name:?}"),
+            })?;
+            if var.dims() != g.dims() {
+                return Err(Error::shape(
+                    "sgd",
+                    &[var.dims(), g.dims()],
+                    format!("gradient of {name:?}"),
+                ));
+            }
+            let g = g.to_dtype(var.dtype())?;
+            let v = match self.velocity.get(name) {
+                Some(prev) if self.momentum != 0.0 => ((prev * self.momentum)? + &g)?,
+                _ => g,
+            };
+            var.set(&(var.as_tensor() - (&v * self.lr)?)?)?;
+            self.velocity.insert(name.clone(), v);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,338 @@
+//! Layers mirroring candle_nn's, built through a `VarBuilder` with
+//! candle_nn's initialisations and parameter names.
+
+use super::{Module, Params};
+use crate::error::Result;
+use crate::kernels::unfold::ConvGeom;
+use crate::trace::Tracer;
+use candle_core::Tensor;
+use candle_nn::{Init, VarBuilder};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+fn full_name(prefix: &str, leaf: &str) -> String {
+    if prefix.is_empty() {
+        leaf.to_string()
+    } else {
+        format!("{prefix}.{leaf}")
+    }
+}
+
+/// Adds `weight` (and `bias`) under the layer's prefix.
+fn collect(prefix: &str, weight: &Tensor, bias: &Option<Tensor>) -> BTreeMap<String, Tensor> {
+    let mut m = BTreeMap::new();
+    m.insert(full_name(prefix, "weight"), weight.clone());
+    if let Some(b) = bias {
+        m.insert(full_name(prefix, "bias"), b.clone());
+    }
+    m
+}
+
+/// candle_nn's bias initialisation: uniform in `±1/sqrt(fan_in)`.
+fn bias_init(fan_in: usize) -> Init {
+    let bound = 1. / (fan_in as f64).sqrt();
+    Init::Uniform { lo: -bound, up: bound }
+}
+
+/// `y = x W^T + b` over the last axis; `W: [out, in]`.
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    prefix: String,
+}
+
+/// A linear layer with bias (candle_nn's `linear`).
+pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    let weight = vb.get_with_hints((out_dim, in_dim), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    let bias = Some(vb.get_with_hints(out_dim, "bias", bias_init(in_dim))?);
+    Ok(Linear {
+        weight,
+        bias,
+        prefix: vb.prefix(),
+    })
+}
+
+/// A linear layer without bias.
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    let weight = vb.get_with_hints((out_dim, in_dim), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    Ok(Linear {
+        weight,
+        bias: None,
+        prefix: vb.prefix(),
+    })
+}
+
+impl Module for Linear {
+    fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
+        let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
+        let y = x.matmul(&w.t()?)?;
+        match &self.bias {
+            Some(b) => y.add(&p.get(&full_name(&self.prefix, "bias"), b, x)?),
+            None => Ok(y),
+        }
+    }
+
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        collect(&self.prefix, &self.weight, &self.bias)
+    }
+}
+
+/// Convolution settings, the same in every spatial dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvConfig {
+    /// Zero padding on both sides.
+    pub padding: usize,
+    /// Step between windows.
+    pub stride: usize,
+    /// Spacing between kernel taps.
+    pub dilation: usize,
+    /// Channel groups.
+    pub groups: usize,
+}
+
+impl Default for ConvConfig {
+    fn default() -> Self {
+        ConvConfig {
+            padding: 0,
+            stride: 1,
+            dilation: 1,
+            groups: 1,
+        }
+    }
+}
+
+/// A 1D, 2D or 3D convolution with optional bias (PyTorch semantics).
+pub struct Conv {
+    nd: usize,
+    weight: Tensor,
+    bias: Option<Tensor>,
+    cfg: ConvConfig,
+    prefix: String,
+}
+
+fn conv(nd: usize, cin: usize, cout: usize, k: usize, cfg: ConvConfig, bias: bool, vb: VarBuilder) -> Result<Conv> {
+    let shape = [&[cout, cin / cfg.groups.max(1)], &vec![k; nd][..]].concat();
+    let weight = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    // candle_nn bounds the conv bias by the input channels, not the fan-in.
+    let bias = if bias {
+        Some(vb.get_with_hints(cout, "bias", bias_init(cin))?)
+    } else {
+        None
+    };
+    Ok(Conv {
+        nd,
+        weight,
+        bias,
+        cfg,
+        prefix: vb.prefix(),
+    })
+}
+
+/// A 1D convolution with bias (candle_nn's `conv1d`).
+pub fn conv1d(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
+    conv(1, cin, cout, k, cfg, true, vb)
+}
+/// A 1D convolution without bias.
+pub fn conv1d_no_bias(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
+    conv(1, cin, cout, k, cfg, false, vb)
+}
+/// A 2D convolution with bias (candle_nn's `conv2d`).
+pub fn conv2d(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
+    conv(2, cin, cout, k, cfg, true, vb)
+}
+/// A 2D convolution without bias.
+pub fn conv2d_no_bias(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
+    conv(2, cin, cout, k, cfg, false, vb)
+}
+/// A 3D convolution with bias (candle has none; initialised like candle_nn's
+/// 2D one).
+pub fn conv3d(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
+    conv(3, cin, cout, k, cfg, true, vb)
+}
+/// A 3D convolution without bias.
+pub fn conv3d_no_bias(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
+    conv(3, cin, cout, k, cfg, false, vb)
+}
+
+impl Module for Conv {
+    fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
+        let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
+        let c = self.cfg;
+        let geom = ConvGeom::uniform(self.nd, 0, c.stride, c.padding, c.dilation);
+        let y = x.conv(&w, geom, c.groups)?;
+        match &self.bias {
+            Some(b) => {
+                let b = p.get(&full_name(&self.prefix, "bias"), b, x)?;
+                // C -> C 1.. so it broadcasts over the spatial axes
+                let shape = [&[b.dims()[0]], &vec![1; self.nd][..]].concat();
+                y.add(&b.reshape(shape)?)
+            }
+            None => Ok(y),
+        }
+    }
+
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        collect(&self.prefix, &self.weight, &self.bias)
+    }
+}
+
+/// 2D max pooling, any kernel and stride.
+#[derive(Clone, Copy, Debug)]
+pub struct MaxPool2d {
+    /// Window size.
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+}
+
+impl Module for MaxPool2d {
+    fn forward_with(&self, _p: &Params, x: &Tracer) -> Result<Tracer> {
+        x.max_pool2d_with_stride(self.kernel, self.stride)
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        BTreeMap::new()
+    }
+}
+
+/// 2D average pooling, any kernel and stride.
+#[derive(Clone, Copy, Debug)]
+pub struct AvgPool2d {
+    /// Window size.
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+}
+
+impl Module for AvgPool2d {
+    fn forward_with(&self, _p: &Params, x: &Tracer) -> Result<Tracer> {
+        x.avg_pool2d_with_stride(self.kernel, self.stride)
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        BTreeMap::new()
+    }
+}
+
+/// All axes but the leading (batch) one merged into one.
+#[derive(Clone, Copy, Debug)]
+pub struct Flatten;
+
+impl Module for Flatten {
+    fn forward_with(&self, _p: &Params, x: &Tracer) -> Result<Tracer> {
+        x.flatten_from(1)
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        BTreeMap::new()
+    }
+}
+
+/// Elementwise activations.
+#[derive(Clone, Copy, Debug)]
+pub enum Activation {
+    /// `max(x, 0)`
+    Relu,
+    /// hyperbolic tangent
+    Tanh,
+    /// logistic sigmoid
+    Sigmoid,
+}
+
+impl Module for Activation {
+    fn forward_with(&self, _p: &Params, x: &Tracer) -> Result<Tracer> {
+        match self {
+            Activation::Relu => x.relu(),
+            Activation::Tanh => x.tanh(),
+            Activation::Sigmoid => x.sigmoid(),
+        }
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        BTreeMap::new()
+    }
+}
+
+/// Dropout: in training mode zeroes each element with probability `p` and
+/// scales the rest by `1 / (1 - p)`; the identity in evaluation mode (the
+/// default). Under `vmap` it needs the transform's `randomness` setting.
+#[derive(Debug)]
+pub struct Dropout {
+    p: f64,
+    training: AtomicBool,
+}
+
+impl Dropout {
+    /// Dropout with drop probability `p` (in `[0, 1)`), in evaluation mode.
+    pub fn new(p: f64) -> Self {
+        Dropout {
+            p,
+            training: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Module for Dropout {
+    fn forward_with(&self, _p: &Params, x: &Tracer) -> Result<Tracer> {
+        if !self.training.load(Ordering::Relaxed) || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        if !(0.0..1.0).contains(&self.p) {
+            return Err(crate::Error::Config {
+                msg: format!("dropout: probability {} is outside [0, 1)", self.p),
+            });
+        }
+        let keep = x.rand_uniform_like()?.ge(self.p)?.to_dtype(x.dtype())?;
+        x.mul(&keep)?.affine(1.0 / (1.0 - self.p), 0.0)
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        BTreeMap::new()
+    }
+    fn train(&self, on: bool) {
+        self.training.store(on, Ordering::Relaxed);
+    }
+}
+
+/// Layers applied in order.
+#[derive(Default)]
+pub struct Sequential {
+    layers: Vec<Box<dyn Module + Send + Sync>>,
+}
+
+/// An empty [`Sequential`].
+pub fn seq() -> Sequential {
+    Sequential::default()
+}
+
+impl Sequential {
+    /// Appends a layer.
+    #[allow(clippy::should_implement_trait)]
+    pub fn add<M: Module + Send + Sync + 'static>(mut self, layer: M) -> Self {
+        self.layers.push(Box::new(layer));
+        self
+    }
+
+    /// Number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether there are no layers.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+impl Module for Sequential {
+    fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
+        let mut h = x.clone();
+        for l in &self.layers {
+            h = l.forward_with(p, &h)?;
+        }
+        Ok(h)
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        self.layers.iter().flat_map(|l| l.params()).collect()
+    }
+    fn train(&self, on: bool) {
+        for l in &self.layers {
+            l.train(on);
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! Layers, losses and the functional API for models: write a model once and
+//! run it eagerly, under `vmap(|x| model.forward(&x))`, under `grad`, as
+//! per-sample gradients and as an ensemble.
+//!
+//! Layers mirror candle_nn's: their weights are created and loaded through
+//! [`candle_nn::VarBuilder`] with candle_nn's initialisations and parameter
+//! names (`conv1.weight`), so a `VarMap` or a safetensors file written by
+//! candle (or by PyTorch with the same names) loads unchanged.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_func::nn::{self, Module};
+//! use candle_func::{vmap, Tracer};
+//! let varmap = candle_nn::VarMap::new();
+//! let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! let model = nn::seq()
+//!     .add(nn::conv2d(1, 4, 3, Default::default(), vb.pp("conv1"))?)
+//!     .add(nn::Activation::Relu)
+//!     .add(nn::Flatten)
+//!     .add(nn::linear(4 * 6 * 6, 10, vb.pp("fc"))?);
+//! let xs = Tensor::randn(0f32, 1., (16, 1, 8, 8), &Device::Cpu)?;
+//! // per example: x is [1, 8, 8]; the model wants a batch axis
+//! let ys = vmap(|x: Tracer| model.forward(&x.unsqueeze(0)?)?.squeeze(0)).call(&xs)?;
+//! assert_eq!(ys.dims(), &[16, 10]);
+//! // the same model, eagerly, on the whole batch
+//! let eager = model.forward_t(&xs)?;
+//! assert!((ys - eager)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
+//! # Ok::<(), candle_func::Error>(())
+//! ```
+
+mod layers;
+pub mod loss;
+
+pub use layers::{
+    conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_no_bias, seq, Activation,
+    AvgPool2d, Conv, ConvConfig, Dropout, Flatten, Linear, MaxPool2d, Sequential,
+};
+pub use loss::{cross_entropy, mse, nll, Reduction};
+
+use crate::error::{Error, Result};
+use crate::trace::Tracer;
+use crate::transforms::jit;
+use candle_core::Tensor;
+use std::collections::BTreeMap;
+
+/// Where a module reads its parameters: its own tensors (captured as
+/// constants of the trace), or replacements given by name
+/// ([`functional_call`]).
+#[derive(Clone, Copy, Default)]
+pub struct Params<'a> {
+    overrides: Option<&'a BTreeMap<String, Tracer>>,
+}
+
+impl<'a> Params<'a> {
+    /// The module's own parameters.
+    pub fn own() -> Self {
+        Params { overrides: None }
+    }
+
+    /// Parameters replaced by `overrides` where a name matches.
+    pub fn with(overrides: &'a BTreeMap<String, Tracer>) -> Self {
+        Params {
+            overrides: Some(overrides),
+        }
+    }
+
+    /// The parameter `name`: the replacement if one is given, else `own`
+    /// lifted into `like`'s trace.
+    pub fn get(&self, name: &str, own: &Tensor, like: &Tracer) -> Result<Tracer> {
+        match self.overrides.and_then(|m| m.get(name)) {
+            Some(t) => Ok(t.clone()),
+            None => crate::trace::Operand::to_tracer(own, like),
+        }
+    }
+}
+
+/// A model or layer that runs on symbolic tensors.
+pub trait Module {
+    /// Runs the module on a batch `x`, reading parameters through `p`.
+    fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer>;
+
+    /// The parameters by full name (`conv1.weight`), in name order.
+    fn params(&self) -> BTreeMap<String, Tensor>;
+
+    /// Sets training mode (dropout is active only in training mode).
+    fn train(&self, _on: bool) {}
+
+    /// Runs the module with its own parameters.
+    fn forward(&self, x: &Tracer) -> Result<Tracer> {
+        self.forward_with(&Params::own(), x)
+    }
+
+    /// Runs the module eagerly on a concrete batch (traced, then run).
+    fn forward_t(&self, x: &Tensor) -> Result<Tensor>
+    where
+        Self: Sized,
+    {
+        jit(|x: Tracer| self.forward(&x)).call(x)
+    }
+}
+
+/// Runs `model` with some or all of its parameters replaced by `params` (by
+/// name), like `torch.func.functional_call`: the way to differentiate with
+/// respect to parameters (`grad(|p, x| functional_call(&m, &p, &x))`) or to
+/// run stacked parameters as an ensemble. An unknown name or a wrong shape
+/// is an error.
+pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, Tracer>, x: &Tracer) -> Result<Tracer> {
+    let own = model.params();
+    for (name, t) in params {
+        match own.get(name) {
+            None => {
+                return Err(Error::Tree {
+                    msg: format!(
+                        "functional_call: the model has no parameter {name:?} (it has {:?})",
+                        own.keys().collect::<Vec<_>>()
+                    ),
+                })
+            }
+            Some(o) if o.dims() != t.dims() || o.dtype() != t.dtype() => {
+                return Err(Error::Shape {
+                    op: "functional_call",
+                    shapes: vec![o.dims().to_vec(), t.dims().to_vec()],
+                    msg: format!("parameter {name:?} replaced by a tensor of another shape or dtype"),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    model.forward_with(&Params::with(params), x)
+}
+
+/// Stacks the parameters of several models of the same architecture on a new
+/// leading axis: name -> `[M, ...]`, for ensembling with `vmap` (like
+/// `torch.func.stack_module_state`).
+pub fn stack_params<M: Module + ?Sized>(models: &[&M]) -> Result<BTreeMap<String, Tensor>> {
+    let first = models.first().ok_or_else(|| Error::Tree {
+        msg: "stack_params: no models".into(),
+    })?;
+    let names: Vec<String> = first.params().into_keys().collect();
+    let all: Vec<BTreeMap<String, Tensor>> = models.iter().map(|m| m.params()).collect();
+    let mut out = BTreeMap::new();
+    for name in names {
+        let mut parts = Vec::with_capacity(all.len());
+        for (i, p) in all.iter().enumerate() {
+            let t = p.get(&name).ok_or_else(|| Error::Tree {
+                msg: format!("stack_params: model {i} has no parameter {name:?}"),
+            })?;
+            parts.push(t.clone());
+        }
+        let shapes: Vec<Vec<usize>> = parts.iter().map(|t| t.dims().to_vec()).collect();
+        if shapes.iter().any(|s| *s != shapes[0]) {
+            return Err(Error::Shape {
+                op: "stack_params",
+                shapes,
+                msg: format!("parameter {name:?} differs in shape between models"),
+            });
+        }
+        out.insert(name, Tensor::stack(&parts, 0)?);
+    }
+    if all.iter().any(|p| p.len() != out.len()) {
+        return Err(Error::Tree {
+            msg: "stack_params: the models have different parameter names".into(),
+        });
+    }
+    Ok(out)
+}
+
+/// The inverse of [`stack_params`]: one name -> tensor map per model.
+pub fn unstack_params(stacked: &BTreeMap<String, Tensor>) -> Result<Vec<BTreeMap<String, Tensor>>> {
+    let m = stacked
+        .values()
+        .next()
+        .map(|t| t.dims().first().copied().unwrap_or(0))
+        .unwrap_or(0);
+    let mut out = vec![BTreeMap::new(); m];
+    for (name, t) in stacked {
+        if t.dims().first() != Some(&m) {
+            return Err(Error::Shape {
+                op: "unstack_params",
+                shapes: vec![t.dims().to_vec()],
+                msg: format!("parameter {name:?} does not have {m} models on its leading axis"),
+            });
+        }
+        for (i, p) in out.iter_mut().enumerate() {
+            p.insert(name.clone(), t.get(i)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Writes `params` into the variables of `varmap` with the same names (the
+/// way back from [`unstack_params`] or an optimiser step to a model built
+/// from that `VarMap`). Every name must exist with the same shape.
+pub fn load_params(varmap: &candle_nn::VarMap, params: &BTreeMap<String, Tensor>) -> Result<()> {
+    let data = varmap.data().lock().map_err(|_| Error::Config {
+        msg: "load_params: the VarMap's lock is poisoned".into(),
+    })?;
+    for (name, t) in params {
+        let var = data.get(name).ok_or_else(|| Error::Tree {
+            msg: format!("load_params: the VarMap has no variable {name:?}"),
+        })?;
+        if var.dims() != t.dims() {
+            return Err(Error::Shape {
+                op: "load_params",
+                shapes: vec![var.dims().to_vec(), t.dims().to_vec()],
+                msg: format!("variable {name:?}"),
+            });
+        }
+        var.set(&t.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
+}
