@@ -23,7 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::Cpu;
     let epochs: usize = arg("--epochs", 30);
     let batch: f64 = arg("--batch", 64.0);
-    let lr: f64 = arg("--lr", 2.0);
+    let lr: f64 = arg("--lr", 1.0);
     let momentum: f64 = arg("--momentum", 0.5);
     let noise: f64 = arg("--noise", 1.0);
     let clip: f64 = arg("--clip", 1.0);
@@ -42,7 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!(
         "sample rate {q:.4} (expected batch {batch}), noise multiplier {noise}, clipping norm {clip}, \
-         {epochs} epochs x {steps_per_epoch} steps = {} steps, delta {delta:e}, lr {lr}, momentum {momentum}, \
+         {epochs} epochs x {steps_per_epoch} steps = {} steps, delta {delta:e}, lr {lr} (cosine decay), momentum {momentum}, \
          conv route {route:?}, seed {seed}",
         epochs * steps_per_epoch
     );
@@ -61,8 +61,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rng = Rng::new(seed);
     let mut accountant = RdpAccountant::new();
     let start = Instant::now();
+    let total_steps = (epochs * steps_per_epoch) as f64;
+    let mut step = 0usize;
     for epoch in 1..=epochs {
         for _ in 0..steps_per_epoch {
+            // Cosine decay of the learning rate: the late, small steps average
+            // the noise away (post-processing, so no privacy cost).
+            sgd.set_lr(lr * 0.5 * (1.0 + (std::f64::consts::PI * step as f64 / total_steps).cos()));
+            step += 1;
             let idx = rng.poisson_sample(n, q);
             let grads = if idx.is_empty() {
                 // An empty batch still takes a (noise-only) step.

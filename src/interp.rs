@@ -30,6 +30,21 @@ fn bytes(t: &TensorType) -> usize {
 
 /// [`run`], also reporting the peak number and size of live values.
 pub fn run_with_stats(g: &Graph, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
+    run_inner(g, inputs, None)
+}
+
+/// Seconds each computed node took, as `(node, seconds)` in graph order.
+pub type NodeTimes = Vec<(usize, f64)>;
+
+/// [`run`], also returning the time each node took: where a graph spends
+/// its time.
+pub fn run_profiled(g: &Graph, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
+    let mut times = Vec::new();
+    let (outs, _) = run_inner(g, inputs, Some(&mut times))?;
+    Ok((outs, times))
+}
+
+fn run_inner(g: &Graph, inputs: &[Tensor], mut times: Option<&mut NodeTimes>) -> Result<(Vec<Tensor>, RunStats)> {
     check_inputs(g, inputs)?;
     let device = run_device(g, inputs);
     let last = g.last_uses();
@@ -62,7 +77,11 @@ pub fn run_with_stats(g: &Graph, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunS
                     .iter()
                     .map(|&a| vals[a].as_ref().expect("value freed before its last use"))
                     .collect();
+                let start = std::time::Instant::now();
                 let t = rule(prim)?.run(&args, &node.ty)?;
+                if let Some(times) = times.as_mut() {
+                    times.push((v, start.elapsed().as_secs_f64()));
+                }
                 check_result(prim, &t, &node.ty)?;
                 t
             }

@@ -7,7 +7,7 @@ use std::io::Read;
 
 static DIGITS_GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
 
-/// Images `[N, 1, 8, 8]` (f32, pixels scaled to [0, 1]) and labels `[N]` (u32).
+/// Images `[N, 1, 8, 8]` (f32, pixels scaled to [-1, 1]) and labels `[N]` (u32).
 pub struct Digits {
     pub images: Tensor,
     pub labels: Tensor,
@@ -46,7 +46,7 @@ pub fn load(device: &Device) -> Result<Digits, Box<dyn std::error::Error>> {
         if vals.len() != 65 {
             return Err(format!("a digits row has {} values, expected 65", vals.len()).into());
         }
-        pixels.extend(vals[..64].iter().map(|p| p / 16.0));
+        pixels.extend(vals[..64].iter().map(|p| p / 8.0 - 1.0));
         labels.push(vals[64] as u32);
     }
     let n = labels.len();

@@ -87,11 +87,13 @@ impl Rng {
         if let Some(z) = self.spare_normal.take() {
             return z;
         }
-        // 1 - u lies in (0, 1], so the logarithm is finite.
+        // 1 - u lies in (0, 1], so the logarithm is finite. The functions
+        // come from `libm` (pure Rust) rather than the platform's maths
+        // library, so a seed gives bit-identical noise on every platform.
         let u1 = 1.0 - self.uniform();
         let u2 = self.uniform();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let (sin, cos) = (std::f64::consts::TAU * u2).sin_cos();
+        let r = libm::sqrt(-2.0 * libm::log(u1));
+        let (sin, cos) = libm::sincos(std::f64::consts::TAU * u2);
         self.spare_normal = Some(r * sin);
         r * cos
     }
@@ -100,7 +102,7 @@ impl Rng {
     ///
     /// Values are drawn in `f64` on the host, in row-major order, and then
     /// rounded to `dtype` and copied to `device`, so a seed gives the same
-    /// noise on every device. `F16` and `BF16` are accepted too (rounded
+    /// noise on every device and platform. `F16` and `BF16` are accepted too (rounded
     /// from `f32`); other dtypes are an error. A negative `std` gives the same
     /// distribution as its absolute value; a NaN or infinite `std` gives NaN
     /// or infinite entries. An empty shape (`&[]`) gives a scalar.
@@ -134,7 +136,7 @@ impl Rng {
     /// subsampled-Gaussian privacy analysis assumes. `q ≤ 0` or NaN gives an
     /// empty sample, `q ≥ 1` every index. It costs one uniform per index.
     pub fn poisson_sample(&mut self, n: usize, q: f64) -> Vec<usize> {
-        if !(q > 0.0) {
+        if q.is_nan() || q <= 0.0 {
             return Vec::new();
         }
         if q >= 1.0 {
