@@ -99,7 +99,7 @@ fn dims() -> impl Strategy<Value = [Option<isize>; 3]> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, .. ProptestConfig::default() })]
 
     #[test]
     fn routes_agree_with_candle(c in case(), d in dims(), b in 1usize..4, seed in any::<u64>()) {

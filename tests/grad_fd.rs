@@ -117,7 +117,7 @@ fn binary_ops() -> Vec<(&'static str, Bin)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, .. ProptestConfig::default() })]
 
     #[test]
     fn unary_and_shape_rules(s in prop::collection::vec(2usize..4, 2..=3), seed in any::<u64>()) {

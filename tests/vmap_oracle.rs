@@ -96,7 +96,7 @@ fn binary_ops() -> Vec<(&'static str, Bin)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, .. ProptestConfig::default() })]
 
     #[test]
     fn unary(s in shape(3), d in dim(), b in 1usize..4, seed in any::<u64>()) {
