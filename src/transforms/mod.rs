@@ -94,6 +94,39 @@ pub(crate) fn innermost(leaves: &[Vec<Tracer>]) -> Option<BuilderRef> {
         .map(|t| t.b.clone())
 }
 
+/// Traces `f` into the fresh builder `b` on symbolic inputs of the given
+/// types: the graph, the outer values it captured, and the result's
+/// structure.
+fn trace_into<S, F>(
+    f: &F,
+    b: &BuilderRef,
+    defs: &[TreeDef],
+    types: &[Vec<TensorType>],
+) -> Result<(Graph, Vec<Tracer>, TreeDef)>
+where
+    S: ArgList,
+    F: Function<S> + ?Sized,
+{
+    let tracers = types
+        .iter()
+        .map(|arg| {
+            arg.iter()
+                .map(|ty| {
+                    let id = b.borrow_mut().input(ty.clone());
+                    Tracer::new(b, id)
+                })
+                .collect()
+        })
+        .collect();
+    let out = f.apply(S::unflatten_args(defs, tracers)?)?;
+    let mut leaves = Vec::new();
+    let out_def = out.flatten_into(&mut leaves);
+    let mut bb = b.borrow_mut();
+    let ids = leaves.iter().map(|t| bb.lift(t)).collect::<Result<Vec<_>>>()?;
+    let (g, captures) = bb.finish(ids);
+    Ok((g, captures, out_def))
+}
+
 /// Traces `f` on symbolic inputs of the given types in a trace nested in
 /// `outer`: the graph, the outer values it captured, and the result's structure.
 pub(crate) fn trace_inner<S, F>(
@@ -106,25 +139,7 @@ where
     S: ArgList,
     F: Function<S>,
 {
-    let b = Builder::child(outer);
-    let tracers = types
-        .iter()
-        .map(|arg| {
-            arg.iter()
-                .map(|ty| {
-                    let id = b.borrow_mut().input(ty.clone());
-                    Tracer::new(&b, id)
-                })
-                .collect()
-        })
-        .collect();
-    let out = f.apply(S::unflatten_args(defs, tracers)?)?;
-    let mut leaves = Vec::new();
-    let out_def = out.flatten_into(&mut leaves);
-    let mut bb = b.borrow_mut();
-    let ids = leaves.iter().map(|t| bb.lift(t)).collect::<Result<Vec<_>>>()?;
-    let (g, captures) = bb.finish(ids);
-    Ok((g, captures, out_def))
+    trace_into(f, &Builder::child(outer), defs, types)
 }
 
 /// Flattened concrete arguments with their device.
@@ -146,24 +161,9 @@ fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>
 
 /// Traces `f` on symbolic stand-ins for `leaves` in a fresh top-level trace.
 fn trace_top<S: ArgList, F: Function<S> + ?Sized>(f: &F, defs: &[TreeDef], leaves: &[Vec<Tensor>]) -> Result<Compiled> {
-    let b = Builder::root();
-    let tracers: Vec<Vec<Tracer>> = leaves
-        .iter()
-        .map(|arg| {
-            arg.iter()
-                .map(|t| {
-                    let id = b.borrow_mut().input(TensorType::of(t));
-                    Tracer::new(&b, id)
-                })
-                .collect()
-        })
-        .collect();
-    let out = f.apply(S::unflatten_args(defs, tracers)?)?;
-    let mut out_leaves = Vec::new();
-    let out_def = out.flatten_into(&mut out_leaves);
-    let mut bb = b.borrow_mut();
-    let ids = out_leaves.iter().map(|t| bb.lift(t)).collect::<Result<Vec<_>>>()?;
-    let (graph, _) = bb.finish(ids);
+    let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
+    // A top-level trace has no enclosing one, so nothing can be captured.
+    let (graph, _, out_def) = trace_into(f, &Builder::root(), defs, &types)?;
     Ok(Compiled {
         graph: graph.eliminate_dead_code(),
         out_def,
