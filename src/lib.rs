@@ -76,7 +76,9 @@ pub use error::{Error, Result};
 pub use ir::{Graph, TensorType};
 pub use kernels::unfold::ConvGeom;
 pub use ops::{custom_op, Axes, Axis};
-pub use route::{conv_route, set_conv_route, ConvRoute, ROUTE_ENV};
+pub use route::{
+    auto_choices, conv_route, load_auto_cache, save_auto_cache, set_conv_route, AutoChoice, ConvRoute, ROUTE_ENV,
+};
 pub use rules::random::manual_seed;
 pub use trace::{Operand, Tracer};
 pub use transforms::grad::{

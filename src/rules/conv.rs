@@ -405,14 +405,113 @@ fn batch_conv(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[BVal]) -
         }
         (None, Some(_)) => batch_weight_only(cx, geom, groups, x.0, w),
         _ => {
-            let route = effective_route(cx.opts.route, geom);
-            match route {
+            let op = ConvOp::Conv {
+                geom: geom.clone(),
+                groups,
+            };
+            match route_for(cx, &op, geom, args)? {
                 ConvRoute::Grouped => batch_grouped(cx, geom, groups, x, w),
                 ConvRoute::Unfold => batch_unfold(cx, geom, groups, x, w),
-                ConvRoute::Loop => fallback::emit_loop(cx, conv(groups), args),
+                _ => fallback::emit_loop(cx, conv(groups), args),
             }
         }
     }
+}
+
+/// The route for a convolution-family operation with both operands batched:
+/// the one asked for, the measured fastest for `Auto`, and the loop for 5D
+/// inputs (conv3d), which have no grouped or unfold lowering yet.
+fn route_for(cx: &mut BatchCx, op: &ConvOp, geom: &ConvGeom, args: &[BVal]) -> Result<ConvRoute> {
+    match cx.opts.route {
+        ConvRoute::Auto if geom.kernel.len() == 3 => Ok(ConvRoute::Loop),
+        ConvRoute::Auto => {
+            let types: Vec<(TensorType, Option<usize>)> =
+                args.iter().map(|&(v, bd)| (cx.b.ty(v).clone(), bd)).collect();
+            auto_route(op, &types, cx.size)
+        }
+        asked => Ok(effective_route(asked, geom)),
+    }
+}
+
+/// `Auto`: the fastest lowering of `op` for these batched operands on the
+/// current device, timed once per signature on random data.
+fn auto_route(op: &ConvOp, types: &[(TensorType, Option<usize>)], size: usize) -> Result<ConvRoute> {
+    let device = crate::route::current_device();
+    let key = format!("{}|{types:?}|{size}|{:?}", op.name(), device.location());
+    if let Some(r) = crate::route::cached_choice(&key) {
+        return Ok(r);
+    }
+    let mut timings = Vec::new();
+    for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
+        timings.push((route, time_route(op, types, size, route, &device)?));
+    }
+    let chosen = timings
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|t| t.0)
+        .unwrap_or_default();
+    let shapes = types
+        .iter()
+        .map(|(t, bd)| {
+            let mut s = t.shape.clone();
+            if let Some(d) = bd {
+                let b = s.remove(*d);
+                s.insert(0, b);
+            }
+            s
+        })
+        .collect();
+    let choice = crate::route::AutoChoice {
+        op: op.name(),
+        shapes,
+        timings_ms: timings,
+        chosen,
+    };
+    crate::route::record_choice(key, choice);
+    Ok(chosen)
+}
+
+/// Milliseconds one route takes for `op` on random operands (best of two
+/// runs after a warm-up).
+fn time_route(
+    op: &ConvOp,
+    types: &[(TensorType, Option<usize>)],
+    size: usize,
+    route: ConvRoute,
+    device: &candle_core::Device,
+) -> Result<f64> {
+    let scratch = Builder::root();
+    let graph = {
+        let mut b = scratch.borrow_mut();
+        let vals: Vec<BVal> = types.iter().map(|(t, bd)| (b.input(t.clone()), *bd)).collect();
+        let opts = super::BatchOpts {
+            route,
+            strict: false,
+            randomness: crate::transforms::vmap::Randomness::Error,
+        };
+        let mut cx = BatchCx {
+            b: &mut b,
+            size,
+            opts: &opts,
+        };
+        let out = op
+            .batch(&mut cx, &vals)?
+            .ok_or_else(|| Error::unsupported(op.name(), "vmap", "no lowering to time"))?;
+        b.finish(vec![out.0]).0.eliminate_dead_code()
+    };
+    let inputs = types
+        .iter()
+        .map(|(t, _)| Tensor::randn(0f32, 1., t.shape.as_slice(), device).and_then(|r| r.to_dtype(t.dtype)))
+        .collect::<candle_core::Result<Vec<_>>>()
+        .op("conv route auto")?;
+    crate::interp::run(&graph, &inputs)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        let start = std::time::Instant::now();
+        crate::interp::run(&graph, &inputs)?;
+        best = best.min(start.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(best)
 }
 
 /// The route that applies: 5D inputs (conv3d) have no grouped or unfold
@@ -534,8 +633,13 @@ fn batch_grad_input(
     let size = cx.size;
     let cb = cx.materialize(ct)?; // B N Cout O..
     let wb = cx.materialize(w)?; // B Cout Cin/g k..
-    match effective_route(cx.opts.route, geom) {
-        ConvRoute::Loop => fallback::emit_loop(
+    let op = ConvOp::GradInput {
+        geom: geom.clone(),
+        groups,
+        spatial: spatial.to_vec(),
+    };
+    match route_for(cx, &op, geom, &[(cb, Some(0)), (wb, Some(0))])? {
+        ConvRoute::Loop | ConvRoute::Auto => fallback::emit_loop(
             cx,
             grad_input(geom, groups, spatial.to_vec()),
             &[(cb, Some(0)), (wb, Some(0))],
@@ -586,8 +690,12 @@ fn batch_grad_weight(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[B
     let size = cx.size;
     let xb = cx.materialize(args[0])?; // B N Cin S..
     let cb = cx.materialize(args[1])?; // B N Cout O..
-    match effective_route(cx.opts.route, geom) {
-        ConvRoute::Loop => fallback::emit_loop(cx, gw(groups), &[(xb, Some(0)), (cb, Some(0))]),
+    let op = ConvOp::GradWeight {
+        geom: geom.clone(),
+        groups,
+    };
+    match route_for(cx, &op, geom, &[(xb, Some(0)), (cb, Some(0))])? {
+        ConvRoute::Loop | ConvRoute::Auto => fallback::emit_loop(cx, gw(groups), &[(xb, Some(0)), (cb, Some(0))]),
         ConvRoute::Grouped => {
             let xf = batch_into_channels(cx, xb)?; // N (B Cin) S..
             let cf = batch_into_channels(cx, cb)?; // N (B Cout) O..

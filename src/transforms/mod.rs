@@ -159,11 +159,18 @@ fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>
     Ok((leaves, defs, device))
 }
 
-/// Traces `f` on symbolic stand-ins for `leaves` in a fresh top-level trace.
+/// Traces `f` on symbolic stand-ins for `leaves` in a fresh top-level trace
+/// (the leaves' device is where the `Auto` conv route measures).
 fn trace_top<S: ArgList, F: Function<S> + ?Sized>(f: &F, defs: &[TreeDef], leaves: &[Vec<Tensor>]) -> Result<Compiled> {
     let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
+    let device = leaves
+        .iter()
+        .flatten()
+        .next()
+        .map(|t| t.device().clone())
+        .unwrap_or(candle_core::Device::Cpu);
     // A top-level trace has no enclosing one, so nothing can be captured.
-    let (graph, _, out_def) = trace_into(f, &Builder::root(), defs, &types)?;
+    let (graph, _, out_def) = crate::route::with_device(&device, || trace_into(f, &Builder::root(), defs, &types))?;
     Ok(Compiled {
         graph: graph.eliminate_dead_code(),
         out_def,
