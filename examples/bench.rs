@@ -1,0 +1,420 @@
+//! The benchmark suite: per-sample gradients, ensembles and the cost of
+//! tracing, on the workloads of `../shared/peers` (PyTorch-tutorial CNN,
+//! Opacus MNIST CNN, a conv3d net, an ensemble of 10 tutorial CNNs), with a
+//! sweep over batch sizes and conv routes. Prints markdown tables of
+//! medians, ratios measured in this run, and the interpreter's peak memory.
+//!
+//!     cargo run --release --example bench                 # everything
+//!     cargo run --release --example bench -- --quick      # under two minutes
+//!     cargo run --release --example bench -- --json       # one JSON object per line
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, SWEEP
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::nn::{
+    self, functional_call, stack_params, Activation, ConvConfig, MaxPool2d, Module, Reduction, Sequential,
+};
+use candle_func::{grad, interp, jit, make_graph, vmap, ConvRoute, Tracer};
+use candle_nn::{VarBuilder, VarMap};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+type Params = BTreeMap<String, Tensor>;
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+const ROUTES: [ConvRoute; 4] = [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop, ConvRoute::Auto];
+
+struct Opts {
+    reps: usize,
+    quick: bool,
+    json: bool,
+}
+
+/// One measured variant of a workload.
+struct Row {
+    variant: String,
+    ms: f64,
+    peak_mib: Option<f64>,
+}
+
+fn median_ms(reps: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    f()?; // warm-up (and the trace)
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64() * 1e3);
+    }
+    t.sort_by(|a, b| a.total_cmp(b));
+    Ok(t[t.len() / 2])
+}
+
+/// The interpreter's peak live bytes for the graph a call runs.
+fn peak_mib(g: &candle_func::Graph, inputs: &[Tensor]) -> Res<f64> {
+    let (_, stats) = interp::run_with_stats(g, inputs)?;
+    Ok(stats.peak_bytes as f64 / (1 << 20) as f64)
+}
+
+fn report(o: &Opts, workload: &str, rows: &[Row], notes: &[String]) {
+    if o.json {
+        for r in rows {
+            let peak = r.peak_mib.map(|p| format!("{p:.2}")).unwrap_or_else(|| "null".into());
+            println!(
+                r#"{{"workload": "{workload}", "variant": "{}", "median_ms": {:.3}, "peak_mib": {peak}}}"#,
+                r.variant, r.ms
+            );
+        }
+        return;
+    }
+    let base = rows[0].ms;
+    println!(
+        "\n### {workload}\n\n| variant | median ms | / {} | peak MiB |\n| --- | --- | --- | --- |",
+        rows[0].variant
+    );
+    for r in rows {
+        let peak = r.peak_mib.map(|p| format!("{p:.1}")).unwrap_or_else(|| "-".into());
+        println!("| {} | {:.2} | {:.2} | {peak} |", r.variant, r.ms, r.ms / base);
+    }
+    for n in notes {
+        println!("\n{n}");
+    }
+}
+
+fn cnn_t(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    Ok(nn::seq()
+        .add(nn::conv2d(1, 32, 3, Default::default(), vb.pp("conv1"))?)
+        .add(Activation::Relu)
+        .add(nn::conv2d(32, 64, 3, Default::default(), vb.pp("conv2"))?)
+        .add(Activation::Relu)
+        .add(MaxPool2d { kernel: 2, stride: 2 })
+        .add(nn::Flatten)
+        .add(nn::linear(9216, 128, vb.pp("fc1"))?)
+        .add(Activation::Relu)
+        .add(nn::linear(128, 10, vb.pp("fc2"))?))
+}
+
+fn cnn_o(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    let c1 = ConvConfig {
+        padding: 3,
+        stride: 2,
+        ..Default::default()
+    };
+    let c2 = ConvConfig {
+        stride: 2,
+        ..Default::default()
+    };
+    Ok(nn::seq()
+        .add(nn::conv2d(1, 16, 8, c1, vb.pp("conv1"))?)
+        .add(Activation::Relu)
+        .add(MaxPool2d { kernel: 2, stride: 1 })
+        .add(nn::conv2d(16, 32, 4, c2, vb.pp("conv2"))?)
+        .add(Activation::Relu)
+        .add(MaxPool2d { kernel: 2, stride: 1 })
+        .add(nn::Flatten)
+        .add(nn::linear(512, 32, vb.pp("fc1"))?)
+        .add(Activation::Relu)
+        .add(nn::linear(32, 10, vb.pp("fc2"))?))
+}
+
+fn c3d(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    Ok(nn::seq()
+        .add(nn::conv3d(1, 8, 3, Default::default(), vb.pp("conv1"))?)
+        .add(Activation::Relu)
+        .add(nn::conv3d(8, 16, 3, Default::default(), vb.pp("conv2"))?)
+        .add(Activation::Relu)
+        .add(nn::Flatten)
+        .add(nn::linear(16 * 12 * 12 * 12, 10, vb.pp("fc"))?))
+}
+
+fn build(f: fn(VarBuilder) -> candle_func::Result<Sequential>) -> Res<(VarMap, Sequential)> {
+    let vm = VarMap::new();
+    let m = f(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    Ok((vm, m))
+}
+
+fn flat_inputs(p: &Params, rest: &[&Tensor]) -> Vec<Tensor> {
+    p.values().cloned().chain(rest.iter().map(|t| (*t).clone())).collect()
+}
+
+/// Per-sample gradients of `model` on a batch `xs` (shape `[B, *input]`).
+fn per_sample(o: &Opts, tag: &str, model: &Sequential, xs: &Tensor, with_loop: bool) -> Res<()> {
+    let b = xs.dims()[0];
+    let ys = Tensor::from_vec(
+        (0..b as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<u32>>(),
+        b,
+        xs.device(),
+    )?;
+    let p = model.params();
+    let step = grad(|p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy(&functional_call(model, &p, &x)?, &y, Reduction::Mean)
+    });
+    let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy(
+            &functional_call(model, &p, &x.unsqueeze(0)?)?,
+            &y.unsqueeze(0)?,
+            Reduction::Mean,
+        )
+    };
+    let inputs = flat_inputs(&p, &[xs, &ys]);
+    let mut rows = vec![Row {
+        variant: "batched gradient step".into(),
+        ms: median_ms(o.reps, || step.call((&p, xs, &ys)).map(|_| ()).map_err(Into::into))?,
+        peak_mib: Some(peak_mib(&make_graph(&step, (&p, xs, &ys))?, &inputs)?),
+    }];
+    let mut by_route = Vec::new();
+    for route in ROUTES {
+        let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
+        let ms = median_ms(o.reps, || f.call((&p, xs, &ys)).map(|_| ()).map_err(Into::into))?;
+        let peak = peak_mib(&make_graph(&f, (&p, xs, &ys))?, &inputs)?;
+        by_route.push((route, ms));
+        rows.push(Row {
+            variant: format!("vmap(grad) {route:?}"),
+            ms,
+            peak_mib: Some(peak),
+        });
+    }
+    let mut notes = Vec::new();
+    if with_loop {
+        let one = jit(grad(loss));
+        let ms = median_ms(o.reps.min(3), || {
+            for i in 0..b {
+                one.call((&p, xs.get(i)?, ys.get(i)?))?;
+            }
+            Ok(())
+        })?;
+        rows.push(Row {
+            variant: "per-example loop".into(),
+            ms,
+            peak_mib: None,
+        });
+        let best = by_route.iter().map(|r| r.1).fold(f64::INFINITY, f64::min);
+        notes.push(format!("loop / best vmap(grad): {:.2}", ms / best));
+    }
+    notes.push(auto_note(&by_route));
+    report(o, &format!("{tag}, B={b}: per-sample gradients"), &rows, &notes);
+    Ok(())
+}
+
+/// Auto against the best and worst fixed route.
+fn auto_note(by_route: &[(ConvRoute, f64)]) -> String {
+    let fixed: Vec<f64> = by_route
+        .iter()
+        .filter(|r| r.0 != ConvRoute::Auto)
+        .map(|r| r.1)
+        .collect();
+    let auto = by_route
+        .iter()
+        .find(|r| r.0 == ConvRoute::Auto)
+        .map(|r| r.1)
+        .unwrap_or(f64::NAN);
+    let best = fixed.iter().copied().fold(f64::INFINITY, f64::min);
+    let worst = fixed.iter().copied().fold(0.0, f64::max);
+    format!(
+        "Auto / best fixed route: {:.2}; Auto / worst: {:.2}",
+        auto / best,
+        auto / worst
+    )
+}
+
+fn ensemble(o: &Opts, own: bool) -> Res<()> {
+    let (m, b) = (10, 64);
+    let built = (0..m).map(|_| build(cnn_t)).collect::<Res<Vec<_>>>()?;
+    let models: Vec<&Sequential> = built.iter().map(|(_, s)| s).collect();
+    let stacked = stack_params(&models)?;
+    let dev = Device::Cpu;
+    let x = if own {
+        Tensor::randn(0f32, 1., (m, b, 1, 28, 28), &dev)?
+    } else {
+        Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?
+    };
+    let fwd = jit(|x: Tracer| models[0].forward(&x));
+    let xi = |i: usize| -> candle_core::Result<Tensor> {
+        if own {
+            x.get(i)
+        } else {
+            Ok(x.clone())
+        }
+    };
+    let runs: Vec<_> = models.iter().map(|mm| jit(move |x: Tracer| mm.forward(&x))).collect();
+    let single = median_ms(o.reps, || fwd.call(xi(0)?).map(|_| ()).map_err(Into::into))?;
+    let mut rows = vec![Row {
+        variant: format!("loop over the {m} models"),
+        ms: median_ms(o.reps, || {
+            for (i, r) in runs.iter().enumerate() {
+                r.call(xi(i)?)?;
+            }
+            Ok(())
+        })?,
+        peak_mib: None,
+    }];
+    let mut by_route = Vec::new();
+    for route in ROUTES {
+        let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x))
+            .in_dims([Some(0), if own { Some(0) } else { None }])
+            .conv_route(route);
+        let ms = median_ms(o.reps, || f.call((&stacked, &x)).map(|_| ()).map_err(Into::into))?;
+        let peak = peak_mib(&make_graph(&f, (&stacked, &x))?, &flat_inputs(&stacked, &[&x]))?;
+        by_route.push((route, ms));
+        rows.push(Row {
+            variant: format!("vmap {route:?}"),
+            ms,
+            peak_mib: Some(peak),
+        });
+    }
+    let best = by_route.iter().map(|r| r.1).fold(f64::INFINITY, f64::min);
+    let notes = vec![
+        format!(
+            "one model alone: {single:.2} ms; best vmap / loop: {:.2}",
+            best / rows[0].ms
+        ),
+        auto_note(&by_route),
+    ];
+    let kind = if own { "a batch per model" } else { "one shared batch" };
+    report(
+        o,
+        &format!("ensemble of {m} tutorial CNNs, forward, {kind} of {b}"),
+        &rows,
+        &notes,
+    );
+    Ok(())
+}
+
+/// `vmap(|x| model.forward(x))` against the model's plain batched forward.
+fn forward_overhead(o: &Opts) -> Res<()> {
+    let (_vm, model) = build(cnn_o)?;
+    let xs = Tensor::randn(0f32, 1., (256, 1, 28, 28), &Device::Cpu)?;
+    let plain = jit(|x: Tracer| model.forward(&x));
+    let mapped = vmap(|x: Tracer| model.forward(&x.unsqueeze(0)?)?.squeeze(0));
+    let rows = vec![
+        Row {
+            variant: "plain batched forward".into(),
+            ms: median_ms(o.reps, || plain.call(&xs).map(|_| ()).map_err(Into::into))?,
+            peak_mib: Some(peak_mib(&make_graph(&plain, &xs)?, std::slice::from_ref(&xs))?),
+        },
+        Row {
+            variant: "vmap(|x| model.forward(x))".into(),
+            ms: median_ms(o.reps, || mapped.call(&xs).map(|_| ()).map_err(Into::into))?,
+            peak_mib: Some(peak_mib(&make_graph(&mapped, &xs)?, std::slice::from_ref(&xs))?),
+        },
+    ];
+    report(o, "Opacus MNIST CNN, B=256: forward", &rows, &[]);
+    Ok(())
+}
+
+/// Per-sample gradients of the Opacus CNN over batch sizes and routes, with
+/// `chunk_size` bounding memory.
+fn sweep(o: &Opts) -> Res<()> {
+    let (_vm, model) = build(cnn_o)?;
+    let p = model.params();
+    let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy(
+            &functional_call(&model, &p, &x.unsqueeze(0)?)?,
+            &y.unsqueeze(0)?,
+            Reduction::Mean,
+        )
+    };
+    let sizes: &[usize] = if o.quick {
+        &[16, 64, 256]
+    } else {
+        &[16, 32, 64, 128, 256, 512]
+    };
+    let mut rows = Vec::new();
+    for &b in sizes {
+        let xs = Tensor::randn(0f32, 1., (b, 1, 28, 28), &Device::Cpu)?;
+        let ys = Tensor::zeros(b, DType::U32, &Device::Cpu)?;
+        let inputs = flat_inputs(&p, &[&xs, &ys]);
+        for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
+            let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
+            rows.push(Row {
+                variant: format!("B={b} {route:?}"),
+                ms: median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()).map_err(Into::into))?,
+                peak_mib: Some(peak_mib(&make_graph(&f, (&p, &xs, &ys))?, &inputs)?),
+            });
+        }
+        let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).chunk_size(32);
+        rows.push(Row {
+            variant: format!("B={b} Unfold, chunk_size 32"),
+            ms: median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()).map_err(Into::into))?,
+            peak_mib: Some(peak_mib(&make_graph(&f, (&p, &xs, &ys))?, &inputs)?),
+        });
+    }
+    report(
+        o,
+        "sweep: Opacus MNIST CNN per-sample gradients by batch size and route",
+        &rows,
+        &[],
+    );
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let json = args.iter().any(|a| a == "--json");
+    let only: Option<Vec<String>> = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(',').map(str::to_string).collect());
+    let want = |k: &str| only.as_ref().is_none_or(|o| o.iter().any(|x| x == k));
+    let reps = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok());
+    let o = Opts {
+        reps: reps.unwrap_or(if quick { 3 } else { 11 }),
+        quick,
+        json,
+    };
+    if !json {
+        println!(
+            "candle-func benchmarks: f32, {} threads, median of {}",
+            candle_core::utils::get_num_threads(),
+            o.reps
+        );
+    }
+    let dev = Device::Cpu;
+    if want("T") {
+        let (_vm, m) = build(cnn_t)?;
+        per_sample(
+            &o,
+            "PyTorch-tutorial CNN",
+            &m,
+            &Tensor::randn(0f32, 1., (64, 1, 28, 28), &dev)?,
+            !quick,
+        )?;
+    }
+    if want("O") {
+        let (_vm, m) = build(cnn_o)?;
+        for b in [64, 256] {
+            per_sample(
+                &o,
+                "Opacus MNIST CNN",
+                &m,
+                &Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?,
+                true,
+            )?;
+        }
+    }
+    if want("C3D") {
+        let (_vm, m) = build(c3d)?;
+        per_sample(
+            &o,
+            "conv3d net",
+            &m,
+            &Tensor::randn(0f32, 1., (16, 1, 16, 16, 16), &dev)?,
+            !quick,
+        )?;
+    }
+    if want("ENS") {
+        ensemble(&o, false)?;
+        ensemble(&o, true)?;
+    }
+    if want("FWD") {
+        forward_overhead(&o)?;
+    }
+    if want("SWEEP") {
+        sweep(&o)?;
+    }
+    Ok(())
+}
