@@ -9,12 +9,12 @@
 //!     cargo run --release --example bench -- --json       # one JSON object per line
 //!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, SWEEP
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
-use candle_func::nn::{
-    self, functional_call, stack_params, Activation, ConvConfig, MaxPool2d, Module, Reduction, Sequential,
-};
+use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
 use candle_func::{grad, interp, jit, make_graph, vmap, ConvRoute, Tracer};
-use candle_nn::{VarBuilder, VarMap};
+use common::models::{build, c3d, cnn_o, cnn_t};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -77,58 +77,6 @@ fn report(o: &Opts, workload: &str, rows: &[Row], notes: &[String]) {
     for n in notes {
         println!("\n{n}");
     }
-}
-
-fn cnn_t(vb: VarBuilder) -> candle_func::Result<Sequential> {
-    Ok(nn::seq()
-        .add(nn::conv2d(1, 32, 3, Default::default(), vb.pp("conv1"))?)
-        .add(Activation::Relu)
-        .add(nn::conv2d(32, 64, 3, Default::default(), vb.pp("conv2"))?)
-        .add(Activation::Relu)
-        .add(MaxPool2d { kernel: 2, stride: 2 })
-        .add(nn::Flatten)
-        .add(nn::linear(9216, 128, vb.pp("fc1"))?)
-        .add(Activation::Relu)
-        .add(nn::linear(128, 10, vb.pp("fc2"))?))
-}
-
-fn cnn_o(vb: VarBuilder) -> candle_func::Result<Sequential> {
-    let c1 = ConvConfig {
-        padding: 3,
-        stride: 2,
-        ..Default::default()
-    };
-    let c2 = ConvConfig {
-        stride: 2,
-        ..Default::default()
-    };
-    Ok(nn::seq()
-        .add(nn::conv2d(1, 16, 8, c1, vb.pp("conv1"))?)
-        .add(Activation::Relu)
-        .add(MaxPool2d { kernel: 2, stride: 1 })
-        .add(nn::conv2d(16, 32, 4, c2, vb.pp("conv2"))?)
-        .add(Activation::Relu)
-        .add(MaxPool2d { kernel: 2, stride: 1 })
-        .add(nn::Flatten)
-        .add(nn::linear(512, 32, vb.pp("fc1"))?)
-        .add(Activation::Relu)
-        .add(nn::linear(32, 10, vb.pp("fc2"))?))
-}
-
-fn c3d(vb: VarBuilder) -> candle_func::Result<Sequential> {
-    Ok(nn::seq()
-        .add(nn::conv3d(1, 8, 3, Default::default(), vb.pp("conv1"))?)
-        .add(Activation::Relu)
-        .add(nn::conv3d(8, 16, 3, Default::default(), vb.pp("conv2"))?)
-        .add(Activation::Relu)
-        .add(nn::Flatten)
-        .add(nn::linear(16 * 12 * 12 * 12, 10, vb.pp("fc"))?))
-}
-
-fn build(f: fn(VarBuilder) -> candle_func::Result<Sequential>) -> Res<(VarMap, Sequential)> {
-    let vm = VarMap::new();
-    let m = f(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
-    Ok((vm, m))
 }
 
 fn flat_inputs(p: &Params, rest: &[&Tensor]) -> Vec<Tensor> {
@@ -217,7 +165,7 @@ fn auto_note(by_route: &[(ConvRoute, f64)]) -> String {
 
 fn ensemble(o: &Opts, own: bool) -> Res<()> {
     let (m, b) = (10, 64);
-    let built = (0..m).map(|_| build(cnn_t)).collect::<Res<Vec<_>>>()?;
+    let built = (0..m).map(|_| build(cnn_t)).collect::<candle_func::Result<Vec<_>>>()?;
     let models: Vec<&Sequential> = built.iter().map(|(_, s)| s).collect();
     let stacked = stack_params(&models)?;
     let dev = Device::Cpu;

@@ -12,99 +12,21 @@
 //! s1, conv 16->32 k4 s2, max-pool k2 s1, linear 512->32->10). `--reps N`
 //! sets the number of timed repetitions (median reported).
 
+mod common;
+
 use candle_core::{Device, Tensor};
+use candle_func::nn::{self, functional_call, Module, Reduction, Sequential};
 use candle_func::{grad, jit, vmap, ConvRoute, Result, Tracer};
+use common::models::{build, cnn_o, cnn_t};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 type Params = BTreeMap<String, Tensor>;
 type SymParams = BTreeMap<String, Tracer>;
 
-struct Model {
-    name: &'static str,
-    params: Params,
-    forward: fn(&SymParams, &Tracer) -> Result<Tracer>,
-}
-
-fn init(shapes: &[(&str, &[usize])], dev: &Device) -> Result<Params> {
-    let mut p = BTreeMap::new();
-    for (name, shape) in shapes {
-        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
-        let t = (Tensor::randn(0f32, 1., *shape, dev)? / (fan_in as f64).sqrt())?;
-        p.insert(name.to_string(), t);
-    }
-    Ok(p)
-}
-
-fn linear(p: &SymParams, name: &str, x: &Tracer) -> Result<Tracer> {
-    x.matmul(&p[&format!("{name}.weight")].t()?)?
-        .add(&p[&format!("{name}.bias")])
-}
-
-fn conv(p: &SymParams, name: &str, x: &Tracer, pad: usize, stride: usize) -> Result<Tracer> {
-    let b = &p[&format!("{name}.bias")];
-    let y = x.conv2d(&p[&format!("{name}.weight")], pad, stride, 1, 1)?;
-    y.add(&b.reshape((b.dims()[0], 1, 1))?)
-}
-
-fn tutorial(dev: &Device) -> Result<Model> {
-    let params = init(
-        &[
-            ("conv1.weight", &[32, 1, 3, 3]),
-            ("conv1.bias", &[32]),
-            ("conv2.weight", &[64, 32, 3, 3]),
-            ("conv2.bias", &[64]),
-            ("fc1.weight", &[128, 9216]),
-            ("fc1.bias", &[128]),
-            ("fc2.weight", &[10, 128]),
-            ("fc2.bias", &[10]),
-        ],
-        dev,
-    )?;
-    let forward = |p: &SymParams, x: &Tracer| {
-        let h = conv(p, "conv1", x, 0, 1)?.relu()?;
-        let h = conv(p, "conv2", &h, 0, 1)?.relu()?.max_pool2d(2)?.flatten_from(1)?;
-        linear(p, "fc2", &linear(p, "fc1", &h)?.relu()?)
-    };
-    Ok(Model {
-        name: "PyTorch-tutorial CNN",
-        params,
-        forward,
-    })
-}
-
-fn opacus(dev: &Device) -> Result<Model> {
-    let params = init(
-        &[
-            ("conv1.weight", &[16, 1, 8, 8]),
-            ("conv1.bias", &[16]),
-            ("conv2.weight", &[32, 16, 4, 4]),
-            ("conv2.bias", &[32]),
-            ("fc1.weight", &[32, 512]),
-            ("fc1.bias", &[32]),
-            ("fc2.weight", &[10, 32]),
-            ("fc2.bias", &[10]),
-        ],
-        dev,
-    )?;
-    let forward = |p: &SymParams, x: &Tracer| {
-        let h = conv(p, "conv1", x, 3, 2)?.relu()?.max_pool2d_with_stride(2, 1)?;
-        let h = conv(p, "conv2", &h, 0, 2)?
-            .relu()?
-            .max_pool2d_with_stride(2, 1)?
-            .flatten_from(1)?;
-        linear(p, "fc2", &linear(p, "fc1", &h)?.relu()?)
-    };
-    Ok(Model {
-        name: "Opacus MNIST CNN",
-        params,
-        forward,
-    })
-}
-
-/// Mean cross-entropy of a batch of logits `[N, C]` against labels `[N]`.
-fn cross_entropy(logits: &Tracer, y: &Tracer) -> Result<Tracer> {
-    logits.log_softmax(1)?.gather(&y.unsqueeze(1)?, 1)?.neg()?.mean_all()
+/// Mean cross-entropy of `model` on a batch.
+fn batch_loss(model: &Sequential, p: &SymParams, x: &Tracer, y: &Tracer) -> Result<Tracer> {
+    nn::cross_entropy(&functional_call(model, p, x)?, y, Reduction::Mean)
 }
 
 fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -137,10 +59,11 @@ fn main() -> Result<()> {
             .cloned()
     };
     let dev = Device::Cpu;
-    let model = match opt("--model").as_deref() {
-        Some("opacus") => opacus(&dev)?,
-        _ => tutorial(&dev)?,
+    let (name, (_varmap, model)) = match opt("--model").as_deref() {
+        Some("opacus") => ("Opacus MNIST CNN", build(cnn_o)?),
+        _ => ("PyTorch-tutorial CNN", build(cnn_t)?),
     };
+    let params = model.params();
     let batch: usize = opt("--batch").and_then(|v| v.parse().ok()).unwrap_or(64);
     let reps: usize = opt("--reps").and_then(|v| v.parse().ok()).unwrap_or(5);
     let xs = Tensor::randn(0f32, 1., (batch, 1, 28, 28), &dev)?;
@@ -149,25 +72,23 @@ fn main() -> Result<()> {
         batch,
         &dev,
     )?;
-    let fwd = model.forward;
     println!(
-        "{}, batch {batch}, f32, {} threads, median of {reps}",
-        model.name,
+        "{name}, batch {batch}, f32, {} threads, median of {reps}",
         candle_core::utils::get_num_threads()
     );
 
     // One example's loss (the example gets a batch axis of one, as in the tutorial).
-    let loss = move |p: SymParams, x: Tracer, y: Tracer| cross_entropy(&fwd(&p, &x.unsqueeze(0)?)?, &y.unsqueeze(0)?);
+    let loss = |p: SymParams, x: Tracer, y: Tracer| batch_loss(&model, &p, &x.unsqueeze(0)?, &y.unsqueeze(0)?);
     // The ordinary batched step: the gradient of the mean loss over the batch.
-    let batched = grad(move |p: SymParams, x: Tracer, y: Tracer| cross_entropy(&fwd(&p, &x)?, &y));
-    let step_ms = median_ms(reps, || batched.call((&model.params, &xs, &ys)).map(|_| ()))?;
+    let batched = grad(|p: SymParams, x: Tracer, y: Tracer| batch_loss(&model, &p, &x, &y));
+    let step_ms = median_ms(reps, || batched.call((&params, &xs, &ys)).map(|_| ()))?;
 
     // The per-example loop: the same gradient, one example at a time.
     let one = jit(grad(loss));
     let per_example = || -> Result<Params> {
         let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
         for i in 0..batch {
-            let g = one.call((&model.params, xs.get(i)?, ys.get(i)?))?;
+            let g = one.call((&params, xs.get(i)?, ys.get(i)?))?;
             for (k, t) in g {
                 parts.entry(k).or_default().push(t);
             }
@@ -186,9 +107,9 @@ fn main() -> Result<()> {
     );
     for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
         let psg = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
-        let g = psg.call((&model.params, &xs, &ys))?;
+        let g = psg.call((&params, &xs, &ys))?;
         let diff = max_diff(&g, &reference)?;
-        let ms = median_ms(reps, || psg.call((&model.params, &xs, &ys)).map(|_| ()))?;
+        let ms = median_ms(reps, || psg.call((&params, &xs, &ys)).map(|_| ()))?;
         println!(
             "| vmap(grad), {route:?} route | {ms:.1} | {:.2} | {:.2} | {diff:.1e} |",
             ms / step_ms,

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod digits;
+pub mod models;
 
 use candle_func::nn::{self, Activation, ConvConfig, MaxPool2d, Sequential};
 use candle_nn::VarBuilder;

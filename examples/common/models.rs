@@ -1,0 +1,63 @@
+//! The benchmark models of `../shared/peers/models.py`, as `nn` layers.
+
+use candle_core::{DType, Device};
+use candle_func::nn::{self, Activation, ConvConfig, MaxPool2d, Sequential};
+use candle_nn::{VarBuilder, VarMap};
+
+/// The PyTorch per-sample-gradients tutorial's CNN: conv 1->32 k3, conv
+/// 32->64 k3, max-pool 2, linear 9216->128->10 (28x28 inputs).
+pub fn cnn_t(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    Ok(nn::seq()
+        .add(nn::conv2d(1, 32, 3, Default::default(), vb.pp("conv1"))?)
+        .add(Activation::Relu)
+        .add(nn::conv2d(32, 64, 3, Default::default(), vb.pp("conv2"))?)
+        .add(Activation::Relu)
+        .add(MaxPool2d { kernel: 2, stride: 2 })
+        .add(nn::Flatten)
+        .add(nn::linear(9216, 128, vb.pp("fc1"))?)
+        .add(Activation::Relu)
+        .add(nn::linear(128, 10, vb.pp("fc2"))?))
+}
+
+/// The Opacus MNIST example's CNN: conv 1->16 k8 s2 p3, max-pool k2 s1,
+/// conv 16->32 k4 s2, max-pool k2 s1, linear 512->32->10 (28x28 inputs).
+pub fn cnn_o(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    let c1 = ConvConfig {
+        padding: 3,
+        stride: 2,
+        ..Default::default()
+    };
+    let c2 = ConvConfig {
+        stride: 2,
+        ..Default::default()
+    };
+    Ok(nn::seq()
+        .add(nn::conv2d(1, 16, 8, c1, vb.pp("conv1"))?)
+        .add(Activation::Relu)
+        .add(MaxPool2d { kernel: 2, stride: 1 })
+        .add(nn::conv2d(16, 32, 4, c2, vb.pp("conv2"))?)
+        .add(Activation::Relu)
+        .add(MaxPool2d { kernel: 2, stride: 1 })
+        .add(nn::Flatten)
+        .add(nn::linear(512, 32, vb.pp("fc1"))?)
+        .add(Activation::Relu)
+        .add(nn::linear(32, 10, vb.pp("fc2"))?))
+}
+
+/// The conv3d net: conv3d 1->8 k3, conv3d 8->16 k3, linear to 10 (16^3 inputs).
+pub fn c3d(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    Ok(nn::seq()
+        .add(nn::conv3d(1, 8, 3, Default::default(), vb.pp("conv1"))?)
+        .add(Activation::Relu)
+        .add(nn::conv3d(8, 16, 3, Default::default(), vb.pp("conv2"))?)
+        .add(Activation::Relu)
+        .add(nn::Flatten)
+        .add(nn::linear(16 * 12 * 12 * 12, 10, vb.pp("fc"))?))
+}
+
+/// A model with fresh weights in its own `VarMap`.
+pub fn build(f: fn(VarBuilder) -> candle_func::Result<Sequential>) -> candle_func::Result<(VarMap, Sequential)> {
+    let vm = VarMap::new();
+    let m = f(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    Ok((vm, m))
+}
