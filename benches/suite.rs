@@ -78,7 +78,7 @@ fn ensemble(c: &mut Criterion) {
             runs.iter()
                 .enumerate()
                 .map(|(i, r)| r.call(xs.get(i).unwrap()).unwrap())
-                .count()
+                .collect::<Vec<_>>()
         })
     });
     for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop, ConvRoute::Auto] {
