@@ -8,6 +8,7 @@
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
 //!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, SWEEP
+//!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 
 mod common;
 
@@ -27,6 +28,7 @@ struct Opts {
     reps: usize,
     quick: bool,
     json: bool,
+    svg: Option<String>,
 }
 
 /// One measured variant of a workload.
@@ -266,15 +268,18 @@ fn sweep(o: &Opts) -> Res<()> {
         &[16, 32, 64, 128, 256, 512]
     };
     let mut rows = Vec::new();
+    let mut points: Vec<(ConvRoute, usize, f64)> = Vec::new();
     for &b in sizes {
         let xs = Tensor::randn(0f32, 1., (b, 1, 28, 28), &Device::Cpu)?;
         let ys = Tensor::zeros(b, DType::U32, &Device::Cpu)?;
         let inputs = flat_inputs(&p, &[&xs, &ys]);
         for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
             let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
+            let ms = median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()).map_err(Into::into))?;
+            points.push((route, b, ms));
             rows.push(Row {
                 variant: format!("B={b} {route:?}"),
-                ms: median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()).map_err(Into::into))?,
+                ms,
                 peak_mib: Some(peak_mib(&make_graph(&f, (&p, &xs, &ys))?, &inputs)?),
             });
         }
@@ -291,7 +296,75 @@ fn sweep(o: &Opts) -> Res<()> {
         &rows,
         &[],
     );
+    if let Some(path) = &o.svg {
+        std::fs::write(path, chart(&points))?;
+    }
     Ok(())
+}
+
+/// An SVG line chart of milliseconds per example against batch size, one
+/// line per route (log-scaled batch axis).
+fn chart(points: &[(ConvRoute, usize, f64)]) -> String {
+    let (w, h, pad) = (640.0, 360.0, 56.0);
+    let per = |&(_, b, ms): &(ConvRoute, usize, f64)| ms / b as f64;
+    let ymax = points.iter().map(per).fold(0.0, f64::max) * 1.1;
+    let bmin = points.iter().map(|p| p.1).min().unwrap_or(1) as f64;
+    let bmax = points.iter().map(|p| p.1).max().unwrap_or(2) as f64;
+    let x = |b: f64| pad + (b.ln() - bmin.ln()) / (bmax.ln() - bmin.ln()).max(1e-9) * (w - 2.0 * pad);
+    let y = |v: f64| h - pad - v / ymax * (h - 2.0 * pad);
+    let (bottom, right) = (h - pad, w - pad);
+    let mut svg = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n");
+    svg += "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+    svg += &format!(
+        "<text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">Opacus MNIST CNN per-sample gradients: ms per example</text>\n",
+        w / 2.0
+    );
+    svg += &format!("<line x1=\"{pad}\" y1=\"{bottom}\" x2=\"{right}\" y2=\"{bottom}\" stroke=\"black\"/>\n");
+    svg += &format!("<line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{bottom}\" stroke=\"black\"/>\n");
+    let mut sizes: Vec<usize> = points.iter().map(|p| p.1).collect();
+    sizes.dedup();
+    for b in sizes {
+        let xb = x(b as f64);
+        svg += &format!(
+            "<text x=\"{xb:.1}\" y=\"{}\" text-anchor=\"middle\">{b}</text>\n",
+            bottom + 18.0
+        );
+    }
+    for i in 0..=4 {
+        let v = ymax * i as f64 / 4.0;
+        svg += &format!(
+            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{v:.3}</text>\n",
+            pad - 6.0,
+            y(v) + 4.0
+        );
+    }
+    let lines = [
+        (ConvRoute::Grouped, "#1f77b4"),
+        (ConvRoute::Unfold, "#d62728"),
+        (ConvRoute::Loop, "#2ca02c"),
+    ];
+    for (k, (route, color)) in lines.iter().enumerate() {
+        let pts: Vec<String> = points
+            .iter()
+            .filter(|p| p.0 == *route)
+            .map(|p| format!("{:.1},{:.1}", x(p.1 as f64), y(per(p))))
+            .collect();
+        svg += &format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            pts.join(" ")
+        );
+        let ly = pad + 16.0 * k as f64;
+        svg += &format!(
+            "<text x=\"{}\" y=\"{ly}\" fill=\"{color}\">{route:?}</text>\n",
+            right - 60.0
+        );
+    }
+    svg += &format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">batch size</text>\n",
+        w / 2.0,
+        h - 12.0
+    );
+    svg + "</svg>\n"
 }
 
 fn main() -> Res<()> {
@@ -309,10 +382,16 @@ fn main() -> Res<()> {
         .position(|a| a == "--reps")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok());
+    let svg = args
+        .iter()
+        .position(|a| a == "--svg")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let o = Opts {
         reps: reps.unwrap_or(if quick { 3 } else { 11 }),
         quick,
         json,
+        svg,
     };
     if !json {
         println!(
