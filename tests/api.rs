@@ -199,3 +199,48 @@ fn jit_runs_the_traced_function() {
     let want = (candle_nn::ops::log_softmax(&x, 1).unwrap() * 2.0).unwrap();
     assert_close(&f.call(&x).unwrap(), &want, 1e-5, "jit");
 }
+
+#[test]
+fn graphs_are_simplified() {
+    use candle_func::ir::Prim;
+    let w = rand(&[4, 1, 3, 3], 1);
+    let xs = rand(&[5, 1, 6, 6], 2);
+    let loss = |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv2d(&w, 0, 1, 1, 1)?.sqr()?.sum_all();
+    let g = make_graph(&vmap(candle_func::grad(loss)).in_dims([None, Some(0)]), (&w, &xs)).unwrap();
+    let is = |v: usize, name: &str| g.nodes[v].prim.name().starts_with(name);
+    for (v, n) in g.nodes.iter().enumerate() {
+        if is(v, "reshape") {
+            assert!(!is(n.args[0], "reshape"), "reshape of a reshape: {g}");
+        }
+        if is(v, "permute") {
+            assert!(!is(n.args[0], "permute"), "permute of a permute: {g}");
+        }
+        if let Prim::Binary(_) = n.prim {
+            fn one(g: &candle_func::Graph, a: usize) -> bool {
+                match &g.nodes[a].prim {
+                    Prim::Scalar(x) => *x == 1.0,
+                    p if p.name().starts_with("reshape") || p.name().starts_with("broadcast") => {
+                        one(g, g.nodes[a].args[0])
+                    }
+                    _ => false,
+                }
+            }
+            let one = |a: usize| one(&g, a);
+            assert!(
+                !(is(v, "mul") && n.args.iter().any(|&a| one(a))),
+                "multiplication by one: {g}"
+            );
+        }
+    }
+    // and the simplified graph computes the same gradients
+    let want = vmap(candle_func::grad(loss))
+        .in_dims([None, Some(0)])
+        .conv_route(candle_func::ConvRoute::Loop);
+    let got = vmap(candle_func::grad(loss)).in_dims([None, Some(0)]);
+    assert_close(
+        &got.call((&w, &xs)).unwrap(),
+        &want.call((&w, &xs)).unwrap(),
+        1e-5,
+        "simplified",
+    );
+}

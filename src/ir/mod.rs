@@ -9,6 +9,7 @@
 
 mod prim;
 mod print;
+mod simplify;
 
 pub use prim::Prim;
 

@@ -172,7 +172,7 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(f: &F, defs: &[TreeDef], leave
     // A top-level trace has no enclosing one, so nothing can be captured.
     let (graph, _, out_def) = crate::route::with_device(&device, || trace_into(f, &Builder::root(), defs, &types))?;
     Ok(Compiled {
-        graph: graph.eliminate_dead_code(),
+        graph: graph.simplify(),
         out_def,
     })
 }
