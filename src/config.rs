@@ -5,6 +5,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 static STRICT: AtomicBool = AtomicBool::new(false);
+static MODE_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts changes of trace-time state that is not in a call's arguments
+/// (a layer switched between training and evaluation): part of the graph
+/// cache key, so a cached graph never outlives the mode it was traced in.
+pub(crate) fn bump_mode_epoch() {
+    MODE_EPOCH.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn mode_epoch() -> u64 {
+    MODE_EPOCH.load(Ordering::Relaxed)
+}
 static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
 /// Process-wide strict mode: when on, `vmap` refuses to batch a primitive

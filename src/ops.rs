@@ -198,10 +198,19 @@ impl Tracer {
     }
 
     /// Uses `self` as a mask: `on_true` where it is non-zero, `on_false`
-    /// elsewhere (candle's `where_cond`), broadcasting all three.
+    /// elsewhere (candle's `where_cond`), broadcasting all three. A scalar
+    /// branch takes the other branch's dtype (f32 when both are scalars).
     pub fn where_cond(&self, on_true: impl Operand, on_false: impl Operand) -> Result<Tracer> {
-        let t = on_true.to_tracer(self)?;
-        let f = on_false.to_tracer(&t)?;
+        let like = if !on_true.is_literal() {
+            on_true.to_tracer(self)?
+        } else if !on_false.is_literal() {
+            on_false.to_tracer(self)?
+        } else {
+            let id = self.b.borrow_mut().scalar(0.0, DType::F32);
+            Tracer::new(&self.b, id)
+        };
+        let t = on_true.to_tracer(&like)?;
+        let f = on_false.to_tracer(&like)?;
         self.emit(Prim::Where, &[&t, &f])
     }
 
@@ -308,15 +317,11 @@ impl Tracer {
         let axis = axis.index("narrow", self.dims())?;
         self.shape_op(ShapeOp::Narrow { axis, start, len })
     }
-    /// Removes a size-1 axis.
+    /// Removes a size-1 axis (a larger axis is left as it is, as in candle).
     pub fn squeeze(&self, axis: impl Axis) -> Result<Tracer> {
         let a = axis.index("squeeze", self.dims())?;
         if self.dims()[a] != 1 {
-            return Err(Error::shape(
-                "squeeze",
-                &[self.dims()],
-                format!("axis {a} has size {}", self.dims()[a]),
-            ));
+            return Ok(self.clone());
         }
         let mut d = self.dims().to_vec();
         d.remove(a);

@@ -233,6 +233,10 @@ impl Tracer {
 pub trait Operand {
     /// This operand as a tracer in `like`'s trace.
     fn to_tracer(&self, like: &Tracer) -> Result<Tracer>;
+    /// Whether this is a scalar literal, whose dtype comes from `like`.
+    fn is_literal(&self) -> bool {
+        false
+    }
 }
 
 impl Operand for Tracer {
@@ -253,16 +257,25 @@ impl Operand for f64 {
         let id = like.b.borrow_mut().scalar(*self, like.dtype());
         Ok(Tracer::new(&like.b, id))
     }
+    fn is_literal(&self) -> bool {
+        true
+    }
 }
 
 impl Operand for f32 {
     fn to_tracer(&self, like: &Tracer) -> Result<Tracer> {
         (*self as f64).to_tracer(like)
     }
+    fn is_literal(&self) -> bool {
+        true
+    }
 }
 
 impl<T: Operand + ?Sized> Operand for &T {
     fn to_tracer(&self, like: &Tracer) -> Result<Tracer> {
         (**self).to_tracer(like)
+    }
+    fn is_literal(&self) -> bool {
+        (**self).is_literal()
     }
 }

@@ -60,5 +60,11 @@ fn route_precedence() {
         Err(Error::Config { msg }) => assert!(msg.contains(ROUTE_ENV) && msg.contains("diagonal"), "{msg}"),
         other => panic!("an unknown route must be an error, got {other:?}"),
     }
+    // a transform with its own route does not need the environment's
+    assert_eq!(
+        kind(&graph_for(Some(ConvRoute::Loop)).unwrap()),
+        "loop",
+        "per call, despite a bad environment"
+    );
     std::env::remove_var(ROUTE_ENV);
 }

@@ -285,7 +285,9 @@ impl Module for Dropout {
         BTreeMap::new()
     }
     fn train(&self, on: bool) {
-        self.training.store(on, Ordering::Relaxed);
+        if self.training.swap(on, Ordering::Relaxed) != on {
+            crate::config::bump_mode_epoch();
+        }
     }
 }
 

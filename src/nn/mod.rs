@@ -64,10 +64,15 @@ impl<'a> Params<'a> {
         }
     }
 
-    /// The parameter `name`: the replacement if one is given, else `own`
-    /// lifted into `like`'s trace.
+    /// The parameter `name`: the replacement if one is given (it must have
+    /// the parameter's shape and dtype), else `own` lifted into `like`'s trace.
     pub fn get(&self, name: &str, own: &Tensor, like: &Tracer) -> Result<Tracer> {
         match self.overrides.and_then(|m| m.get(name)) {
+            Some(t) if t.dims() != own.dims() || t.dtype() != own.dtype() => Err(Error::Shape {
+                op: "parameter",
+                shapes: vec![own.dims().to_vec(), t.dims().to_vec()],
+                msg: format!("{name:?} replaced by a tensor of another shape or dtype"),
+            }),
             Some(t) => Ok(t.clone()),
             None => crate::trace::Operand::to_tracer(own, like),
         }

@@ -313,7 +313,11 @@ fn run_grad_input(
     spatial: &[usize],
 ) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
-    let l = ct.elem_count() / (n * cout);
+    let l: usize = ct.dims()[2..].iter().product();
+    if n == 0 || cout == 0 {
+        let cin = w.dims()[1] * groups;
+        return Tensor::zeros([&[n, cin], spatial].concat(), ct.dtype(), ct.device());
+    }
     let cpg = cout / groups;
     let ck = w.elem_count() / cout; // Cin/g * K
                                     // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
@@ -338,7 +342,11 @@ fn run_grad_input(
 /// `Cout/g x (N L)` by `(N L) x CK`.
 fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
-    let l = ct.elem_count() / (n * cout);
+    let l: usize = ct.dims()[2..].iter().product();
+    let w_shape = [&[cout, x.dims()[1] / groups], &g.kernel[..]].concat();
+    if n == 0 || cout == 0 {
+        return Tensor::zeros(w_shape, ct.dtype(), ct.device());
+    }
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
     let ck = cols.dims()[1] / groups;
@@ -354,7 +362,7 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
         .contiguous()?
         .reshape((groups, cpg, n * l))?;
     let gw = c.matmul(&cols.transpose(1, 2)?)?; // g Cout/g CK
-    gw.reshape([&[cout, x.dims()[1] / groups], &g.kernel[..]].concat())
+    gw.reshape(w_shape)
 }
 
 /// Runs an unbatched convolution. On the CPU, unfold + matmul: measured

@@ -78,11 +78,11 @@ fn infer_one(op: &ShapeOp, x: &TensorType) -> Result<TensorType> {
             Ok(x.with_shape(to.clone()))
         }
         ShapeOp::Narrow { axis, start, len } => {
-            if *axis >= s.len() || start + len > s[*axis] {
+            if *axis >= s.len() || start.checked_add(*len).is_none_or(|end| end > s[*axis]) {
                 return Err(Error::shape(
                     "narrow",
                     &[s],
-                    format!("range {start}..{} out of bounds on axis {axis}", start + len),
+                    format!("range of {len} from {start} out of bounds on axis {axis}"),
                 ));
             }
             let mut d = s.to_vec();

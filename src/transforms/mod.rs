@@ -59,8 +59,11 @@ struct CacheKey {
     defs: Vec<TreeDef>,
     types: Vec<TensorType>,
     device: DeviceLocation,
-    route: ConvRoute,
+    /// The process-wide route, `None` when the environment names none that
+    /// parses (a transform with its own route does not need it).
+    route: Option<ConvRoute>,
     strict: bool,
+    mode_epoch: u64,
 }
 
 /// A traced, transformed and pruned function, ready to run.
@@ -190,8 +193,9 @@ where
         types: leaves.iter().flatten().map(TensorType::of).collect(),
         defs,
         device,
-        route: conv_route()?,
+        route: conv_route().ok(),
         strict: crate::config::strict(),
+        mode_epoch: crate::config::mode_epoch(),
     };
     let cached = cache.map.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
     let compiled = match cached {

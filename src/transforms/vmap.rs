@@ -226,6 +226,17 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
 /// Re-emits `g` into `cx.b` through the batching rules; `inputs` binds the
 /// graph's inputs. Returns the batched outputs.
 pub(crate) fn batch_graph(g: &Graph, cx: &mut BatchCx, inputs: &[BVal]) -> Result<Vec<BVal>> {
+    batch_graph_shared(g, cx, inputs, &mut std::collections::HashMap::new())
+}
+
+/// [`batch_graph`], with `shared` holding values that must be the same in
+/// every chunk of a chunked map (random draws under `Randomness::Same`).
+fn batch_graph_shared(
+    g: &Graph,
+    cx: &mut BatchCx,
+    inputs: &[BVal],
+    shared: &mut std::collections::HashMap<usize, BVal>,
+) -> Result<Vec<BVal>> {
     let mut env: Vec<BVal> = vec![(usize::MAX, None); g.nodes.len()];
     for (k, &v) in g.inputs.iter().enumerate() {
         env[v] = inputs[k];
@@ -235,7 +246,16 @@ pub(crate) fn batch_graph(g: &Graph, cx: &mut BatchCx, inputs: &[BVal]) -> Resul
             Prim::Input(_) => env[v],
             Prim::Const(k) => (cx.b.constant(&g.consts[*k]), None),
             Prim::Scalar(x) => (cx.b.scalar(*x, node.ty.dtype), None),
-            Prim::Random(r) => batch_random(cx, r)?,
+            Prim::Random(r) => match shared.get(&v) {
+                Some(&bv) => bv,
+                None => {
+                    let bv = batch_random(cx, r)?;
+                    if bv.1.is_none() {
+                        shared.insert(v, bv);
+                    }
+                    bv
+                }
+            },
             prim => {
                 let args: Vec<BVal> = node.args.iter().map(|&a| env[a]).collect();
                 if args.iter().all(|a| a.1.is_none()) {
@@ -351,6 +371,9 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
         })?;
         let ins = batched_inputs(&outer, &leaves, &dims)?;
         let (g, captures, out_def) = trace_inner(&self.f, &outer, &defs, &ins.types)?;
+        // Prune first, so dead work (an unused input gradient) is neither
+        // batched nor timed by the Auto route.
+        let g = g.eliminate_dead_code();
         let out_dims = leaf_out_dims(&self.out_dims, &out_def)?;
         let opts = self.opts()?;
         let ids = {
@@ -364,6 +387,28 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
         let tracers: Vec<Tracer> = ids.into_iter().map(|id| Tracer::new(&outer, id)).collect();
         F::Output::unflatten_from(&out_def, &mut tracers.into_iter())
     }
+}
+
+/// The outputs of a map over zero examples: empty along the batch axis (as
+/// in JAX), with the per-example shapes the trace gave.
+fn empty_outputs(g: &Graph, b: &mut Builder, out_dims: &[Option<isize>]) -> Result<Vec<VarId>> {
+    let mut ids = Vec::with_capacity(g.outputs.len());
+    for (i, (&o, d)) in g.outputs.iter().zip(out_dims).enumerate() {
+        let mut shape = g.ty(o).shape.clone();
+        if let Some(d) = d {
+            let r = shape.len() as isize + 1;
+            let a = if *d < 0 { d + r } else { *d };
+            if a < 0 || a >= r {
+                return Err(Error::OutDims {
+                    output: i,
+                    msg: format!("axis {d} is out of range for an output of rank {r}"),
+                });
+            }
+            shape.insert(a as usize, 0);
+        }
+        ids.push(b.zeros(shape, g.ty(o).dtype)?);
+    }
+    Ok(ids)
 }
 
 /// Batches `g` over the whole batch, or chunk by chunk (narrowing the
@@ -386,7 +431,11 @@ fn run_chunks(
         Some(k) => k.min(size),
         None => size,
     };
+    if size == 0 {
+        return empty_outputs(g, b, out_dims);
+    }
     let mut pieces: Vec<Vec<VarId>> = vec![Vec::new(); g.outputs.len()];
+    let mut shared = std::collections::HashMap::new();
     for start in (0..size).step_by(k) {
         let len = k.min(size - start);
         let mut chunk_vals = Vec::with_capacity(vals.len());
@@ -397,7 +446,7 @@ fn run_chunks(
             });
         }
         let mut cx = BatchCx { b, size: len, opts };
-        let outs = batch_graph(g, &mut cx, &chunk_vals)?;
+        let outs = batch_graph_shared(g, &mut cx, &chunk_vals, &mut shared)?;
         for (i, (&o, &d)) in outs.iter().zip(out_dims).enumerate() {
             pieces[i].push(place_output(&mut cx, o, d, i)?);
         }
