@@ -15,9 +15,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
 use candle_func::{grad, interp, jit, make_graph, vmap, ConvRoute, Tracer};
+use common::median_ms;
 use common::models::{build, c3d, cnn_o, cnn_t};
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 type Params = BTreeMap<String, Tensor>;
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -36,18 +36,6 @@ struct Row {
     variant: String,
     ms: f64,
     peak_mib: Option<f64>,
-}
-
-fn median_ms(reps: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    f()?; // warm-up (and the trace)
-    let mut t = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let s = Instant::now();
-        f()?;
-        t.push(s.elapsed().as_secs_f64() * 1e3);
-    }
-    t.sort_by(|a, b| a.total_cmp(b));
-    Ok(t[t.len() / 2])
 }
 
 /// The interpreter's peak live bytes for the graph a call runs.
@@ -107,13 +95,13 @@ fn per_sample(o: &Opts, tag: &str, model: &Sequential, xs: &Tensor, with_loop: b
     let inputs = flat_inputs(&p, &[xs, &ys]);
     let mut rows = vec![Row {
         variant: "batched gradient step".into(),
-        ms: median_ms(o.reps, || step.call((&p, xs, &ys)).map(|_| ()).map_err(Into::into))?,
+        ms: median_ms(o.reps, || step.call((&p, xs, &ys)).map(|_| ()))?,
         peak_mib: Some(peak_mib(&make_graph(&step, (&p, xs, &ys))?, &inputs)?),
     }];
     let mut by_route = Vec::new();
     for route in ROUTES {
         let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
-        let ms = median_ms(o.reps, || f.call((&p, xs, &ys)).map(|_| ()).map_err(Into::into))?;
+        let ms = median_ms(o.reps, || f.call((&p, xs, &ys)).map(|_| ()))?;
         let peak = peak_mib(&make_graph(&f, (&p, xs, &ys))?, &inputs)?;
         by_route.push((route, ms));
         rows.push(Row {
@@ -125,7 +113,7 @@ fn per_sample(o: &Opts, tag: &str, model: &Sequential, xs: &Tensor, with_loop: b
     let mut notes = Vec::new();
     if with_loop {
         let one = jit(grad(loss));
-        let ms = median_ms(o.reps.min(3), || {
+        let ms = median_ms(o.reps.min(3), || -> candle_func::Result<()> {
             for i in 0..b {
                 one.call((&p, xs.get(i)?, ys.get(i)?))?;
             }
@@ -185,10 +173,10 @@ fn ensemble(o: &Opts, own: bool) -> Res<()> {
         }
     };
     let runs: Vec<_> = models.iter().map(|mm| jit(move |x: Tracer| mm.forward(&x))).collect();
-    let single = median_ms(o.reps, || fwd.call(xi(0)?).map(|_| ()).map_err(Into::into))?;
+    let single = median_ms(o.reps, || fwd.call(xi(0)?).map(|_| ()))?;
     let mut rows = vec![Row {
         variant: format!("loop over the {m} models"),
-        ms: median_ms(o.reps, || {
+        ms: median_ms(o.reps, || -> candle_func::Result<()> {
             for (i, r) in runs.iter().enumerate() {
                 r.call(xi(i)?)?;
             }
@@ -201,7 +189,7 @@ fn ensemble(o: &Opts, own: bool) -> Res<()> {
         let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x))
             .in_dims([Some(0), if own { Some(0) } else { None }])
             .conv_route(route);
-        let ms = median_ms(o.reps, || f.call((&stacked, &x)).map(|_| ()).map_err(Into::into))?;
+        let ms = median_ms(o.reps, || f.call((&stacked, &x)).map(|_| ()))?;
         let peak = peak_mib(&make_graph(&f, (&stacked, &x))?, &flat_inputs(&stacked, &[&x]))?;
         by_route.push((route, ms));
         rows.push(Row {
@@ -237,12 +225,12 @@ fn forward_overhead(o: &Opts) -> Res<()> {
     let rows = vec![
         Row {
             variant: "plain batched forward".into(),
-            ms: median_ms(o.reps, || plain.call(&xs).map(|_| ()).map_err(Into::into))?,
+            ms: median_ms(o.reps, || plain.call(&xs).map(|_| ()))?,
             peak_mib: Some(peak_mib(&make_graph(&plain, &xs)?, std::slice::from_ref(&xs))?),
         },
         Row {
             variant: "vmap(|x| model.forward(x))".into(),
-            ms: median_ms(o.reps, || mapped.call(&xs).map(|_| ()).map_err(Into::into))?,
+            ms: median_ms(o.reps, || mapped.call(&xs).map(|_| ()))?,
             peak_mib: Some(peak_mib(&make_graph(&mapped, &xs)?, std::slice::from_ref(&xs))?),
         },
     ];
@@ -275,7 +263,7 @@ fn sweep(o: &Opts) -> Res<()> {
         let inputs = flat_inputs(&p, &[&xs, &ys]);
         for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
             let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
-            let ms = median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()).map_err(Into::into))?;
+            let ms = median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()))?;
             points.push((route, b, ms));
             rows.push(Row {
                 variant: format!("B={b} {route:?}"),
@@ -286,7 +274,7 @@ fn sweep(o: &Opts) -> Res<()> {
         let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).chunk_size(32);
         rows.push(Row {
             variant: format!("B={b} Unfold, chunk_size 32"),
-            ms: median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()).map_err(Into::into))?,
+            ms: median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()))?,
             peak_mib: Some(peak_mib(&make_graph(&f, (&p, &xs, &ys))?, &inputs)?),
         });
     }

@@ -8,23 +8,11 @@
 //! Prints markdown tables of medians and ratios; only ratios measured in
 //! the same run mean anything on a shared machine.
 
+mod common;
+
 use candle_core::{Device, Tensor};
 use candle_func::kernels::unfold::conv_unfold;
 use candle_func::{vmap, ConvGeom, ConvRoute, Tracer};
-use std::time::Instant;
-
-fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
-    f(); // warm-up (and, for vmap, the trace)
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[t.len() / 2]
-}
 
 struct Shape {
     name: &'static str,
@@ -44,16 +32,14 @@ fn routes_table(shapes: &[Shape], reps: usize) -> candle_func::Result<()> {
         let mut ms = Vec::new();
         for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
             let f = vmap(|x: Tracer, w: Tracer| x.conv2d(&w, 0, 1, 1, 1)).conv_route(route);
-            ms.push(median_ms(reps, || {
-                f.call((&xs, &ws)).unwrap();
-            }));
+            ms.push(common::median_ms(reps, || f.call((&xs, &ws)).map(|_| ()))?);
         }
-        let candle_loop = median_ms(reps, || {
-            let ys: Vec<Tensor> = (0..s.models)
-                .map(|m| xs.get(m).unwrap().conv2d(&ws.get(m).unwrap(), 0, 1, 1, 1).unwrap())
-                .collect();
-            Tensor::stack(&ys, 0).unwrap();
-        });
+        let candle_loop = common::median_ms(reps, || -> candle_core::Result<()> {
+            let ys = (0..s.models)
+                .map(|m| xs.get(m)?.conv2d(&ws.get(m)?, 0, 1, 1, 1))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::stack(&ys, 0).map(|_| ())
+        })?;
         println!(
             "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
             s.name,
@@ -80,12 +66,8 @@ fn unbatched_table(shapes: &[Unbatched], reps: usize) -> candle_func::Result<()>
         let x = Tensor::randn(0f32, 1., x.as_slice(), &dev)?;
         let w = Tensor::randn(0f32, 1., w.as_slice(), &dev)?;
         let g = ConvGeom::uniform(2, w.dims()[2], *stride, *pad, 1);
-        let candle = median_ms(reps, || {
-            x.conv2d(&w, *pad, *stride, 1, 1).unwrap();
-        });
-        let unfold = median_ms(reps, || {
-            conv_unfold(&x, &w, &g, 1).unwrap();
-        });
+        let candle = common::median_ms(reps, || x.conv2d(&w, *pad, *stride, 1, 1).map(|_| ()))?;
+        let unfold = common::median_ms(reps, || conv_unfold(&x, &w, &g, 1).map(|_| ()))?;
         println!("| {name} | {candle:.3} | {unfold:.3} | {:.2} |", candle / unfold);
     }
     Ok(())

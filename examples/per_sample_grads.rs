@@ -17,9 +17,9 @@ mod common;
 use candle_core::{Device, Tensor};
 use candle_func::nn::{self, functional_call, Module, Reduction, Sequential};
 use candle_func::{grad, jit, vmap, ConvRoute, Result, Tracer};
+use common::median_ms;
 use common::models::{build, cnn_o, cnn_t};
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 type Params = BTreeMap<String, Tensor>;
 type SymParams = BTreeMap<String, Tracer>;
@@ -27,18 +27,6 @@ type SymParams = BTreeMap<String, Tracer>;
 /// Mean cross-entropy of `model` on a batch.
 fn batch_loss(model: &Sequential, p: &SymParams, x: &Tracer, y: &Tracer) -> Result<Tracer> {
     nn::cross_entropy(&functional_call(model, p, x)?, y, Reduction::Mean)
-}
-
-fn median_ms(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?; // warm-up, and the trace
-    let mut t = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let s = Instant::now();
-        f()?;
-        t.push(s.elapsed().as_secs_f64() * 1e3);
-    }
-    t.sort_by(|a, b| a.total_cmp(b));
-    Ok(t[t.len() / 2])
 }
 
 fn max_diff(a: &Params, b: &Params) -> Result<f32> {

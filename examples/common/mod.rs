@@ -35,3 +35,17 @@ pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// Median milliseconds of `reps` runs of `f`, after one warm-up run (which
+/// also traces a transformed function's graph).
+pub fn median_ms<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    f()?;
+    let mut t = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        let s = std::time::Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64() * 1e3);
+    }
+    t.sort_by(|a, b| a.total_cmp(b));
+    Ok(t[t.len() / 2])
+}
