@@ -4,6 +4,42 @@
 use candle_core::{DType, Device, Tensor};
 use candle_func::{jit, vmap, Function, Result, Tracer};
 
+/// A unary test function.
+pub type Un = fn(Tracer) -> Result<Tracer>;
+/// A binary test function.
+pub type Bin = fn(Tracer, Tracer) -> Result<Tracer>;
+
+/// Unary maps defined on all reals (log and recip moved away from zero),
+/// shared by the loop-oracle and finite-difference tests.
+pub fn unary_maps() -> Vec<(&'static str, Un)> {
+    vec![
+        ("neg", |x| x.neg()),
+        ("exp", |x| x.exp()),
+        ("log", |x| x.abs()?.affine(1.0, 0.5)?.log()),
+        ("sqr", |x| x.sqr()),
+        ("recip", |x| x.abs()?.affine(1.0, 0.5)?.recip()),
+        ("abs", |x| x.abs()),
+        ("relu", |x| x.relu()),
+        ("tanh", |x| x.tanh()),
+        ("sigmoid", |x| x.sigmoid()),
+        ("affine", |x| x.affine(2.0, -1.0)),
+        ("softmax", |x| x.softmax(-1)),
+        ("log_softmax", |x| x.log_softmax(0)),
+    ]
+}
+
+/// Broadcasting arithmetic (the divisor moved away from zero).
+pub fn arithmetic_ops() -> Vec<(&'static str, Bin)> {
+    vec![
+        ("add", |a, b| a.add(&b)),
+        ("sub", |a, b| a.sub(&b)),
+        ("mul", |a, b| a.mul(&b)),
+        ("div", |a, b| a.div(&b.abs()?.affine(1.0, 0.5)?)),
+        ("maximum", |a, b| a.maximum(&b)),
+        ("minimum", |a, b| a.minimum(&b)),
+    ]
+}
+
 /// A deterministic pseudo-random f32 tensor with values in [-1, 1).
 pub fn rand(shape: &[usize], seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
