@@ -17,10 +17,9 @@
 //! candle ops, which give identical results. Both paths are differentiable:
 //! the backward of `unfold` is `fold` and vice versa.
 
+use super::{contiguous_slice, has_cpu_kernel, max_threads, output, zeroed, Elem, MIN_ELEMS_PER_THREAD};
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use std::ops::AddAssign;
-use std::sync::OnceLock;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 // ---------------------------------------------------------------------------
 // Geometry
@@ -148,11 +147,6 @@ fn check_cols(op: &str, cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Resul
 // ---------------------------------------------------------------------------
 // CPU kernels
 // ---------------------------------------------------------------------------
-
-/// Element types with a CPU kernel. `Default` is the zero used for padding.
-trait Elem: Copy + Default + AddAssign + Send + Sync + 'static {}
-impl Elem for f32 {}
-impl Elem for f64 {}
 
 /// The valid output range of one kernel tap along one spatial dim: output
 /// index `o` reads input index `o * stride + off`, which is inside the input
@@ -439,18 +433,6 @@ fn fold_lines<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T]) {
     }
 }
 
-/// Below this many elements (read + written, ~1 MiB of f32) per thread,
-/// spawning costs more than it saves: unfold is memory-bound, and on a
-/// 2-vCPU machine a second thread only paid off above this size.
-const MIN_ELEMS_PER_THREAD: usize = 1 << 18;
-
-/// `candle_core::utils::get_num_threads()`, read once: it probes the CPU
-/// topology on every call (~20 µs on Linux), more than a small unfold takes.
-fn max_threads() -> usize {
-    static THREADS: OnceLock<usize> = OnceLock::new();
-    *THREADS.get_or_init(candle_core::utils::get_num_threads)
-}
-
 /// Applies `f` to matching blocks of `src` and `dst` (both non-empty block
 /// sizes), spread over up to `get_num_threads()` scoped threads, each with
 /// its own scratch buffer. Blocks are independent `(n, c)` planes, so no
@@ -487,7 +469,7 @@ fn par_blocks<T: Elem>(
 
 /// CPU unfold of `planes` contiguous `(n, c)` planes.
 fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
-    let mut dst = vec![T::default(); planes * p.cols_len()];
+    let mut dst = output(planes * p.cols_len());
     // An empty input plane unfolds to pure padding: already zeros.
     if p.in_len() > 0 && !dst.is_empty() {
         let lines = Lines::new(p);
@@ -500,7 +482,8 @@ fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
 
 /// CPU fold into `planes` contiguous `(n, c)` planes.
 fn fold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
-    let mut dst = vec![T::default(); planes * p.in_len()];
+    // Accumulates with `+=`: see `zeroed`.
+    let mut dst = zeroed(planes * p.in_len());
     if !dst.is_empty() {
         let lines = Lines::new(p);
         par_blocks(src, p.cols_len(), &mut dst, p.in_len(), |s, d, scratch| {
@@ -508,19 +491,6 @@ fn fold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
         });
     }
     dst
-}
-
-/// The contiguous slice a layout describes (the kernels index planes
-/// directly, so they need it; the wrappers call `.contiguous()` first).
-fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => bail!(
-            "{op}: the CPU kernel needs a contiguous input, got shape {:?} strides {:?}",
-            layout.dims(),
-            layout.stride()
-        ),
-    }
 }
 
 /// Runs `kernel` on the f32/f64 storage (anything else is an error: the
@@ -623,11 +593,6 @@ impl CustomOp1 for FoldOp {
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         unfold(grad, &self.geom).map(Some)
     }
-}
-
-/// Whether the hand-written kernels handle this tensor.
-fn has_cpu_kernel(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 // ---------------------------------------------------------------------------
@@ -814,7 +779,7 @@ pub fn fold_generic(cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Te
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     const CPU: &Device = &Device::Cpu;
 

@@ -7,6 +7,7 @@
 //! im2col and one batched matmul per group (as Opacus does), `Loop` runs the
 //! unbatched convolution once per example.
 
+use super::reduce::sum_axes;
 use super::{arity, fallback, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::config::warn_once;
 use crate::error::{CandleContext, Error, Result};
@@ -303,8 +304,11 @@ fn infer_grad_weight(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Re
     Ok(TensorType::new(w, dt))
 }
 
-/// `dx = fold(w^T @ ct)`, one GEMM per group with the examples folded into
-/// the columns: `ct: N Cout L -> g Cout/g (N L)`.
+/// `dx = fold(w^T @ ct)`: per group one batched GEMM `w_g^T [CK, Cout/g]
+/// @ ct_g [N, Cout/g, L] -> [N, CK, L]`, written straight in the layout fold
+/// reads (folding the examples into the GEMM's columns instead needs two
+/// transposing copies of a tensor as large as the columns, which took as
+/// long as the GEMM itself).
 fn run_grad_input(
     ct: &Tensor,
     w: &Tensor,
@@ -321,25 +325,19 @@ fn run_grad_input(
     let cpg = cout / groups;
     let ck = w.elem_count() / cout; // Cin/g * K
                                     // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
-    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?;
-    // N Cout O.. -> N g Cout/g L -> g Cout/g N L -> g Cout/g (N L)
-    let c = ct
-        .reshape((n, groups, cpg, l))?
-        .permute((1, 2, 0, 3))?
-        .contiguous()?
-        .reshape((groups, cpg, n * l))?;
-    let cols = wt.contiguous()?.matmul(&c)?; // g CK (N L)
-                                             // g CK N L -> N g CK L -> N (g CK) L
-    let cols = cols
-        .reshape((groups, ck, n, l))?
-        .permute((2, 0, 1, 3))?
-        .contiguous()?
-        .reshape((n, groups * ck, l))?;
-    unfold::fold(&cols, g, spatial)
+    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.contiguous()?;
+    // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
+    let ct = ct.contiguous()?.reshape((n, cout, l))?;
+    let cols = (0..groups)
+        .map(|i| wt.get(i)?.broadcast_matmul(&ct.narrow(1, i * cpg, cpg)?))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    // g x [N, CK, L] -> N (g CK) L
+    unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
 }
 
-/// `dw = ct @ unfold(x)^T`, summed over examples: per group one GEMM of
-/// `Cout/g x (N L)` by `(N L) x CK`.
+/// `dw = sum_n ct[n] @ unfold(x)[n]^T`: per group one batched GEMM
+/// `[N, Cout/g, L] @ [N, L, CK]` reading the unfolded input in place, then
+/// the sum over examples as one more GEMM (see `sum_axes`).
 fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
@@ -350,19 +348,15 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
     let ck = cols.dims()[1] / groups;
-    // N Cin*K L -> N g CK L -> g CK N L -> g CK (N L), used transposed
-    let cols = cols
-        .reshape((n, groups, ck, l))?
-        .permute((1, 2, 0, 3))?
-        .contiguous()?
-        .reshape((groups, ck, n * l))?;
-    let c = ct
-        .reshape((n, groups, cpg, l))?
-        .permute((1, 2, 0, 3))?
-        .contiguous()?
-        .reshape((groups, cpg, n * l))?;
-    let gw = c.matmul(&cols.transpose(1, 2)?)?; // g Cout/g CK
-    gw.reshape(w_shape)
+    let ct = ct.contiguous()?.reshape((n, cout, l))?;
+    let per_example = (0..groups)
+        .map(|i| {
+            let cols_t = cols.narrow(1, i * ck, ck)?.transpose(1, 2)?; // N L CK
+            ct.narrow(1, i * cpg, cpg)?.matmul(&cols_t)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    // g x [N, Cout/g, CK] -> N Cout CK -> Cout CK
+    sum_axes(&Tensor::cat(&per_example, 1)?, &[0])?.reshape(w_shape)
 }
 
 /// Runs an unbatched convolution. On the CPU, unfold + matmul: measured

@@ -4,6 +4,7 @@
 use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::outer::outer;
 use crate::trace::Builder;
 use candle_core::Tensor;
 
@@ -110,7 +111,14 @@ fn transpose_last(b: &mut Builder, v: VarId) -> Result<VarId> {
 /// candle's matmul. When candle refuses a layout (it is strict about the
 /// strides of size-1 axes, even on contiguous tensors), both operands are
 /// copied to contiguous memory with the batch axes merged (`.. m k -> (..) m k`).
+///
+/// An inner dimension of 1 (a per-sample linear weight gradient) goes to
+/// the outer-product kernel instead.
 fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let k = a.dims()[a.rank() - 1];
+    if k == 1 && a.rank() == b.rank() && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2] {
+        return outer(a, b).op("matmul");
+    }
     if let Ok(t) = a.matmul(b) {
         return Ok(t);
     }

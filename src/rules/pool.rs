@@ -1,13 +1,14 @@
 //! 2D pooling over `[N, C, H, W]`, any kernel and stride, no padding, with
-//! the gradients as primitives of their own. The gradients work on the
-//! windows laid out by unfold (`[N C, kh kw, L]`) and fold them back, so
-//! they hold for any kernel and stride (candle's own max-pool backward
-//! refuses a stride other than the kernel).
+//! the gradients as primitives of their own. Max-pooling and its gradients
+//! run on `kernels::pool` (candle's own max-pool backward refuses a stride
+//! other than the kernel); the average-pooling gradient spreads each
+//! window's cotangent over the window's unfolded columns and folds them back.
 
 use super::{arity, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::unfold::{fold, unfold, ConvGeom};
+use crate::kernels::pool;
+use crate::kernels::unfold::{fold, ConvGeom};
 use crate::trace::Builder;
 use candle_core::Tensor;
 
@@ -142,10 +143,10 @@ impl Rule for PoolOp {
         let op = self.name();
         let w = self.window();
         let r = match self {
-            PoolOp::MaxPool2d { kernel, stride } => args[0].max_pool2d_with_stride(*kernel, *stride),
+            PoolOp::MaxPool2d { .. } => pool::max_pool2d(args[0], window(w)),
             PoolOp::AvgPool2d { kernel, stride } => args[0].avg_pool2d_with_stride(*kernel, *stride),
-            PoolOp::MaxPoolGrad { .. } => max_pool_grad(args[0], args[1], w),
-            PoolOp::MaxPoolSelect { .. } => max_pool_select(args[0], args[1], w, &out.shape),
+            PoolOp::MaxPoolGrad { .. } => pool::max_pool2d_grad(args[0], args[1], window(w)),
+            PoolOp::MaxPoolSelect { .. } => pool::max_pool2d_select(args[0], args[1], window(w)),
             PoolOp::AvgPoolGrad { .. } => avg_pool_grad(args[0], w, &out.shape),
         };
         r.op(&op)
@@ -209,30 +210,8 @@ fn geom(((kh, kw), (sh, sw)): Window) -> ConvGeom {
     }
 }
 
-/// The windows of each plane: `N C H W -> (N C) (kh kw) L`.
-fn windows(x: &Tensor, w: Window) -> candle_core::Result<Tensor> {
-    let (n, c, h, wd) = x.dims4()?;
-    unfold(&x.contiguous()?.reshape((n * c, 1, h, wd))?, &geom(w))
-}
-
-/// Index of each window's first maximum: `(N C) 1 L`.
-fn argmax(x: &Tensor, w: Window) -> candle_core::Result<Tensor> {
-    windows(x, w)?.argmax_keepdim(1)
-}
-
-fn max_pool_grad(x: &Tensor, ct: &Tensor, w: Window) -> candle_core::Result<Tensor> {
-    let (n, c, h, wd) = x.dims4()?;
-    let idx = argmax(x, w)?;
-    let kk = w.0 .0 * w.0 .1;
-    let l = idx.dims()[2];
-    let src = ct.contiguous()?.reshape((n * c, 1, l))?;
-    let cols = Tensor::zeros((n * c, kk, l), ct.dtype(), ct.device())?.scatter_add(&idx, &src, 1)?;
-    fold(&cols, &geom(w), &[h, wd])?.reshape((n, c, h, wd))
-}
-
-fn max_pool_select(x: &Tensor, g: &Tensor, w: Window, out: &[usize]) -> candle_core::Result<Tensor> {
-    let idx = argmax(x, w)?;
-    windows(g, w)?.gather(&idx, 1)?.reshape(out)
+fn window((kernel, stride): Window) -> pool::Window {
+    pool::Window { kernel, stride }
 }
 
 fn avg_pool_grad(ct: &Tensor, w: Window, out: &[usize]) -> candle_core::Result<Tensor> {
