@@ -4,6 +4,9 @@
 //! * [`mod@unfold`]: im2col / col2im ([`unfold::unfold`] / [`unfold::fold`])
 //!   for 1-, 2- and 3-d windows and a convolution built on them
 //!   ([`unfold::conv_unfold`]).
+//! * [`rows`]: the same im2col with one row per output position
+//!   ([`rows::unfold_rows`]) and its adjoint, so that a convolution and its
+//!   gradients over a whole batch are single GEMMs.
 //! * [`pool`]: 2D max-pooling forward, its gradient and the gradient's
 //!   adjoint, for any kernel and stride.
 //! * [`outer`]: batched outer products (`[B, M, 1] @ [B, 1, N]`), the
@@ -14,6 +17,7 @@
 
 pub mod outer;
 pub mod pool;
+pub mod rows;
 pub mod unfold;
 
 use candle_core::{bail, DType, Layout, Result, Tensor};

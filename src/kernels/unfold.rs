@@ -66,7 +66,7 @@ impl ConvGeom {
     }
 
     /// [`Self::out_spatial`] with errors attributed to the calling operation.
-    fn out_spatial_for(&self, op: &str, spatial: &[usize]) -> Result<Vec<usize>> {
+    pub(crate) fn out_spatial_for(&self, op: &str, spatial: &[usize]) -> Result<Vec<usize>> {
         self.validate(op)?;
         if spatial.len() != self.ndim() {
             bail!(
@@ -109,7 +109,7 @@ impl ConvGeom {
 }
 
 /// Checks `x: [N, C, *S]` against `g`; returns the output spatial size.
-fn check_input(op: &str, x: &Tensor, g: &ConvGeom) -> Result<Vec<usize>> {
+pub(crate) fn check_input(op: &str, x: &Tensor, g: &ConvGeom) -> Result<Vec<usize>> {
     g.validate(op)?;
     if x.rank() != g.ndim() + 2 {
         bail!(

@@ -13,6 +13,7 @@ use crate::config::warn_once;
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::unfold::{self, ConvGeom};
+use crate::kernels::{has_cpu_kernel, rows};
 use crate::route::ConvRoute;
 use crate::trace::Builder;
 use candle_core::Tensor;
@@ -304,7 +305,8 @@ fn infer_grad_weight(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Re
     Ok(TensorType::new(w, dt))
 }
 
-/// `dx = fold(w^T @ ct)`: per group one batched GEMM `w_g^T [CK, Cout/g]
+/// `dx = fold(w^T @ ct)`. Ungrouped on the CPU: one GEMM over the whole
+/// batch in the row layout (`kernels::rows`). Otherwise per group one batched GEMM `w_g^T [CK, Cout/g]
 /// @ ct_g [N, Cout/g, L] -> [N, CK, L]`, written straight in the layout fold
 /// reads (folding the examples into the GEMM's columns instead needs two
 /// transposing copies of a tensor as large as the columns, which took as
@@ -322,9 +324,19 @@ fn run_grad_input(
         let cin = w.dims()[1] * groups;
         return Tensor::zeros([&[n, cin], spatial].concat(), ct.dtype(), ct.device());
     }
-    let cpg = cout / groups;
     let ck = w.elem_count() / cout; // Cin/g * K
-                                    // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
+    if groups == 1 && has_cpu_kernel(ct) {
+        // N Cout O.. -> N L Cout -> (N L) Cout; (N L) Cout @ Cout CK -> N L CK
+        let c = ct
+            .reshape((n, cout, l))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((n * l, cout))?;
+        let rows = c.matmul(&w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
+        return rows::fold_rows(&rows, g, spatial);
+    }
+    let cpg = cout / groups;
+    // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
     let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.contiguous()?;
     // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
     let ct = ct.contiguous()?.reshape((n, cout, l))?;
@@ -335,7 +347,8 @@ fn run_grad_input(
     unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
 }
 
-/// `dw = sum_n ct[n] @ unfold(x)[n]^T`: per group one batched GEMM
+/// `dw = sum_n ct[n] @ unfold(x)[n]^T`. Ungrouped on the CPU: one GEMM
+/// with the examples in its inner dimension, on the row layout. Otherwise per group one batched GEMM
 /// `[N, Cout/g, L] @ [N, L, CK]` reading the unfolded input in place, then
 /// the sum over examples as one more GEMM (see `sum_axes`).
 fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
@@ -344,6 +357,17 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
     let w_shape = [&[cout, x.dims()[1] / groups], &g.kernel[..]].concat();
     if n == 0 || cout == 0 {
         return Tensor::zeros(w_shape, ct.dtype(), ct.device());
+    }
+    if groups == 1 && has_cpu_kernel(x) {
+        let rows = rows::unfold_rows(x, g)?; // N L CK
+        let ck = rows.dims()[2];
+        // N Cout O.. -> Cout N L -> Cout (N L); @ (N L) CK -> Cout CK
+        let c = ct
+            .reshape((n, cout, l))?
+            .permute((1, 0, 2))?
+            .contiguous()?
+            .reshape((cout, n * l))?;
+        return c.matmul(&rows.reshape((n * l, ck))?)?.reshape(w_shape);
     }
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
@@ -370,11 +394,27 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> c
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
+        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g),
         _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         2 if candle_2d => x.conv2d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         _ => unfold::conv_unfold(x, w, g, groups),
     }
+}
+
+/// An ungrouped convolution as one GEMM: `(N L) CK @ CK Cout`.
+fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+    let (n, cout) = (x.dims()[0], w.dims()[0]);
+    let out = g.out_spatial(&x.dims()[2..])?;
+    let shape = [&[n, cout], &out[..]].concat();
+    let rows = rows::unfold_rows(x, g)?; // N L CK
+    let (l, ck) = (rows.dims()[1], rows.dims()[2]);
+    if n * l == 0 || cout == 0 {
+        return Tensor::zeros(shape, x.dtype(), x.device());
+    }
+    let y = rows.reshape((n * l, ck))?.matmul(&w.reshape((cout, ck))?.t()?)?;
+    // (N L) Cout -> N Cout L
+    y.reshape((n, l, cout))?.transpose(1, 2)?.contiguous()?.reshape(shape)
 }
 
 /// `B N C S.. -> (B N) C S..`
