@@ -154,7 +154,7 @@ fn unfold_route_is_one_batched_matmul() {
 }
 
 #[test]
-fn conv3d_routes_fall_back_to_loop() {
+fn every_route_lowers_conv3d_and_ungrouped_unfold_uses_rows() {
     let c = Case {
         nd: 3,
         groups: 1,
@@ -170,10 +170,16 @@ fn conv3d_routes_fall_back_to_loop() {
     let x = rand(&[3, 1, 2, 4, 4, 4], 1);
     let w = rand(&[3, 2, 2, 2, 2, 2], 2);
     let bias = rand(&[2], 3);
-    let f = vmap(conv_fn(c))
-        .in_dims([Some(0), Some(0), None])
-        .conv_route(ConvRoute::Unfold);
-    let g = candle_func::make_graph(&f, (&x, &w, &bias)).unwrap().to_string();
-    assert!(g.contains("loop"), "{g}");
-    assert!(candle_func::warned("conv3d-route-Unfold"));
+    let graph = |route| {
+        let f = vmap(conv_fn(c)).in_dims([Some(0), Some(0), None]).conv_route(route);
+        candle_func::make_graph(&f, (&x, &w, &bias)).unwrap().to_string()
+    };
+    let g = graph(ConvRoute::Unfold);
+    assert!(
+        g.contains("unfold_rows3d") && g.contains("matmul") && !g.contains("loop"),
+        "{g}"
+    );
+    let g = graph(ConvRoute::Grouped);
+    assert!(g.contains("conv3d") && g.contains("g=3") && !g.contains("loop"), "{g}");
+    assert!(graph(ConvRoute::Loop).contains("loop"));
 }

@@ -58,6 +58,26 @@ fn conv_weight_gradient_takes_the_route() {
 }
 
 #[test]
+fn ungrouped_weight_gradient_reads_rows() {
+    // groups = 1: the Unfold route's per-sample GEMM reads the row layout,
+    // and agrees with the loop, for a 2-d and a 3-d convolution.
+    let loss2 = |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv2d(&w, 1, 2, 1, 1)?.sqr()?.sum_all();
+    let w = rand(&[3, 4, 3, 3], 1);
+    let xs = rand(&[5, 4, 7, 7], 2);
+    let f = |r| vmap(grad(loss2)).in_dims([None, Some(0)]).conv_route(r);
+    let g = make_graph(&f(ConvRoute::Unfold), (&w, &xs)).unwrap();
+    assert!(has(&g, "unfold_rows2d") && !has(&g, "loop"), "{g}");
+    let got = f(ConvRoute::Unfold).call((&w, &xs)).unwrap();
+    common::assert_close(&got, &f(ConvRoute::Loop).call((&w, &xs)).unwrap(), 1e-4, "2d");
+    let loss3 = |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv3d(&w, 1, 1, 1, 1)?.sqr()?.sum_all();
+    let w = rand(&[2, 3, 2, 2, 2], 3);
+    let xs = rand(&[4, 3, 4, 5, 3], 4);
+    let f = |r| vmap(grad(loss3)).in_dims([None, Some(0)]).conv_route(r);
+    let got = f(ConvRoute::Unfold).call((&w, &xs)).unwrap();
+    common::assert_close(&got, &f(ConvRoute::Loop).call((&w, &xs)).unwrap(), 1e-4, "3d");
+}
+
+#[test]
 fn linear_per_sample_gradient_is_one_batched_matmul() {
     let (b, fin, fout) = (8, 32, 10);
     let w = rand(&[fout, fin], 1);

@@ -21,7 +21,7 @@ fn graph_for(route: Option<ConvRoute>) -> candle_func::Result<String> {
 fn kind(g: &str) -> &'static str {
     if g.contains("loop[") {
         "loop"
-    } else if g.contains("unfold2d") {
+    } else if g.contains("unfold2d") || g.contains("unfold_rows2d") {
         "unfold"
     } else if g.contains(",g=3") {
         "grouped"

@@ -7,6 +7,8 @@
 //! * [`rows`]: the same im2col with one row per output position
 //!   ([`rows::unfold_rows`]) and its adjoint, so that a convolution and its
 //!   gradients over a whole batch are single GEMMs.
+//! * [`transpose`]: contiguous copies of batched transposes (candle copies
+//!   those element by element).
 //! * [`pool`]: 2D max-pooling forward, its gradient and the gradient's
 //!   adjoint, for any kernel and stride.
 //! * [`outer`]: batched outer products (`[B, M, 1] @ [B, 1, N]`), the
@@ -18,6 +20,7 @@
 pub mod outer;
 pub mod pool;
 pub mod rows;
+pub mod transpose;
 pub mod unfold;
 
 use candle_core::{bail, DType, Layout, Result, Tensor};

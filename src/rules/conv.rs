@@ -9,11 +9,10 @@
 
 use super::reduce::sum_axes;
 use super::{arity, fallback, same_dtype, BVal, BatchCx, Cts, Rule};
-use crate::config::warn_once;
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::unfold::{self, ConvGeom};
-use crate::kernels::{has_cpu_kernel, rows};
+use crate::kernels::{has_cpu_kernel, rows, transpose};
 use crate::route::ConvRoute;
 use crate::trace::Builder;
 use candle_core::Tensor;
@@ -32,6 +31,10 @@ pub enum ConvOp {
     /// `unfold(x [N, C, *S]) -> [N, C * prod(k), L]` (PyTorch's `F.unfold`
     /// order: channel outermost, then kernel offsets).
     Unfold(ConvGeom),
+    /// `unfold_rows(x [N, C, *S]) -> [N, L, C * prod(k)]`: unfold with one
+    /// row per output position, so a batch of convolutions is one GEMM
+    /// with a contiguous operand (`kernels::rows`).
+    UnfoldRows(ConvGeom),
     /// col2im, the adjoint of unfold: `[N, C * prod(k), L] -> [N, C, *spatial]`.
     Fold {
         /// Window geometry.
@@ -67,6 +70,7 @@ impl ConvOp {
                 format!("conv{}d[{}{}]", geom.kernel.len(), geom_str(geom), groups_str(*groups))
             }
             ConvOp::Unfold(geom) => format!("unfold{}d[{}]", geom.kernel.len(), geom_str(geom)),
+            ConvOp::UnfoldRows(geom) => format!("unfold_rows{}d[{}]", geom.kernel.len(), geom_str(geom)),
             ConvOp::Fold { geom, spatial } => {
                 format!("fold{}d[{},size={spatial:?}]", geom.kernel.len(), geom_str(geom))
             }
@@ -150,6 +154,12 @@ impl Rule for ConvOp {
                 let k: usize = geom.kernel.iter().product();
                 Ok(args[0].with_shape(vec![x[0], x[1] * k, l]))
             }
+            ConvOp::UnfoldRows(geom) => {
+                arity("unfold_rows", args, 1)?;
+                let x = args[0].shape.as_slice();
+                let l: usize = out_spatial("unfold_rows", geom, x)?.iter().product();
+                Ok(args[0].with_shape(vec![x[0], l, x[1] * geom.kernel_numel()]))
+            }
             ConvOp::Fold { geom, spatial } => infer_fold(geom, spatial, args),
             ConvOp::GradInput { geom, groups, spatial } => infer_grad_input(geom, *groups, spatial, args),
             ConvOp::GradWeight { geom, groups } => infer_grad_weight(geom, *groups, args),
@@ -161,6 +171,7 @@ impl Rule for ConvOp {
         match self {
             ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups).op(&op),
             ConvOp::Unfold(geom) => unfold::unfold(args[0], geom).op(&op),
+            ConvOp::UnfoldRows(geom) => rows::unfold_rows(args[0], geom).op(&op),
             ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].contiguous().op(&op)?, geom, spatial).op(&op),
             ConvOp::GradInput { geom, groups, spatial } => {
                 run_grad_input(args[0], args[1], geom, *groups, spatial).op(&op)
@@ -171,7 +182,7 @@ impl Rule for ConvOp {
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
         match self {
-            ConvOp::Unfold(_) | ConvOp::Fold { .. } => {
+            ConvOp::Unfold(_) | ConvOp::UnfoldRows(_) | ConvOp::Fold { .. } => {
                 let x = fold_into_n(cx, args[0])?;
                 let y = cx.b.emit(Prim::Conv(self.clone()), &[x])?;
                 Ok(Some((split_n(cx, y)?, Some(0))))
@@ -225,6 +236,16 @@ impl Rule for ConvOp {
                     spatial,
                 });
                 vec![Some(b.emit(fold, &[ct])?)]
+            }
+            ConvOp::UnfoldRows(geom) => {
+                // N L CK -> N CK L, then fold
+                let spatial = b.dims(args[0])[2..].to_vec();
+                let cols = b.permute(ct, vec![0, 2, 1])?;
+                let fold = Prim::Conv(ConvOp::Fold {
+                    geom: geom.clone(),
+                    spatial,
+                });
+                vec![Some(b.emit(fold, &[cols])?)]
             }
             ConvOp::Fold { geom, .. } => vec![Some(b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[ct])?)],
         };
@@ -327,11 +348,7 @@ fn run_grad_input(
     let ck = w.elem_count() / cout; // Cin/g * K
     if groups == 1 && has_cpu_kernel(ct) {
         // N Cout O.. -> N L Cout -> (N L) Cout; (N L) Cout @ Cout CK -> N L CK
-        let c = ct
-            .reshape((n, cout, l))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((n * l, cout))?;
+        let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?.reshape((n * l, cout))?;
         let rows = c.matmul(&w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
         return rows::fold_rows(&rows, g, spatial);
     }
@@ -414,7 +431,32 @@ fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor
     }
     let y = rows.reshape((n * l, ck))?.matmul(&w.reshape((cout, ck))?.t()?)?;
     // (N L) Cout -> N Cout L
-    y.reshape((n, l, cout))?.transpose(1, 2)?.contiguous()?.reshape(shape)
+    transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
+}
+
+/// Ungrouped `Unfold` route in the row layout: one GEMM per model,
+/// `B (N L) CK @ B CK Cout`, where the column layout needs one per example.
+fn batch_rows(cx: &mut BatchCx, geom: &ConvGeom, xf: VarId, w: BVal) -> Result<BVal> {
+    let size = cx.size;
+    let xd = cx.b.dims(xf);
+    let n = xd[0] / size;
+    let rows = cx.b.emit(Prim::Conv(ConvOp::UnfoldRows(geom.clone())), &[xf])?; // (B N) L CK
+    let rd = cx.b.dims(rows);
+    let (l, ck) = (rd[1], rd[2]);
+    let rows = cx.b.reshape(rows, vec![size, n * l, ck])?;
+    // B Cout Cin k.. -> B Cout CK -> B CK Cout
+    let wb = cx.front(w)?;
+    let cout = cx.b.dims(wb)[1];
+    let wm = cx.b.reshape(wb, vec![size, cout, ck])?;
+    let wt = cx.b.permute(wm, vec![0, 2, 1])?;
+    let y = cx.b.emit(Prim::Matmul, &[rows, wt])?; // B (N L) Cout
+                                                   // B (N L) Cout -> B N L Cout -> B N Cout L -> B N Cout O..
+    let y = cx.b.reshape(y, vec![size, n, l, cout])?;
+    let y = cx.b.permute(y, vec![0, 1, 3, 2])?;
+    let o = geom
+        .out_spatial(&xd[2..])
+        .map_err(|e| Error::shape("conv", &[&xd], e.to_string()))?;
+    Ok((cx.b.reshape(y, [&[size, n, cout], &o[..]].concat())?, Some(0)))
 }
 
 /// `B N C S.. -> (B N) C S..`
@@ -451,7 +493,7 @@ fn batch_conv(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[BVal]) -
                 geom: geom.clone(),
                 groups,
             };
-            match route_for(cx, &op, geom, args)? {
+            match route_for(cx, &op, args)? {
                 ConvRoute::Grouped => batch_grouped(cx, geom, groups, x, w),
                 ConvRoute::Unfold => batch_unfold(cx, geom, groups, x, w),
                 _ => fallback::emit_loop(cx, conv(groups), args),
@@ -461,17 +503,16 @@ fn batch_conv(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[BVal]) -
 }
 
 /// The route for a convolution-family operation with both operands batched:
-/// the one asked for, the measured fastest for `Auto`, and the loop for 5D
-/// inputs (conv3d), which have no grouped or unfold lowering yet.
-fn route_for(cx: &mut BatchCx, op: &ConvOp, geom: &ConvGeom, args: &[BVal]) -> Result<ConvRoute> {
+/// the one asked for, or the measured fastest for `Auto`. Every route
+/// lowers 1-, 2- and 3-d windows alike.
+fn route_for(cx: &mut BatchCx, op: &ConvOp, args: &[BVal]) -> Result<ConvRoute> {
     match cx.opts.route {
-        ConvRoute::Auto if geom.kernel.len() == 3 => Ok(ConvRoute::Loop),
         ConvRoute::Auto => {
             let types: Vec<(TensorType, Option<usize>)> =
                 args.iter().map(|&(v, bd)| (cx.b.ty(v).clone(), bd)).collect();
             auto_route(op, &types, cx.size)
         }
-        asked => Ok(effective_route(asked, geom)),
+        asked => Ok(asked),
     }
 }
 
@@ -556,19 +597,6 @@ fn time_route(
     Ok(best)
 }
 
-/// The route that applies: 5D inputs (conv3d) have no grouped or unfold
-/// lowering yet, so any other request falls back to the loop, warning once.
-fn effective_route(asked: ConvRoute, geom: &ConvGeom) -> ConvRoute {
-    if geom.kernel.len() == 3 && asked != ConvRoute::Loop {
-        warn_once(
-            format!("conv3d-route-{asked:?}"),
-            format!("vmap: the {asked:?} conv route does not apply to 5D inputs (conv3d); using the Loop route"),
-        );
-        return ConvRoute::Loop;
-    }
-    asked
-}
-
 /// Weight only batched (ensembles on a shared batch): the models' filters
 /// become extra output channels of one convolution.
 fn batch_weight_only(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, x: usize, w: BVal) -> Result<BVal> {
@@ -625,6 +653,9 @@ fn batch_unfold(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, x: BVal, w: BV
     let xf = fold_into_n(cx, x)?; // (B N) Cin S..
     let xd = cx.b.dims(xf);
     let n = xd[0] / size;
+    if groups == 1 {
+        return batch_rows(cx, geom, xf, w);
+    }
     let cols = cx.b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[xf])?;
     let cd = cx.b.dims(cols); // (B N) (Cin K) L
     let (ck, l) = (cd[1] / groups, cd[2]);
@@ -680,7 +711,7 @@ fn batch_grad_input(
         groups,
         spatial: spatial.to_vec(),
     };
-    match route_for(cx, &op, geom, &[(cb, Some(0)), (wb, Some(0))])? {
+    match route_for(cx, &op, &[(cb, Some(0)), (wb, Some(0))])? {
         ConvRoute::Loop | ConvRoute::Auto => fallback::emit_loop(
             cx,
             grad_input(geom, groups, spatial.to_vec()),
@@ -736,7 +767,7 @@ fn batch_grad_weight(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[B
         geom: geom.clone(),
         groups,
     };
-    match route_for(cx, &op, geom, &[(xb, Some(0)), (cb, Some(0))])? {
+    match route_for(cx, &op, &[(xb, Some(0)), (cb, Some(0))])? {
         ConvRoute::Loop | ConvRoute::Auto => fallback::emit_loop(cx, gw(groups), &[(xb, Some(0)), (cb, Some(0))]),
         ConvRoute::Grouped => {
             let xf = batch_into_channels(cx, xb)?; // N (B Cin) S..
@@ -752,6 +783,20 @@ fn batch_grad_weight(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[B
             let (n, cout) = (xd[1], cd[2]);
             let l: usize = cd[3..].iter().product();
             let xf = merge_front(cx, xb)?; // (B N) Cin S..
+            if groups == 1 {
+                // Opacus's ct @ unfold(x)^T per model, on the row layout so
+                // the GEMM reads contiguous rows.
+                let rows = cx.b.emit(Prim::Conv(ConvOp::UnfoldRows(geom.clone())), &[xf])?; // (B N) L CK
+                let ck = cx.b.dims(rows)[2];
+                let rows = cx.b.reshape(rows, vec![size, n * l, ck])?;
+                // B N Cout O.. -> B N Cout L -> B Cout N L -> B Cout (N L)
+                let c = cx.b.reshape(cb, vec![size, n, cout, l])?;
+                let c = cx.b.permute(c, vec![0, 2, 1, 3])?;
+                let c = cx.b.reshape(c, vec![size, cout, n * l])?;
+                let y = cx.b.emit(Prim::Matmul, &[c, rows])?; // B Cout CK
+                let y = cx.b.reshape(y, [&[size, cout, xd[2]], &geom.kernel[..]].concat())?;
+                return Ok((y, Some(0)));
+            }
             let cols = cx.b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[xf])?; // (B N) (Cin K) L
             let ck = cx.b.dims(cols)[1] / groups;
             // (B N) (g CK) L -> B N g CK L -> B g CK N L -> B g CK (N L)

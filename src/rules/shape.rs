@@ -4,6 +4,7 @@
 use super::{same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::transpose;
 use crate::trace::Builder;
 use candle_core::Tensor;
 
@@ -134,7 +135,8 @@ impl Rule for ShapeOp {
         let x = args[0];
         let op = self.name();
         match self {
-            ShapeOp::Reshape(to) => x.reshape(to.as_slice()).op(&op),
+            // A reshape of a strided view copies it; transposes copy fast.
+            ShapeOp::Reshape(to) => transpose::contiguous(x).op(&op)?.reshape(to.as_slice()).op(&op),
             ShapeOp::Permute(p) => x.permute(p.as_slice()).op(&op),
             ShapeOp::Broadcast(_) => x.broadcast_as(out.shape.as_slice()).op(&op),
             ShapeOp::Narrow { axis, start, len } => x.narrow(*axis, *start, *len).op(&op),
