@@ -1,9 +1,9 @@
 //! Where a graph spends its time: runs a workload's graph with per-node
 //! timings and prints the slowest nodes and the time per primitive.
 //!
-//!     cargo run --release --example profile_graph -- tutorial|opacus|ensemble [--batch B] [--route R]
+//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|ensemble [--batch B] [--route R]
 //!
-//! For `tutorial` and `opacus` it profiles both the ordinary batched
+//! For `tutorial`, `opacus` and `c3d` it profiles both the ordinary batched
 //! gradient step and `vmap(grad)` (per-sample gradients) of the model;
 //! `ensemble` profiles the forward of 10 stacked tutorial CNNs.
 
@@ -12,7 +12,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
 use candle_func::{grad, interp, make_graph, set_conv_route, vmap, ConvRoute, Graph, Tracer};
-use common::models::{build, cnn_o, cnn_t};
+use common::models::{build, c3d, cnn_o, cnn_t};
 use std::collections::BTreeMap;
 
 fn report(title: &str, g: &Graph, inputs: &[Tensor]) -> candle_func::Result<()> {
@@ -61,10 +61,10 @@ fn labels(b: usize) -> candle_core::Result<Tensor> {
     Tensor::from_vec((0..b as u32).map(|i| i % 10).collect::<Vec<u32>>(), b, &Device::Cpu)
 }
 
-fn per_sample(model: &Sequential, b: usize) -> Result<(), Box<dyn std::error::Error>> {
+fn per_sample(model: &Sequential, b: usize, input: &[usize]) -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::Cpu;
     let p = model.params();
-    let xs = Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?;
+    let xs = Tensor::randn(0f32, 1., [&[b], input].concat(), &dev)?;
     let ys = labels(b)?;
     let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         nn::cross_entropy(&functional_call(model, &p, &x)?, &y, Reduction::Mean)
@@ -108,7 +108,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _ = DType::F32;
     match which.as_str() {
         "ensemble" => ensemble(),
-        "opacus" => per_sample(&build(cnn_o)?.1, b),
-        _ => per_sample(&build(cnn_t)?.1, b),
+        "opacus" => per_sample(&build(cnn_o)?.1, b, &[1, 28, 28]),
+        "c3d" => per_sample(&build(c3d)?.1, b, &[1, 16, 16, 16]),
+        _ => per_sample(&build(cnn_t)?.1, b, &[1, 28, 28]),
     }
 }

@@ -46,28 +46,68 @@ fn tap_offset(g: &ConvGeom, spatial: &[usize], out: &[usize], mut o: usize, mut 
     Some(offset)
 }
 
+/// The taps in lines of the last kernel axis: for output position `o` and
+/// line `j` (all kernel indices but the last), the input offset of the
+/// line's first tap when the whole line lies inside the input and its taps
+/// are adjacent (dilation 1 along the last axis), so it copies as a run.
+fn runs(g: &ConvGeom, taps: &[Option<usize>], l: usize) -> Vec<Option<usize>> {
+    let kw = g.kernel[g.ndim() - 1];
+    let adjacent = g.dilation[g.ndim() - 1] == 1;
+    let kn = g.kernel_numel();
+    let mut r = Vec::with_capacity(l * kn / kw);
+    for o in 0..l {
+        for line in taps[o * kn..(o + 1) * kn].chunks_exact(kw) {
+            let whole = line.iter().all(|t| t.is_some());
+            r.push(if adjacent && whole { line[0] } else { None });
+        }
+    }
+    r
+}
+
 /// Sizes of one call: `c` channels, `kn` taps, `l` output positions,
 /// `plane` input elements per channel.
 #[derive(Clone, Copy)]
 struct Dims {
     c: usize,
     kn: usize,
+    /// Taps per line of the last kernel axis.
+    kw: usize,
     l: usize,
     plane: usize,
 }
 
+/// The precomputed offsets of one call.
+struct Plan {
+    taps: Vec<Option<usize>>,
+    runs: Vec<Option<usize>>,
+}
+
 /// `[N, C, S] -> [N, L, C K]`, one output row per thread task.
-fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, taps: &[Option<usize>], n: usize) -> Vec<T> {
-    let row = d.c * d.kn;
+fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
+    let (row, lines) = (d.c * d.kn, d.kn / d.kw);
     let mut dst = output(n * d.l * row);
     par_blocks_mut(&mut dst, row, 2 * n * d.l * row, |r, out| {
         let (i, o) = (r / d.l, r % d.l);
-        let t = &taps[o * d.kn..(o + 1) * d.kn];
-        for c in 0..d.c {
+        let taps = &p.taps[o * d.kn..(o + 1) * d.kn];
+        let runs = &p.runs[o * lines..(o + 1) * lines];
+        for (c, out) in out.chunks_exact_mut(d.kn).enumerate() {
             let plane = &x[(i * d.c + c) * d.plane..(i * d.c + c + 1) * d.plane];
-            for (dst, tap) in out[c * d.kn..(c + 1) * d.kn].iter_mut().zip(t) {
-                if let Some(p) = *tap {
-                    *dst = plane[p];
+            for ((out, run), taps) in out.chunks_exact_mut(d.kw).zip(runs).zip(taps.chunks_exact(d.kw)) {
+                match *run {
+                    // A loop, not copy_from_slice: runs are a few elements,
+                    // too short to pay for a memcpy call.
+                    Some(s) => {
+                        for (dst, v) in out.iter_mut().zip(&plane[s..s + d.kw]) {
+                            *dst = *v;
+                        }
+                    }
+                    None => {
+                        for (dst, tap) in out.iter_mut().zip(taps) {
+                            if let Some(q) = *tap {
+                                *dst = plane[q];
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -76,16 +116,29 @@ fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, taps: &[Option<usize>], n: usize) 
 }
 
 /// `[N, L, C K] -> [N, C, S]`, summing overlaps; one input plane per task.
-fn fold_rows_cpu<T: Elem>(src: &[T], d: Dims, taps: &[Option<usize>], n: usize) -> Vec<T> {
-    let row = d.c * d.kn;
+fn fold_rows_cpu<T: Elem>(src: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
+    let (row, lines) = (d.c * d.kn, d.kn / d.kw);
     let mut dst = zeroed(n * d.c * d.plane);
-    par_blocks_mut(&mut dst, d.plane, 2 * src.len(), |p, plane| {
-        let (i, c) = (p / d.c, p % d.c);
+    par_blocks_mut(&mut dst, d.plane, 2 * src.len(), |q, plane| {
+        let (i, c) = (q / d.c, q % d.c);
         for o in 0..d.l {
             let s = &src[(i * d.l + o) * row + c * d.kn..(i * d.l + o) * row + (c + 1) * d.kn];
-            for (v, tap) in s.iter().zip(&taps[o * d.kn..(o + 1) * d.kn]) {
-                if let Some(q) = *tap {
-                    plane[q] += *v;
+            let taps = &p.taps[o * d.kn..(o + 1) * d.kn];
+            let runs = &p.runs[o * lines..(o + 1) * lines];
+            for ((s, run), taps) in s.chunks_exact(d.kw).zip(runs).zip(taps.chunks_exact(d.kw)) {
+                match *run {
+                    Some(start) => {
+                        for (dst, v) in plane[start..start + d.kw].iter_mut().zip(s) {
+                            *dst += *v;
+                        }
+                    }
+                    None => {
+                        for (v, tap) in s.iter().zip(taps) {
+                            if let Some(t) = *tap {
+                                plane[t] += *v;
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -124,8 +177,13 @@ impl CustomOp1 for RowsOp {
         let d = Dims {
             c: self.channels,
             kn: self.geom.kernel_numel(),
+            kw: self.geom.kernel[self.geom.ndim() - 1],
             l: out.iter().product(),
             plane: self.spatial.iter().product(),
+        };
+        let p = Plan {
+            runs: runs(&self.geom, &taps, d.l),
+            taps,
         };
         let n = layout.dims()[0];
         let shape = match self.dir {
@@ -136,15 +194,15 @@ impl CustomOp1 for RowsOp {
             CpuStorage::F32(v) => {
                 let s = contiguous_slice(op, v, layout)?;
                 CpuStorage::F32(match self.dir {
-                    Dir::Unfold => unfold_rows_cpu(s, d, &taps, n),
-                    Dir::Fold => fold_rows_cpu(s, d, &taps, n),
+                    Dir::Unfold => unfold_rows_cpu(s, d, &p, n),
+                    Dir::Fold => fold_rows_cpu(s, d, &p, n),
                 })
             }
             CpuStorage::F64(v) => {
                 let s = contiguous_slice(op, v, layout)?;
                 CpuStorage::F64(match self.dir {
-                    Dir::Unfold => unfold_rows_cpu(s, d, &taps, n),
-                    Dir::Fold => fold_rows_cpu(s, d, &taps, n),
+                    Dir::Unfold => unfold_rows_cpu(s, d, &p, n),
+                    Dir::Fold => fold_rows_cpu(s, d, &p, n),
                 })
             }
             s => bail!("{op}: no CPU kernel for dtype {:?}", s.dtype()),
