@@ -69,6 +69,34 @@ fn report(o: &Opts, workload: &str, rows: &[Row], notes: &[String]) {
     }
 }
 
+/// A variant to time: a closure that runs it once.
+type Job<'a> = Box<dyn FnMut() -> Res<()> + 'a>;
+
+/// Median milliseconds of each job over `reps` rounds, the jobs taking
+/// turns within each round, so that load on a shared machine falls on all
+/// variants alike rather than on whichever ran during a noisy spell. One
+/// untimed call each first (it also traces and caches the graph).
+fn interleaved(reps: usize, jobs: &mut [Job]) -> Res<Vec<f64>> {
+    for j in jobs.iter_mut() {
+        j()?;
+    }
+    let mut times = vec![Vec::with_capacity(reps); jobs.len()];
+    for _ in 0..reps.max(1) {
+        for (j, t) in jobs.iter_mut().zip(times.iter_mut()) {
+            let s = std::time::Instant::now();
+            j()?;
+            t.push(s.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(|a, b| a.total_cmp(b));
+            t[t.len() / 2]
+        })
+        .collect())
+}
+
 fn flat_inputs(p: &Params, rest: &[&Tensor]) -> Vec<Tensor> {
     p.values().cloned().chain(rest.iter().map(|t| (*t).clone())).collect()
 }
@@ -93,17 +121,25 @@ fn per_sample(o: &Opts, tag: &str, model: &Sequential, xs: &Tensor, with_loop: b
         )
     };
     let inputs = flat_inputs(&p, &[xs, &ys]);
+    let fs: Vec<_> = ROUTES
+        .iter()
+        .map(|&route| vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route))
+        .collect();
+    let mut jobs: Vec<Job> = vec![Box::new(|| Ok(step.call((&p, xs, &ys)).map(|_| ())?))];
+    for f in &fs {
+        jobs.push(Box::new(|| Ok(f.call((&p, xs, &ys)).map(|_| ())?)));
+    }
+    let ms = interleaved(o.reps, &mut jobs)?;
+    drop(jobs);
     let mut rows = vec![Row {
         variant: "batched gradient step".into(),
-        ms: median_ms(o.reps, || step.call((&p, xs, &ys)).map(|_| ()))?,
+        ms: ms[0],
         peak_mib: Some(peak_mib(&make_graph(&step, (&p, xs, &ys))?, &inputs)?),
     }];
     let mut by_route = Vec::new();
-    for route in ROUTES {
-        let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
-        let ms = median_ms(o.reps, || f.call((&p, xs, &ys)).map(|_| ()))?;
-        let peak = peak_mib(&make_graph(&f, (&p, xs, &ys))?, &inputs)?;
-        by_route.push((route, ms));
+    for ((route, f), &ms) in ROUTES.iter().zip(&fs).zip(&ms[1..]) {
+        let peak = peak_mib(&make_graph(f, (&p, xs, &ys))?, &inputs)?;
+        by_route.push((*route, ms));
         rows.push(Row {
             variant: format!("vmap(grad) {route:?}"),
             ms,
@@ -173,25 +209,38 @@ fn ensemble(o: &Opts, own: bool) -> Res<()> {
         }
     };
     let runs: Vec<_> = models.iter().map(|mm| jit(move |x: Tracer| mm.forward(&x))).collect();
-    let single = median_ms(o.reps, || fwd.call(xi(0)?).map(|_| ()))?;
-    let mut rows = vec![Row {
-        variant: format!("loop over the {m} models"),
-        ms: median_ms(o.reps, || -> candle_func::Result<()> {
+    let fs: Vec<_> = ROUTES
+        .iter()
+        .map(|&route| {
+            vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x))
+                .in_dims([Some(0), if own { Some(0) } else { None }])
+                .conv_route(route)
+        })
+        .collect();
+    let mut jobs: Vec<Job> = vec![
+        Box::new(|| Ok(fwd.call(xi(0)?).map(|_| ())?)),
+        Box::new(|| {
             for (i, r) in runs.iter().enumerate() {
                 r.call(xi(i)?)?;
             }
             Ok(())
-        })?,
+        }),
+    ];
+    for f in &fs {
+        jobs.push(Box::new(|| Ok(f.call((&stacked, &x)).map(|_| ())?)));
+    }
+    let ms = interleaved(o.reps, &mut jobs)?;
+    drop(jobs);
+    let single = ms[0];
+    let mut rows = vec![Row {
+        variant: format!("loop over the {m} models"),
+        ms: ms[1],
         peak_mib: None,
     }];
     let mut by_route = Vec::new();
-    for route in ROUTES {
-        let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x))
-            .in_dims([Some(0), if own { Some(0) } else { None }])
-            .conv_route(route);
-        let ms = median_ms(o.reps, || f.call((&stacked, &x)).map(|_| ()))?;
-        let peak = peak_mib(&make_graph(&f, (&stacked, &x))?, &flat_inputs(&stacked, &[&x]))?;
-        by_route.push((route, ms));
+    for ((route, f), &ms) in ROUTES.iter().zip(&fs).zip(&ms[2..]) {
+        let peak = peak_mib(&make_graph(f, (&stacked, &x))?, &flat_inputs(&stacked, &[&x]))?;
+        by_route.push((*route, ms));
         rows.push(Row {
             variant: format!("vmap {route:?}"),
             ms,
@@ -222,15 +271,21 @@ fn forward_overhead(o: &Opts) -> Res<()> {
     let xs = Tensor::randn(0f32, 1., (256, 1, 28, 28), &Device::Cpu)?;
     let plain = jit(|x: Tracer| model.forward(&x));
     let mapped = vmap(|x: Tracer| model.forward(&x.unsqueeze(0)?)?.squeeze(0));
+    let mut jobs: Vec<Job> = vec![
+        Box::new(|| Ok(plain.call(&xs).map(|_| ())?)),
+        Box::new(|| Ok(mapped.call(&xs).map(|_| ())?)),
+    ];
+    let ms = interleaved(o.reps, &mut jobs)?;
+    drop(jobs);
     let rows = vec![
         Row {
             variant: "plain batched forward".into(),
-            ms: median_ms(o.reps, || plain.call(&xs).map(|_| ()))?,
+            ms: ms[0],
             peak_mib: Some(peak_mib(&make_graph(&plain, &xs)?, std::slice::from_ref(&xs))?),
         },
         Row {
             variant: "vmap(|x| model.forward(x))".into(),
-            ms: median_ms(o.reps, || mapped.call(&xs).map(|_| ()))?,
+            ms: ms[1],
             peak_mib: Some(peak_mib(&make_graph(&mapped, &xs)?, std::slice::from_ref(&xs))?),
         },
     ];
@@ -261,22 +316,32 @@ fn sweep(o: &Opts) -> Res<()> {
         let xs = Tensor::randn(0f32, 1., (b, 1, 28, 28), &Device::Cpu)?;
         let ys = Tensor::zeros(b, DType::U32, &Device::Cpu)?;
         let inputs = flat_inputs(&p, &[&xs, &ys]);
-        for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
-            let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route);
-            let ms = median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()))?;
-            points.push((route, b, ms));
+        let routes = [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop];
+        let mut fs: Vec<_> = routes
+            .iter()
+            .map(|&route| vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).conv_route(route))
+            .collect();
+        fs.push(vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).chunk_size(32));
+        let mut jobs: Vec<Job> = Vec::new();
+        for f in &fs {
+            jobs.push(Box::new(|| Ok(f.call((&p, &xs, &ys)).map(|_| ())?)));
+        }
+        let ms = interleaved(o.reps, &mut jobs)?;
+        drop(jobs);
+        for (i, f) in fs.iter().enumerate() {
+            let variant = match routes.get(i) {
+                Some(route) => {
+                    points.push((*route, b, ms[i]));
+                    format!("B={b} {route:?}")
+                }
+                None => format!("B={b} Unfold, chunk_size 32"),
+            };
             rows.push(Row {
-                variant: format!("B={b} {route:?}"),
-                ms,
-                peak_mib: Some(peak_mib(&make_graph(&f, (&p, &xs, &ys))?, &inputs)?),
+                variant,
+                ms: ms[i],
+                peak_mib: Some(peak_mib(&make_graph(f, (&p, &xs, &ys))?, &inputs)?),
             });
         }
-        let f = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).chunk_size(32);
-        rows.push(Row {
-            variant: format!("B={b} Unfold, chunk_size 32"),
-            ms: median_ms(o.reps, || f.call((&p, &xs, &ys)).map(|_| ()))?,
-            peak_mib: Some(peak_mib(&make_graph(&f, (&p, &xs, &ys))?, &inputs)?),
-        });
     }
     report(
         o,

@@ -11,12 +11,15 @@
 //!   those element by element).
 //! * [`pool`]: 2D max-pooling forward, its gradient and the gradient's
 //!   adjoint, for any kernel and stride.
+//! * [`bmm`]: batched matrix products with the batch spread over threads
+//!   (candle splits each small product over all threads instead).
 //! * [`outer`]: batched outer products (`[B, M, 1] @ [B, 1, N]`), the
 //!   per-sample weight gradient of a linear layer.
 //!
 //! Each is a multi-threaded CPU kernel for f32/f64 with a generic
 //! candle-op fallback on every other device and dtype.
 
+pub mod bmm;
 pub mod outer;
 pub mod pool;
 pub mod rows;

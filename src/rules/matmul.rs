@@ -4,6 +4,7 @@
 use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::bmm;
 use crate::kernels::outer::outer;
 use crate::trace::Builder;
 use candle_core::Tensor;
@@ -100,6 +101,42 @@ impl Rule for Matmul {
     }
 }
 
+/// Equal batch axes of many small products: `kernels::bmm`, the batch
+/// spread over threads. `None` when the kernel does not take them.
+fn batched(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    let (ad, bd) = (a.dims(), b.dims());
+    let r = ad.len();
+    if r < 3 || bd.len() != r || ad[..r - 2] != bd[..r - 2] {
+        return Ok(None);
+    }
+    let (a3, b3) = (as_rank3(a).op("matmul")?, as_rank3(b).op("matmul")?);
+    if !bmm::takes_kernel(&a3, &b3) {
+        return Ok(None);
+    }
+    let y = bmm::bmm(&a3, &b3).op("matmul")?;
+    let shape = [&ad[..r - 2], &[ad[r - 2], bd[r - 1]]].concat();
+    Ok(Some(y.reshape(shape).op("matmul")?))
+}
+
+/// `.. m n -> (..) m n`: unit batch axes are dropped as views; other
+/// batch axes merge in place when contiguous, or after a copy.
+fn as_rank3(t: &Tensor) -> candle_core::Result<Tensor> {
+    let mut t = t.clone();
+    while t.rank() > 3 {
+        match t.dims()[..t.rank() - 2].iter().position(|&d| d == 1) {
+            Some(axis) => t = t.squeeze(axis)?,
+            None => break,
+        }
+    }
+    if t.rank() == 3 {
+        return Ok(t);
+    }
+    let d = t.dims().to_vec();
+    let r = d.len();
+    let batch: usize = d[..r - 2].iter().product();
+    crate::kernels::transpose::contiguous(&t)?.reshape((batch, d[r - 2], d[r - 1]))
+}
+
 /// Swaps the last two axes (`.. m n -> .. n m`).
 fn transpose_last(b: &mut Builder, v: VarId) -> Result<VarId> {
     let r = b.ty(v).rank();
@@ -118,6 +155,9 @@ fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let k = a.dims()[a.rank() - 1];
     if k == 1 && a.rank() == b.rank() && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2] {
         return outer(a, b).op("matmul");
+    }
+    if let Some(t) = batched(a, b)? {
+        return Ok(t);
     }
     if let Ok(t) = a.matmul(b) {
         return Ok(t);
