@@ -1,5 +1,7 @@
-//! Batched matrix products `[B, M, K] @ [B, K, N]` with the batch spread
-//! over threads, each thread running single-threaded GEMMs.
+//! Batched matrix products `[B, M, K] @ [B, K, N]`: with at least two
+//! matrices per thread the batch is spread over threads, each running
+//! single-threaded GEMMs; fewer, larger products each use every thread.
+//! Either way the result goes into huge-page memory (`output`).
 //!
 //! candle runs a batch as a sequence of GEMMs, each split over all threads:
 //! for the small matrices of per-sample gradients the threads synchronise
@@ -41,7 +43,7 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
     if k == 0 {
         return dst; // an empty sum: zeros
     }
-    par_blocks_mut(&mut dst, m * n, usize::MAX, |i, d| {
+    let gemm_one = |i: usize, d: &mut [T], par: gemm::Parallelism| {
         let (lhs, rhs) = (&a.data[i * a.sb..], &b.data[i * b.sb..]);
         // SAFETY: `Operand::new` checked that matrix `i` of each operand,
         // at its strides, lies inside `lhs` / `rhs`; `d` is exactly the
@@ -67,10 +69,22 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
                 false,
                 false,
                 false,
-                gemm::Parallelism::None,
+                par,
             )
         }
-    });
+    };
+    if nb >= 2 * max_threads() {
+        par_blocks_mut(&mut dst, m * n, usize::MAX, |i, d| {
+            gemm_one(i, d, gemm::Parallelism::None)
+        });
+    } else {
+        // Few large products: each split over all threads, as candle does,
+        // but written into `output`'s huge pages.
+        let par = gemm::Parallelism::Rayon(max_threads());
+        for (i, d) in dst.chunks_exact_mut(m * n).enumerate() {
+            gemm_one(i, d, par);
+        }
+    }
     dst
 }
 
@@ -108,7 +122,7 @@ impl CustomOp2 for BmmOp {
 }
 
 /// Whether [`bmm`] runs its own kernel for these operands: f32/f64 on the
-/// CPU, rank 3, at least two matrices per thread, no empty dimension.
+/// CPU, rank 3, no empty dimension.
 pub fn takes_kernel(a: &Tensor, b: &Tensor) -> bool {
     let (ad, bd) = (a.dims(), b.dims());
     has_cpu_kernel(a)
@@ -118,7 +132,6 @@ pub fn takes_kernel(a: &Tensor, b: &Tensor) -> bool {
         && bd.len() == 3
         && ad[0] == bd[0]
         && ad[2] == bd[1]
-        && ad[0] >= 2 * max_threads()
         && ad.iter().chain(bd).all(|&d| d > 0)
 }
 
@@ -129,6 +142,16 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return a.apply_op2_no_bwd(b, &BmmOp);
     }
     a.matmul(b)
+}
+
+/// A matrix product of rank-2 or rank-3 operands through [`bmm`] (a
+/// single matrix is a batch of one); other ranks go to candle.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match (a.rank(), b.rank()) {
+        (2, 2) => bmm(&a.unsqueeze(0)?, &b.unsqueeze(0)?)?.squeeze(0),
+        (3, 3) => bmm(a, b),
+        _ => a.matmul(b),
+    }
 }
 
 #[cfg(test)]
@@ -146,7 +169,11 @@ mod tests {
             let b = Tensor::randn(0f32, 1., (9, 5, 6), &d)?.to_dtype(dt)?;
             let bt = Tensor::randn(0f32, 1., (9, 6, 5), &d)?.to_dtype(dt)?;
             let wide = Tensor::randn(0f32, 1., (12, 7, 5), &d)?.to_dtype(dt)?;
+            let one = (a.narrow(0, 0, 1)?, b.narrow(0, 0, 1)?);
+            let three = (a.narrow(0, 0, 3)?, bt.narrow(0, 0, 3)?.transpose(1, 2)?);
             let cases = [
+                one,
+                three,
                 (a.clone(), b.clone()),
                 (a.clone(), bt.transpose(1, 2)?),
                 (wide.narrow(0, 2, 9)?, b.clone()),

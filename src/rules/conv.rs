@@ -12,7 +12,7 @@ use super::{arity, fallback, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::unfold::{self, ConvGeom};
-use crate::kernels::{has_cpu_kernel, rows, transpose};
+use crate::kernels::{bmm, has_cpu_kernel, rows, transpose};
 use crate::route::ConvRoute;
 use crate::trace::Builder;
 use candle_core::Tensor;
@@ -349,7 +349,7 @@ fn run_grad_input(
     if groups == 1 && has_cpu_kernel(ct) {
         // N Cout O.. -> N L Cout -> (N L) Cout; (N L) Cout @ Cout CK -> N L CK
         let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?.reshape((n * l, cout))?;
-        let rows = c.matmul(&w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
+        let rows = bmm::matmul(&c, &w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
         return rows::fold_rows(&rows, g, spatial);
     }
     let cpg = cout / groups;
@@ -384,7 +384,7 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
             .permute((1, 0, 2))?
             .contiguous()?
             .reshape((cout, n * l))?;
-        return c.matmul(&rows.reshape((n * l, ck))?)?.reshape(w_shape);
+        return bmm::matmul(&c, &rows.reshape((n * l, ck))?)?.reshape(w_shape);
     }
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
@@ -393,7 +393,7 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
     let per_example = (0..groups)
         .map(|i| {
             let cols_t = cols.narrow(1, i * ck, ck)?.transpose(1, 2)?; // N L CK
-            ct.narrow(1, i * cpg, cpg)?.matmul(&cols_t)
+            bmm::matmul(&ct.narrow(1, i * cpg, cpg)?, &cols_t)
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, Cout/g, CK] -> N Cout CK -> Cout CK
@@ -429,7 +429,7 @@ fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor
     if n * l == 0 || cout == 0 {
         return Tensor::zeros(shape, x.dtype(), x.device());
     }
-    let y = rows.reshape((n * l, ck))?.matmul(&w.reshape((cout, ck))?.t()?)?;
+    let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?)?;
     // (N L) Cout -> N Cout L
     transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
 }

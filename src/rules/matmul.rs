@@ -101,13 +101,17 @@ impl Rule for Matmul {
     }
 }
 
-/// Equal batch axes of many small products: `kernels::bmm`, the batch
-/// spread over threads. `None` when the kernel does not take them.
+/// Products with equal batch axes (or none) through `kernels::bmm`. `None`
+/// when the kernel does not take them.
 fn batched(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     let (ad, bd) = (a.dims(), b.dims());
     let r = ad.len();
-    if r < 3 || bd.len() != r || ad[..r - 2] != bd[..r - 2] {
+    if r < 2 || bd.len() != r || ad[..r - 2] != bd[..r - 2] {
         return Ok(None);
+    }
+    if r == 2 {
+        let y = batched(&a.unsqueeze(0).op("matmul")?, &b.unsqueeze(0).op("matmul")?)?;
+        return y.map(|y| y.squeeze(0).op("matmul")).transpose();
     }
     let (a3, b3) = (as_rank3(a).op("matmul")?, as_rank3(b).op("matmul")?);
     if !bmm::takes_kernel(&a3, &b3) {
