@@ -1,11 +1,12 @@
 //! Where a graph spends its time: runs a workload's graph with per-node
 //! timings and prints the slowest nodes and the time per primitive.
 //!
-//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|ensemble [--batch B] [--route R]
+//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|forward|ensemble [--batch B] [--route R]
 //!
 //! For `tutorial`, `opacus` and `c3d` it profiles both the ordinary batched
 //! gradient step and `vmap(grad)` (per-sample gradients) of the model;
-//! `ensemble` profiles the forward of 10 stacked tutorial CNNs.
+//! `forward` profiles the tutorial CNN's forward alone, `ensemble` the
+//! forward of 10 stacked tutorial CNNs.
 
 mod common;
 
@@ -85,6 +86,14 @@ fn per_sample(model: &Sequential, b: usize, input: &[usize]) -> Result<(), Box<d
     Ok(())
 }
 
+fn forward(b: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let (_vm, model) = build(cnn_t)?;
+    let x = Tensor::randn(0f32, 1., (b, 1, 28, 28), &Device::Cpu)?;
+    let g = make_graph(&|x: Tracer| model.forward(&x), &x)?;
+    report(&format!("tutorial CNN forward, B={b}"), &g, &[x])?;
+    Ok(())
+}
+
 fn ensemble() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::Cpu;
     let built = (0..10).map(|_| build(cnn_t)).collect::<candle_func::Result<Vec<_>>>()?;
@@ -108,6 +117,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _ = DType::F32;
     match which.as_str() {
         "ensemble" => ensemble(),
+        "forward" => forward(b),
         "opacus" => per_sample(&build(cnn_o)?.1, b, &[1, 28, 28]),
         "c3d" => per_sample(&build(c3d)?.1, b, &[1, 16, 16, 16]),
         _ => per_sample(&build(cnn_t)?.1, b, &[1, 28, 28]),

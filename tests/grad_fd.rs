@@ -8,7 +8,7 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_func::{grad, jit, ConvGeom, Result, Tracer};
+use candle_func::{grad, jit, vmap, ConvGeom, ConvRoute, Result, Tracer};
 use common::*;
 use proptest::prelude::*;
 
@@ -167,6 +167,19 @@ proptest! {
             gx.sqr()?.mul(&rx)?.sum_all()?.add(&gw.sqr()?.mul(&rw)?.sum_all()?)
         };
         fd2("conv grad_input/grad_weight", outer, &x, &w, seed);
+        if groups == 1 {
+            // per-sample weight gradients (the Unfold route's
+            // grad_weight_each) differentiated again
+            let g = ConvGeom::uniform(nd, k, st, p, dl);
+            let loss = move |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv(&w, g.clone(), 1)?.sqr()?.sum_all();
+            let per = std::sync::Arc::new(vmap(grad(loss)).in_dims([None, Some(0)]).conv_route(ConvRoute::Unfold));
+            let r = f64t(&[[2usize].as_slice(), w.dims()].concat(), seed + 29);
+            let twice = move |x: Tracer, w: Tracer| {
+                let pw = candle_func::Function::apply(&*per, (w, x))?;
+                pw.sqr()?.mul(&r)?.sum_all()
+            };
+            fd2("conv grad_weight_each", twice, &x, &w, seed);
+        }
         let g = ConvGeom::uniform(nd, k, st, p, dl);
         let fold_twice = move |x: Tracer| {
             let inner = grad(|x: Tracer| x.unfold(g.clone())?.sqr()?.sum_all());

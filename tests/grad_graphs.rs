@@ -58,15 +58,16 @@ fn conv_weight_gradient_takes_the_route() {
 }
 
 #[test]
-fn ungrouped_weight_gradient_reads_rows() {
-    // groups = 1: the Unfold route's per-sample GEMM reads the row layout,
-    // and agrees with the loop, for a 2-d and a 3-d convolution.
+fn ungrouped_weight_gradient_is_one_primitive_per_example() {
+    // groups = 1: the Unfold route computes each example's weight gradient
+    // with one primitive, and agrees with the loop, for a 2-d and a 3-d
+    // convolution.
     let loss2 = |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv2d(&w, 1, 2, 1, 1)?.sqr()?.sum_all();
     let w = rand(&[3, 4, 3, 3], 1);
     let xs = rand(&[5, 4, 7, 7], 2);
     let f = |r| vmap(grad(loss2)).in_dims([None, Some(0)]).conv_route(r);
     let g = make_graph(&f(ConvRoute::Unfold), (&w, &xs)).unwrap();
-    assert!(has(&g, "unfold_rows2d") && !has(&g, "loop"), "{g}");
+    assert!(has(&g, "conv2d_grad_weight_each") && !has(&g, "loop"), "{g}");
     let got = f(ConvRoute::Unfold).call((&w, &xs)).unwrap();
     common::assert_close(&got, &f(ConvRoute::Loop).call((&w, &xs)).unwrap(), 1e-4, "2d");
     let loss3 = |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv3d(&w, 1, 1, 1, 1)?.sqr()?.sum_all();

@@ -9,6 +9,8 @@
 //!   gradients over a whole batch are single GEMMs.
 //! * [`transpose`]: contiguous copies of batched transposes (candle copies
 //!   those element by element).
+//! * [`shift`]: stride-1 convolutions and both their gradients as one GEMM
+//!   per kernel tap on the input's own grid, with no im2col at all.
 //! * [`pool`]: 2D max-pooling forward, its gradient and the gradient's
 //!   adjoint, for any kernel and stride.
 //! * [`bmm`]: batched matrix products with the batch spread over threads
@@ -23,6 +25,7 @@ pub mod bmm;
 pub mod outer;
 pub mod pool;
 pub mod rows;
+pub mod shift;
 pub mod transpose;
 pub mod unfold;
 

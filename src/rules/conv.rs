@@ -12,7 +12,7 @@ use super::{arity, fallback, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::unfold::{self, ConvGeom};
-use crate::kernels::{bmm, has_cpu_kernel, rows, transpose};
+use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose};
 use crate::route::ConvRoute;
 use crate::trace::Builder;
 use candle_core::Tensor;
@@ -61,6 +61,10 @@ pub enum ConvOp {
         /// Channel groups.
         groups: usize,
     },
+    /// The weight gradient of an ungrouped `conv` for each example, not
+    /// summed: `(x [E, Cin, *S], ct [E, Cout, *O]) -> [E, Cout, Cin, *k]`.
+    /// The `Unfold` route's per-sample weight gradient.
+    GradWeightEach(ConvGeom),
 }
 
 impl ConvOp {
@@ -80,6 +84,9 @@ impl ConvOp {
                 geom_str(geom),
                 groups_str(*groups)
             ),
+            ConvOp::GradWeightEach(geom) => {
+                format!("conv{}d_grad_weight_each[{}]", geom.kernel.len(), geom_str(geom))
+            }
             ConvOp::GradWeight { geom, groups } => {
                 format!(
                     "conv{}d_grad_weight[{}{}]",
@@ -163,6 +170,10 @@ impl Rule for ConvOp {
             ConvOp::Fold { geom, spatial } => infer_fold(geom, spatial, args),
             ConvOp::GradInput { geom, groups, spatial } => infer_grad_input(geom, *groups, spatial, args),
             ConvOp::GradWeight { geom, groups } => infer_grad_weight(geom, *groups, args),
+            ConvOp::GradWeightEach(geom) => {
+                let w = infer_grad_weight(geom, 1, args)?;
+                Ok(w.with_shape([&[args[0].shape[0]], &w.shape[..]].concat()))
+            }
         }
     }
 
@@ -177,6 +188,7 @@ impl Rule for ConvOp {
                 run_grad_input(args[0], args[1], geom, *groups, spatial).op(&op)
             }
             ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], geom, *groups).op(&op),
+            ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom).op(&op),
         }
     }
 
@@ -190,6 +202,14 @@ impl Rule for ConvOp {
             ConvOp::Conv { geom, groups } => batch_conv(cx, geom, *groups, args).map(Some),
             ConvOp::GradInput { geom, groups, spatial } => batch_grad_input(cx, geom, *groups, spatial, args).map(Some),
             ConvOp::GradWeight { geom, groups } => batch_grad_weight(cx, geom, *groups, args).map(Some),
+            ConvOp::GradWeightEach(_) => {
+                // B E .. -> (B E) .. -> op -> B E ..
+                let x = cx.materialize(args[0])?;
+                let c = cx.materialize(args[1])?;
+                let (x, c) = (merge_front(cx, x)?, merge_front(cx, c)?);
+                let y = cx.b.emit(Prim::Conv(self.clone()), &[x, c])?;
+                Ok(Some((split_n(cx, y)?, Some(0))))
+            }
         }
     }
 
@@ -248,9 +268,30 @@ impl Rule for ConvOp {
                 vec![Some(b.emit(fold, &[cols])?)]
             }
             ConvOp::Fold { geom, .. } => vec![Some(b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[ct])?)],
+            ConvOp::GradWeightEach(geom) => vjp_grad_weight_each(b, geom, args, ct)?,
         };
         Ok(Some(cts))
     }
+}
+
+/// Bilinear in `(x, dy)`, and per example: with the examples folded into
+/// the channels, each example's cotangent weight `g[e]` is a group of its
+/// own. `dx[e] = grad_input(dy[e], g[e])`, `d(dy)[e] = conv(x[e], g[e])`.
+fn vjp_grad_weight_each(b: &mut Builder, geom: &ConvGeom, args: &[VarId], g: VarId) -> Result<Cts> {
+    let (x, dy) = (args[0], args[1]);
+    let (xd, yd, gd) = (b.dims(x), b.dims(dy), b.dims(g));
+    let e = xd[0];
+    // E Cin S.. -> 1 (E Cin) S..;  E Cout O.. -> 1 (E Cout) O..;  E Cout Cin k.. -> (E Cout) Cin k..
+    let x1 = b.reshape(x, [&[1, e * xd[1]], &xd[2..]].concat())?;
+    let dy1 = b.reshape(dy, [&[1, e * yd[1]], &yd[2..]].concat())?;
+    let w = b.reshape(g, [&[e * gd[1]], &gd[2..]].concat())?;
+    let gi = b.emit(grad_input(geom, e, xd[2..].to_vec()), &[dy1, w])?;
+    let conv = Prim::Conv(ConvOp::Conv {
+        geom: geom.clone(),
+        groups: e,
+    });
+    let gc = b.emit(conv, &[x1, w])?;
+    Ok(vec![Some(b.reshape(gi, xd)?), Some(b.reshape(gc, yd)?)])
 }
 
 fn grad_input(geom: &ConvGeom, groups: usize, spatial: Vec<usize>) -> Prim {
@@ -346,6 +387,9 @@ fn run_grad_input(
         return Tensor::zeros([&[n, cin], spatial].concat(), ct.dtype(), ct.device());
     }
     let ck = w.elem_count() / cout; // Cin/g * K
+    if has_cpu_kernel(ct) && shift::applies(g, groups, w.dims()[1]) {
+        return shift::grad_input(ct, w, g, spatial);
+    }
     if groups == 1 && has_cpu_kernel(ct) {
         // N Cout O.. -> N L Cout -> (N L) Cout; (N L) Cout @ Cout CK -> N L CK
         let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?.reshape((n * l, cout))?;
@@ -375,6 +419,9 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
     if n == 0 || cout == 0 {
         return Tensor::zeros(w_shape, ct.dtype(), ct.device());
     }
+    if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) {
+        return shift::grad_weight(x, ct, g);
+    }
     if groups == 1 && has_cpu_kernel(x) {
         let rows = rows::unfold_rows(x, g)?; // N L CK
         let ck = rows.dims()[2];
@@ -400,10 +447,30 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
     sum_axes(&Tensor::cat(&per_example, 1)?, &[0])?.reshape(w_shape)
 }
 
-/// Runs an unbatched convolution. On the CPU, unfold + matmul: measured
-/// 1.2x to 6.7x faster than candle's conv2d on this crate's workloads
-/// (`cargo run --release --example conv_routes`). Elsewhere candle's own
-/// 1D/2D convolution, and unfold + matmul for 3D (candle has none).
+/// Each example's weight gradient: shifted GEMMs where they apply,
+/// otherwise `ct[e] @ unfold_rows(x)[e]` as one batched product.
+fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+    let (e, cin, cout) = (x.dims()[0], x.dims()[1], ct.dims()[1]);
+    let shape = [&[e, cout, cin], &g.kernel[..]].concat();
+    if e == 0 || cout == 0 {
+        return Tensor::zeros(shape, x.dtype(), x.device());
+    }
+    if has_cpu_kernel(x) && shift::applies(g, 1, cin) {
+        return shift::grad_weight_each(x, ct, g);
+    }
+    let rows = rows::unfold_rows(x, g)?; // E L CK
+    let l = rows.dims()[1];
+    let c = ct.contiguous()?.reshape((e, cout, l))?;
+    bmm::matmul(&c, &rows)?.reshape(shape)
+}
+
+/// Runs an unbatched convolution. On the CPU (f32/f64): stride 1 with
+/// enough input channels by shifted GEMMs (`kernels::shift`, no im2col),
+/// other ungrouped ones as one GEMM on the row layout, grouped ones by
+/// unfold + one batched matmul per group; all measured faster than
+/// candle's conv2d on this crate's workloads (`cargo run --release
+/// --example conv_routes`). Elsewhere candle's own 1D/2D convolution, and
+/// unfold + matmul for 3D (candle has none).
 /// candle's convolutions read a strided kernel as if it were contiguous, so
 /// operands are made contiguous first.
 pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
@@ -411,6 +478,7 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> c
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
+        _ if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
         _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g),
         _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
@@ -784,17 +852,17 @@ fn batch_grad_weight(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, args: &[B
             let l: usize = cd[3..].iter().product();
             let xf = merge_front(cx, xb)?; // (B N) Cin S..
             if groups == 1 {
-                // Opacus's ct @ unfold(x)^T per model, on the row layout so
-                // the GEMM reads contiguous rows.
-                let rows = cx.b.emit(Prim::Conv(ConvOp::UnfoldRows(geom.clone())), &[xf])?; // (B N) L CK
-                let ck = cx.b.dims(rows)[2];
-                let rows = cx.b.reshape(rows, vec![size, n * l, ck])?;
-                // B N Cout O.. -> B N Cout L -> B Cout N L -> B Cout (N L)
-                let c = cx.b.reshape(cb, vec![size, n, cout, l])?;
-                let c = cx.b.permute(c, vec![0, 2, 1, 3])?;
-                let c = cx.b.reshape(c, vec![size, cout, n * l])?;
-                let y = cx.b.emit(Prim::Matmul, &[c, rows])?; // B Cout CK
-                let y = cx.b.reshape(y, [&[size, cout, xd[2]], &geom.kernel[..]].concat())?;
+                // Opacus's ct @ unfold(x)^T for each example, then summed
+                // over each model's N: (B N) Cout Cin k.. -> B N .. -> B ..
+                let cf = merge_front(cx, cb)?; // (B N) Cout O..
+                let each = cx.b.emit(Prim::Conv(ConvOp::GradWeightEach(geom.clone())), &[xf, cf])?;
+                let ed = cx.b.dims(each);
+                let y = cx.b.reshape(each, [&[size, n], &ed[1..]].concat())?;
+                let y = if n == 1 {
+                    cx.b.reshape(y, [&[size], &ed[1..]].concat())?
+                } else {
+                    cx.b.sum_axes(y, vec![1], false)?
+                };
                 return Ok((y, Some(0)));
             }
             let cols = cx.b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[xf])?; // (B N) (Cin K) L

@@ -1,0 +1,607 @@
+//! Stride-1 convolutions without im2col ("shifted GEMMs").
+//!
+//! With stride 1, kernel tap `t` of output position `o` reads the input at
+//! `o + shift[t]` on the input's own grid. So if outputs are laid out on
+//! that grid too ("wide": row-major with the input's row lengths, the
+//! columns past the output's edge unused), every tap is one GEMM with no
+//! copy at all:
+//!
+//! ```text
+//! y_wide[n] [Cout, span] += w[:, :, t] [Cout, Cin] @ x[n][:, shift[t] ..] [Cin, span]
+//! ```
+//!
+//! and the two gradients are the same sum read the other ways. im2col
+//! writes and reads `prod(kernel)` copies of the input instead (9x for a
+//! 3x3 kernel, 27x for 3x3x3); on the tutorial CNN's second convolution the
+//! im2col alone took longer than its GEMM.
+//!
+//! `span`, the wide length of one output plane, is `sum_d (O_d - 1) *
+//! stride_d + 1` for the input's strides `stride_d`, so the last tap's reads
+//! end exactly at the plane's last element: nothing is read out of bounds
+//! and nothing is padded. Input padding is applied first (a copy).
+
+use super::unfold::{check_input, ConvGeom};
+use super::{contiguous_slice, has_cpu_kernel, max_threads, output, par_blocks_mut, zeroed, Elem};
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+/// Fewer input channels than this go through im2col: each tap's GEMM has
+/// the channels as its inner dimension, too short to run well.
+const MIN_CHANNELS: usize = 8;
+
+/// Whether an ungrouped convolution with this geometry and `cin` input
+/// channels takes the shifted-GEMM kernels.
+pub fn applies(g: &ConvGeom, groups: usize, cin: usize) -> bool {
+    groups == 1 && cin >= MIN_CHANNELS && g.stride.iter().all(|&s| s == 1)
+}
+
+/// The geometry of one call, on the padded input grid.
+#[derive(Clone, Debug)]
+struct Plan {
+    cin: usize,
+    cout: usize,
+    /// Padded input spatial size and its row-major strides.
+    size: Vec<usize>,
+    stride: Vec<usize>,
+    /// Output spatial size.
+    out: Vec<usize>,
+    /// Offset of each kernel tap on the input grid.
+    shifts: Vec<usize>,
+}
+
+impl Plan {
+    fn new(g: &ConvGeom, cin: usize, cout: usize, size: &[usize]) -> Result<Self> {
+        let out = g.out_spatial_for("conv_shift", size)?;
+        let nd = size.len();
+        let mut stride = vec![1; nd];
+        for d in (0..nd.saturating_sub(1)).rev() {
+            stride[d] = stride[d + 1] * size[d + 1];
+        }
+        let mut shifts = Vec::with_capacity(g.kernel_numel());
+        for t in 0..g.kernel_numel() {
+            let (mut rest, mut shift) = (t, 0);
+            for d in (0..nd).rev() {
+                shift += (rest % g.kernel[d]) * g.dilation[d] * stride[d];
+                rest /= g.kernel[d];
+            }
+            shifts.push(shift);
+        }
+        Ok(Plan {
+            cin,
+            cout,
+            size: size.to_vec(),
+            stride,
+            out,
+            shifts,
+        })
+    }
+
+    fn plane(&self) -> usize {
+        self.size.iter().product()
+    }
+
+    fn out_len(&self) -> usize {
+        self.out.iter().product()
+    }
+
+    fn taps(&self) -> usize {
+        self.shifts.len()
+    }
+
+    /// Wide length of one output plane.
+    fn span(&self) -> usize {
+        self.out
+            .iter()
+            .zip(&self.stride)
+            .map(|(o, s)| (o - 1) * s)
+            .sum::<usize>()
+            + 1
+    }
+
+    /// Calls `f(dense start, wide start, len)` for each output row (a run
+    /// along the last axis), for moving between the dense and wide layouts.
+    fn rows(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let nd = self.out.len();
+        let len = self.out[nd - 1];
+        for r in 0..self.out_len() / len {
+            let (mut rest, mut wide) = (r, 0);
+            for d in (0..nd - 1).rev() {
+                wide += (rest % self.out[d]) * self.stride[d];
+                rest /= self.out[d];
+            }
+            f(r * len, wide, len);
+        }
+    }
+}
+
+/// One GEMM `dst [m, n] += lhs [m, k] @ rhs [k, n]` at the given (row,
+/// column) strides, each operand a slice that starts at its first element.
+struct Gemm<'a, T> {
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: (&'a [T], usize, usize),
+    rhs: (&'a [T], usize, usize),
+}
+
+impl<T: Elem> Gemm<'_, T> {
+    /// Runs the product into `dst` (row stride `dst_rs`, unit column stride).
+    fn run(&self, dst: &mut [T], dst_rs: usize, one: T, par: gemm::Parallelism) {
+        let reach = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs + 1;
+        // Every element gemm touches lies inside the slices it is given:
+        // checked here, so a planning mistake panics instead of reading
+        // or writing out of bounds.
+        assert!(reach(self.m, self.k, self.lhs.1, self.lhs.2) <= self.lhs.0.len());
+        assert!(reach(self.k, self.n, self.rhs.1, self.rhs.2) <= self.rhs.0.len());
+        assert!(reach(self.m, self.n, dst_rs, 1) <= dst.len());
+        // SAFETY: the assertions above keep every access inside `dst`,
+        // `lhs` and `rhs`; `dst` is borrowed mutably and the operands
+        // immutably, so nothing else touches them during the call.
+        unsafe {
+            gemm::gemm(
+                self.m,
+                self.n,
+                self.k,
+                dst.as_mut_ptr(),
+                1,
+                dst_rs as isize,
+                true,
+                self.lhs.0.as_ptr(),
+                self.lhs.2 as isize,
+                self.lhs.1 as isize,
+                self.rhs.0.as_ptr(),
+                self.rhs.2 as isize,
+                self.rhs.1 as isize,
+                one,
+                one,
+                false,
+                false,
+                false,
+                par,
+            )
+        }
+    }
+}
+
+/// Threads inside each GEMM when there are too few examples to give every
+/// thread its own.
+fn inner_par(n: usize) -> gemm::Parallelism {
+    if n >= 2 * max_threads() {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(max_threads())
+    }
+}
+
+/// Runs `f(i, block)` over the `block`-sized blocks of `dst`: spread over
+/// threads when there are enough, otherwise in order (each GEMM then uses
+/// every thread, see `inner_par`).
+fn per_example<T: Elem>(dst: &mut [T], block: usize, n: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    if n >= 2 * max_threads() {
+        par_blocks_mut(dst, block, usize::MAX, f);
+    } else {
+        for (i, d) in dst.chunks_exact_mut(block).enumerate() {
+            f(i, d)
+        }
+    }
+}
+
+/// `y[n] = sum_t w_t @ x[n] shifted by t`, cropped from the wide layout.
+fn conv_cpu<T: Elem>(x: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
+    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
+    let mut dst = output(n * p.cout * p.out_len());
+    let par = inner_par(n);
+    per_example(&mut dst, p.cout * p.out_len(), n, |i, y| {
+        let xs = &x[i * p.cin * plane..(i + 1) * p.cin * plane];
+        let mut wide = zeroed(p.cout * span);
+        for (t, &shift) in p.shifts.iter().enumerate() {
+            let g = Gemm {
+                m: p.cout,
+                n: span,
+                k: p.cin,
+                lhs: (&w[t..], p.cin * kn, kn),
+                rhs: (&xs[shift..], plane, 1),
+            };
+            g.run(&mut wide, span, one, par);
+        }
+        for c in 0..p.cout {
+            let (dense, wide) = (
+                &mut y[c * p.out_len()..(c + 1) * p.out_len()],
+                &wide[c * span..(c + 1) * span],
+            );
+            p.rows(|d, w, len| dense[d..d + len].copy_from_slice(&wide[w..w + len]));
+        }
+    });
+    dst
+}
+
+/// `ct [N, Cout, O]` on the wide layout, zeros in the unused columns.
+fn widen<T: Elem>(ct: &[T], p: &Plan, n: usize) -> Vec<T> {
+    let (span, len) = (p.span(), p.out_len());
+    let mut wide = zeroed(n * p.cout * span);
+    for (dense, wide) in ct.chunks_exact(len).zip(wide.chunks_exact_mut(span)) {
+        p.rows(|d, w, l| wide[w..w + l].copy_from_slice(&dense[d..d + l]));
+    }
+    wide
+}
+
+/// `dx[n] = sum_t (w_t^T @ ct[n]) shifted back by t`.
+fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
+    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
+    let wide = widen(ct, p, n);
+    let mut dst = zeroed(n * p.cin * plane);
+    let par = inner_par(n);
+    per_example(&mut dst, p.cin * plane, n, |i, dx| {
+        let c = &wide[i * p.cout * span..(i + 1) * p.cout * span];
+        for (t, &shift) in p.shifts.iter().enumerate() {
+            // w_t^T: [Cin, Cout] read from w [Cout, Cin, K] at tap t
+            let g = Gemm {
+                m: p.cin,
+                n: span,
+                k: p.cout,
+                lhs: (&w[t..], kn, p.cin * kn),
+                rhs: (c, span, 1),
+            };
+            g.run(&mut dx[shift..], plane, one, par);
+        }
+    });
+    dst
+}
+
+/// `dw_t = sum_n ct[n] @ (x[n] shifted by t)^T`, one partial sum per
+/// thread's share of the examples.
+fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
+    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
+    let wide = widen(ct, p, n);
+    let size = p.cout * p.cin * kn;
+    let parts = if n >= 2 * max_threads() { max_threads() } else { 1 };
+    let per = n.div_ceil(parts);
+    let par = inner_par(n);
+    let mut partial = zeroed(parts * size);
+    par_blocks_mut(&mut partial, size, usize::MAX, |j, dw| {
+        for i in j * per..((j + 1) * per).min(n) {
+            let (xs, c) = (
+                &x[i * p.cin * plane..],
+                &wide[i * p.cout * span..(i + 1) * p.cout * span],
+            );
+            for (t, &shift) in p.shifts.iter().enumerate() {
+                // dw[:, :, t] [Cout, Cin] (row stride Cin K, column stride K)
+                // += ct [Cout, span] @ x_t^T [span, Cin]
+                let g = Gemm {
+                    m: p.cout,
+                    n: p.cin,
+                    k: span,
+                    lhs: (c, span, 1),
+                    rhs: (&xs[shift..], 1, plane),
+                };
+                run_strided_dst(&g, &mut dw[t..], p.cin * kn, kn, one, par);
+            }
+        }
+    });
+    let (first, rest) = partial.split_at_mut(size);
+    for r in rest.chunks_exact(size) {
+        for (a, b) in first.iter_mut().zip(r) {
+            *a += *b;
+        }
+    }
+    partial.truncate(size);
+    partial
+}
+
+/// `dw[n]_t = ct[n] @ (x[n] shifted by t)^T` for each example, not summed.
+fn grad_weight_each_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
+    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
+    let wide = widen(ct, p, n);
+    let size = p.cout * p.cin * kn;
+    let mut dst = zeroed(n * size);
+    let par = inner_par(n);
+    per_example(&mut dst, size, n, |i, dw| {
+        let (xs, c) = (
+            &x[i * p.cin * plane..],
+            &wide[i * p.cout * span..(i + 1) * p.cout * span],
+        );
+        for (t, &shift) in p.shifts.iter().enumerate() {
+            let g = Gemm {
+                m: p.cout,
+                n: p.cin,
+                k: span,
+                lhs: (c, span, 1),
+                rhs: (&xs[shift..], 1, plane),
+            };
+            run_strided_dst(&g, &mut dw[t..], p.cin * kn, kn, one, par);
+        }
+    });
+    dst
+}
+
+/// [`Gemm::run`] into a destination with a column stride other than 1.
+fn run_strided_dst<T: Elem>(g: &Gemm<T>, dst: &mut [T], rs: usize, cs: usize, one: T, par: gemm::Parallelism) {
+    let reach = |rows: usize, cols: usize, r: usize, c: usize| (rows - 1) * r + (cols - 1) * c + 1;
+    assert!(reach(g.m, g.k, g.lhs.1, g.lhs.2) <= g.lhs.0.len());
+    assert!(reach(g.k, g.n, g.rhs.1, g.rhs.2) <= g.rhs.0.len());
+    assert!(reach(g.m, g.n, rs, cs) <= dst.len());
+    // SAFETY: as in `Gemm::run`: the assertions keep every access inside
+    // the three slices, and `dst` is exclusively borrowed.
+    unsafe {
+        gemm::gemm(
+            g.m,
+            g.n,
+            g.k,
+            dst.as_mut_ptr(),
+            cs as isize,
+            rs as isize,
+            true,
+            g.lhs.0.as_ptr(),
+            g.lhs.2 as isize,
+            g.lhs.1 as isize,
+            g.rhs.0.as_ptr(),
+            g.rhs.2 as isize,
+            g.rhs.1 as isize,
+            one,
+            one,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// Which of the three products a [`ShiftOp`] computes.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// `(x, w) -> y`
+    Conv,
+    /// `(ct, w) -> dx` on the padded grid
+    GradInput,
+    /// `(x, ct) -> dw`
+    GradWeight,
+    /// `(x, ct) -> dw` per example
+    GradWeightEach,
+}
+
+struct ShiftOp {
+    kind: Kind,
+    plan: Plan,
+    n: usize,
+}
+
+impl ShiftOp {
+    fn run<T: Elem>(&self, a: &[T], b: &[T], one: T) -> Vec<T> {
+        match self.kind {
+            Kind::Conv => conv_cpu(a, b, &self.plan, self.n, one),
+            Kind::GradInput => grad_input_cpu(a, b, &self.plan, self.n, one),
+            Kind::GradWeight => grad_weight_cpu(a, b, &self.plan, self.n, one),
+            Kind::GradWeightEach => grad_weight_each_cpu(a, b, &self.plan, self.n, one),
+        }
+    }
+
+    /// The result's shape; the weight gradient comes with its taps on one
+    /// axis, `[Cout, Cin, prod(k)]`, for the caller to reshape.
+    fn shape(&self) -> Shape {
+        let p = &self.plan;
+        match self.kind {
+            Kind::Conv => Shape::from([&[self.n, p.cout], &p.out[..]].concat()),
+            Kind::GradInput => Shape::from([&[self.n, p.cin], &p.size[..]].concat()),
+            Kind::GradWeight => Shape::from((p.cout, p.cin, p.taps())),
+            Kind::GradWeightEach => Shape::from((self.n, p.cout, p.cin, p.taps())),
+        }
+    }
+}
+
+impl CustomOp2 for ShiftOp {
+    fn name(&self) -> &'static str {
+        match self.kind {
+            Kind::Conv => "conv_shift",
+            Kind::GradInput => "conv_shift_grad_input",
+            Kind::GradWeight => "conv_shift_grad_weight",
+            Kind::GradWeightEach => "conv_shift_grad_weight_each",
+        }
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let out = match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::F32(self.run(contiguous_slice(op, a, l1)?, contiguous_slice(op, b, l2)?, 1.0))
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                CpuStorage::F64(self.run(contiguous_slice(op, a, l1)?, contiguous_slice(op, b, l2)?, 1.0))
+            }
+            _ => bail!("{op}: no CPU kernel for these dtypes"),
+        };
+        Ok((out, self.shape()))
+    }
+}
+
+/// `x` padded with zeros by `geom.padding` on every spatial axis.
+fn pad(x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+    let mut x = x.clone();
+    for (d, &p) in g.padding.iter().enumerate() {
+        if p > 0 {
+            x = x.pad_with_zeros(d + 2, p, p)?;
+        }
+    }
+    Ok(x)
+}
+
+fn padded_size(g: &ConvGeom, spatial: &[usize]) -> Vec<usize> {
+    spatial.iter().zip(&g.padding).map(|(s, p)| s + 2 * p).collect()
+}
+
+/// The operands must suit the kernels: CPU f32/f64, same dtype, `applies`.
+fn check(op: &str, a: &Tensor, b: &Tensor, g: &ConvGeom, cin: usize) -> Result<()> {
+    if !has_cpu_kernel(a) || a.dtype() != b.dtype() || !b.device().is_cpu() || !applies(g, 1, cin) {
+        bail!("{op}: needs CPU f32/f64 operands, stride 1 and at least {MIN_CHANNELS} input channels")
+    }
+    Ok(())
+}
+
+/// Ungrouped stride-1 convolution `x [N, Cin, *S] * w [Cout, Cin, *k] ->
+/// [N, Cout, *O]` by shifted GEMMs.
+pub fn conv(x: &Tensor, w: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+    check_input("conv_shift", x, g)?;
+    let (n, cin, cout) = (x.dim(0)?, x.dim(1)?, w.dim(0)?);
+    check("conv_shift", x, w, g, cin)?;
+    if w.dims() != [&[cout, cin], &g.kernel[..]].concat() {
+        bail!(
+            "conv_shift: weight {:?} does not match input {:?} and {g:?}",
+            w.dims(),
+            x.dims()
+        )
+    }
+    let size = padded_size(g, &x.dims()[2..]);
+    let plan = Plan::new(&unpadded(g), cin, cout, &size)?;
+    let op = ShiftOp {
+        kind: Kind::Conv,
+        plan,
+        n,
+    };
+    pad(x, g)?.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)
+}
+
+/// The input gradient of [`conv`]: `ct [N, Cout, *O]`, `w` -> `[N, Cin, *spatial]`.
+pub fn grad_input(ct: &Tensor, w: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tensor> {
+    let (n, cout, cin) = (ct.dim(0)?, w.dim(0)?, w.dim(1)?);
+    check("conv_shift_grad_input", ct, w, g, cin)?;
+    let size = padded_size(g, spatial);
+    let plan = Plan::new(&unpadded(g), cin, cout, &size)?;
+    if ct.dims() != [&[n, cout], &plan.out[..]].concat() {
+        bail!(
+            "conv_shift_grad_input: cotangent {:?} does not match {g:?} on {spatial:?}",
+            ct.dims()
+        )
+    }
+    let op = ShiftOp {
+        kind: Kind::GradInput,
+        plan,
+        n,
+    };
+    let mut dx = ct.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?;
+    for (d, (&p, &s)) in g.padding.iter().zip(spatial).enumerate() {
+        if p > 0 {
+            dx = dx.narrow(d + 2, p, s)?;
+        }
+    }
+    dx.contiguous()
+}
+
+/// The weight gradient of [`conv`], summed over examples: `x`, `ct` ->
+/// `[Cout, Cin, *k]`.
+pub fn grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+    let (cout, cin) = (ct.dim(1)?, x.dim(1)?);
+    let dw = weight_op(Kind::GradWeight, x, ct, g)?;
+    dw.reshape([&[cout, cin], &g.kernel[..]].concat())
+}
+
+/// The weight gradient of [`conv`] for each example: `x [N, Cin, *S]`,
+/// `ct [N, Cout, *O]` -> `[N, Cout, Cin, *k]`.
+pub fn grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+    let (n, cout, cin) = (x.dim(0)?, ct.dim(1)?, x.dim(1)?);
+    let dw = weight_op(Kind::GradWeightEach, x, ct, g)?;
+    dw.reshape([&[n, cout, cin], &g.kernel[..]].concat())
+}
+
+fn weight_op(kind: Kind, x: &Tensor, ct: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+    let op = "conv_shift_grad_weight";
+    check_input(op, x, g)?;
+    let (n, cin, cout) = (x.dim(0)?, x.dim(1)?, ct.dim(1)?);
+    check(op, x, ct, g, cin)?;
+    let size = padded_size(g, &x.dims()[2..]);
+    let plan = Plan::new(&unpadded(g), cin, cout, &size)?;
+    if ct.dims() != [&[n, cout], &plan.out[..]].concat() {
+        bail!("{op}: cotangent {:?} does not match input {:?}", ct.dims(), x.dims())
+    }
+    let op = ShiftOp { kind, plan, n };
+    pad(x, g)?.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &op)
+}
+
+/// The same geometry without padding (the kernels see padded inputs).
+fn unpadded(g: &ConvGeom) -> ConvGeom {
+    ConvGeom {
+        padding: vec![0; g.ndim()],
+        ..g.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::unfold::{conv_unfold, fold, unfold};
+    use candle_core::{DType, Device};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+        (a - b)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()
+    }
+
+    /// The forward against im2col + matmul, and both gradients against
+    /// their im2col forms, for 1-, 2- and 3-d kernels with padding and
+    /// dilation, batches above and below the threading threshold, f32 and
+    /// f64.
+    #[test]
+    fn matches_im2col() -> Result<()> {
+        let cases: [(ConvGeom, Vec<usize>, usize); 5] = [
+            (ConvGeom::uniform(2, 3, 1, 0, 1), vec![6, 8, 9, 7], 5),
+            (ConvGeom::uniform(2, 3, 1, 1, 2), vec![1, 9, 8, 10], 3),
+            (
+                ConvGeom {
+                    kernel: vec![2, 3],
+                    stride: vec![1, 1],
+                    padding: vec![1, 0],
+                    dilation: vec![1, 1],
+                },
+                vec![2, 8, 5, 6],
+                4,
+            ),
+            (ConvGeom::uniform(1, 4, 1, 2, 1), vec![5, 10, 12], 6),
+            (ConvGeom::uniform(3, 2, 1, 0, 1), vec![4, 8, 4, 5, 3], 3),
+        ];
+        for dt in [DType::F32, DType::F64] {
+            for (g, xs, cout) in &cases {
+                let dev = &Device::Cpu;
+                let x = Tensor::randn(0f32, 1., xs.as_slice(), dev)?.to_dtype(dt)?;
+                let w = Tensor::randn(0f32, 1., [&[*cout, xs[1]], &g.kernel[..]].concat(), dev)?.to_dtype(dt)?;
+                let y = conv(&x, &w, g)?;
+                let want = conv_unfold(&x, &w, g, 1)?;
+                assert!(max_diff(&y, &want)? < 1e-4, "conv {g:?}");
+                let ct = Tensor::randn(0f32, 1., y.dims(), dev)?.to_dtype(dt)?;
+                // dx = fold(w^T @ ct), dw = sum_n ct @ unfold(x)^T
+                let (n, l) = (xs[0], y.elem_count() / (xs[0] * cout));
+                let w2 = w.reshape((*cout, ()))?;
+                let c3 = ct.reshape((n, *cout, l))?;
+                let cols = w2.t()?.broadcast_matmul(&c3)?;
+                let dx_want = fold(&cols, g, &xs[2..])?;
+                assert!(
+                    max_diff(&grad_input(&ct, &w, g, &xs[2..])?, &dx_want)? < 1e-4,
+                    "dx {g:?}"
+                );
+                let each = c3.matmul(&unfold(&x, g)?.transpose(1, 2)?)?;
+                let each_want = each.reshape([&[n], w.dims()].concat())?;
+                assert!(
+                    max_diff(&grad_weight_each(&x, &ct, g)?, &each_want)? < 1e-3,
+                    "dw each {g:?}"
+                );
+                let dw_want = each.sum(0)?.reshape(w.dims())?;
+                assert!(max_diff(&grad_weight(&x, &ct, g)?, &dw_want)? < 1e-3, "dw {g:?}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_what_it_does_not_cover() -> Result<()> {
+        let dev = &Device::Cpu;
+        let x = Tensor::zeros((1, 8, 6, 6), DType::F32, dev)?;
+        let w = Tensor::zeros((2, 8, 3, 3), DType::F32, dev)?;
+        assert!(conv(&x, &w, &ConvGeom::uniform(2, 3, 2, 0, 1)).is_err()); // stride 2
+        let x4 = Tensor::zeros((1, 4, 6, 6), DType::F32, dev)?;
+        let w4 = Tensor::zeros((2, 4, 3, 3), DType::F32, dev)?;
+        assert!(conv(&x4, &w4, &ConvGeom::uniform(2, 3, 1, 0, 1)).is_err()); // few channels
+        assert!(!applies(&ConvGeom::uniform(2, 3, 1, 0, 1), 2, 16));
+        Ok(())
+    }
+}
