@@ -15,6 +15,7 @@
 //!   adjoint, for any kernel and stride.
 //! * [`bmm`]: batched matrix products with the batch spread over threads
 //!   (candle splits each small product over all threads instead).
+//! * [`compare`]: a tensor against a scalar (ReLU's gradient mask).
 //! * [`outer`]: batched outer products (`[B, M, 1] @ [B, 1, N]`), the
 //!   per-sample weight gradient of a linear layer.
 //!
@@ -22,6 +23,7 @@
 //! candle-op fallback on every other device and dtype.
 
 pub mod bmm;
+pub mod compare;
 pub mod outer;
 pub mod pool;
 pub mod rows;

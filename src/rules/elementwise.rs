@@ -4,6 +4,7 @@
 use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::compare;
 use crate::trace::Builder;
 use candle_core::{DType, Tensor};
 
@@ -301,6 +302,24 @@ pub enum Compare {
 }
 
 impl Compare {
+    /// Which orderings of `a` against `b` make the comparison true.
+    fn accept(self) -> compare::Accept {
+        let (less, equal, greater) = match self {
+            Compare::Eq => (false, true, false),
+            Compare::Ne => (true, false, true),
+            Compare::Lt => (true, false, false),
+            Compare::Le => (true, true, false),
+            Compare::Gt => (false, false, true),
+            Compare::Ge => (false, true, true),
+        };
+        compare::Accept {
+            unordered: self == Compare::Ne,
+            less,
+            equal,
+            greater,
+        }
+    }
+
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Compare::Eq => "eq",
@@ -321,8 +340,11 @@ impl Rule for Compare {
         Ok(TensorType::new(shape, DType::U8))
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
+        if let Some(m) = compare::with_scalar(a, b, self.accept()).op(self.name())? {
+            return m.reshape(out.shape.as_slice()).op(self.name());
+        }
         let r = match self {
             Compare::Eq => a.broadcast_eq(b),
             Compare::Ne => a.broadcast_ne(b),
