@@ -19,7 +19,9 @@ pub enum ConvRoute {
     /// Fold the batch into the channels and call a grouped convolution with
     /// `groups = B * groups` (what `torch.func` and JAX do).
     Grouped,
-    /// im2col, then one batched matmul per example and group (Opacus).
+    /// Opacus's formulation: im2col, then one GEMM per model (ungrouped) or
+    /// one batched matmul per group; each example's weight gradient by one
+    /// primitive (shifted GEMMs for stride 1 on the CPU).
     #[default]
     Unfold,
     /// The unbatched convolution once per example, stacked: the correctness

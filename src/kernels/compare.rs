@@ -5,9 +5,8 @@
 
 use super::{contiguous_slice, has_cpu_kernel, par_blocks_mut, Elem};
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use std::cmp::Ordering;
 
-/// Which outcomes of `x.partial_cmp(s)` count as true.
+/// Which orderings of `x` against `s` count as true.
 #[derive(Clone, Copy, Debug)]
 pub struct Accept {
     /// Unordered (a NaN) is true: IEEE's `!=`, nothing else.
@@ -30,12 +29,14 @@ struct CmpOp {
 const BLOCK: usize = 1 << 14;
 
 fn cmp_cpu<T: Elem>(x: &[T], s: T, a: Accept) -> Vec<u8> {
-    let test = |v: &T| match v.partial_cmp(&s) {
-        Some(Ordering::Less) => a.less,
-        Some(Ordering::Equal) => a.equal,
-        Some(Ordering::Greater) => a.greater,
-        None => a.unordered,
-    } as u8;
+    // Plain comparisons joined with non-short-circuit `&` / `|`: no
+    // branches, so random signs cost no mispredictions and the loop
+    // vectorises (a `match` on `partial_cmp` ran 5x slower than candle).
+    let test = |v: &T| {
+        let (lt, eq, gt) = (*v < s, *v == s, *v > s);
+        let un = !(lt | eq | gt);
+        ((lt & a.less) | (eq & a.equal) | (gt & a.greater) | (un & a.unordered)) as u8
+    };
     let mut dst = vec![0u8; x.len()];
     let whole = x.len() / BLOCK * BLOCK;
     let (head, tail) = dst.split_at_mut(whole);
