@@ -9,7 +9,7 @@
 //! gradient, 64 x `[64, 576] @ [576, 288]`, ran at 91 GFLOP/s that way and
 //! at PyTorch's `bmm` speed (~290 GFLOP/s) as one GEMM per thread.
 
-use super::{has_cpu_kernel, max_threads, output, par_blocks_mut, Elem};
+use super::{has_cpu_kernel, max_threads, output, par_blocks_mut, product, Elem, Mat};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// One operand: its storage slice from the layout's start, and the batch,
@@ -23,8 +23,8 @@ struct Operand<'a, T> {
 
 impl<'a, T> Operand<'a, T> {
     /// Checks that every element of the `b` matrices of `rows x cols` the
-    /// strides address lies inside `data`, which is what makes handing
-    /// gemm raw pointers into it sound.
+    /// strides address lies inside `data` (`product` checks each matrix
+    /// again; this turns a bad layout into an error rather than a panic).
     fn new(op: &str, data: &'a [T], l: &Layout, (b, rows, cols): (usize, usize, usize)) -> Result<Self> {
         let &[sb, sr, sc] = l.stride() else {
             bail!("{op}: expected a rank-3 operand, got strides {:?}", l.stride())
@@ -44,34 +44,17 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
         return dst; // an empty sum: zeros
     }
     let gemm_one = |i: usize, d: &mut [T], par: gemm::Parallelism| {
-        let (lhs, rhs) = (&a.data[i * a.sb..], &b.data[i * b.sb..]);
-        // SAFETY: `Operand::new` checked that matrix `i` of each operand,
-        // at its strides, lies inside `lhs` / `rhs`; `d` is exactly the
-        // `m x n` row-major block gemm writes (read_dst = false, so its
-        // contents are never read). All three slices outlive the call.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                d.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                lhs.as_ptr(),
-                a.sc as isize,
-                a.sr as isize,
-                rhs.as_ptr(),
-                b.sc as isize,
-                b.sr as isize,
-                one,
-                one,
-                false,
-                false,
-                false,
-                par,
-            )
-        }
+        let lhs = Mat {
+            data: &a.data[i * a.sb..],
+            rs: a.sr,
+            cs: a.sc,
+        };
+        let rhs = Mat {
+            data: &b.data[i * b.sb..],
+            rs: b.sr,
+            cs: b.sc,
+        };
+        product(d, (n, 1), lhs, rhs, (m, n, k), false, one, par);
     };
     if nb >= 2 * max_threads() {
         par_blocks_mut(&mut dst, m * n, usize::MAX, |i, d| {
@@ -157,6 +140,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::max_diff;
     use candle_core::{DType, Device};
 
     /// Against candle's matmul for contiguous, transposed and narrowed
@@ -181,13 +165,7 @@ mod tests {
             ];
             for (x, y) in &cases {
                 assert!(takes_kernel(x, y));
-                let diff = (bmm(x, y)? - x.contiguous()?.matmul(&y.contiguous()?)?)?;
-                let diff = diff
-                    .abs()?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_dtype(DType::F64)?
-                    .to_scalar::<f64>()?;
+                let diff = max_diff(&bmm(x, y)?, &x.contiguous()?.matmul(&y.contiguous()?)?)?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
             }
         }

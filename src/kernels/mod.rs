@@ -151,6 +151,83 @@ pub(crate) fn zeroed<T: Elem>(n: usize) -> Vec<T> {
     v
 }
 
+/// A matrix operand for [`product`]: a slice starting at its first element,
+/// with its row and column strides (in elements).
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+/// One past the last element a `rows x cols` matrix at these strides
+/// touches.
+fn reach(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    (rows - 1) * rs + (cols - 1) * cs + 1
+}
+
+/// `dst [m, n] = lhs [m, k] @ rhs [k, n]`, or `+=` with `accumulate`, by
+/// gemm, `dst` at row and column strides `ds`. The one place the kernels
+/// call gemm: it checks that every element gemm would touch lies inside
+/// the slices it is given (a planning mistake panics instead of reading or
+/// writing out of bounds).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product<T: Elem>(
+    dst: &mut [T],
+    ds: (usize, usize),
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    one: T,
+    par: gemm::Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        assert!(reach(m, n, ds.0, ds.1) <= dst.len());
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    dst[i * ds.0 + j * ds.1] = T::default();
+                }
+            }
+        }
+        return;
+    }
+    assert!(reach(m, k, lhs.rs, lhs.cs) <= lhs.data.len());
+    assert!(reach(k, n, rhs.rs, rhs.cs) <= rhs.data.len());
+    assert!(reach(m, n, ds.0, ds.1) <= dst.len());
+    // SAFETY: the assertions above keep every element gemm reads or writes
+    // inside `lhs`, `rhs` and `dst`; `dst` is borrowed mutably and the
+    // operands immutably, so nothing else touches them during the call.
+    // With `accumulate` false gemm never reads `dst`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            ds.1 as isize,
+            ds.0 as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            one,
+            one,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
 /// The contiguous slice a layout describes (the kernels index planes
 /// directly, so they need it; the wrappers call `.contiguous()` first).
 pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
@@ -167,6 +244,19 @@ pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) 
 /// Whether the hand-written kernels handle this tensor.
 pub(crate) fn has_cpu_kernel(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The largest absolute difference between two tensors of one shape, as
+/// f64 (the kernels' tests compare against candle or a generic path).
+#[cfg(test)]
+pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    assert_eq!(a.dims(), b.dims());
+    (a - b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()
 }
 
 #[cfg(test)]

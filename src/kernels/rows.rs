@@ -254,16 +254,8 @@ pub fn fold_rows(rows: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tenso
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::max_diff;
     use candle_core::{DType, Device};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-        (a - b)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()
-    }
 
     /// Rows are the transposed columns, and fold_rows is fold of the
     /// transposed rows, over 1-, 2- and 3-d geometries with stride,

@@ -21,7 +21,7 @@
 //! and nothing is padded. Input padding is applied first (a copy).
 
 use super::unfold::{check_input, ConvGeom};
-use super::{contiguous_slice, has_cpu_kernel, max_threads, output, par_blocks_mut, zeroed, Elem};
+use super::{contiguous_slice, has_cpu_kernel, max_threads, output, par_blocks_mut, product, zeroed, Elem, Mat};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// Fewer input channels than this go through im2col: each tap's GEMM has
@@ -113,52 +113,19 @@ impl Plan {
     }
 }
 
-/// One GEMM `dst [m, n] += lhs [m, k] @ rhs [k, n]` at the given (row,
-/// column) strides, each operand a slice that starts at its first element.
+/// One accumulating GEMM `dst [m, n] += lhs [m, k] @ rhs [k, n]`.
 struct Gemm<'a, T> {
     m: usize,
     n: usize,
     k: usize,
-    lhs: (&'a [T], usize, usize),
-    rhs: (&'a [T], usize, usize),
+    lhs: Mat<'a, T>,
+    rhs: Mat<'a, T>,
 }
 
 impl<T: Elem> Gemm<'_, T> {
-    /// Runs the product into `dst` (row stride `dst_rs`, unit column stride).
-    fn run(&self, dst: &mut [T], dst_rs: usize, one: T, par: gemm::Parallelism) {
-        let reach = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs + 1;
-        // Every element gemm touches lies inside the slices it is given:
-        // checked here, so a planning mistake panics instead of reading
-        // or writing out of bounds.
-        assert!(reach(self.m, self.k, self.lhs.1, self.lhs.2) <= self.lhs.0.len());
-        assert!(reach(self.k, self.n, self.rhs.1, self.rhs.2) <= self.rhs.0.len());
-        assert!(reach(self.m, self.n, dst_rs, 1) <= dst.len());
-        // SAFETY: the assertions above keep every access inside `dst`,
-        // `lhs` and `rhs`; `dst` is borrowed mutably and the operands
-        // immutably, so nothing else touches them during the call.
-        unsafe {
-            gemm::gemm(
-                self.m,
-                self.n,
-                self.k,
-                dst.as_mut_ptr(),
-                1,
-                dst_rs as isize,
-                true,
-                self.lhs.0.as_ptr(),
-                self.lhs.2 as isize,
-                self.lhs.1 as isize,
-                self.rhs.0.as_ptr(),
-                self.rhs.2 as isize,
-                self.rhs.1 as isize,
-                one,
-                one,
-                false,
-                false,
-                false,
-                par,
-            )
-        }
+    /// Runs the product into `dst` at row and column strides `ds`.
+    fn run(&self, dst: &mut [T], ds: (usize, usize), one: T, par: gemm::Parallelism) {
+        product(dst, ds, self.lhs, self.rhs, (self.m, self.n, self.k), true, one, par);
     }
 }
 
@@ -198,10 +165,18 @@ fn conv_cpu<T: Elem>(x: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
                 m: p.cout,
                 n: span,
                 k: p.cin,
-                lhs: (&w[t..], p.cin * kn, kn),
-                rhs: (&xs[shift..], plane, 1),
+                lhs: Mat {
+                    data: &w[t..],
+                    rs: p.cin * kn,
+                    cs: kn,
+                },
+                rhs: Mat {
+                    data: &xs[shift..],
+                    rs: plane,
+                    cs: 1,
+                },
             };
-            g.run(&mut wide, span, one, par);
+            g.run(&mut wide, (span, 1), one, par);
         }
         for c in 0..p.cout {
             let (dense, wide) = (
@@ -238,10 +213,18 @@ fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec
                 m: p.cin,
                 n: span,
                 k: p.cout,
-                lhs: (&w[t..], kn, p.cin * kn),
-                rhs: (c, span, 1),
+                lhs: Mat {
+                    data: &w[t..],
+                    rs: kn,
+                    cs: p.cin * kn,
+                },
+                rhs: Mat {
+                    data: c,
+                    rs: span,
+                    cs: 1,
+                },
             };
-            g.run(&mut dx[shift..], plane, one, par);
+            g.run(&mut dx[shift..], (plane, 1), one, par);
         }
     });
     dst
@@ -270,10 +253,18 @@ fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Ve
                     m: p.cout,
                     n: p.cin,
                     k: span,
-                    lhs: (c, span, 1),
-                    rhs: (&xs[shift..], 1, plane),
+                    lhs: Mat {
+                        data: c,
+                        rs: span,
+                        cs: 1,
+                    },
+                    rhs: Mat {
+                        data: &xs[shift..],
+                        rs: 1,
+                        cs: plane,
+                    },
                 };
-                run_strided_dst(&g, &mut dw[t..], p.cin * kn, kn, one, par);
+                g.run(&mut dw[t..], (p.cin * kn, kn), one, par);
             }
         }
     });
@@ -304,46 +295,21 @@ fn grad_weight_each_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) 
                 m: p.cout,
                 n: p.cin,
                 k: span,
-                lhs: (c, span, 1),
-                rhs: (&xs[shift..], 1, plane),
+                lhs: Mat {
+                    data: c,
+                    rs: span,
+                    cs: 1,
+                },
+                rhs: Mat {
+                    data: &xs[shift..],
+                    rs: 1,
+                    cs: plane,
+                },
             };
-            run_strided_dst(&g, &mut dw[t..], p.cin * kn, kn, one, par);
+            g.run(&mut dw[t..], (p.cin * kn, kn), one, par);
         }
     });
     dst
-}
-
-/// [`Gemm::run`] into a destination with a column stride other than 1.
-fn run_strided_dst<T: Elem>(g: &Gemm<T>, dst: &mut [T], rs: usize, cs: usize, one: T, par: gemm::Parallelism) {
-    let reach = |rows: usize, cols: usize, r: usize, c: usize| (rows - 1) * r + (cols - 1) * c + 1;
-    assert!(reach(g.m, g.k, g.lhs.1, g.lhs.2) <= g.lhs.0.len());
-    assert!(reach(g.k, g.n, g.rhs.1, g.rhs.2) <= g.rhs.0.len());
-    assert!(reach(g.m, g.n, rs, cs) <= dst.len());
-    // SAFETY: as in `Gemm::run`: the assertions keep every access inside
-    // the three slices, and `dst` is exclusively borrowed.
-    unsafe {
-        gemm::gemm(
-            g.m,
-            g.n,
-            g.k,
-            dst.as_mut_ptr(),
-            cs as isize,
-            rs as isize,
-            true,
-            g.lhs.0.as_ptr(),
-            g.lhs.2 as isize,
-            g.lhs.1 as isize,
-            g.rhs.0.as_ptr(),
-            g.rhs.2 as isize,
-            g.rhs.1 as isize,
-            one,
-            one,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
 }
 
 /// Which of the three products a [`ShiftOp`] computes.
@@ -526,17 +492,9 @@ fn unpadded(g: &ConvGeom) -> ConvGeom {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::max_diff;
     use crate::kernels::unfold::{conv_unfold, fold, unfold};
     use candle_core::{DType, Device};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-        (a - b)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()
-    }
 
     /// The forward against im2col + matmul, and both gradients against
     /// their im2col forms, for 1-, 2- and 3-d kernels with padding and

@@ -95,6 +95,7 @@ pub fn contiguous(t: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::max_diff;
     use candle_core::{DType, Device};
 
     /// Transposed views (batched, unbatched, with unit axes, narrowed,
@@ -114,12 +115,7 @@ mod tests {
         for v in &views {
             let fast = contiguous(v)?;
             assert!(fast.is_contiguous());
-            let diff = (fast - v.contiguous()?)?
-                .abs()?
-                .flatten_all()?
-                .max(0)?
-                .to_dtype(DType::F64)?;
-            assert_eq!(diff.to_scalar::<f64>()?, 0.0, "{:?}", v.layout());
+            assert_eq!(max_diff(&fast, &v.contiguous()?)?, 0.0, "{:?}", v.layout());
         }
         let l = x.transpose(1, 2)?;
         assert!(as_batched_transpose(l.layout()).is_some());
