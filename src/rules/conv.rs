@@ -367,12 +367,13 @@ fn infer_grad_weight(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Re
     Ok(TensorType::new(w, dt))
 }
 
-/// `dx = fold(w^T @ ct)`. Ungrouped on the CPU: one GEMM over the whole
-/// batch in the row layout (`kernels::rows`). Otherwise per group one batched GEMM `w_g^T [CK, Cout/g]
-/// @ ct_g [N, Cout/g, L] -> [N, CK, L]`, written straight in the layout fold
-/// reads (folding the examples into the GEMM's columns instead needs two
-/// transposing copies of a tensor as large as the columns, which took as
-/// long as the GEMM itself).
+/// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
+/// (`kernels::shift`), else for ungrouped convolutions one GEMM over the
+/// whole batch in the row layout (`kernels::rows`). Otherwise per group one
+/// batched GEMM `w_g^T [CK, Cout/g] @ ct_g [N, Cout/g, L] -> [N, CK, L]`,
+/// written straight in the layout fold reads (folding the examples into the
+/// GEMM's columns instead needs two transposing copies of a tensor as
+/// large as the columns, which took as long as the GEMM itself).
 fn run_grad_input(
     ct: &Tensor,
     w: &Tensor,
@@ -408,10 +409,11 @@ fn run_grad_input(
     unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
 }
 
-/// `dw = sum_n ct[n] @ unfold(x)[n]^T`. Ungrouped on the CPU: one GEMM
-/// with the examples in its inner dimension, on the row layout. Otherwise per group one batched GEMM
-/// `[N, Cout/g, L] @ [N, L, CK]` reading the unfolded input in place, then
-/// the sum over examples as one more GEMM (see `sum_axes`).
+/// `dw = sum_n ct[n] @ unfold(x)[n]^T`. On the CPU: shifted GEMMs where
+/// they apply, else for ungrouped convolutions one GEMM with the examples
+/// in its inner dimension, on the row layout. Otherwise per group one
+/// batched GEMM `[N, Cout/g, L] @ [N, L, CK]` reading the unfolded input in
+/// place, then the sum over examples as one more GEMM (see `sum_axes`).
 fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
@@ -517,8 +519,8 @@ fn batch_rows(cx: &mut BatchCx, geom: &ConvGeom, xf: VarId, w: BVal) -> Result<B
     let cout = cx.b.dims(wb)[1];
     let wm = cx.b.reshape(wb, vec![size, cout, ck])?;
     let wt = cx.b.permute(wm, vec![0, 2, 1])?;
-    let y = cx.b.emit(Prim::Matmul, &[rows, wt])?; // B (N L) Cout
-                                                   // B (N L) Cout -> B N L Cout -> B N Cout L -> B N Cout O..
+    let y = cx.b.emit(Prim::Matmul, &[rows, wt])?;
+    // B (N L) Cout -> B N L Cout -> B N Cout L -> B N Cout O..
     let y = cx.b.reshape(y, vec![size, n, l, cout])?;
     let y = cx.b.permute(y, vec![0, 1, 3, 2])?;
     let o = geom
