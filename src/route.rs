@@ -92,7 +92,8 @@ pub struct AutoChoice {
     pub op: String,
     /// The operands' shapes with the batch axis first, and the batch size.
     pub shapes: Vec<Vec<usize>>,
-    /// Each candidate's time in milliseconds (best of a few runs).
+    /// Each candidate's time in milliseconds (best of five rounds in which
+    /// the candidates take turns).
     pub timings_ms: Vec<(ConvRoute, f64)>,
     /// The fastest candidate.
     pub chosen: ConvRoute,

@@ -10,7 +10,7 @@
 use super::reduce::sum_axes;
 use super::{arity, fallback, same_dtype, BVal, BatchCx, Cts, Rule};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Prim, TensorType, VarId};
+use crate::ir::{Graph, Prim, TensorType, VarId};
 use crate::kernels::unfold::{self, ConvGeom};
 use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose};
 use crate::route::ConvRoute;
@@ -594,10 +594,7 @@ fn auto_route(op: &ConvOp, types: &[(TensorType, Option<usize>)], size: usize) -
     if let Some(r) = crate::route::cached_choice(&key) {
         return Ok(r);
     }
-    let mut timings = Vec::new();
-    for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
-        timings.push((route, time_route(op, types, size, route, &device)?));
-    }
+    let timings = time_routes(op, types, size, &device)?;
     let chosen = timings
         .iter()
         .min_by(|a, b| a.1.total_cmp(&b.1))
@@ -624,47 +621,62 @@ fn auto_route(op: &ConvOp, types: &[(TensorType, Option<usize>)], size: usize) -
     Ok(chosen)
 }
 
-/// Milliseconds one route takes for `op` on random operands (best of two
-/// runs after a warm-up).
-fn time_route(
+/// Rounds in which `Auto` times every candidate once.
+const AUTO_ROUNDS: usize = 5;
+
+/// Milliseconds each route takes for `op` on random operands: the best of
+/// `AUTO_ROUNDS` after a warm-up, the candidates taking turns within each
+/// round, so a burst of load on a shared machine does not fall on one of
+/// them only.
+fn time_routes(
     op: &ConvOp,
     types: &[(TensorType, Option<usize>)],
     size: usize,
-    route: ConvRoute,
     device: &candle_core::Device,
-) -> Result<f64> {
-    let scratch = Builder::root();
-    let graph = {
-        let mut b = scratch.borrow_mut();
-        let vals: Vec<BVal> = types.iter().map(|(t, bd)| (b.input(t.clone()), *bd)).collect();
-        let opts = super::BatchOpts {
-            route,
-            strict: false,
-            randomness: crate::transforms::vmap::Randomness::Error,
-        };
-        let mut cx = BatchCx {
-            b: &mut b,
-            size,
-            opts: &opts,
-        };
-        let out = op
-            .batch(&mut cx, &vals)?
-            .ok_or_else(|| Error::unsupported(op.name(), "vmap", "no lowering to time"))?;
-        b.finish(vec![out.0]).0.eliminate_dead_code()
-    };
+) -> Result<Vec<(ConvRoute, f64)>> {
+    let routes = [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop];
+    let graphs = routes
+        .iter()
+        .map(|&r| route_graph(op, types, size, r))
+        .collect::<Result<Vec<_>>>()?;
     let inputs = types
         .iter()
         .map(|(t, _)| Tensor::randn(0f32, 1., t.shape.as_slice(), device).and_then(|r| r.to_dtype(t.dtype)))
         .collect::<candle_core::Result<Vec<_>>>()
         .op("conv route auto")?;
-    crate::interp::run(&graph, &inputs)?;
-    let mut best = f64::INFINITY;
-    for _ in 0..2 {
-        let start = std::time::Instant::now();
-        crate::interp::run(&graph, &inputs)?;
-        best = best.min(start.elapsed().as_secs_f64() * 1e3);
+    for g in &graphs {
+        crate::interp::run(g, &inputs)?;
     }
-    Ok(best)
+    let mut best = [f64::INFINITY; 3];
+    for _ in 0..AUTO_ROUNDS {
+        for (g, b) in graphs.iter().zip(best.iter_mut()) {
+            let start = std::time::Instant::now();
+            crate::interp::run(g, &inputs)?;
+            *b = b.min(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(routes.into_iter().zip(best).collect())
+}
+
+/// The graph one route lowers `op` to, for timing.
+fn route_graph(op: &ConvOp, types: &[(TensorType, Option<usize>)], size: usize, route: ConvRoute) -> Result<Graph> {
+    let scratch = Builder::root();
+    let mut b = scratch.borrow_mut();
+    let vals: Vec<BVal> = types.iter().map(|(t, bd)| (b.input(t.clone()), *bd)).collect();
+    let opts = super::BatchOpts {
+        route,
+        strict: false,
+        randomness: crate::transforms::vmap::Randomness::Error,
+    };
+    let mut cx = BatchCx {
+        b: &mut b,
+        size,
+        opts: &opts,
+    };
+    let out = op
+        .batch(&mut cx, &vals)?
+        .ok_or_else(|| Error::unsupported(op.name(), "vmap", "no lowering to time"))?;
+    Ok(b.finish(vec![out.0]).0.eliminate_dead_code())
 }
 
 /// Weight only batched (ensembles on a shared batch): the models' filters
