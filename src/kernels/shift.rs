@@ -230,42 +230,45 @@ fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec
     dst
 }
 
+/// Adds example `i`'s weight gradient into `dw [Cout, Cin, K]`:
+/// `dw[:, :, t] += ct_wide[i] [Cout, span] @ (x[i] shifted by t)^T [span, Cin]`
+/// for every tap `t` (`dw` at row stride `Cin K`, column stride `K`).
+fn add_weight_grad<T: Elem>(dw: &mut [T], x: &[T], wide: &[T], p: &Plan, i: usize, one: T, par: gemm::Parallelism) {
+    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
+    let xs = &x[i * p.cin * plane..];
+    let c = &wide[i * p.cout * span..(i + 1) * p.cout * span];
+    for (t, &shift) in p.shifts.iter().enumerate() {
+        let g = Gemm {
+            m: p.cout,
+            n: p.cin,
+            k: span,
+            lhs: Mat {
+                data: c,
+                rs: span,
+                cs: 1,
+            },
+            rhs: Mat {
+                data: &xs[shift..],
+                rs: 1,
+                cs: plane,
+            },
+        };
+        g.run(&mut dw[t..], (p.cin * kn, kn), one, par);
+    }
+}
+
 /// `dw_t = sum_n ct[n] @ (x[n] shifted by t)^T`, one partial sum per
 /// thread's share of the examples.
 fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
-    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
     let wide = widen(ct, p, n);
-    let size = p.cout * p.cin * kn;
+    let size = p.cout * p.cin * p.taps();
     let parts = if n >= 2 * max_threads() { max_threads() } else { 1 };
     let per = n.div_ceil(parts);
     let par = inner_par(n);
     let mut partial = zeroed(parts * size);
     par_blocks_mut(&mut partial, size, usize::MAX, |j, dw| {
         for i in j * per..((j + 1) * per).min(n) {
-            let (xs, c) = (
-                &x[i * p.cin * plane..],
-                &wide[i * p.cout * span..(i + 1) * p.cout * span],
-            );
-            for (t, &shift) in p.shifts.iter().enumerate() {
-                // dw[:, :, t] [Cout, Cin] (row stride Cin K, column stride K)
-                // += ct [Cout, span] @ x_t^T [span, Cin]
-                let g = Gemm {
-                    m: p.cout,
-                    n: p.cin,
-                    k: span,
-                    lhs: Mat {
-                        data: c,
-                        rs: span,
-                        cs: 1,
-                    },
-                    rhs: Mat {
-                        data: &xs[shift..],
-                        rs: 1,
-                        cs: plane,
-                    },
-                };
-                g.run(&mut dw[t..], (p.cin * kn, kn), one, par);
-            }
+            add_weight_grad(dw, x, &wide, p, i, one, par);
         }
     });
     let (first, rest) = partial.split_at_mut(size);
@@ -280,34 +283,11 @@ fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Ve
 
 /// `dw[n]_t = ct[n] @ (x[n] shifted by t)^T` for each example, not summed.
 fn grad_weight_each_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
-    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
     let wide = widen(ct, p, n);
-    let size = p.cout * p.cin * kn;
-    let mut dst = zeroed(n * size);
+    let mut dst = zeroed(n * p.cout * p.cin * p.taps());
     let par = inner_par(n);
-    per_example(&mut dst, size, n, |i, dw| {
-        let (xs, c) = (
-            &x[i * p.cin * plane..],
-            &wide[i * p.cout * span..(i + 1) * p.cout * span],
-        );
-        for (t, &shift) in p.shifts.iter().enumerate() {
-            let g = Gemm {
-                m: p.cout,
-                n: p.cin,
-                k: span,
-                lhs: Mat {
-                    data: c,
-                    rs: span,
-                    cs: 1,
-                },
-                rhs: Mat {
-                    data: &xs[shift..],
-                    rs: 1,
-                    cs: plane,
-                },
-            };
-            g.run(&mut dw[t..], (p.cin * kn, kn), one, par);
-        }
+    per_example(&mut dst, p.cout * p.cin * p.taps(), n, |i, dw| {
+        add_weight_grad(dw, x, &wide, p, i, one, par)
     });
     dst
 }
