@@ -104,18 +104,20 @@ impl CustomOp2 for BmmOp {
     }
 }
 
-/// Whether [`bmm`] runs its own kernel for these operands: f32/f64 on the
-/// CPU, rank 3, no empty dimension.
-pub fn takes_kernel(a: &Tensor, b: &Tensor) -> bool {
-    let (ad, bd) = (a.dims(), b.dims());
+/// Whether operands of any rank are ones the kernel could take once in
+/// rank 3: f32/f64 on the CPU, one dtype, no empty dimension.
+pub fn eligible(a: &Tensor, b: &Tensor) -> bool {
     has_cpu_kernel(a)
         && b.device().is_cpu()
         && a.dtype() == b.dtype()
-        && ad.len() == 3
-        && bd.len() == 3
-        && ad[0] == bd[0]
-        && ad[2] == bd[1]
-        && ad.iter().chain(bd).all(|&d| d > 0)
+        && a.dims().iter().chain(b.dims()).all(|&d| d > 0)
+}
+
+/// Whether [`bmm`] runs its own kernel for these operands: [`eligible`],
+/// rank 3, matching batch and inner dimensions.
+pub fn takes_kernel(a: &Tensor, b: &Tensor) -> bool {
+    let (ad, bd) = (a.dims(), b.dims());
+    eligible(a, b) && ad.len() == 3 && bd.len() == 3 && ad[0] == bd[0] && ad[2] == bd[1]
 }
 
 /// `[B, M, K] @ [B, K, N] -> [B, M, N]`, operands at any strides. Our

@@ -106,7 +106,9 @@ impl Rule for Matmul {
 fn batched(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     let (ad, bd) = (a.dims(), b.dims());
     let r = ad.len();
-    if r < 2 || bd.len() != r || ad[..r - 2] != bd[..r - 2] {
+    // Checked before any reshaping, which may copy: off the CPU, or for
+    // other dtypes, the operands go to candle untouched.
+    if r < 2 || bd.len() != r || ad[..r - 2] != bd[..r - 2] || !bmm::eligible(a, b) {
         return Ok(None);
     }
     if r == 2 {
