@@ -14,7 +14,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, interp, jit, make_graph, vmap, ConvRoute, Tracer};
+use candle_func::{grad, jit, make_graph, vmap, ConvRoute, Tracer};
 use common::median_ms;
 use common::models::{build, c3d, cnn_o, cnn_t};
 use std::collections::BTreeMap;
@@ -40,7 +40,7 @@ struct Row {
 
 /// The interpreter's peak live bytes for the graph a call runs.
 fn peak_mib(g: &candle_func::Graph, inputs: &[Tensor]) -> Res<f64> {
-    let (_, stats) = interp::run_with_stats(g, inputs)?;
+    let (_, stats) = g.run_with_stats(inputs)?;
     Ok(stats.peak_bytes as f64 / (1 << 20) as f64)
 }
 

@@ -11,8 +11,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use candle_func::kernels::unfold::conv_unfold;
-use candle_func::{vmap, ConvGeom, ConvRoute, Tracer};
+use candle_func::{jit, vmap, ConvRoute, Tracer};
 
 struct Shape {
     name: &'static str,
@@ -58,16 +57,17 @@ fn routes_table(shapes: &[Shape], reps: usize) -> candle_func::Result<()> {
 type Unbatched<'a> = (&'a str, Vec<usize>, Vec<usize>, usize, usize);
 
 fn unbatched_table(shapes: &[Unbatched], reps: usize) -> candle_func::Result<()> {
-    println!("\n## Unbatched convolution: candle's conv2d against unfold + matmul\n");
-    println!("| shape | candle conv2d ms | unfold + matmul ms | candle / unfold |");
+    println!("\n## Unbatched convolution: candle's conv2d against this crate's (CPU kernels)\n");
+    println!("| shape | candle conv2d ms | ours ms | candle / ours |");
     println!("| --- | --- | --- | --- |");
     let dev = Device::Cpu;
     for (name, x, w, stride, pad) in shapes {
         let x = Tensor::randn(0f32, 1., x.as_slice(), &dev)?;
         let w = Tensor::randn(0f32, 1., w.as_slice(), &dev)?;
-        let g = ConvGeom::uniform(2, w.dims()[2], *stride, *pad, 1);
-        let candle = common::median_ms(reps, || x.conv2d(&w, *pad, *stride, 1, 1).map(|_| ()))?;
-        let unfold = common::median_ms(reps, || conv_unfold(&x, &w, &g, 1).map(|_| ()))?;
+        let (pad, stride) = (*pad, *stride);
+        let ours = jit(move |x: Tracer, w: Tracer| x.conv2d(&w, pad, stride, 1, 1));
+        let candle = common::median_ms(reps, || x.conv2d(&w, pad, stride, 1, 1).map(|_| ()))?;
+        let unfold = common::median_ms(reps, || ours.call((&x, &w)).map(|_| ()))?;
         println!("| {name} | {candle:.3} | {unfold:.3} | {:.2} |", candle / unfold);
     }
     Ok(())

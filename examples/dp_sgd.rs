@@ -107,14 +107,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn mean_loss(model: &impl Module, d: &digits::Digits) -> candle_func::Result<f64> {
-    let logits = model.forward_t(&d.images)?;
+    let logits = model.forward_eager(&d.images)?;
     let lp = candle_nn::ops::log_softmax(&logits, 1)?;
     let picked = lp.gather(&d.labels.unsqueeze(1)?, 1)?;
     Ok(-(picked.mean_all()?.to_scalar::<f32>()? as f64))
 }
 
 fn accuracy(model: &impl Module, d: &digits::Digits) -> candle_func::Result<f64> {
-    let pred = model.forward_t(&d.images)?.argmax(1)?;
+    let pred = model.forward_eager(&d.images)?.argmax(1)?;
     let right = pred
         .eq(&d.labels)?
         .to_dtype(DType::F32)?

@@ -87,7 +87,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut probs_sum: Option<Tensor> = None;
     for (i, p) in unstack_params(&stacked)?.iter().enumerate() {
         load_params(&varmaps[i], p)?;
-        let logits = models[i].forward_t(&test.images)?;
+        let logits = models[i].forward_eager(&test.images)?;
         println!("model {i}: test accuracy {:.4}", accuracy(&logits, &test.labels)?);
         let probs = candle_nn::ops::softmax(&logits, 1)?;
         probs_sum = Some(match probs_sum {
@@ -154,7 +154,7 @@ fn mean_accuracy(
     let mut total = 0.0;
     for (i, p) in unstack_params(stacked)?.iter().enumerate() {
         load_params(&varmaps[i], p)?;
-        total += accuracy(&models[i].forward_t(&test.images)?, &test.labels)?;
+        total += accuracy(&models[i].forward_eager(&test.images)?, &test.labels)?;
     }
     Ok(total / models.len() as f64)
 }

@@ -12,15 +12,15 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, interp, make_graph, set_conv_route, vmap, ConvRoute, Graph, Tracer};
+use candle_func::{grad, make_graph, set_conv_route, vmap, ConvRoute, Graph, Tracer};
 use common::models::{build, c3d, cnn_o, cnn_t};
 use std::collections::BTreeMap;
 
 fn report(title: &str, g: &Graph, inputs: &[Tensor]) -> candle_func::Result<()> {
-    interp::run(g, inputs)?; // warm-up
+    g.run(inputs)?; // warm-up
     let mut runs = Vec::new();
     for _ in 0..3 {
-        runs.push(interp::run_profiled(g, inputs)?.1);
+        runs.push(g.run_profiled(inputs)?.1);
     }
     // The run with the median total, so one noisy run does not decide.
     runs.sort_by(|a, b| total(a).total_cmp(&total(b)));
@@ -33,15 +33,15 @@ fn report(title: &str, g: &Graph, inputs: &[Tensor]) -> candle_func::Result<()> 
     );
     let mut by_node: Vec<(f64, String)> = times
         .iter()
-        .map(|&(v, t)| (t, format!("{} -> {:?}", g.nodes[v].prim.name(), g.nodes[v].ty.shape)))
+        .filter_map(|&(v, t)| g.node(v).map(|n| (t, format!("{} -> {:?}", n.name(), n.ty().shape))))
         .collect();
     by_node.sort_by(|a, b| b.0.total_cmp(&a.0));
     for (t, what) in by_node.iter().take(15) {
         println!("{:>9.3} ms  {what}", t * 1e3);
     }
     let mut by_prim: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    for &(v, t) in times {
-        let e = by_prim.entry(g.nodes[v].prim.name()).or_default();
+    for (n, t) in times.iter().filter_map(|&(v, t)| g.node(v).map(|n| (n, t))) {
+        let e = by_prim.entry(n.name()).or_default();
         e.0 += t;
         e.1 += 1;
     }

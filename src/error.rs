@@ -90,6 +90,15 @@ pub enum Error {
         /// What happened.
         msg: String,
     },
+    /// A bug in this crate: a rule computed another shape than it inferred,
+    /// or a graph broke an invariant the crate keeps. Please report it.
+    #[error("{op}: internal error: {msg}")]
+    Internal {
+        /// The primitive or operation.
+        op: String,
+        /// What went wrong.
+        msg: String,
+    },
     /// candle itself failed while running an operation.
     #[error("{op}: candle error: {source}")]
     Candle {
@@ -119,6 +128,13 @@ impl Error {
         Error::Shape {
             op,
             shapes: shapes.iter().map(|s| s.to_vec()).collect(),
+            msg: msg.into(),
+        }
+    }
+
+    pub(crate) fn internal(op: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Internal {
+            op: op.into(),
             msg: msg.into(),
         }
     }

@@ -1,9 +1,10 @@
 //! The interpreter: runs a graph on candle tensors, on the inputs' device,
-//! dropping every intermediate after its last use.
+//! dropping every intermediate after its last use. It runs `map` bodies
+//! itself (a rule may not run a graph), once per example.
 
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Graph, Prim, TensorType};
-use crate::rules::rule;
+use crate::ir::{Graph, Map, Prim, TensorType};
+use crate::rules::{rule, RunCx};
 use candle_core::{Device, Tensor};
 
 /// What a run held at its peak: the number of values alive at once and
@@ -17,34 +18,47 @@ pub struct RunStats {
     pub peak_bytes: usize,
 }
 
-/// Runs `g` on `inputs` (in the graph's input order) and returns its outputs.
-/// Inputs must match the graph's input types; constants must live on the
-/// inputs' device.
-pub fn run(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-    run_with_stats(g, inputs).map(|(outs, _)| outs)
-}
-
-fn bytes(t: &TensorType) -> usize {
-    t.elem_count() * t.dtype.size_in_bytes()
-}
-
-/// [`run`], also reporting the peak number and size of live values.
-pub fn run_with_stats(g: &Graph, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
-    run_inner(g, inputs, None)
-}
-
 /// Seconds each computed node took, as `(node, seconds)` in graph order.
 pub type NodeTimes = Vec<(usize, f64)>;
 
-/// [`run`], also returning the time each node took: where a graph spends
-/// its time.
-pub fn run_profiled(g: &Graph, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
+/// Runs `g` on `inputs` (in the graph's input order) and returns its outputs.
+/// Inputs must match the graph's input types; constants must live on the
+/// inputs' device. `seed` seeds the graph's random draws.
+pub(crate) fn run(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+    run_inner(g, inputs, seed, None).map(|(outs, _)| outs)
+}
+
+/// [`run`], also reporting the peak number and size of live values.
+pub(crate) fn run_with_stats(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<(Vec<Tensor>, RunStats)> {
+    run_inner(g, inputs, seed, None)
+}
+
+/// [`run`], also returning the time each node took.
+pub(crate) fn run_profiled(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<(Vec<Tensor>, NodeTimes)> {
     let mut times = Vec::new();
-    let (outs, _) = run_inner(g, inputs, Some(&mut times))?;
+    let (outs, _) = run_inner(g, inputs, seed, Some(&mut times))?;
     Ok((outs, times))
 }
 
-fn run_inner(g: &Graph, inputs: &[Tensor], mut times: Option<&mut NodeTimes>) -> Result<(Vec<Tensor>, RunStats)> {
+fn bytes(t: &TensorType) -> usize {
+    t.elem_count().saturating_mul(t.dtype.size_in_bytes())
+}
+
+/// splitmix64's finaliser: a well-mixed seed for each node (and each
+/// example of a map) from the run's seed.
+pub(crate) fn mix(seed: u64, k: u64) -> u64 {
+    let mut z = seed ^ k.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn run_inner(
+    g: &Graph,
+    inputs: &[Tensor],
+    seed: u64,
+    mut times: Option<&mut NodeTimes>,
+) -> Result<(Vec<Tensor>, RunStats)> {
     check_inputs(g, inputs)?;
     let device = run_device(g, inputs);
     let last = g.last_uses();
@@ -52,33 +66,30 @@ fn run_inner(g: &Graph, inputs: &[Tensor], mut times: Option<&mut NodeTimes>) ->
     let (mut live, mut live_bytes, mut stats) = (0usize, 0usize, RunStats::default());
     for (v, node) in g.nodes.iter().enumerate() {
         let t = match &node.prim {
-            Prim::Input(k) => inputs[*k].clone(),
-            Prim::Const(k) => {
-                let c = &g.consts[*k];
-                if !c.device().same_device(&device) {
-                    return Err(Error::Device {
-                        op: "run",
-                        msg: format!(
-                            "a captured tensor of shape {:?} is on {:?}, the inputs on {:?}",
-                            c.dims(),
-                            c.device(),
-                            device
-                        ),
-                    });
-                }
-                c.clone()
-            }
+            Prim::Input(k) => inputs
+                .get(*k)
+                .cloned()
+                .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
+            Prim::Const(k) => constant(g, *k, &device)?,
             Prim::Scalar(x) => Tensor::new(*x, &device)
                 .and_then(|t| t.to_dtype(node.ty.dtype))
                 .op("scalar")?,
             prim => {
-                let args: Vec<&Tensor> = node
+                let args = node
                     .args
                     .iter()
-                    .map(|&a| vals[a].as_ref().expect("value freed before its last use"))
-                    .collect();
+                    .map(|&a| vals.get(a).and_then(Option::as_ref))
+                    .collect::<Option<Vec<&Tensor>>>()
+                    .ok_or_else(|| Error::internal(prim.name(), "an operand was freed before its last use"))?;
                 let start = std::time::Instant::now();
-                let t = rule(prim)?.run(&args, &node.ty)?;
+                let cx = RunCx {
+                    device: &device,
+                    seed: mix(seed, v as u64),
+                };
+                let t = match prim {
+                    Prim::Map(m) => run_map(m, &args, &cx)?,
+                    prim => rule(prim)?.run(&args, &node.ty, &cx)?,
+                };
                 if let Some(times) = times.as_mut() {
                     times.push((v, start.elapsed().as_secs_f64()));
                 }
@@ -107,9 +118,53 @@ fn run_inner(g: &Graph, inputs: &[Tensor], mut times: Option<&mut NodeTimes>) ->
     let outs = g
         .outputs
         .iter()
-        .map(|&o| vals[o].clone().expect("output computed"))
-        .collect();
+        .map(|&o| vals.get(o).and_then(Option::clone))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| Error::internal("run", "an output was not computed"))?;
     Ok((outs, stats))
+}
+
+fn constant(g: &Graph, k: usize, device: &Device) -> Result<Tensor> {
+    let c = g
+        .consts
+        .get(k)
+        .ok_or_else(|| Error::internal("run", format!("constant {k} of {}", g.consts.len())))?;
+    if !c.device().same_device(device) {
+        return Err(Error::Device {
+            op: "run",
+            msg: format!(
+                "a captured tensor of shape {:?} is on {:?}, the inputs on {:?}",
+                c.dims(),
+                c.device(),
+                device
+            ),
+        });
+    }
+    Ok(c.clone())
+}
+
+/// Runs a map's body once per example (each with its own seed) and stacks
+/// the results on a new leading axis.
+fn run_map(m: &Map, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
+    let mut results = Vec::with_capacity(m.size);
+    for i in 0..m.size {
+        let mut xs = Vec::with_capacity(args.len());
+        for (a, bd) in args.iter().zip(&m.bdims) {
+            xs.push(match bd {
+                Some(d) => a.narrow(*d, i, 1).and_then(|t| t.squeeze(*d)).op("map")?,
+                None => (*a).clone(),
+            });
+        }
+        let mut out = run(&m.body, &xs, mix(cx.seed, i as u64))?;
+        results.push(
+            out.pop()
+                .ok_or_else(|| Error::internal("map", "a body without output"))?,
+        );
+    }
+    if results.is_empty() {
+        return Err(Error::internal("map", "a map over zero examples"));
+    }
+    Tensor::stack(&results, 0).op("map")
 }
 
 fn check_inputs(g: &Graph, inputs: &[Tensor]) -> Result<()> {
@@ -143,11 +198,10 @@ fn run_device(g: &Graph, inputs: &[Tensor]) -> Device {
 /// in this crate; report it rather than let it corrupt later results.
 fn check_result(prim: &Prim, t: &Tensor, ty: &TensorType) -> Result<()> {
     if t.dims() != ty.shape.as_slice() || t.dtype() != ty.dtype {
-        return Err(Error::unsupported(
+        return Err(Error::internal(
             prim.name(),
-            "run",
             format!(
-                "internal error: computed {:?}{:?}, inferred {:?}{:?}",
+                "computed {:?}{:?}, inferred {:?}{:?}",
                 t.dtype(),
                 t.dims(),
                 ty.dtype,
@@ -156,4 +210,61 @@ fn check_result(prim: &Prim, t: &Tensor, ty: &TensorType) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::ops::Binary;
+    use crate::ir::options::{Options, Opts};
+    use crate::rules::{Builder, TraceCtx};
+    use candle_core::DType;
+    use std::sync::Arc;
+
+    /// A map of `x_i * w` over the rows of `x`, `w` shared by all examples,
+    /// and its VJP: the cotangent of `x` is `ct * w`, that of the shared
+    /// `w` the sum over the examples of `ct_i * x_i`.
+    #[test]
+    fn a_maps_vjp_sums_a_shared_operands_cotangent() {
+        let ctx = TraceCtx::new(Device::Cpu);
+        let body = {
+            let sb = Builder::scratch(Options::new(), ctx.clone());
+            let mut sb = sb.borrow_mut();
+            let x = sb.input(TensorType::new(vec![3], DType::F32));
+            let w = sb.input(TensorType::new(vec![3], DType::F32));
+            let y = sb.emit(Prim::Binary(Binary::Mul), &[x, w]).unwrap();
+            sb.finish(vec![y]).0
+        };
+        let m = Map {
+            body: Arc::new(body),
+            bdims: vec![Some(1), None],
+            size: 4,
+            opts: Opts::default(),
+        };
+        let root = Builder::scratch(Options::new(), ctx);
+        let mut b = root.borrow_mut();
+        let x = b.input(TensorType::new(vec![3, 4], DType::F32)); // examples on axis 1
+        let w = b.input(TensorType::new(vec![3], DType::F32));
+        let ct = b.input(TensorType::new(vec![4, 3], DType::F32));
+        let out = b.emit(Prim::Map(Box::new(m.clone())), &[x, w]).unwrap();
+        let cts = crate::rules::rule(&Prim::Map(Box::new(m)))
+            .unwrap()
+            .vjp(&mut b, &[x, w], out, ct)
+            .unwrap()
+            .unwrap();
+        let g = b.finish(vec![out, cts[0].unwrap(), cts[1].unwrap()]).0;
+        let dev = Device::Cpu;
+        let xv = Tensor::arange(0f32, 12., &dev).unwrap().reshape((3, 4)).unwrap();
+        let wv = Tensor::new(&[1f32, -2., 3.], &dev).unwrap();
+        let cv = Tensor::arange(1f32, 13., &dev).unwrap().reshape((4, 3)).unwrap();
+        let r = run(&g, &[xv.clone(), wv.clone(), cv.clone()], 0).unwrap();
+        let want_out = xv.t().unwrap().broadcast_mul(&wv).unwrap();
+        let want_dx = cv.broadcast_mul(&wv).unwrap().t().unwrap();
+        let want_dw = (cv * xv.t().unwrap()).unwrap().sum(0).unwrap();
+        for (got, want) in r.iter().zip([want_out, want_dx, want_dw]) {
+            let d = (got - &want).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(got.dims(), want.dims());
+            assert!(d.to_scalar::<f32>().unwrap() < 1e-5);
+        }
+    }
 }

@@ -46,44 +46,47 @@
 //! * [`Tracer`]: the symbolic tensor a traced closure receives; its methods
 //!   mirror candle's `Tensor` and check shapes as they record.
 //! * [`vmap`] with `in_dims`, `out_dims`, `chunk_size`, `conv_route`,
-//!   `strict`; [`grad`], [`value_and_grad`] and [`vjp`] for reverse mode;
-//!   [`jit`] runs a traced function without transforming it;
-//!   [`make_graph`] shows the graph a call runs.
+//!   `strict`, `randomness`, `seed`; [`grad`], [`value_and_grad`] and
+//!   [`vjp`] for reverse mode; [`jit`] runs a traced function without
+//!   transforming it; [`make_graph`] shows the graph a call runs (and
+//!   [`Graph::run`] runs it).
+//! * [`Options`]: a transform's settings as one value. A transform nested
+//!   in another inherits the route and strict mode it does not set;
+//!   [`set_conv_route`], `CANDLE_FUNC_CONV_ROUTE`, [`set_strict`] and
+//!   [`manual_seed`] are process-wide defaults only.
 //! * [`ConvRoute`]: how a convolution with batched input and weight is
 //!   lowered (grouped convolution, unfold + batched matmul, or a loop).
 //! * Arguments and results are trees: a tensor, tuples, `Vec`s and
 //!   `String`-keyed maps of trees ([`TensorTree`], [`SymTree`]).
 
 #![warn(missing_docs)]
+#![warn(unnameable_types)]
 
-mod config;
+// The layers, bottom to top; each imports only from those above it in
+// this list (tests/layering.rs keeps it so).
 pub mod dp;
 mod error;
-pub mod interp;
-pub mod ir;
-pub mod kernels;
+mod interp;
+mod ir;
+mod kernels;
 pub mod nn;
 mod ops;
-mod route;
-pub(crate) mod rules;
+mod rules;
 mod trace;
 mod transforms;
 
-#[doc(hidden)]
-pub use config::warned;
-pub use config::{set_strict, strict};
 pub use error::{Error, Result};
-pub use ir::{Graph, TensorType};
-pub use kernels::unfold::ConvGeom;
+pub use interp::{NodeTimes, RunStats};
+pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Randomness, TensorType};
 pub use ops::{custom_op, Axes, Axis};
-pub use route::{
-    auto_choices, conv_route, load_auto_cache, save_auto_cache, set_conv_route, AutoChoice, ConvRoute, ROUTE_ENV,
-};
-pub use rules::random::manual_seed;
 pub use trace::{Operand, Tracer};
 pub use transforms::grad::{
     grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,
 };
+pub use transforms::planner::{auto_choices, load_auto_cache, save_auto_cache, AutoChoice};
+#[doc(hidden)]
+pub use transforms::settings::warned;
+pub use transforms::settings::{conv_route, manual_seed, set_conv_route, set_strict, strict, ROUTE_ENV};
 pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
-pub use transforms::vmap::{vmap, Dims, Randomness, Vmap};
+pub use transforms::vmap::{vmap, Dims, Vmap};
 pub use transforms::{jit, make_graph, Function, Jit};

@@ -4,16 +4,10 @@
 //! `Result`, failing at trace time with the operation's name and shapes.
 
 use crate::error::{Error, Result};
-use crate::ir::{Prim, TensorType};
-use crate::kernels::unfold::ConvGeom;
-use crate::rules::conv::ConvOp;
-use crate::rules::custom::{CustomKernel, CustomOp};
-use crate::rules::elementwise::{Binary, Compare, Unary};
-use crate::rules::index::IndexOp;
+use crate::ir::conv::ConvOp;
+use crate::ir::ops::{Binary, Compare, IndexOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
+use crate::ir::{ConvGeom, CustomKernel, CustomOp, Prim, TensorType};
 use crate::rules::norm_axis;
-use crate::rules::pool::PoolOp;
-use crate::rules::reduce::Reduce;
-use crate::rules::shape::ShapeOp;
 use crate::trace::{Operand, Tracer};
 use candle_core::shape::ShapeWithOneHole;
 use candle_core::{DType, ToUsize2};
@@ -400,11 +394,21 @@ impl Tracer {
         self.emit(Prim::Matmul, &[&r])
     }
 
-    /// N-d convolution with the window geometry of `geom` (the kernel size is
-    /// taken from `w`; `geom.kernel` is ignored).
+    /// N-d convolution with the window geometry of `geom`. The kernel size
+    /// is `w`'s spatial size: a geometry whose kernel is left at zero takes
+    /// it from `w`, and one that names a kernel must agree with `w`.
     pub fn conv(&self, w: impl Operand, mut geom: ConvGeom, groups: usize) -> Result<Tracer> {
         let w = w.to_tracer(self)?;
-        geom.kernel = w.dims().get(2..).unwrap_or(&[]).to_vec();
+        let k = w.dims().get(2..).unwrap_or(&[]).to_vec();
+        if geom.kernel.iter().all(|&d| d == 0) {
+            geom.kernel = k;
+        } else if geom.kernel != k {
+            return Err(Error::shape(
+                "conv",
+                &[self.dims(), w.dims()],
+                format!("the geometry's kernel {:?} is not the weight's {k:?}", geom.kernel),
+            ));
+        }
         self.emit(Prim::Conv(ConvOp::Conv { geom, groups }), &[&w])
     }
     /// 1D convolution: `[N, Cin, L] * [Cout, Cin/groups, k]` (candle's argument order).
@@ -416,7 +420,7 @@ impl Tracer {
         dilation: usize,
         groups: usize,
     ) -> Result<Tracer> {
-        self.conv(w, ConvGeom::uniform(1, 0, stride, padding, dilation), groups)
+        self.conv(w, ConvGeom::uniform(1, 0, padding, stride, dilation), groups)
     }
     /// 2D convolution: `[N, Cin, H, W] * [Cout, Cin/groups, kh, kw]`.
     pub fn conv2d(
@@ -427,7 +431,7 @@ impl Tracer {
         dilation: usize,
         groups: usize,
     ) -> Result<Tracer> {
-        self.conv(w, ConvGeom::uniform(2, 0, stride, padding, dilation), groups)
+        self.conv(w, ConvGeom::uniform(2, 0, padding, stride, dilation), groups)
     }
     /// 3D convolution: `[N, Cin, D, H, W] * [Cout, Cin/groups, kd, kh, kw]`
     /// (candle has none; this crate supplies it).
@@ -439,7 +443,7 @@ impl Tracer {
         dilation: usize,
         groups: usize,
     ) -> Result<Tracer> {
-        self.conv(w, ConvGeom::uniform(3, 0, stride, padding, dilation), groups)
+        self.conv(w, ConvGeom::uniform(3, 0, padding, stride, dilation), groups)
     }
     /// im2col: `[N, C, *S] -> [N, C * prod(kernel), L]` (PyTorch's `F.unfold`
     /// order), for 1, 2 or 3 spatial dims.
@@ -451,7 +455,7 @@ impl Tracer {
     /// anew at every run (see [`crate::manual_seed`]; under `vmap`, the
     /// transform's `randomness` setting applies).
     pub fn rand_uniform_like(&self) -> Result<Tracer> {
-        let prim = Prim::Random(crate::rules::random::Uniform { ty: self.ty.clone() });
+        let prim = Prim::Random(Uniform { ty: self.ty.clone() });
         let id = self.b.borrow_mut().emit(prim, &[])?;
         Ok(Tracer::new(&self.b, id))
     }

@@ -1,148 +1,18 @@
-//! Symbolic tensors and the graph builder they record into.
+//! Symbolic tensors: what a traced closure receives.
 //!
 //! A [`Tracer`] stands for a tensor while a function is traced: it carries a
-//! shape and dtype and appends one node per operation to its builder. A
-//! builder made for a nested transform remembers its enclosing builders, so
-//! a closure may read a tracer of an outer trace (`vmap(|y| x.add(&y))`
-//! inside another transform): the outer value is *captured* as an extra,
-//! unbatched input of the inner graph, as JAX does for closed-over tracers.
+//! shape and dtype and appends one node per operation to its builder
+//! (`crate::rules::Builder`). A closure may read a tracer of an outer trace
+//! (`vmap(|y| x.add(&y))` inside another transform): the builder captures it
+//! as an extra, unbatched input of the inner graph.
 
-use crate::error::{Error, Result};
-use crate::ir::{Graph, Node, Prim, TensorType, VarId};
+use crate::error::Result;
+use crate::ir::{Prim, TensorType, VarId};
+use crate::rules::{BuilderRef, Outer};
 use candle_core::{DType, Tensor};
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::fmt;
-use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-static NEXT_BUILDER: AtomicU64 = AtomicU64::new(1);
-
-/// A graph under construction.
-pub(crate) struct Builder {
-    pub(crate) id: u64,
-    /// Ids of the enclosing builders, outermost first.
-    pub(crate) ancestors: Vec<u64>,
-    pub(crate) nodes: Vec<Node>,
-    pub(crate) inputs: Vec<VarId>,
-    pub(crate) consts: Vec<Tensor>,
-    const_ids: HashMap<candle_core::TensorId, VarId>,
-    /// Outer tracers read by this trace, each bound to an input node of ours.
-    pub(crate) captures: Vec<(Tracer, VarId)>,
-    capture_ids: HashMap<(u64, VarId), VarId>,
-}
-
-pub(crate) type BuilderRef = Rc<RefCell<Builder>>;
-
-impl Builder {
-    /// A builder for a top-level trace.
-    pub(crate) fn root() -> BuilderRef {
-        Self::with_ancestors(Vec::new())
-    }
-
-    /// A builder for a trace nested inside `parent`'s.
-    pub(crate) fn child(parent: &BuilderRef) -> BuilderRef {
-        let p = parent.borrow();
-        let mut ancestors = p.ancestors.clone();
-        ancestors.push(p.id);
-        Self::with_ancestors(ancestors)
-    }
-
-    fn with_ancestors(ancestors: Vec<u64>) -> BuilderRef {
-        Rc::new(RefCell::new(Builder {
-            id: NEXT_BUILDER.fetch_add(1, Ordering::Relaxed),
-            ancestors,
-            nodes: Vec::new(),
-            inputs: Vec::new(),
-            consts: Vec::new(),
-            const_ids: HashMap::new(),
-            captures: Vec::new(),
-            capture_ids: HashMap::new(),
-        }))
-    }
-
-    pub(crate) fn ty(&self, v: VarId) -> &TensorType {
-        &self.nodes[v].ty
-    }
-
-    pub(crate) fn dims(&self, v: VarId) -> Vec<usize> {
-        self.nodes[v].ty.shape.clone()
-    }
-
-    fn push(&mut self, prim: Prim, args: Vec<VarId>, ty: TensorType) -> VarId {
-        self.nodes.push(Node { prim, args, ty });
-        self.nodes.len() - 1
-    }
-
-    /// A new graph input of the given type.
-    pub(crate) fn input(&mut self, ty: TensorType) -> VarId {
-        let k = self.inputs.len();
-        let v = self.push(Prim::Input(k), vec![], ty);
-        self.inputs.push(v);
-        v
-    }
-
-    /// A captured candle tensor (deduplicated by tensor identity).
-    pub(crate) fn constant(&mut self, t: &Tensor) -> VarId {
-        if let Some(&v) = self.const_ids.get(&t.id()) {
-            return v;
-        }
-        let k = self.consts.len();
-        self.consts.push(t.clone());
-        let v = self.push(Prim::Const(k), vec![], TensorType::of(t));
-        self.const_ids.insert(t.id(), v);
-        v
-    }
-
-    /// A scalar literal of the given dtype.
-    pub(crate) fn scalar(&mut self, value: f64, dtype: DType) -> VarId {
-        self.push(Prim::Scalar(value), vec![], TensorType::new(vec![], dtype))
-    }
-
-    /// Appends `prim(args)`, inferring and checking its type.
-    pub(crate) fn emit(&mut self, prim: Prim, args: &[VarId]) -> Result<VarId> {
-        let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
-        let ty = crate::rules::infer(&prim, &tys)?;
-        Ok(self.push(prim, args.to_vec(), ty))
-    }
-
-    /// The id of `t` in this builder, capturing it as an extra input when it
-    /// belongs to an enclosing trace.
-    pub(crate) fn lift(&mut self, t: &Tracer) -> Result<VarId> {
-        if t.bid == self.id {
-            return Ok(t.id);
-        }
-        if !self.ancestors.contains(&t.bid) {
-            return Err(Error::Trace {
-                msg: format!(
-                    "a symbolic tensor of shape {:?} was used outside the trace that made it \
-                     (it escaped a transformed function, or comes from an unrelated trace)",
-                    t.ty.shape
-                ),
-            });
-        }
-        if let Some(&v) = self.capture_ids.get(&(t.bid, t.id)) {
-            return Ok(v);
-        }
-        let v = self.input(t.ty.clone());
-        self.captures.push((t.clone(), v));
-        self.capture_ids.insert((t.bid, t.id), v);
-        Ok(v)
-    }
-
-    /// Ends the trace: the graph (captured outer values come last among its
-    /// inputs) and the outer tracers to bind to those inputs.
-    pub(crate) fn finish(&self, outputs: Vec<VarId>) -> (Graph, Vec<Tracer>) {
-        let graph = Graph {
-            nodes: self.nodes.clone(),
-            inputs: self.inputs.clone(),
-            outputs,
-            consts: self.consts.clone(),
-        };
-        let captures = self.captures.iter().map(|(t, _)| t.clone()).collect();
-        (graph, captures)
-    }
-}
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 /// A symbolic tensor: what a traced closure receives instead of a candle
 /// `Tensor`. Operations on it are recorded, not computed; they check shapes
@@ -173,6 +43,22 @@ impl Tracer {
             id,
             ty,
         }
+    }
+
+    /// This value as the builders see it.
+    pub(crate) fn outer(&self) -> Outer {
+        Outer {
+            bid: self.bid,
+            id: self.id,
+            ty: self.ty.clone(),
+        }
+    }
+
+    /// Reads a train/eval flag at trace time; the graph cache remembers the
+    /// value, so a cached graph is reused only while the flag holds it.
+    pub(crate) fn read_mode(&self, flag: &Arc<AtomicBool>) -> bool {
+        let ctx = self.b.borrow().ctx.clone();
+        ctx.read_mode(flag)
     }
 
     /// The dimensions.
@@ -217,9 +103,9 @@ impl Tracer {
         let b = target.b.clone();
         let id = {
             let mut bb = b.borrow_mut();
-            let mut args = vec![bb.lift(self)?];
+            let mut args = vec![bb.lift(&self.outer())?];
             for o in others {
-                args.push(bb.lift(o)?);
+                args.push(bb.lift(&o.outer())?);
             }
             bb.emit(prim, &args)?
         };

@@ -126,7 +126,7 @@ fn a_short_dp_sgd_run_lowers_the_loss() {
     };
     let per_sample = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]);
     let mean_loss = || {
-        let logits = model.forward_t(&train.images).unwrap();
+        let logits = model.forward_eager(&train.images).unwrap();
         candle_nn::loss::cross_entropy(&logits, &train.labels)
             .unwrap()
             .to_scalar::<f32>()

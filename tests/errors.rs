@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::DType;
-use candle_func::{custom_op, interp, jit, make_graph, vmap, Error, TensorType, Tracer};
+use candle_func::{custom_op, jit, make_graph, vmap, Error, TensorType, Tracer};
 use common::rand;
 use std::cell::RefCell;
 
@@ -94,9 +94,9 @@ fn unsupported_in_strict_mode() {
 fn tree_mismatch() {
     let x = rand(&[4, 3], 1);
     let g = make_graph(&jit(|x: Tracer| x.exp()), &x).unwrap();
-    let r = interp::run(&g, &[rand(&[4, 4], 2)]);
+    let r = g.run(&[rand(&[4, 4], 2)]);
     assert!(matches!(r, Err(Error::Tree { .. })), "{r:?}");
-    let r = interp::run(&g, &[]);
+    let r = g.run(&[]);
     assert!(matches!(r, Err(Error::Tree { .. })), "{r:?}");
 }
 
@@ -154,4 +154,41 @@ fn candle_errors_are_wrapped_with_their_source() {
         })
     });
     assert!(matches!(f.call(&x), Err(Error::Shape { op: "custom", .. })));
+}
+
+#[test]
+fn a_conv_geometry_must_agree_with_the_weight() {
+    let x = rand(&[1, 2, 6, 6], 1);
+    let w = rand(&[4, 2, 3, 3], 2);
+    let f = |k: usize| {
+        let geom = candle_func::ConvGeom::uniform(2, k, 0, 1, 1);
+        make_graph(&jit(move |x: Tracer, w: Tracer| x.conv(&w, geom.clone(), 1)), (&x, &w))
+    };
+    assert!(f(0).is_ok(), "a kernel of 0 is taken from the weight");
+    assert!(f(3).is_ok(), "the weight's own kernel");
+    match f(5) {
+        Err(Error::Shape { op: "conv", msg, .. }) => assert!(msg.contains("[5, 5]"), "{msg}"),
+        other => panic!("a kernel other than the weight's must be an error, got {other:?}"),
+    }
+    // window sizes that overflow are an error, not a wrap
+    let huge = candle_func::ConvGeom::uniform(2, 3, usize::MAX / 2, 1, 1);
+    assert!(huge.out_spatial(&[6, 6]).is_err());
+    let g = make_graph(&jit(move |x: Tracer, w: Tracer| x.conv(&w, huge.clone(), 1)), (&x, &w));
+    assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
+}
+
+#[test]
+fn sizes_that_overflow_are_shape_errors() {
+    let x = rand(&[1, 2, 6, 6], 1);
+    let w = rand(&[4, 1, 3, 3], 2);
+    // groups whose channel count overflows
+    let g = make_graph(
+        &jit(|x: Tracer, w: Tracer| x.conv2d(&w, 0, 1, 1, usize::MAX / 2 + 1)),
+        (&x, &w),
+    );
+    assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
+    // an unfold whose window count overflows
+    let huge = candle_func::ConvGeom::uniform(2, 3, usize::MAX / 8, 1, 1);
+    let g = make_graph(&jit(move |x: Tracer| x.unfold(huge.clone())), &x);
+    assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
 }

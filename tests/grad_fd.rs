@@ -149,10 +149,10 @@ proptest! {
         prop_assume!(size + 2 * p > dl * (k - 1));
         let x = f64t(&[[2, 2 * groups].as_slice(), &vec![size; nd]].concat(), seed);
         let w = f64t(&[[2 * groups, 2].as_slice(), &vec![k; nd]].concat(), seed + 1);
-        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        let g = ConvGeom::uniform(nd, k, p, st, dl);
         let conv = move |x: Tracer, w: Tracer| x.conv(&w, g.clone(), groups);
         fd2("conv", conv.clone(), &x, &w, seed);
-        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        let g = ConvGeom::uniform(nd, k, p, st, dl);
         fd1("unfold", move |x: Tracer| x.unfold(g.clone()), &x, seed);
         // second order: the gradients of conv (input and weight gradients,
         // and fold through unfold's gradient) differentiated again
@@ -170,7 +170,7 @@ proptest! {
         if groups == 1 {
             // per-sample weight gradients (the Unfold route's
             // grad_weight_each) differentiated again
-            let g = ConvGeom::uniform(nd, k, st, p, dl);
+            let g = ConvGeom::uniform(nd, k, p, st, dl);
             let loss = move |w: Tracer, x: Tracer| x.unsqueeze(0)?.conv(&w, g.clone(), 1)?.sqr()?.sum_all();
             let per = std::sync::Arc::new(vmap(grad(loss)).in_dims([None, Some(0)]).conv_route(ConvRoute::Unfold));
             let r = f64t(&[[2usize].as_slice(), w.dims()].concat(), seed + 29);
@@ -180,7 +180,7 @@ proptest! {
             };
             fd2("conv grad_weight_each", twice, &x, &w, seed);
         }
-        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        let g = ConvGeom::uniform(nd, k, p, st, dl);
         let fold_twice = move |x: Tracer| {
             let inner = grad(|x: Tracer| x.unfold(g.clone())?.sqr()?.sum_all());
             candle_func::Function::apply(&inner, (x,))

@@ -45,7 +45,7 @@ fn layers_match_candle_nn_forward_and_gradients() {
         .add(nn::Activation::Relu)
         .add(nn::Flatten)
         .add(ours_fc);
-    let ours = model.forward_t(&x).unwrap();
+    let ours = model.forward_eager(&x).unwrap();
     let theirs = theirs_fc
         .forward(
             &theirs_conv
@@ -80,7 +80,7 @@ fn functional_call_replaces_parameters_by_name() {
         .add(nn::Activation::Tanh)
         .add(nn::linear(4, 2, vb(&varmap).pp("b")).unwrap());
     let x = rand(&[5, 3], 1);
-    let own = model.forward_t(&x).unwrap();
+    let own = model.forward_eager(&x).unwrap();
     // all parameters passed explicitly: the same result
     let p = model.params();
     let same = candle_func::jit(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(&model, &p, &x))
@@ -141,10 +141,15 @@ fn stacked_ensembles_match_each_model_alone() {
     let shared = vmap(run).in_dims([Some(0), None]).call((&stacked, &x)).unwrap();
     let own = vmap(run).call((&stacked, &own_x)).unwrap();
     for (i, m) in models.iter().enumerate() {
-        assert_close(&shared.get(i).unwrap(), &m.forward_t(&x).unwrap(), 1e-5, "shared batch");
+        assert_close(
+            &shared.get(i).unwrap(),
+            &m.forward_eager(&x).unwrap(),
+            1e-5,
+            "shared batch",
+        );
         assert_close(
             &own.get(i).unwrap(),
-            &m.forward_t(&own_x.get(i).unwrap()).unwrap(),
+            &m.forward_eager(&own_x.get(i).unwrap()).unwrap(),
             1e-5,
             "own batch",
         );
@@ -154,8 +159,8 @@ fn stacked_ensembles_match_each_model_alone() {
     assert_close(&back[2]["fc.bias"], &models[2].params()["fc.bias"], 0.0, "unstack");
     nn::load_params(&vms[0], &back[1]).unwrap();
     assert_close(
-        &models[0].forward_t(&x).unwrap(),
-        &models[1].forward_t(&x).unwrap(),
+        &models[0].forward_eager(&x).unwrap(),
+        &models[1].forward_eager(&x).unwrap(),
         1e-6,
         "load_params",
     );
@@ -177,8 +182,8 @@ fn models_load_from_safetensors_unchanged() {
     std::fs::remove_file(&path).ok();
     let x = rand(&[2, 1, 8, 8], 3);
     assert_close(
-        &loaded.forward_t(&x).unwrap(),
-        &model.forward_t(&x).unwrap(),
+        &loaded.forward_eager(&x).unwrap(),
+        &model.forward_eager(&x).unwrap(),
         0.0,
         "loaded",
     );
@@ -194,7 +199,7 @@ fn vmap_of_model_forward_matches_the_batched_forward() {
         .unwrap();
     assert_close(
         &per_example,
-        &model.forward_t(&xs).unwrap(),
+        &model.forward_eager(&xs).unwrap(),
         1e-5,
         "vmap(model.forward)",
     );

@@ -19,7 +19,7 @@ fn graph_for(route: Option<ConvRoute>) -> candle_func::Result<String> {
 }
 
 fn kind(g: &str) -> &'static str {
-    if g.contains("loop[") {
+    if g.contains("map[") {
         "loop"
     } else if g.contains("unfold2d") || g.contains("unfold_rows2d") {
         "unfold"

@@ -204,7 +204,7 @@ proptest! {
         let d = d.or(Some(0));
         let s = [vec![2, c], vec![size; nd]].concat();
         let x = batched(&s, b, d, seed);
-        let g = ConvGeom::uniform(nd, k, st, p, dl);
+        let g = ConvGeom::uniform(nd, k, p, st, dl);
         oracle1(move |x: Tracer| x.unfold(g.clone()), &x, d, b, TOL);
     }
 

@@ -26,7 +26,11 @@
 //! ```
 
 pub mod accountant;
-pub mod rng;
+/// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
+/// permutations).
+pub mod rng {
+    pub use crate::kernels::rng::Rng;
+}
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor, Var};

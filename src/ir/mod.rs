@@ -7,16 +7,23 @@
 //! that would naturally yield two (max-pool with its argmax) are split into
 //! two primitives instead, which keeps every transform rule single-output.
 
+pub(crate) mod conv;
+mod geom;
+pub(crate) mod ops;
+pub(crate) mod options;
 mod prim;
 mod print;
 mod simplify;
 
-pub use prim::Prim;
+pub use geom::ConvGeom;
+pub use options::{ConvRoute, Options, Randomness};
+pub use prim::CustomKernel;
+pub(crate) use prim::{CustomOp, Map, Prim};
 
 use candle_core::{DType, Tensor};
 
 /// Index of a value (a node) inside a [`Graph`] or a graph under construction.
-pub type VarId = usize;
+pub(crate) type VarId = usize;
 
 /// Shape and dtype of a value: everything the transforms need to know
 /// about a tensor without its data.
@@ -47,9 +54,16 @@ impl TensorType {
         self.shape.len()
     }
 
-    /// Number of elements.
+    /// Number of elements (saturating at `usize::MAX` rather than
+    /// wrapping for a shape too large to exist).
     pub fn elem_count(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().fold(1usize, |a, &d| a.saturating_mul(d))
+    }
+
+    /// The same shape with another dtype.
+    pub(crate) fn cast(mut self, dtype: DType) -> TensorType {
+        self.dtype = dtype;
+        self
     }
 
     /// The same dtype with another shape.
@@ -60,33 +74,90 @@ impl TensorType {
 
 /// One equation: a primitive applied to earlier values.
 #[derive(Clone, Debug)]
-pub struct Node {
+pub(crate) struct Node {
     /// What the node computes.
-    pub prim: Prim,
+    pub(crate) prim: Prim,
     /// Operands, all earlier in the graph.
-    pub args: Vec<VarId>,
+    pub(crate) args: Vec<VarId>,
     /// The type of the result (inferred and checked when the node was added).
-    pub ty: TensorType,
+    pub(crate) ty: TensorType,
 }
 
-/// A traced function: nodes in topological order, the input nodes in
-/// argument order, and the output values.
+/// A traced function, as [`make_graph`](crate::make_graph) returns it:
+/// nodes in topological order, the input nodes in argument order, and the
+/// output values. It prints like a jaxpr and can be inspected node by node
+/// ([`Graph::nodes`]) and run ([`Graph::run`]); it is built only by the
+/// crate, so every graph a user holds is well formed.
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     /// All values, topologically ordered.
-    pub nodes: Vec<Node>,
+    pub(crate) nodes: Vec<Node>,
     /// The `Prim::Input` nodes, in argument order.
-    pub inputs: Vec<VarId>,
+    pub(crate) inputs: Vec<VarId>,
     /// The results, in output order (a value may appear more than once).
-    pub outputs: Vec<VarId>,
+    pub(crate) outputs: Vec<VarId>,
     /// candle tensors captured while tracing, referenced by `Prim::Const`.
-    pub consts: Vec<Tensor>,
+    pub(crate) consts: Vec<Tensor>,
+}
+
+/// A read-only view of one node of a [`Graph`].
+#[derive(Clone, Copy, Debug)]
+pub struct NodeView<'a> {
+    index: usize,
+    node: &'a Node,
+}
+
+impl NodeView<'_> {
+    /// The node's index (the `%n` of the printout).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The primitive's name with its parameters, as the printout shows it
+    /// (`conv2d[k=[3, 3],...]`, `matmul`, `input[0]`).
+    pub fn name(&self) -> String {
+        self.node.prim.name()
+    }
+
+    /// The indices of the operands.
+    pub fn args(&self) -> &[usize] {
+        &self.node.args
+    }
+
+    /// The result's shape and dtype.
+    pub fn ty(&self) -> &TensorType {
+        &self.node.ty
+    }
+
+    /// Whether the node is an input, a captured tensor or a literal rather
+    /// than a computed value.
+    pub fn is_leaf(&self) -> bool {
+        self.node.prim.is_leaf()
+    }
 }
 
 impl Graph {
     /// The type of a value.
-    pub fn ty(&self, v: VarId) -> &TensorType {
+    pub(crate) fn ty(&self, v: VarId) -> &TensorType {
         &self.nodes[v].ty
+    }
+
+    /// Every node, in topological order.
+    pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(index, node)| NodeView { index, node })
+    }
+
+    /// The node with index `v`, if there is one.
+    pub fn node(&self, v: usize) -> Option<NodeView<'_>> {
+        self.nodes.get(v).map(|node| NodeView { index: v, node })
+    }
+
+    /// The indices of the output values, in output order.
+    pub fn outputs(&self) -> &[usize] {
+        &self.outputs
     }
 
     /// The types of the inputs, in argument order.
@@ -99,6 +170,16 @@ impl Graph {
         self.outputs.iter().map(|&v| self.nodes[v].ty.clone()).collect()
     }
 
+    /// Whether running the graph draws random numbers (in a map's body
+    /// too): only such a run takes a seed from a random stream.
+    pub(crate) fn has_random(&self) -> bool {
+        self.nodes.iter().any(|n| match &n.prim {
+            Prim::Random(_) => true,
+            Prim::Map(m) => m.body.has_random(),
+            _ => false,
+        })
+    }
+
     /// Number of equations (nodes that are not inputs, constants or literals).
     pub fn equation_count(&self) -> usize {
         self.nodes.iter().filter(|n| !n.prim.is_leaf()).count()
@@ -106,7 +187,7 @@ impl Graph {
 
     /// Removes every node that no output depends on, keeping inputs (so the
     /// calling convention is unchanged) and renumbering the rest.
-    pub fn eliminate_dead_code(&self) -> Graph {
+    pub(crate) fn eliminate_dead_code(&self) -> Graph {
         let mut live = vec![false; self.nodes.len()];
         for &o in &self.outputs {
             live[o] = true;
@@ -144,7 +225,7 @@ impl Graph {
 
     /// For each value, the index of the last node that reads it (outputs
     /// count as read at the very end): the interpreter frees a value there.
-    pub fn last_uses(&self) -> Vec<usize> {
+    pub(crate) fn last_uses(&self) -> Vec<usize> {
         let mut last = vec![0usize; self.nodes.len()];
         for (v, node) in self.nodes.iter().enumerate() {
             for &a in &node.args {

@@ -1,19 +1,17 @@
-//! The closed set of primitives. Each family's parameters are defined next
-//! to that family's rules in `crate::rules`.
+//! The closed set of primitives. Each family's parameter types are in
+//! `ops.rs` / `conv.rs` beside this file; their rules are in `crate::rules`.
 
-use crate::rules::conv::ConvOp;
-use crate::rules::custom::CustomOp;
-use crate::rules::elementwise::{Binary, Compare, Unary};
-use crate::rules::fallback::LoopPrim;
-use crate::rules::index::IndexOp;
-use crate::rules::pool::PoolOp;
-use crate::rules::random::Uniform;
-use crate::rules::reduce::Reduce;
-use crate::rules::shape::ShapeOp;
+use super::conv::ConvOp;
+use super::ops::{Binary, Compare, IndexOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
+use super::options::Opts;
+use super::{Graph, TensorType};
+use candle_core::Tensor;
+use std::fmt;
+use std::sync::Arc;
 
 /// A primitive operation of the IR.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Prim {
+pub(crate) enum Prim {
     /// The k-th input of the graph.
     Input(usize),
     /// The k-th captured candle tensor of the graph.
@@ -40,9 +38,10 @@ pub enum Prim {
     Conv(ConvOp),
     /// Max and average pooling.
     Pool(PoolOp),
-    /// The generic batching fallback: another primitive run once per example.
-    Loop(Box<LoopPrim>),
-    /// A user-supplied candle function (no batching rule: loops under vmap).
+    /// A per-example sub-graph mapped over a batch axis: the generic
+    /// batching fallback and the conv `Loop` route.
+    Map(Box<Map>),
+    /// A user-supplied candle function (no batching rule: maps under vmap).
     Custom(CustomOp),
     /// Random values, drawn anew at every run.
     Random(Uniform),
@@ -50,12 +49,12 @@ pub enum Prim {
 
 impl Prim {
     /// True for inputs, constants and literals: values that are not computed.
-    pub fn is_leaf(&self) -> bool {
+    pub(crate) fn is_leaf(&self) -> bool {
         matches!(self, Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_))
     }
 
     /// A short name with the parameters, as the graph printer shows it.
-    pub fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self {
             Prim::Input(k) => format!("input[{k}]"),
             Prim::Const(k) => format!("const[{k}]"),
@@ -70,7 +69,7 @@ impl Prim {
             Prim::Matmul => "matmul".to_string(),
             Prim::Conv(c) => c.name(),
             Prim::Pool(p) => p.name(),
-            Prim::Loop(l) => l.name(),
+            Prim::Map(m) => m.name(),
             Prim::Custom(c) => format!("custom[{}]", c.name),
             Prim::Random(r) => r.name(),
         }
@@ -78,11 +77,74 @@ impl Prim {
 
     /// The family-level name without parameters (used for once-per-primitive
     /// warnings and error messages).
-    pub fn kind(&self) -> String {
+    pub(crate) fn kind(&self) -> String {
         let name = self.name();
         match name.find('[') {
             Some(i) => name[..i].to_string(),
             None => name,
         }
+    }
+}
+
+/// `body` (a per-example graph with one output) mapped over the batch axis
+/// `bdims[i]` of each batched operand; the result has the batch axis first.
+/// It carries the options of the transform that made it, so whatever
+/// rewrites it later (batching, differentiation) honours the caller's
+/// route, strict mode and randomness.
+#[derive(Clone, Debug)]
+pub(crate) struct Map {
+    /// The per-example computation: one input per operand, one output.
+    pub(crate) body: Arc<Graph>,
+    /// The batch axis of each operand (`None`: shared by all examples).
+    pub(crate) bdims: Vec<Option<usize>>,
+    /// Number of examples.
+    pub(crate) size: usize,
+    /// The options of the transform that made the map.
+    pub(crate) opts: Opts,
+}
+
+impl Map {
+    pub(crate) fn name(&self) -> String {
+        let inner: Vec<String> = self
+            .body
+            .nodes
+            .iter()
+            .filter(|n| !n.prim.is_leaf())
+            .map(|n| n.prim.name())
+            .collect();
+        format!("map[size={},bdims={:?}]{{{}}}", self.size, self.bdims, inner.join("; "))
+    }
+}
+
+impl PartialEq for Map {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.body, &other.body)
+            && self.bdims == other.bdims
+            && self.size == other.size
+            && self.opts == other.opts
+    }
+}
+
+/// The function type of a custom primitive.
+pub type CustomKernel = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync;
+
+/// A candle function with declared operand and result types.
+#[derive(Clone)]
+pub(crate) struct CustomOp {
+    pub(crate) name: String,
+    pub(crate) f: Arc<CustomKernel>,
+    pub(crate) ins: Vec<TensorType>,
+    pub(crate) out: TensorType,
+}
+
+impl fmt::Debug for CustomOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CustomOp({})", self.name)
+    }
+}
+
+impl PartialEq for CustomOp {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.f, &other.f) && self.ins == other.ins && self.out == other.out
     }
 }

@@ -3,9 +3,8 @@
 //! additions of broadcast zeros (the seed of a gradient, an unused bias).
 //! Run before dead-code removal, on every graph a call runs.
 
+use super::ops::{Binary, ShapeOp, Unary};
 use super::{Graph, Prim};
-use crate::rules::elementwise::{Binary, Unary};
-use crate::rules::shape::ShapeOp;
 
 /// Whether `v` is the scalar `value`, possibly reshaped or broadcast.
 fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
@@ -18,7 +17,7 @@ fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
 
 impl Graph {
     /// The same computation with local redundancies removed (then dead code).
-    pub fn simplify(&self) -> Graph {
+    pub(crate) fn simplify(&self) -> Graph {
         let mut g = self.clone();
         let mut same: Vec<usize> = (0..g.nodes.len()).collect();
         for v in 0..g.nodes.len() {

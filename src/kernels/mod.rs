@@ -26,6 +26,7 @@ pub mod bmm;
 pub mod compare;
 pub mod outer;
 pub mod pool;
+pub(crate) mod rng;
 pub mod rows;
 pub mod shift;
 pub mod transpose;
@@ -34,10 +35,6 @@ pub mod unfold;
 use candle_core::{bail, DType, Layout, Result, Tensor};
 use std::ops::AddAssign;
 use std::sync::OnceLock;
-
-// The function `unfold` shares its name with the module; they live in
-// different namespaces, so both `kernels::unfold` paths work.
-pub use unfold::{conv_unfold, fold, fold_generic, unfold, unfold_generic, ConvGeom};
 
 /// Element types with a CPU kernel. `Default` is the zero used for padding.
 pub(crate) trait Elem:
@@ -112,17 +109,13 @@ fn advise_huge<T>(v: &mut Vec<T>) {
 
 #[cfg(target_os = "linux")]
 fn madvise_hugepage(addr: usize, len: usize) {
-    const MADV_HUGEPAGE: std::ffi::c_int = 14;
-    extern "C" {
-        fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: std::ffi::c_int) -> std::ffi::c_int;
-    }
     // SAFETY: `[addr, addr + len)` lies inside one live allocation owned by
     // the caller's Vec (`advise_huge` rounds inwards to 2 MiB boundaries),
     // and MADV_HUGEPAGE changes only how the kernel backs those pages, never
     // their contents or mapping, so no Rust reference can observe it. Tested
     // by `kernels::tests::huge_buffers_read_and_write`.
     unsafe {
-        madvise(addr as *mut std::ffi::c_void, len, MADV_HUGEPAGE);
+        libc::madvise(addr as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
     }
 }
 

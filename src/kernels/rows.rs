@@ -263,8 +263,8 @@ mod tests {
     #[test]
     fn rows_are_transposed_columns() -> Result<()> {
         let cases: [(ConvGeom, Vec<usize>); 5] = [
-            (ConvGeom::uniform(1, 3, 2, 1, 1), vec![2, 3, 11]),
-            (ConvGeom::uniform(2, 3, 1, 0, 1), vec![2, 3, 7, 6]),
+            (ConvGeom::uniform(1, 3, 1, 2, 1), vec![2, 3, 11]),
+            (ConvGeom::uniform(2, 3, 0, 1, 1), vec![2, 3, 7, 6]),
             (
                 ConvGeom {
                     kernel: vec![2, 3],
@@ -274,7 +274,7 @@ mod tests {
                 },
                 vec![3, 2, 8, 9],
             ),
-            (ConvGeom::uniform(2, 8, 2, 3, 1), vec![2, 1, 28, 28]),
+            (ConvGeom::uniform(2, 8, 3, 2, 1), vec![2, 1, 28, 28]),
             (ConvGeom::uniform(3, 2, 1, 1, 1), vec![1, 2, 4, 5, 3]),
         ];
         for dt in [DType::F32, DType::F64] {
@@ -293,7 +293,7 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_errors() -> Result<()> {
-        let g = ConvGeom::uniform(2, 3, 1, 0, 1);
+        let g = ConvGeom::uniform(2, 3, 0, 1, 1);
         let x = Tensor::zeros((1, 1, 2, 2), DType::F32, &Device::Cpu)?;
         assert!(unfold_rows(&x, &g).is_err());
         let rows = Tensor::zeros((1, 5, 9), DType::F32, &Device::Cpu)?;

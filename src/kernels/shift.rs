@@ -483,7 +483,7 @@ mod tests {
     #[test]
     fn matches_im2col() -> Result<()> {
         let cases: [(ConvGeom, Vec<usize>, usize); 5] = [
-            (ConvGeom::uniform(2, 3, 1, 0, 1), vec![6, 8, 9, 7], 5),
+            (ConvGeom::uniform(2, 3, 0, 1, 1), vec![6, 8, 9, 7], 5),
             (ConvGeom::uniform(2, 3, 1, 1, 2), vec![1, 9, 8, 10], 3),
             (
                 ConvGeom {
@@ -495,8 +495,8 @@ mod tests {
                 vec![2, 8, 5, 6],
                 4,
             ),
-            (ConvGeom::uniform(1, 4, 1, 2, 1), vec![5, 10, 12], 6),
-            (ConvGeom::uniform(3, 2, 1, 0, 1), vec![4, 8, 4, 5, 3], 3),
+            (ConvGeom::uniform(1, 4, 2, 1, 1), vec![5, 10, 12], 6),
+            (ConvGeom::uniform(3, 2, 0, 1, 1), vec![4, 8, 4, 5, 3], 3),
         ];
         for dt in [DType::F32, DType::F64] {
             for (g, xs, cout) in &cases {
@@ -535,11 +535,11 @@ mod tests {
         let dev = &Device::Cpu;
         let x = Tensor::zeros((1, 8, 6, 6), DType::F32, dev)?;
         let w = Tensor::zeros((2, 8, 3, 3), DType::F32, dev)?;
-        assert!(conv(&x, &w, &ConvGeom::uniform(2, 3, 2, 0, 1)).is_err()); // stride 2
+        assert!(conv(&x, &w, &ConvGeom::uniform(2, 3, 0, 2, 1)).is_err()); // stride 2
         let x4 = Tensor::zeros((1, 4, 6, 6), DType::F32, dev)?;
         let w4 = Tensor::zeros((2, 4, 3, 3), DType::F32, dev)?;
-        assert!(conv(&x4, &w4, &ConvGeom::uniform(2, 3, 1, 0, 1)).is_err()); // few channels
-        assert!(!applies(&ConvGeom::uniform(2, 3, 1, 0, 1), 2, 16));
+        assert!(conv(&x4, &w4, &ConvGeom::uniform(2, 3, 0, 1, 1)).is_err()); // few channels
+        assert!(!applies(&ConvGeom::uniform(2, 3, 0, 1, 1), 2, 16));
         Ok(())
     }
 }

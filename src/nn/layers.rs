@@ -1,14 +1,15 @@
 //! Layers mirroring candle_nn's, built through a `VarBuilder` with
 //! candle_nn's initialisations and parameter names.
 
-use super::{Module, Params};
+use super::{EagerCache, Module, Params};
 use crate::error::Result;
-use crate::kernels::unfold::ConvGeom;
+use crate::ir::ConvGeom;
 use crate::trace::Tracer;
 use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 fn full_name(prefix: &str, leaf: &str) -> String {
     if prefix.is_empty() {
@@ -39,6 +40,7 @@ pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
     prefix: String,
+    cache: EagerCache,
 }
 
 /// A linear layer with bias (candle_nn's `linear`).
@@ -49,6 +51,7 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
         weight,
         bias,
         prefix: vb.prefix(),
+        cache: EagerCache::default(),
     })
 }
 
@@ -59,10 +62,14 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
         weight,
         bias: None,
         prefix: vb.prefix(),
+        cache: EagerCache::default(),
     })
 }
 
 impl Module for Linear {
+    fn eager_cache(&self) -> Option<&EagerCache> {
+        Some(&self.cache)
+    }
     fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
         let y = x.matmul(&w.t()?)?;
@@ -108,6 +115,7 @@ pub struct Conv {
     bias: Option<Tensor>,
     cfg: ConvConfig,
     prefix: String,
+    cache: EagerCache,
 }
 
 fn conv(nd: usize, cin: usize, cout: usize, k: usize, cfg: ConvConfig, bias: bool, vb: VarBuilder) -> Result<Conv> {
@@ -125,6 +133,7 @@ fn conv(nd: usize, cin: usize, cout: usize, k: usize, cfg: ConvConfig, bias: boo
         bias,
         cfg,
         prefix: vb.prefix(),
+        cache: EagerCache::default(),
     })
 }
 
@@ -155,10 +164,13 @@ pub fn conv3d_no_bias(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: Va
 }
 
 impl Module for Conv {
+    fn eager_cache(&self) -> Option<&EagerCache> {
+        Some(&self.cache)
+    }
     fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
         let c = self.cfg;
-        let geom = ConvGeom::uniform(self.nd, 0, c.stride, c.padding, c.dilation);
+        let geom = ConvGeom::uniform(self.nd, 0, c.padding, c.stride, c.dilation);
         let y = x.conv(&w, geom, c.groups)?;
         match &self.bias {
             Some(b) => {
@@ -227,6 +239,7 @@ impl Module for Flatten {
 
 /// Elementwise activations.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub enum Activation {
     /// `max(x, 0)`
     Relu,
@@ -255,7 +268,7 @@ impl Module for Activation {
 #[derive(Debug)]
 pub struct Dropout {
     p: f64,
-    training: AtomicBool,
+    training: Arc<AtomicBool>,
 }
 
 impl Dropout {
@@ -263,14 +276,16 @@ impl Dropout {
     pub fn new(p: f64) -> Self {
         Dropout {
             p,
-            training: AtomicBool::new(false),
+            training: Arc::new(AtomicBool::new(false)),
         }
     }
 }
 
 impl Module for Dropout {
     fn forward_with(&self, _p: &Params, x: &Tracer) -> Result<Tracer> {
-        if !self.training.load(Ordering::Relaxed) || self.p == 0.0 {
+        // Read through the trace, so a cached graph is used only in the
+        // mode it was traced in.
+        if !x.read_mode(&self.training) || self.p == 0.0 {
             return Ok(x.clone());
         }
         if !(0.0..1.0).contains(&self.p) {
@@ -285,9 +300,7 @@ impl Module for Dropout {
         BTreeMap::new()
     }
     fn train(&self, on: bool) {
-        if self.training.swap(on, Ordering::Relaxed) != on {
-            crate::config::bump_mode_epoch();
-        }
+        self.training.store(on, Ordering::Relaxed);
     }
 }
 
@@ -295,6 +308,7 @@ impl Module for Dropout {
 #[derive(Default)]
 pub struct Sequential {
     layers: Vec<Box<dyn Module + Send + Sync>>,
+    cache: EagerCache,
 }
 
 /// An empty [`Sequential`].
@@ -307,6 +321,7 @@ impl Sequential {
     #[allow(clippy::should_implement_trait)]
     pub fn add<M: Module + Send + Sync + 'static>(mut self, layer: M) -> Self {
         self.layers.push(Box::new(layer));
+        self.cache = EagerCache::default(); // graphs of the shorter model are stale
         self
     }
 
@@ -336,5 +351,8 @@ impl Module for Sequential {
         for l in &self.layers {
             l.train(on);
         }
+    }
+    fn eager_cache(&self) -> Option<&EagerCache> {
+        Some(&self.cache)
     }
 }

@@ -5,6 +5,7 @@ use crate::trace::Tracer;
 
 /// How per-element losses are combined.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Reduction {
     /// The mean over the batch (PyTorch's default).
     #[default]

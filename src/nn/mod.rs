@@ -23,7 +23,7 @@
 //! let ys = vmap(|x: Tracer| model.forward(&x.unsqueeze(0)?)?.squeeze(0)).call(&xs)?;
 //! assert_eq!(ys.dims(), &[16, 10]);
 //! // the same model, eagerly, on the whole batch
-//! let eager = model.forward_t(&xs)?;
+//! let eager = model.forward_eager(&xs)?;
 //! assert!((ys - eager)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
 //! # Ok::<(), candle_func::Error>(())
 //! ```
@@ -39,7 +39,7 @@ pub use loss::{cross_entropy, mse, nll, Reduction};
 
 use crate::error::{Error, Result};
 use crate::trace::Tracer;
-use crate::transforms::jit;
+use crate::transforms::{call_concrete, jit, GraphCache};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 
@@ -95,12 +95,53 @@ pub trait Module {
         self.forward_with(&Params::own(), x)
     }
 
-    /// Runs the module eagerly on a concrete batch (traced, then run).
-    fn forward_t(&self, x: &Tensor) -> Result<Tensor>
+    /// Runs the module eagerly on a concrete batch: traced once per input
+    /// signature and train/eval mode, the graph kept in the module's
+    /// [`EagerCache`] (see [`Module::eager_cache`]), then run. (candle_nn's
+    /// `forward_t(xs, train)` is another thing: here the mode is set with
+    /// [`Module::train`].)
+    fn forward_eager(&self, x: &Tensor) -> Result<Tensor>
     where
         Self: Sized,
     {
-        jit(|x: Tracer| self.forward(&x)).call(x)
+        let f = |x: Tracer| self.forward(&x);
+        match self.eager_cache() {
+            Some(cache) => cache.call(&f, x),
+            None => jit(f).call(x),
+        }
+    }
+
+    /// Where [`Module::forward_eager`] keeps its traced graphs. The crate's
+    /// layers and [`Sequential`] have one; the default, `None`, traces anew
+    /// on every call, which is always correct: a cache is only right for a
+    /// module whose trace depends on nothing but its input signature and
+    /// the train/eval flags it reads.
+    fn eager_cache(&self) -> Option<&EagerCache> {
+        None
+    }
+}
+
+/// The traced graphs of one module's [`Module::forward_eager`], per input
+/// signature. Cloning gives an empty cache (a clone may be changed).
+#[derive(Default, Debug)]
+pub struct EagerCache {
+    cache: GraphCache,
+}
+
+impl Clone for EagerCache {
+    fn clone(&self) -> Self {
+        EagerCache::default()
+    }
+}
+
+impl EagerCache {
+    fn call<F: Fn(Tracer) -> Result<Tracer>>(&self, f: &F, x: &Tensor) -> Result<Tensor> {
+        call_concrete(f, &self.cache, x)
+    }
+
+    /// Number of input signatures traced so far.
+    pub fn traced_signatures(&self) -> usize {
+        self.cache.len()
     }
 }
 

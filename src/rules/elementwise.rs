@@ -1,63 +1,12 @@
 //! Elementwise primitives: unary maps, casts, broadcasting binary maps,
 //! comparisons and `where`.
 
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
+use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
+use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::compare;
-use crate::trace::Builder;
 use candle_core::{DType, Tensor};
-
-/// Unary elementwise maps.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Unary {
-    /// `-x`
-    Neg,
-    /// `e^x`
-    Exp,
-    /// natural logarithm
-    Log,
-    /// square root
-    Sqrt,
-    /// `x * x`
-    Sqr,
-    /// `1 / x`
-    Recip,
-    /// absolute value
-    Abs,
-    /// `max(x, 0)`
-    Relu,
-    /// hyperbolic tangent
-    Tanh,
-    /// logistic sigmoid
-    Sigmoid,
-    /// `x^e` for a constant exponent
-    Powf(f64),
-    /// `x * mul + add`
-    Affine(f64, f64),
-    /// conversion to another dtype
-    Cast(DType),
-}
-
-impl Unary {
-    pub(crate) fn name(&self) -> String {
-        match self {
-            Unary::Neg => "neg".into(),
-            Unary::Exp => "exp".into(),
-            Unary::Log => "log".into(),
-            Unary::Sqrt => "sqrt".into(),
-            Unary::Sqr => "sqr".into(),
-            Unary::Recip => "recip".into(),
-            Unary::Abs => "abs".into(),
-            Unary::Relu => "relu".into(),
-            Unary::Tanh => "tanh".into(),
-            Unary::Sigmoid => "sigmoid".into(),
-            Unary::Powf(e) => format!("powf[{e}]"),
-            Unary::Affine(m, a) => format!("affine[mul={m},add={a}]"),
-            Unary::Cast(dt) => format!("cast[{}]", format!("{dt:?}").to_lowercase()),
-        }
-    }
-}
 
 fn is_float(dt: DType) -> bool {
     matches!(dt, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
@@ -80,7 +29,7 @@ impl Rule for Unary {
         Ok(args[0].clone())
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let r = match self {
             Unary::Neg => x.neg(),
@@ -176,43 +125,6 @@ fn sign(b: &mut Builder, x: VarId) -> Result<VarId> {
     b.select(pos, one, inner)
 }
 
-impl TensorType {
-    pub(crate) fn cast(mut self, dtype: DType) -> TensorType {
-        self.dtype = dtype;
-        self
-    }
-}
-
-/// Binary elementwise maps with numpy broadcasting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Binary {
-    /// `a + b`
-    Add,
-    /// `a - b`
-    Sub,
-    /// `a * b`
-    Mul,
-    /// `a / b`
-    Div,
-    /// elementwise maximum
-    Maximum,
-    /// elementwise minimum
-    Minimum,
-}
-
-impl Binary {
-    pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Binary::Add => "add",
-            Binary::Sub => "sub",
-            Binary::Mul => "mul",
-            Binary::Div => "div",
-            Binary::Maximum => "maximum",
-            Binary::Minimum => "minimum",
-        }
-    }
-}
-
 impl Rule for Binary {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         arity(self.name(), args, 2)?;
@@ -223,7 +135,7 @@ impl Rule for Binary {
         ))
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
         let r = match self {
             Binary::Add => a.broadcast_add(b),
@@ -284,23 +196,6 @@ fn extremum_share(b: &mut Builder, wins: Compare, x: VarId, y: VarId, ct: VarId)
     b.select(win, ct, tied)
 }
 
-/// Elementwise comparisons, giving a `u8` mask (1 where true).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compare {
-    /// `a == b`
-    Eq,
-    /// `a != b`
-    Ne,
-    /// `a < b`
-    Lt,
-    /// `a <= b`
-    Le,
-    /// `a > b`
-    Gt,
-    /// `a >= b`
-    Ge,
-}
-
 impl Compare {
     /// Which orderings of `a` against `b` make the comparison true.
     fn accept(self) -> compare::Accept {
@@ -319,17 +214,6 @@ impl Compare {
             greater,
         }
     }
-
-    pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Compare::Eq => "eq",
-            Compare::Ne => "ne",
-            Compare::Lt => "lt",
-            Compare::Le => "le",
-            Compare::Gt => "gt",
-            Compare::Ge => "ge",
-        }
-    }
 }
 
 impl Rule for Compare {
@@ -340,7 +224,7 @@ impl Rule for Compare {
         Ok(TensorType::new(shape, DType::U8))
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
         if let Some(m) = compare::with_scalar(a, b, self.accept()).op(self.name())? {
             return m.reshape(out.shape.as_slice()).op(self.name());
@@ -384,7 +268,7 @@ impl Rule for Where {
         Ok(TensorType::new(broadcast_shapes("where", &s, &args[2].shape)?, dt))
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let shape = out.shape.as_slice();
         let m = args[0].broadcast_as(shape).op("where")?;
         let t = args[1].broadcast_as(shape).op("where")?;

@@ -1,48 +1,11 @@
 //! Indexing primitives: index-select and gather (picking a label's
 //! log-probability is `gather` along the class axis).
 
-use super::{arity, BVal, BatchCx, Cts, Rule};
+use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
+use crate::ir::ops::IndexOp;
 use crate::ir::{Prim, TensorType, VarId};
-use crate::trace::Builder;
 use candle_core::{DType, Tensor};
-
-/// Indexing primitives; the index operand is an integer tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IndexOp {
-    /// `x.index_select(idx, axis)`: `idx` is 1-D; the result takes
-    /// `x[.., idx[k], ..]` along `axis`.
-    IndexSelect(usize),
-    /// `x.gather(idx, axis)`: `idx` has x's rank; `out[.., k, ..] = x[.., idx[.., k, ..], ..]`.
-    Gather(usize),
-    /// The adjoint of index-select: `src` rows added into `size` rows at
-    /// `idx` along `axis` (zeros elsewhere).
-    IndexAdd {
-        /// The axis.
-        axis: usize,
-        /// Size of the result along `axis`.
-        size: usize,
-    },
-    /// The adjoint of gather: `src` (shaped like `idx`) added into `size`
-    /// positions along `axis` at `idx`.
-    ScatterAdd {
-        /// The axis.
-        axis: usize,
-        /// Size of the result along `axis`.
-        size: usize,
-    },
-}
-
-impl IndexOp {
-    pub(crate) fn name(&self) -> String {
-        match self {
-            IndexOp::IndexSelect(a) => format!("index_select[axis={a}]"),
-            IndexOp::Gather(a) => format!("gather[axis={a}]"),
-            IndexOp::IndexAdd { axis, size } => format!("index_add[axis={axis},size={size}]"),
-            IndexOp::ScatterAdd { axis, size } => format!("scatter_add[axis={axis},size={size}]"),
-        }
-    }
-}
 
 fn check_index_dtype(op: &'static str, idx: &TensorType) -> Result<()> {
     if !matches!(idx.dtype, DType::U8 | DType::U32 | DType::I64) {
@@ -117,7 +80,7 @@ impl Rule for IndexOp {
         }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
         match *self {
@@ -147,6 +110,7 @@ impl Rule for IndexOp {
             // A per-example index: B K -> B 1.. K 1.. -> B x..(K at axis), then gather.
             (IndexOp::IndexSelect(axis), Some(_)) => {
                 let xb = cx.materialize(x)?;
+                // A per-example index: B K -> B 1.. K 1.. -> broadcast, then gather.
                 let ib = cx.front(idx)?;
                 let mut target = cx.b.dims(xb);
                 let k = cx.b.dims(ib)[1];

@@ -1,12 +1,11 @@
 //! Matrix product with broadcast leading (batch) axes:
 //! `[.., m, k] @ [.., k, n] -> [.., m, n]`, both operands of rank >= 2.
 
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Cts, Rule};
+use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::bmm;
 use crate::kernels::outer::outer;
-use crate::trace::Builder;
 use candle_core::Tensor;
 
 /// The matrix product primitive.
@@ -35,7 +34,7 @@ impl Rule for Matmul {
         Ok(TensorType::new(out, dt))
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
         let (ad, bd) = (a.dims(), b.dims());
         let r = if bd.len() == 2 && ad.len() > 2 {
@@ -71,7 +70,9 @@ impl Rule for Matmul {
             // m k @ B k n: B k n -> k B n -> k (B n), one GEMM, -> m B n.
             (None, Some(_)) if ra == 2 && rb == 2 => {
                 let bb = cx.front(b)?;
-                let [_, k, n] = cx.b.dims(bb)[..] else { unreachable!() };
+                let [_, k, n] = cx.b.dims(bb)[..] else {
+                    return Err(Error::internal("matmul", "a batched matrix of rank other than 3"));
+                };
                 let t = cx.b.permute(bb, vec![1, 0, 2])?;
                 let t = cx.b.reshape(t, vec![k, cx.size * n])?;
                 let y = cx.b.emit(Prim::Matmul, &[a.0, t])?;

@@ -1,47 +1,57 @@
-//! Primitive rules, one file per family. Every primitive implements [`Rule`]:
-//! how its result type follows from its operands (checked while tracing),
-//! how it runs on candle, and how it batches under `vmap`. Transforms own the
-//! driver loops; the families own the rules.
+//! Primitive rules, one file (or folder) per family, and the graph walkers
+//! that apply them. Every primitive implements [`Rule`]: how its result
+//! type follows from its operands (checked while tracing), how it runs on
+//! candle, how it batches under `vmap`, and its VJP. The walkers
+//! ([`walk`]) re-emit a whole graph through the batching or the VJP rules;
+//! the transforms drive them.
 //!
 //! Batching rules follow functorch: a pure function from `(value, Option<batch
 //! axis>)` operands to a `(value, Option<batch axis>)` result, emitting the
-//! batched computation into the builder of the enclosing trace.
+//! batched computation into the builder of the enclosing trace. Rules are
+//! pure: no timing, no global state, no running of graphs. Where a
+//! primitive has several lowerings (the conv routes) the rule asks the
+//! [`plan::Planner`] in its context, which the transforms supply.
 
+pub(crate) mod builder;
 pub(crate) mod conv;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
-pub(crate) mod fallback;
 pub(crate) mod index;
+pub(crate) mod map;
 pub(crate) mod matmul;
+pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod random;
 pub(crate) mod reduce;
 pub(crate) mod shape;
+pub(crate) mod walk;
+
+pub(crate) use builder::{Builder, BuilderRef, Outer, TraceCtx};
 
 use crate::error::{Error, Result};
+use crate::ir::options::{ConvRoute, Opts};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::route::ConvRoute;
-use crate::trace::Builder;
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 /// A value under `vmap`: its id in the output builder and the axis that
 /// carries the batch, if any.
 pub(crate) type BVal = (VarId, Option<usize>);
 
-/// Options that batching rules read.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct BatchOpts {
-    pub(crate) route: ConvRoute,
-    pub(crate) strict: bool,
-    pub(crate) randomness: crate::transforms::vmap::Randomness,
-}
-
 /// What a batching rule works with: the builder it emits into, the size of
-/// the mapped axis, and the options.
+/// the mapped axis, the options, and the planner that picks among
+/// lowerings.
 pub(crate) struct BatchCx<'a> {
     pub(crate) b: &'a mut Builder,
     pub(crate) size: usize,
-    pub(crate) opts: &'a BatchOpts,
+    pub(crate) opts: &'a Opts,
+    pub(crate) plan: &'a dyn plan::Planner,
+}
+
+/// What a run rule may need besides its operands: the device of the run
+/// (for primitives without operands) and the seed of this node's draws.
+pub(crate) struct RunCx<'a> {
+    pub(crate) device: &'a Device,
+    pub(crate) seed: u64,
 }
 
 /// The rules of one primitive.
@@ -49,8 +59,8 @@ pub(crate) trait Rule {
     /// The result type, or a shape/dtype error naming the operation.
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType>;
     /// Computes the primitive on candle tensors.
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor>;
-    /// Emits the batched computation; `Ok(None)` asks for the generic loop.
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor>;
+    /// Emits the batched computation; `Ok(None)` asks for the generic map.
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>>;
     /// Emits the cotangent of each operand from the cotangent `ct` of the
     /// result (`out`); `None` for an operand without one (indices, masks).
@@ -76,11 +86,11 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Matmul => &matmul::Matmul,
         Prim::Conv(r) => r,
         Prim::Pool(r) => r,
-        Prim::Loop(r) => r.as_ref(),
+        Prim::Map(r) => r.as_ref(),
         Prim::Custom(r) => r,
         Prim::Random(r) => r,
         Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_) => {
-            return Err(Error::unsupported(prim.name(), "rules", "a leaf has no rules"))
+            return Err(Error::internal(prim.name(), "a leaf has no rules"))
         }
     })
 }
@@ -101,6 +111,15 @@ pub(crate) fn arity(op: &'static str, args: &[&TensorType], n: usize) -> Result<
         ));
     }
     Ok(())
+}
+
+/// The product of sizes computed from user input, or a shape error naming
+/// the operation when it overflows.
+pub(crate) fn checked_product(op: &'static str, shapes: &[&[usize]], sizes: &[usize]) -> Result<usize> {
+    sizes
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| Error::shape(op, shapes, format!("the size {sizes:?} overflows")))
 }
 
 /// Checks that all operands share one dtype and returns it.
@@ -147,109 +166,25 @@ pub(crate) fn norm_axis(op: &'static str, shape: &[usize], axis: isize) -> Resul
     Ok(a as usize)
 }
 
-// Emitting helpers shared by the rules: each adds one shape node.
-impl Builder {
-    pub(crate) fn reshape(&mut self, v: VarId, shape: Vec<usize>) -> Result<VarId> {
-        if self.dims(v) == shape {
-            return Ok(v);
-        }
-        self.emit(Prim::Shape(shape::ShapeOp::Reshape(shape)), &[v])
-    }
-
-    pub(crate) fn permute(&mut self, v: VarId, perm: Vec<usize>) -> Result<VarId> {
-        if perm.iter().enumerate().all(|(i, &p)| i == p) {
-            return Ok(v);
-        }
-        self.emit(Prim::Shape(shape::ShapeOp::Permute(perm)), &[v])
-    }
-
-    /// Moves axis `from` to position `to`, keeping the others in order.
-    pub(crate) fn move_axis(&mut self, v: VarId, from: usize, to: usize) -> Result<VarId> {
-        let mut perm: Vec<usize> = (0..self.ty(v).rank()).filter(|&i| i != from).collect();
-        perm.insert(to, from);
-        self.permute(v, perm)
-    }
-
-    pub(crate) fn broadcast(&mut self, v: VarId, shape: Vec<usize>) -> Result<VarId> {
-        if self.dims(v) == shape {
-            return Ok(v);
-        }
-        self.emit(Prim::Shape(shape::ShapeOp::Broadcast(shape)), &[v])
-    }
-
-    pub(crate) fn narrow(&mut self, v: VarId, axis: usize, start: usize, len: usize) -> Result<VarId> {
-        if start == 0 && self.dims(v)[axis] == len {
-            return Ok(v);
-        }
-        self.emit(Prim::Shape(shape::ShapeOp::Narrow { axis, start, len }), &[v])
-    }
-
-    pub(crate) fn concat(&mut self, vs: &[VarId], axis: usize) -> Result<VarId> {
-        if vs.len() == 1 {
-            return Ok(vs[0]);
-        }
-        self.emit(Prim::Shape(shape::ShapeOp::Concat(axis)), vs)
-    }
-}
-
-// Emitting helpers for the VJP rules.
-impl Builder {
-    pub(crate) fn un(&mut self, u: elementwise::Unary, v: VarId) -> Result<VarId> {
-        self.emit(Prim::Unary(u), &[v])
-    }
-
-    pub(crate) fn bin(&mut self, op: elementwise::Binary, a: VarId, b: VarId) -> Result<VarId> {
-        self.emit(Prim::Binary(op), &[a, b])
-    }
-
-    pub(crate) fn cmp(&mut self, op: elementwise::Compare, a: VarId, b: VarId) -> Result<VarId> {
-        self.emit(Prim::Compare(op), &[a, b])
-    }
-
-    /// `where(mask, t, f)`
-    pub(crate) fn select(&mut self, mask: VarId, t: VarId, f: VarId) -> Result<VarId> {
-        self.emit(Prim::Where, &[mask, t, f])
-    }
-
-    /// A scalar literal with `like`'s dtype.
-    pub(crate) fn scalar_as(&mut self, value: f64, like: VarId) -> VarId {
-        let dt = self.ty(like).dtype;
-        self.scalar(value, dt)
-    }
-
-    /// Zeros of a shape and dtype (a broadcast literal).
-    pub(crate) fn zeros(&mut self, shape: Vec<usize>, dtype: candle_core::DType) -> Result<VarId> {
-        let z = self.scalar(0.0, dtype);
-        self.broadcast(z, shape)
-    }
-
-    pub(crate) fn sum_axes(&mut self, v: VarId, axes: Vec<usize>, keepdim: bool) -> Result<VarId> {
-        if axes.is_empty() {
-            return Ok(v);
-        }
-        self.emit(Prim::Reduce(reduce::Reduce::Sum { axes, keepdim }), &[v])
-    }
-
-    /// Sums a broadcast result back to an operand's shape: over the leading
-    /// axes the operand lacks and the axes where it has size 1.
-    pub(crate) fn sum_to(&mut self, v: VarId, shape: &[usize]) -> Result<VarId> {
-        let s = self.dims(v);
-        if s == shape {
-            return Ok(v);
-        }
-        let lead = s.len() - shape.len();
-        let mut axes: Vec<usize> = (0..lead).collect();
-        axes.extend(
-            (0..shape.len())
-                .filter(|&i| shape[i] == 1 && s[lead + i] != 1)
-                .map(|i| i + lead),
-        );
-        let r = self.sum_axes(v, axes, true)?;
-        self.reshape(r, shape.to_vec())
-    }
-}
-
 impl BatchCx<'_> {
+    /// The lowering of a primitive with several (the conv routes): the
+    /// options' route, or for `Auto` the planner's choice among
+    /// `candidates` for these operands.
+    pub(crate) fn route(&mut self, prim: &Prim, args: &[BVal], candidates: &[ConvRoute]) -> Result<ConvRoute> {
+        if self.opts.route != ConvRoute::Auto {
+            return Ok(self.opts.route);
+        }
+        let choice = plan::Choice {
+            prim,
+            args: args.iter().map(|&(v, bd)| (self.b.ty(v).clone(), bd)).collect(),
+            size: self.size,
+            candidates,
+            opts: self.opts,
+            device: &self.b.ctx.device,
+        };
+        self.plan.choose(&choice)
+    }
+
     /// The batched value with its batch axis first; unbatched values are
     /// returned as they are.
     pub(crate) fn front(&mut self, (v, bdim): BVal) -> Result<VarId> {

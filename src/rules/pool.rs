@@ -4,89 +4,13 @@
 //! other than the kernel); the average-pooling gradient spreads each
 //! window's cotangent over the window's unfolded columns and folds them back.
 
-use super::{arity, BVal, BatchCx, Cts, Rule};
+use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
+use crate::ir::ops::{PoolOp, Window};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::pool;
 use crate::kernels::unfold::{fold, ConvGeom};
-use crate::trace::Builder;
 use candle_core::Tensor;
-
-/// Pooling primitives and their gradients.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PoolOp {
-    /// Maximum over each `kernel` window, windows `stride` apart.
-    MaxPool2d {
-        /// Window (height, width).
-        kernel: (usize, usize),
-        /// Step (height, width).
-        stride: (usize, usize),
-    },
-    /// Mean over each window.
-    AvgPool2d {
-        /// Window (height, width).
-        kernel: (usize, usize),
-        /// Step (height, width).
-        stride: (usize, usize),
-    },
-    /// `(x, ct) -> dx`: each window's cotangent goes to the window's first
-    /// maximum of `x`.
-    MaxPoolGrad {
-        /// Window (height, width).
-        kernel: (usize, usize),
-        /// Step (height, width).
-        stride: (usize, usize),
-    },
-    /// `(x, g) -> [N, C, H', W']`: `g` read at each window's first maximum of
-    /// `x` (the adjoint of `MaxPoolGrad` in its second operand).
-    MaxPoolSelect {
-        /// Window (height, width).
-        kernel: (usize, usize),
-        /// Step (height, width).
-        stride: (usize, usize),
-    },
-    /// `ct -> dx`: each window's cotangent spread evenly over the window.
-    AvgPoolGrad {
-        /// Window (height, width).
-        kernel: (usize, usize),
-        /// Step (height, width).
-        stride: (usize, usize),
-        /// Input (height, width).
-        input: (usize, usize),
-    },
-}
-
-type Window = ((usize, usize), (usize, usize));
-
-impl PoolOp {
-    pub(crate) fn name(&self) -> String {
-        let (kind, (k, s)) = (self.kind(), self.window());
-        match self {
-            PoolOp::AvgPoolGrad { input, .. } => format!("{kind}[k={k:?},s={s:?},size={input:?}]"),
-            _ => format!("{kind}[k={k:?},s={s:?}]"),
-        }
-    }
-
-    fn kind(&self) -> &'static str {
-        match self {
-            PoolOp::MaxPool2d { .. } => "max_pool2d",
-            PoolOp::AvgPool2d { .. } => "avg_pool2d",
-            PoolOp::MaxPoolGrad { .. } => "max_pool2d_grad",
-            PoolOp::MaxPoolSelect { .. } => "max_pool2d_select",
-            PoolOp::AvgPoolGrad { .. } => "avg_pool2d_grad",
-        }
-    }
-
-    fn window(&self) -> Window {
-        match *self {
-            PoolOp::MaxPool2d { kernel, stride }
-            | PoolOp::AvgPool2d { kernel, stride }
-            | PoolOp::MaxPoolGrad { kernel, stride }
-            | PoolOp::MaxPoolSelect { kernel, stride }
-            | PoolOp::AvgPoolGrad { kernel, stride, .. } => (kernel, stride),
-        }
-    }
-}
 
 fn pooled(kind: &'static str, (k, s): Window, x: &[usize]) -> Result<Vec<usize>> {
     let ((kh, kw), (sh, sw)) = (k, s);
@@ -139,7 +63,7 @@ impl Rule for PoolOp {
         }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let op = self.name();
         let w = self.window();
         let r = match self {

@@ -1,45 +1,12 @@
 //! Reductions over axes, and (log-)softmax along one axis.
 
-use super::elementwise::{Binary, Compare, Unary};
-use super::{arity, BVal, BatchCx, Cts, Rule};
+use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
+use crate::ir::ops::{Binary, Compare, Reduce, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::trace::Builder;
 use candle_core::Tensor;
 
-/// Reductions.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Reduce {
-    /// Sum over `axes` (sorted, distinct), keeping them as unit axes or not.
-    Sum {
-        /// Reduced axes.
-        axes: Vec<usize>,
-        /// Keep reduced axes with size 1.
-        keepdim: bool,
-    },
-    /// Maximum over `axes`.
-    Max {
-        /// Reduced axes.
-        axes: Vec<usize>,
-        /// Keep reduced axes with size 1.
-        keepdim: bool,
-    },
-    /// Softmax along one axis.
-    Softmax(usize),
-    /// Log-softmax along one axis.
-    LogSoftmax(usize),
-}
-
 impl Reduce {
-    pub(crate) fn name(&self) -> String {
-        match self {
-            Reduce::Sum { axes, keepdim } => format!("sum[axes={axes:?}{}]", kd(*keepdim)),
-            Reduce::Max { axes, keepdim } => format!("max[axes={axes:?}{}]", kd(*keepdim)),
-            Reduce::Softmax(a) => format!("softmax[axis={a}]"),
-            Reduce::LogSoftmax(a) => format!("log_softmax[axis={a}]"),
-        }
-    }
-
     /// The same reduction on a tensor with `n` extra leading axes.
     fn shifted(&self, n: usize) -> Reduce {
         let sh = |axes: &Vec<usize>| axes.iter().map(|a| a + n).collect();
@@ -55,14 +22,6 @@ impl Reduce {
             Reduce::Softmax(a) => Reduce::Softmax(a + n),
             Reduce::LogSoftmax(a) => Reduce::LogSoftmax(a + n),
         }
-    }
-}
-
-fn kd(keepdim: bool) -> &'static str {
-    if keepdim {
-        ",keepdim"
-    } else {
-        ""
     }
 }
 
@@ -146,7 +105,7 @@ impl Rule for Reduce {
         }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let op = self.name();
         match self {

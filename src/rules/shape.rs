@@ -1,46 +1,12 @@
 //! Shape primitives: reshape, permute, broadcast, narrow, concatenate.
 //! (squeeze, unsqueeze, flatten, transpose and stack are built from these.)
 
-use super::{same_dtype, BVal, BatchCx, Cts, Rule};
+use super::{checked_product, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
+use crate::ir::ops::ShapeOp;
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::transpose;
-use crate::trace::Builder;
 use candle_core::Tensor;
-
-/// Shape primitives.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ShapeOp {
-    /// Same elements, new dimensions (row-major order).
-    Reshape(Vec<usize>),
-    /// Axis `i` of the result is axis `perm[i]` of the operand.
-    Permute(Vec<usize>),
-    /// Numpy broadcasting (right-aligned) to a larger shape.
-    Broadcast(Vec<usize>),
-    /// `len` elements from `start` along `axis`.
-    Narrow {
-        /// The sliced axis.
-        axis: usize,
-        /// First index kept.
-        start: usize,
-        /// Number of indices kept.
-        len: usize,
-    },
-    /// Concatenation of all operands along an axis.
-    Concat(usize),
-}
-
-impl ShapeOp {
-    pub(crate) fn name(&self) -> String {
-        match self {
-            ShapeOp::Reshape(s) => format!("reshape[{s:?}]"),
-            ShapeOp::Permute(p) => format!("permute[{p:?}]"),
-            ShapeOp::Broadcast(s) => format!("broadcast[{s:?}]"),
-            ShapeOp::Narrow { axis, start, len } => format!("narrow[axis={axis},start={start},len={len}]"),
-            ShapeOp::Concat(a) => format!("concat[axis={a}]"),
-        }
-    }
-}
 
 /// Whether `from` broadcasts to `to` (numpy rules, right-aligned).
 pub(crate) fn broadcasts_to(from: &[usize], to: &[usize]) -> bool {
@@ -51,7 +17,11 @@ fn infer_one(op: &ShapeOp, x: &TensorType) -> Result<TensorType> {
     let s = x.shape.as_slice();
     match op {
         ShapeOp::Reshape(to) => {
-            if to.iter().product::<usize>() != x.elem_count() {
+            let (n, m) = (
+                checked_product("reshape", &[s, to], to)?,
+                checked_product("reshape", &[s, to], s)?,
+            );
+            if n != m {
                 return Err(Error::shape("reshape", &[s, to], "element counts differ"));
             }
             Ok(x.with_shape(to.clone()))
@@ -90,7 +60,7 @@ fn infer_one(op: &ShapeOp, x: &TensorType) -> Result<TensorType> {
             d[*axis] = *len;
             Ok(x.with_shape(d))
         }
-        ShapeOp::Concat(_) => unreachable!("concat is n-ary"),
+        ShapeOp::Concat(_) => Err(Error::internal("concat", "an n-ary primitive inferred as unary")),
     }
 }
 
@@ -131,7 +101,7 @@ impl Rule for ShapeOp {
         }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let op = self.name();
         match self {

@@ -5,93 +5,16 @@
 //! composes with `vmap` (and with itself) in any order.
 
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{call_concrete, flatten_call, innermost, trace_inner, trace_top, Function, GraphCache};
+use super::{call_concrete, flatten_call, innermost, settings, trace_inner, trace_top, Function, GraphCache};
 use crate::error::{Error, Result};
 use crate::interp;
+use crate::ir::options::Options;
 use crate::ir::{Graph, Node, Prim, TensorType, VarId};
-use crate::rules::elementwise::Binary;
-use crate::rules::rule;
-use crate::trace::{Builder, Tracer};
+use crate::rules::walk::vjp_graph;
+use crate::rules::{Builder, TraceCtx};
+use crate::trace::Tracer;
 use candle_core::Tensor;
 use std::marker::PhantomData;
-
-/// Re-emits `g` into `b` with its inputs bound to `inputs`; returns the id
-/// of every node.
-fn forward(g: &Graph, b: &mut Builder, inputs: &[VarId]) -> Result<Vec<VarId>> {
-    let mut env = vec![usize::MAX; g.nodes.len()];
-    for (k, &v) in g.inputs.iter().enumerate() {
-        env[v] = inputs[k];
-    }
-    for (v, node) in g.nodes.iter().enumerate() {
-        env[v] = match &node.prim {
-            Prim::Input(_) => env[v],
-            Prim::Const(k) => b.constant(&g.consts[*k]),
-            Prim::Scalar(x) => b.scalar(*x, node.ty.dtype),
-            prim => {
-                let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
-                b.emit(prim.clone(), &args)?
-            }
-        };
-    }
-    Ok(env)
-}
-
-/// Emits the forward pass of `g` and then its reverse pass into `b`. `wrt`
-/// marks the inputs to differentiate; `seeds` gives the cotangent of some
-/// outputs. Returns the forward outputs and each input's cotangent (`None`
-/// where no differentiated path reaches it).
-pub(crate) fn vjp_graph(
-    g: &Graph,
-    b: &mut Builder,
-    inputs: &[VarId],
-    wrt: &[bool],
-    seeds: &[(usize, VarId)],
-) -> Result<(Vec<VarId>, Vec<Option<VarId>>)> {
-    let env = forward(g, b, inputs)?;
-    // Only nodes downstream of a differentiated input carry cotangents.
-    let mut needs = vec![false; g.nodes.len()];
-    for (k, &v) in g.inputs.iter().enumerate() {
-        needs[v] = wrt[k];
-    }
-    for (v, node) in g.nodes.iter().enumerate() {
-        if !node.prim.is_leaf() {
-            needs[v] = node.args.iter().any(|&a| needs[a]);
-        }
-    }
-    let mut cts: Vec<Option<VarId>> = vec![None; g.nodes.len()];
-    for &(o, seed) in seeds {
-        accumulate(b, &mut cts, g.outputs[o], seed)?;
-    }
-    for (v, node) in g.nodes.iter().enumerate().rev() {
-        let Some(ct) = cts[v] else { continue };
-        if !needs[v] || node.prim.is_leaf() {
-            continue;
-        }
-        let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
-        let arg_cts = rule(&node.prim)?
-            .vjp(b, &args, env[v], ct)?
-            .ok_or_else(|| no_rule(&node.prim))?;
-        for (&a, g_a) in node.args.iter().zip(arg_cts) {
-            if let (Some(g_a), true) = (g_a, needs[a]) {
-                accumulate(b, &mut cts, a, g_a)?;
-            }
-        }
-    }
-    let outs = g.outputs.iter().map(|&o| env[o]).collect();
-    Ok((outs, g.inputs.iter().map(|&v| cts[v]).collect()))
-}
-
-fn no_rule(prim: &Prim) -> Error {
-    Error::unsupported(prim.kind(), "grad", format!("{} has no VJP rule", prim.name()))
-}
-
-fn accumulate(b: &mut Builder, cts: &mut [Option<VarId>], v: VarId, g: VarId) -> Result<()> {
-    cts[v] = Some(match cts[v] {
-        None => g,
-        Some(prev) => b.bin(Binary::Add, prev, g)?,
-    });
-    Ok(())
-}
 
 /// The argument list's element `I`.
 pub trait Nth<const I: usize> {
@@ -175,6 +98,7 @@ pub struct ValueAux;
 /// The gradient of a scalar function (see [`grad`], [`value_and_grad`]).
 pub struct Grad<F, W = Wrt<0>, M = Plain> {
     f: F,
+    options: Options,
     cache: GraphCache,
     _sel: PhantomData<fn() -> (W, M)>,
 }
@@ -200,6 +124,7 @@ pub struct Grad<F, W = Wrt<0>, M = Plain> {
 pub fn grad<F>(f: F) -> Grad<F> {
     Grad {
         f,
+        options: Options::new(),
         cache: GraphCache::default(),
         _sel: PhantomData,
     }
@@ -210,6 +135,7 @@ pub fn grad<F>(f: F) -> Grad<F> {
 pub fn value_and_grad<F>(f: F) -> Grad<F, Wrt<0>, Value> {
     Grad {
         f,
+        options: Options::new(),
         cache: GraphCache::default(),
         _sel: PhantomData,
     }
@@ -219,9 +145,18 @@ impl<F, W, M> Grad<F, W, M> {
     fn with<W2, M2>(self) -> Grad<F, W2, M2> {
         Grad {
             f: self.f,
+            options: self.options,
             cache: GraphCache::default(),
             _sel: PhantomData,
         }
+    }
+
+    /// Options inherited by the transforms inside the differentiated
+    /// function (route, strict mode), and the seed of its random draws.
+    pub fn options(mut self, options: Options) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = options;
+        self
     }
 
     /// Differentiate with respect to argument `I` instead.
@@ -274,7 +209,7 @@ struct Differentiated<O, G> {
     grads: G,
 }
 
-fn differentiate<S, F, W>(f: &F, args: S) -> Result<Differentiated<F::Output, W::Grads>>
+fn differentiate<S, F, W>(f: &F, options: &Options, args: S) -> Result<Differentiated<F::Output, W::Grads>>
 where
     S: ArgList,
     F: Function<S>,
@@ -287,7 +222,10 @@ where
         .iter()
         .map(|a| a.iter().map(|t| t.ty.clone()).collect())
         .collect();
-    let (g, captures, out_def) = trace_inner(f, &outer, &defs, &types)?;
+    options.check_not_vmap("grad")?;
+    let given = options.inherit(&outer.borrow().given);
+    outer.borrow().ctx.offer_seed(options.get_seed());
+    let (g, captures, out_def) = trace_inner(f, &outer, given, &defs, &types)?;
     let loss = g
         .outputs
         .first()
@@ -306,7 +244,7 @@ where
         let (mut inputs, mut wrt) = (Vec::new(), Vec::new());
         for (arg, arg_leaves) in leaves.iter().enumerate() {
             for t in arg_leaves {
-                inputs.push(ob.lift(t)?);
+                inputs.push(ob.lift(&t.outer())?);
                 wrt.push(sel.contains(&arg));
             }
         }
@@ -339,31 +277,47 @@ where
 impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for Grad<F, W, Plain> {
     type Output = W::Grads;
     fn apply(&self, args: S) -> Result<W::Grads> {
-        Ok(differentiate::<S, F, W>(&self.f, args)?.grads)
+        Ok(differentiate::<S, F, W>(&self.f, &self.options, args)?.grads)
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }
 
 impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S> for Grad<F, W, Aux> {
     type Output = (W::Grads, A);
     fn apply(&self, args: S) -> Result<(W::Grads, A)> {
-        let d = differentiate::<S, F, W>(&self.f, args)?;
+        let d = differentiate::<S, F, W>(&self.f, &self.options, args)?;
         Ok((d.grads, d.out.1))
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }
 
 impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for Grad<F, W, Value> {
     type Output = (Tracer, W::Grads);
     fn apply(&self, args: S) -> Result<(Tracer, W::Grads)> {
-        let d = differentiate::<S, F, W>(&self.f, args)?;
+        let d = differentiate::<S, F, W>(&self.f, &self.options, args)?;
         Ok((d.out, d.grads))
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }
 
 impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S> for Grad<F, W, ValueAux> {
     type Output = ((Tracer, A), W::Grads);
     fn apply(&self, args: S) -> Result<((Tracer, A), W::Grads)> {
-        let d = differentiate::<S, F, W>(&self.f, args)?;
+        let d = differentiate::<S, F, W>(&self.f, &self.options, args)?;
         Ok((d.out, d.grads))
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }
 
@@ -398,14 +352,15 @@ where
     F: Function<S>,
     C: CallArgs<S>,
 {
-    let (leaves, defs, _) = flatten_call(&args)?;
-    let compiled = trace_top(f, &defs, &leaves)?;
+    let (leaves, defs, device) = flatten_call(&args)?;
+    let compiled = trace_top(f, f.own_options(), &defs, &leaves, &device)?;
+    let compiled_seed = compiled.seed;
     let fwd_graph = compiled.graph;
     let n_out = fwd_graph.outputs.len();
     let out_types = fwd_graph.output_types();
     // The joint graph: primals and output cotangents in, outputs and
     // argument cotangents out.
-    let b = Builder::root();
+    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
     let joint = {
         let mut bb = b.borrow_mut();
         let primals: Vec<VarId> = fwd_graph.input_types().into_iter().map(|t| bb.input(t)).collect();
@@ -428,7 +383,11 @@ where
     };
     let (fwd, backward) = partition(&joint, leaves.iter().map(Vec::len).sum(), n_out);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    let mut outs = interp::run(&fwd, &flat)?;
+    let mut outs = interp::run(
+        &fwd,
+        &flat,
+        settings::run_seed(&fwd, compiled_seed, &Default::default()),
+    )?;
     let residuals = outs.split_off(n_out);
     let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
     let pullback = Pullback {
@@ -459,7 +418,7 @@ impl<S: ArgList> Pullback<S> {
         }
         let mut inputs = self.residuals.clone();
         inputs.extend(leaves);
-        let grads = interp::run(&self.backward, &inputs)?;
+        let grads = interp::run(&self.backward, &inputs, 0)?;
         let mut it = grads.into_iter();
         let per_arg = self
             .in_defs

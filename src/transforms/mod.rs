@@ -3,16 +3,20 @@
 //! and calling a traced function on concrete tensors.
 
 pub(crate) mod grad;
+pub(crate) mod planner;
+pub(crate) mod settings;
 pub(crate) mod tree;
 pub(crate) mod vmap;
 
 use crate::error::{Error, Result};
-use crate::interp;
+use crate::interp::{self, NodeTimes, RunStats};
+use crate::ir::options::{ConvRoute, Options};
 use crate::ir::{Graph, TensorType};
-use crate::route::{conv_route, ConvRoute};
-use crate::trace::{Builder, BuilderRef, Tracer};
-use candle_core::{DeviceLocation, Tensor};
+use crate::rules::{Builder, BuilderRef, Outer, TraceCtx};
+use crate::trace::Tracer;
+use candle_core::{Device, DeviceLocation, Tensor};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tree::{ArgList, CallArgs, SymTree, TreeDef};
 
@@ -28,6 +32,12 @@ pub trait Function<S: ArgList> {
     type Output: SymTree;
     /// Records the function applied to `args`.
     fn apply(&self, args: S) -> Result<Self::Output>;
+
+    /// The options this function sets for the transforms it nests, when it
+    /// is the one called on tensors (none for a plain closure).
+    fn own_options(&self) -> Options {
+        Options::new()
+    }
 }
 
 macro_rules! closure_functions {
@@ -53,31 +63,45 @@ closure_functions!(A, B, C);
 closure_functions!(A, B, C, D);
 
 /// What a concrete call is cached under: argument structure and types, the
-/// device, and the process-wide settings that change the traced graph.
+/// device, the outermost transform's options, and the process-wide
+/// settings a nested transform may fall back on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
     defs: Vec<TreeDef>,
     types: Vec<TensorType>,
     device: DeviceLocation,
+    given: Options,
     /// The process-wide route, `None` when the environment names none that
     /// parses (a transform with its own route does not need it).
     route: Option<ConvRoute>,
     strict: bool,
-    mode_epoch: u64,
 }
 
-/// A traced, transformed and pruned function, ready to run.
+/// A traced, transformed and pruned function, ready to run, with the
+/// train/eval flags its trace read (and their values then).
 #[derive(Debug)]
 pub(crate) struct Compiled {
     pub(crate) graph: Graph,
     pub(crate) out_def: TreeDef,
+    mode_deps: Vec<(Arc<AtomicBool>, bool)>,
+    /// The seed of the outermost transform that has one, if any.
+    pub(crate) seed: Option<u64>,
+}
+
+impl Compiled {
+    /// Whether every flag the trace read still has the value it had.
+    fn current(&self) -> bool {
+        self.mode_deps.iter().all(|(f, on)| f.load(Ordering::Relaxed) == *on)
+    }
 }
 
 /// Traced graphs of one transformed function, per input signature; shared
-/// safely between threads.
+/// safely between threads. It also counts the function's calls, the
+/// stream of a transform with its own seed.
 #[derive(Default, Debug)]
 pub(crate) struct GraphCache {
     map: Mutex<HashMap<CacheKey, Arc<Compiled>>>,
+    calls: AtomicU64,
 }
 
 impl GraphCache {
@@ -85,6 +109,13 @@ impl GraphCache {
     pub(crate) fn len(&self) -> usize {
         self.map.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
+}
+
+/// A process-unique id for a new trace's builder (0 is left to the
+/// rules' scratch builders).
+pub(crate) fn next_builder_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// The innermost builder among the leaves (all must belong to one chain of
@@ -105,7 +136,7 @@ fn trace_into<S, F>(
     b: &BuilderRef,
     defs: &[TreeDef],
     types: &[Vec<TensorType>],
-) -> Result<(Graph, Vec<Tracer>, TreeDef)>
+) -> Result<(Graph, Vec<Outer>, TreeDef)>
 where
     S: ArgList,
     F: Function<S> + ?Sized,
@@ -125,83 +156,98 @@ where
     let mut leaves = Vec::new();
     let out_def = out.flatten_into(&mut leaves);
     let mut bb = b.borrow_mut();
-    let ids = leaves.iter().map(|t| bb.lift(t)).collect::<Result<Vec<_>>>()?;
+    let ids = leaves.iter().map(|t| bb.lift(&t.outer())).collect::<Result<Vec<_>>>()?;
     let (g, captures) = bb.finish(ids);
     Ok((g, captures, out_def))
 }
 
 /// Traces `f` on symbolic inputs of the given types in a trace nested in
-/// `outer`: the graph, the outer values it captured, and the result's structure.
+/// `outer`, by a transform with the options `given`: the graph, the outer
+/// values it captured, and the result's structure.
 pub(crate) fn trace_inner<S, F>(
     f: &F,
     outer: &BuilderRef,
+    given: Options,
     defs: &[TreeDef],
     types: &[Vec<TensorType>],
-) -> Result<(Graph, Vec<Tracer>, TreeDef)>
+) -> Result<(Graph, Vec<Outer>, TreeDef)>
 where
     S: ArgList,
     F: Function<S>,
 {
-    trace_into(f, &Builder::child(outer), defs, types)
+    trace_into(f, &Builder::child(outer, next_builder_id(), given), defs, types)
 }
 
 /// Flattened concrete arguments with their device.
-fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>>, Vec<TreeDef>, DeviceLocation)> {
+fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>>, Vec<TreeDef>, Device)> {
     let (leaves, defs) = args.flatten_args();
     let flat: Vec<&Tensor> = leaves.iter().flatten().collect();
-    let device = flat
-        .first()
-        .map(|t| t.device().location())
-        .unwrap_or(DeviceLocation::Cpu);
-    if let Some(t) = flat.iter().find(|t| t.device().location() != device) {
+    let device = flat.first().map(|t| t.device().clone()).unwrap_or(Device::Cpu);
+    if let Some(t) = flat.iter().find(|t| !t.device().same_device(&device)) {
         return Err(Error::Device {
             op: "call",
-            msg: format!("arguments on {device:?} and {:?}", t.device().location()),
+            msg: format!("arguments on {:?} and {:?}", device.location(), t.device().location()),
         });
     }
     Ok((leaves, defs, device))
 }
 
 /// Traces `f` on symbolic stand-ins for `leaves` in a fresh top-level trace
-/// (the leaves' device is where the `Auto` conv route measures).
-fn trace_top<S: ArgList, F: Function<S> + ?Sized>(f: &F, defs: &[TreeDef], leaves: &[Vec<Tensor>]) -> Result<Compiled> {
+/// on `device` (where the planner measures), with the outermost
+/// transform's options `given`; then warns once for each primitive that
+/// fell back to a per-example loop.
+fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
+    f: &F,
+    given: Options,
+    defs: &[TreeDef],
+    leaves: &[Vec<Tensor>],
+    device: &Device,
+) -> Result<Compiled> {
     let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
-    let device = leaves
-        .iter()
-        .flatten()
-        .next()
-        .map(|t| t.device().clone())
-        .unwrap_or(candle_core::Device::Cpu);
+    let ctx = TraceCtx::new(device.clone());
+    ctx.offer_seed(given.get_seed());
     // A top-level trace has no enclosing one, so nothing can be captured.
-    let (graph, _, out_def) = crate::route::with_device(&device, || trace_into(f, &Builder::root(), defs, &types))?;
+    let (graph, _, out_def) = trace_into(f, &Builder::root(next_builder_id(), given, ctx.clone()), defs, &types)?;
+    for kind in ctx.fallbacks.borrow().iter() {
+        settings::warn_once(
+            format!("loop-{kind}"),
+            format!("vmap: no batching rule for {kind} in this case; running it once per example (performance drop)"),
+        );
+    }
+    let mode_deps = ctx.mode_deps.borrow().clone();
     Ok(Compiled {
         graph: graph.simplify(),
         out_def,
+        mode_deps,
+        seed: ctx.seed.get(),
     })
 }
 
 /// Calls `f` on concrete arguments: traces once per signature (cached in
-/// `cache`), then runs the graph.
+/// `cache`), then runs the graph. The options of `f` (if it is a
+/// transform) are inherited by the transforms inside it, and its seed
+/// seeds the run.
 pub(crate) fn call_concrete<S, F, C>(f: &F, cache: &GraphCache, args: &C) -> Result<<F::Output as SymTree>::Concrete>
 where
     S: ArgList,
     F: Function<S> + ?Sized,
     C: CallArgs<S>,
 {
+    let given = f.own_options();
     let (leaves, defs, device) = flatten_call(args)?;
     let key = CacheKey {
         types: leaves.iter().flatten().map(TensorType::of).collect(),
         defs,
-        device,
-        route: conv_route().ok(),
-        strict: crate::config::strict(),
-        mode_epoch: crate::config::mode_epoch(),
+        device: device.location(),
+        given,
+        route: settings::conv_route().ok(),
+        strict: settings::strict(),
     };
     let cached = cache.map.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
     let compiled = match cached {
-        Some(c) => c,
-        None => {
-            let c = Arc::new(trace_top(f, &key.defs, &leaves)?);
+        Some(c) if c.current() => c,
+        _ => {
+            let c = Arc::new(trace_top(f, given, &key.defs, &leaves, &device)?);
             cache
                 .map
                 .lock()
@@ -211,7 +257,8 @@ where
         }
     };
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    let outs = interp::run(&compiled.graph, &flat)?;
+    let seed = settings::run_seed(&compiled.graph, compiled.seed, &cache.calls);
+    let outs = interp::run(&compiled.graph, &flat, seed)?;
     F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
 }
 
@@ -232,8 +279,30 @@ where
     F: Function<S>,
     C: CallArgs<S>,
 {
-    let (leaves, defs, _) = flatten_call(&args)?;
-    Ok(trace_top(f, &defs, &leaves)?.graph)
+    let (leaves, defs, device) = flatten_call(&args)?;
+    Ok(trace_top(f, f.own_options(), &defs, &leaves, &device)?.graph)
+}
+
+/// Running a graph from [`make_graph`] on concrete tensors, in the order
+/// of the flattened arguments (as `make_graph` flattened them). Random
+/// draws come from the process-wide stream.
+impl Graph {
+    /// Runs the graph and returns its outputs.
+    pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        interp::run(self, inputs, settings::run_seed(self, None, &AtomicU64::new(0)))
+    }
+
+    /// [`Graph::run`], also reporting the peak number and size of values
+    /// held at once.
+    pub fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
+        interp::run_with_stats(self, inputs, settings::run_seed(self, None, &AtomicU64::new(0)))
+    }
+
+    /// [`Graph::run`], also returning the seconds each computed node took,
+    /// as `(node index, seconds)`: where a graph spends its time.
+    pub fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
+        interp::run_profiled(self, inputs, settings::run_seed(self, None, &AtomicU64::new(0)))
+    }
 }
 
 /// The function traced once per input signature and run by the interpreter,
@@ -241,6 +310,7 @@ where
 /// tensors, and the per-example oracle that `vmap` is tested against.
 pub struct Jit<F> {
     f: F,
+    options: Options,
     cache: GraphCache,
 }
 
@@ -248,11 +318,20 @@ pub struct Jit<F> {
 pub fn jit<F>(f: F) -> Jit<F> {
     Jit {
         f,
+        options: Options::new(),
         cache: GraphCache::default(),
     }
 }
 
 impl<F> Jit<F> {
+    /// Options inherited by the transforms inside `f` (route, strict mode)
+    /// and the seed of its random draws, when this jit is called on tensors.
+    pub fn options(mut self, options: Options) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = options;
+        self
+    }
+
     /// Calls the function on concrete arguments.
     pub fn call<S, C>(&self, args: C) -> Result<<F::Output as SymTree>::Concrete>
     where
@@ -272,6 +351,13 @@ impl<F> Jit<F> {
 impl<S: ArgList, F: Function<S>> Function<S> for Jit<F> {
     type Output = F::Output;
     fn apply(&self, args: S) -> Result<F::Output> {
+        // Inside another trace a jit is transparent; its options apply when
+        // it is the function called on tensors.
+        self.options.check_not_vmap("jit")?;
         self.f.apply(args)
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }

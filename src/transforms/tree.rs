@@ -10,6 +10,7 @@ use std::vec::IntoIter;
 
 /// The structure of a tree, without its leaves.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum TreeDef {
     /// One tensor.
     Leaf,

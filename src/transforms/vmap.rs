@@ -1,19 +1,24 @@
 //! `vmap`: traces the function on per-example shapes, then re-emits every
 //! node through its primitive's batching rule into the enclosing trace.
 
+use super::planner::Measured;
+use super::settings;
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
 use super::{call_concrete, innermost, trace_inner, Function, GraphCache};
 use crate::error::{Error, Result};
-use crate::ir::{Graph, Prim, TensorType, VarId};
-use crate::route::{self, ConvRoute};
-use crate::rules::{fallback, BVal, BatchCx, BatchOpts};
-use crate::trace::{Builder, BuilderRef, Tracer};
+use crate::ir::options::{ConvRoute, Options, Opts, Randomness};
+use crate::ir::{Graph, TensorType, VarId};
+use crate::rules::plan::{Planner, Schedule};
+use crate::rules::walk::batch_graph_shared;
+use crate::rules::{BVal, BatchCx, Builder, BuilderRef};
+use crate::trace::Tracer;
 
 /// Batch axes, one entry per top-level argument (or output); `None` means
 /// not batched, negative axes count from the end. Built from a single
 /// integer (the same axis everywhere) or a list: `vmap(f).in_dims([None,
 /// Some(0)])`.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Dims {
     /// The same axis for every argument.
     All(Option<isize>),
@@ -50,28 +55,12 @@ macro_rules! dims_from_int {
 
 dims_from_int!(i32, i64, isize, usize);
 
-/// What random operations (dropout) do under `vmap`, as `torch.func.vmap`'s
-/// `randomness` option.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Randomness {
-    /// Refuse to trace a random operation (the default).
-    #[default]
-    Error,
-    /// One draw shared by every example.
-    Same,
-    /// An independent draw per example.
-    Different,
-}
-
 /// The vectorising map of `f` (see [`vmap`]).
 pub struct Vmap<F> {
     f: F,
     in_dims: Dims,
     out_dims: Dims,
-    chunk_size: Option<usize>,
-    route: Option<ConvRoute>,
-    strict: Option<bool>,
-    randomness: Randomness,
+    options: Options,
     cache: GraphCache,
 }
 
@@ -95,10 +84,7 @@ pub fn vmap<F>(f: F) -> Vmap<F> {
         f,
         in_dims: Dims::All(Some(0)),
         out_dims: Dims::All(Some(0)),
-        chunk_size: None,
-        route: None,
-        strict: None,
-        randomness: Randomness::Error,
+        options: Options::new(),
         cache: GraphCache::default(),
     }
 }
@@ -106,6 +92,7 @@ pub fn vmap<F>(f: F) -> Vmap<F> {
 impl<F> Vmap<F> {
     /// The batch axis of each top-level argument (default: 0 for all).
     pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
         self.in_dims = dims.into();
         self
     }
@@ -114,6 +101,7 @@ impl<F> Vmap<F> {
     /// `None` asks for an unbatched output, an error if it depends on the
     /// batch.
     pub fn out_dims(mut self, dims: impl Into<Dims>) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
         self.out_dims = dims.into();
         self
     }
@@ -121,28 +109,46 @@ impl<F> Vmap<F> {
     /// Runs the batch in chunks of `k` examples and concatenates, bounding
     /// peak memory as the batch grows.
     pub fn chunk_size(mut self, k: usize) -> Self {
-        self.chunk_size = Some(k);
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = self.options.chunk_size(k);
         self
     }
 
     /// The convolution route for this transform (wins over the process-wide
     /// setting and the environment variable).
     pub fn conv_route(mut self, route: ConvRoute) -> Self {
-        self.route = Some(route);
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = self.options.conv_route(route);
         self
     }
 
     /// Strict mode for this transform: a primitive without a batching rule is
     /// an error instead of a warning and a per-example loop.
     pub fn strict(mut self, on: bool) -> Self {
-        self.strict = Some(on);
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = self.options.strict(on);
         self
     }
 
     /// What random operations (dropout) do: an error (default), one draw
     /// for all examples, or a draw per example.
     pub fn randomness(mut self, r: Randomness) -> Self {
-        self.randomness = r;
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = self.options.randomness(r);
+        self
+    }
+
+    /// The seed of the random draws (see [`Options::seed`]).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = self.options.seed(seed);
+        self
+    }
+
+    /// All options at once (replacing those set before).
+    pub fn options(mut self, options: Options) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = options;
         self
     }
 
@@ -161,14 +167,6 @@ impl<F> Vmap<F> {
     pub fn traced_signatures(&self) -> usize {
         self.cache.len()
     }
-
-    fn opts(&self) -> Result<BatchOpts> {
-        Ok(BatchOpts {
-            route: route::resolve(self.route)?,
-            strict: self.strict.unwrap_or_else(crate::config::strict),
-            randomness: self.randomness,
-        })
-    }
 }
 
 /// Batched inputs of the inner graph: ids in `outer`, batch axes, and the
@@ -185,7 +183,7 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
     for (arg, (arg_leaves, dim)) in leaves.iter().zip(dims).enumerate() {
         let mut arg_types = Vec::new();
         for t in arg_leaves {
-            let id = ob.lift(t)?;
+            let id = ob.lift(&t.outer())?;
             let mut ty = t.ty.clone();
             let bdim = match *dim {
                 None => None,
@@ -221,98 +219,6 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
         return Err(Error::BatchSize { sizes });
     }
     Ok(Inputs { vals, types, size })
-}
-
-/// Re-emits `g` into `cx.b` through the batching rules; `inputs` binds the
-/// graph's inputs. Returns the batched outputs.
-pub(crate) fn batch_graph(g: &Graph, cx: &mut BatchCx, inputs: &[BVal]) -> Result<Vec<BVal>> {
-    batch_graph_shared(g, cx, inputs, &mut std::collections::HashMap::new())
-}
-
-/// [`batch_graph`], with `shared` holding values that must be the same in
-/// every chunk of a chunked map (random draws under `Randomness::Same`).
-fn batch_graph_shared(
-    g: &Graph,
-    cx: &mut BatchCx,
-    inputs: &[BVal],
-    shared: &mut std::collections::HashMap<usize, BVal>,
-) -> Result<Vec<BVal>> {
-    let mut env: Vec<BVal> = vec![(usize::MAX, None); g.nodes.len()];
-    for (k, &v) in g.inputs.iter().enumerate() {
-        env[v] = inputs[k];
-    }
-    for (v, node) in g.nodes.iter().enumerate() {
-        env[v] = match &node.prim {
-            Prim::Input(_) => env[v],
-            Prim::Const(k) => (cx.b.constant(&g.consts[*k]), None),
-            Prim::Scalar(x) => (cx.b.scalar(*x, node.ty.dtype), None),
-            Prim::Random(r) => match shared.get(&v) {
-                Some(&bv) => bv,
-                None => {
-                    let bv = batch_random(cx, r)?;
-                    if bv.1.is_none() {
-                        shared.insert(v, bv);
-                    }
-                    bv
-                }
-            },
-            prim => {
-                let args: Vec<BVal> = node.args.iter().map(|&a| env[a]).collect();
-                if args.iter().all(|a| a.1.is_none()) {
-                    let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
-                    (cx.b.emit(prim.clone(), &ids)?, None)
-                } else {
-                    let out = fallback::batch(cx, prim, &args)?;
-                    check_batched(prim, cx, out, &node.ty)?;
-                    out
-                }
-            }
-        };
-    }
-    Ok(g.outputs.iter().map(|&o| env[o]).collect())
-}
-
-/// A random primitive under `vmap`, as the `randomness` setting says.
-fn batch_random(cx: &mut BatchCx, r: &crate::rules::random::Uniform) -> Result<BVal> {
-    match cx.opts.randomness {
-        Randomness::Error => Err(Error::unsupported(
-            r.name(),
-            "vmap",
-            "random operations under vmap need .randomness(Randomness::Same) or (Randomness::Different)",
-        )),
-        Randomness::Same => Ok((cx.b.emit(Prim::Random(r.clone()), &[])?, None)),
-        Randomness::Different => {
-            let mut ty = r.ty.clone();
-            ty.shape.insert(0, cx.size);
-            Ok((
-                cx.b.emit(Prim::Random(crate::rules::random::Uniform { ty }), &[])?,
-                Some(0),
-            ))
-        }
-    }
-}
-
-/// A batching rule must give the per-example type with the batch axis
-/// inserted; anything else is a bug in the rule, reported as such.
-fn check_batched(prim: &Prim, cx: &BatchCx, (v, bdim): BVal, per: &TensorType) -> Result<()> {
-    let mut want = per.shape.clone();
-    if let Some(d) = bdim {
-        if d <= want.len() {
-            want.insert(d, cx.size);
-        }
-    }
-    let got = cx.b.ty(v);
-    if got.shape != want || got.dtype != per.dtype {
-        return Err(Error::unsupported(
-            prim.name(),
-            "vmap",
-            format!(
-                "internal error: batching rule gave {:?}{:?}, expected {:?}{want:?}",
-                got.dtype, got.shape, per.dtype
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Moves a batched output's batch axis to `out_dim` (materialising an
@@ -370,22 +276,28 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
             msg: "vmap needs at least one tensor argument".into(),
         })?;
         let ins = batched_inputs(&outer, &leaves, &dims)?;
-        let (g, captures, out_def) = trace_inner(&self.f, &outer, &defs, &ins.types)?;
+        let given = self.options.inherit(&outer.borrow().given);
+        let opts = settings::resolve(&given)?;
+        outer.borrow().ctx.offer_seed(self.options.get_seed());
+        let (g, captures, out_def) = trace_inner(&self.f, &outer, given, &defs, &ins.types)?;
         // Prune first, so dead work (an unused input gradient) is neither
         // batched nor timed by the Auto route.
         let g = g.eliminate_dead_code();
         let out_dims = leaf_out_dims(&self.out_dims, &out_def)?;
-        let opts = self.opts()?;
         let ids = {
             let mut ob = outer.borrow_mut();
             let mut vals = ins.vals.clone();
             for c in &captures {
                 vals.push((ob.lift(c)?, None));
             }
-            run_chunks(&g, &mut ob, &vals, ins.size, self.chunk_size, &opts, &out_dims)?
+            run_chunks(&g, &mut ob, &vals, ins.size, &opts, &out_dims)?
         };
         let tracers: Vec<Tracer> = ids.into_iter().map(|id| Tracer::new(&outer, id)).collect();
         F::Output::unflatten_from(&out_def, &mut tracers.into_iter())
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }
 
@@ -411,25 +323,20 @@ fn empty_outputs(g: &Graph, b: &mut Builder, out_dims: &[Option<isize>]) -> Resu
     Ok(ids)
 }
 
-/// Batches `g` over the whole batch, or chunk by chunk (narrowing the
-/// batched inputs and concatenating the outputs) when `chunk` is smaller.
+/// Batches `g` as the planner's schedule says: over the whole batch, or
+/// chunk by chunk (narrowing the batched inputs and concatenating the
+/// outputs).
 fn run_chunks(
     g: &Graph,
     b: &mut Builder,
     vals: &[BVal],
     size: usize,
-    chunk: Option<usize>,
-    opts: &BatchOpts,
+    opts: &Opts,
     out_dims: &[Option<isize>],
 ) -> Result<Vec<VarId>> {
-    let k = match chunk {
-        Some(0) => {
-            return Err(Error::Config {
-                msg: "vmap: chunk_size must be positive".into(),
-            })
-        }
-        Some(k) => k.min(size),
-        None => size,
+    let k = match Measured.schedule(opts, size) {
+        Schedule::Whole => size,
+        Schedule::Chunks(k) => k,
     };
     if size == 0 {
         return empty_outputs(g, b, out_dims);
@@ -445,7 +352,12 @@ fn run_chunks(
                 None => (v, None),
             });
         }
-        let mut cx = BatchCx { b, size: len, opts };
+        let mut cx = BatchCx {
+            b,
+            size: len,
+            opts,
+            plan: &Measured,
+        };
         let outs = batch_graph_shared(g, &mut cx, &chunk_vals, &mut shared)?;
         for (i, (&o, &d)) in outs.iter().zip(out_dims).enumerate() {
             pieces[i].push(place_output(&mut cx, o, d, i)?);

@@ -185,7 +185,7 @@ pub fn forward_eager(
             Layer::Conv {
                 name,
                 nd,
-                k,
+                k: _,
                 s,
                 p: pad,
                 d,
@@ -197,12 +197,7 @@ pub fn forward_eager(
                 let y = match nd {
                     1 => h.contiguous()?.conv1d(w, *pad, *s, *d, *g)?,
                     2 => h.contiguous()?.conv2d(w, *pad, *s, *d, *g)?,
-                    _ => candle_func::kernels::unfold::conv_unfold(
-                        &h,
-                        w,
-                        &candle_func::ConvGeom::uniform(3, *k, *s, *pad, *d),
-                        *g,
-                    )?,
+                    _ => super::conv3d_direct(&h, w, *s, *pad, *d, *g)?,
                 };
                 if *bias {
                     let b = &p[&format!("{name}.bias")];

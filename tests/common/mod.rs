@@ -189,3 +189,36 @@ where
 /// Keeps a function usable where a `Function` bound is needed in helpers.
 pub fn is_function<S: candle_func::ArgList, F: Function<S>>(_f: &F) {}
 pub mod arch;
+
+/// A 3D convolution (PyTorch semantics, no bias) from candle's own ops:
+/// the depth axis zero-padded, then each output depth plane the sum over
+/// the kernel's depth taps of candle's conv2d. The reference for conv3d
+/// (candle has none), differentiable by candle's autodiff.
+pub fn conv3d_direct(
+    x: &Tensor,
+    w: &Tensor,
+    stride: usize,
+    pad: usize,
+    dil: usize,
+    groups: usize,
+) -> candle_core::Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let (d, kd) = (x.dims()[2], w.dims()[2]);
+    let x = x.pad_with_zeros(2, pad, pad)?;
+    let od = (d + 2 * pad - dil * (kd - 1) - 1) / stride + 1;
+    let mut planes = Vec::with_capacity(od);
+    for o in 0..od {
+        let mut acc: Option<Tensor> = None;
+        for t in 0..kd {
+            let xs = x.narrow(2, o * stride + t * dil, 1)?.squeeze(2)?.contiguous()?;
+            let wt = w.narrow(2, t, 1)?.squeeze(2)?.contiguous()?;
+            let y = xs.conv2d(&wt, pad, stride, dil, groups)?;
+            acc = Some(match acc {
+                None => y,
+                Some(a) => (a + y)?,
+            });
+        }
+        planes.push(acc.expect("a kernel has at least one tap"));
+    }
+    Tensor::stack(&planes, 2)
+}

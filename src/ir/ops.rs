@@ -1,0 +1,332 @@
+//! The parameters of each primitive family, and the names the graph
+//! printer shows. The families' rules (shape inference, run, batching,
+//! VJP) live in `crate::rules`, one file per family.
+
+use super::TensorType;
+use candle_core::DType;
+
+// ---- elementwise
+
+/// Unary elementwise maps.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Unary {
+    /// `-x`
+    Neg,
+    /// `e^x`
+    Exp,
+    /// natural logarithm
+    Log,
+    /// square root
+    Sqrt,
+    /// `x * x`
+    Sqr,
+    /// `1 / x`
+    Recip,
+    /// absolute value
+    Abs,
+    /// `max(x, 0)`
+    Relu,
+    /// hyperbolic tangent
+    Tanh,
+    /// logistic sigmoid
+    Sigmoid,
+    /// `x^e` for a constant exponent
+    Powf(f64),
+    /// `x * mul + add`
+    Affine(f64, f64),
+    /// conversion to another dtype
+    Cast(DType),
+}
+
+impl Unary {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            Unary::Neg => "neg".into(),
+            Unary::Exp => "exp".into(),
+            Unary::Log => "log".into(),
+            Unary::Sqrt => "sqrt".into(),
+            Unary::Sqr => "sqr".into(),
+            Unary::Recip => "recip".into(),
+            Unary::Abs => "abs".into(),
+            Unary::Relu => "relu".into(),
+            Unary::Tanh => "tanh".into(),
+            Unary::Sigmoid => "sigmoid".into(),
+            Unary::Powf(e) => format!("powf[{e}]"),
+            Unary::Affine(m, a) => format!("affine[mul={m},add={a}]"),
+            Unary::Cast(dt) => format!("cast[{}]", format!("{dt:?}").to_lowercase()),
+        }
+    }
+}
+
+/// Binary elementwise maps with numpy broadcasting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Binary {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// elementwise maximum
+    Maximum,
+    /// elementwise minimum
+    Minimum,
+}
+
+impl Binary {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Binary::Add => "add",
+            Binary::Sub => "sub",
+            Binary::Mul => "mul",
+            Binary::Div => "div",
+            Binary::Maximum => "maximum",
+            Binary::Minimum => "minimum",
+        }
+    }
+}
+
+/// Elementwise comparisons, giving a `u8` mask (1 where true).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Compare {
+    /// `a == b`
+    Eq,
+    /// `a != b`
+    Ne,
+    /// `a < b`
+    Lt,
+    /// `a <= b`
+    Le,
+    /// `a > b`
+    Gt,
+    /// `a >= b`
+    Ge,
+}
+
+impl Compare {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Compare::Eq => "eq",
+            Compare::Ne => "ne",
+            Compare::Lt => "lt",
+            Compare::Le => "le",
+            Compare::Gt => "gt",
+            Compare::Ge => "ge",
+        }
+    }
+}
+
+// ---- reduce
+
+/// Reductions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Reduce {
+    /// Sum over `axes` (sorted, distinct), keeping them as unit axes or not.
+    Sum {
+        /// Reduced axes.
+        axes: Vec<usize>,
+        /// Keep reduced axes with size 1.
+        keepdim: bool,
+    },
+    /// Maximum over `axes`.
+    Max {
+        /// Reduced axes.
+        axes: Vec<usize>,
+        /// Keep reduced axes with size 1.
+        keepdim: bool,
+    },
+    /// Softmax along one axis.
+    Softmax(usize),
+    /// Log-softmax along one axis.
+    LogSoftmax(usize),
+}
+
+pub(crate) fn kd(keepdim: bool) -> &'static str {
+    if keepdim {
+        ",keepdim"
+    } else {
+        ""
+    }
+}
+
+impl Reduce {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            Reduce::Sum { axes, keepdim } => format!("sum[axes={axes:?}{}]", kd(*keepdim)),
+            Reduce::Max { axes, keepdim } => format!("max[axes={axes:?}{}]", kd(*keepdim)),
+            Reduce::Softmax(a) => format!("softmax[axis={a}]"),
+            Reduce::LogSoftmax(a) => format!("log_softmax[axis={a}]"),
+        }
+    }
+}
+
+// ---- shape
+
+/// Shape primitives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ShapeOp {
+    /// Same elements, new dimensions (row-major order).
+    Reshape(Vec<usize>),
+    /// Axis `i` of the result is axis `perm[i]` of the operand.
+    Permute(Vec<usize>),
+    /// Numpy broadcasting (right-aligned) to a larger shape.
+    Broadcast(Vec<usize>),
+    /// `len` elements from `start` along `axis`.
+    Narrow {
+        /// The sliced axis.
+        axis: usize,
+        /// First index kept.
+        start: usize,
+        /// Number of indices kept.
+        len: usize,
+    },
+    /// Concatenation of all operands along an axis.
+    Concat(usize),
+}
+
+impl ShapeOp {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            ShapeOp::Reshape(s) => format!("reshape[{s:?}]"),
+            ShapeOp::Permute(p) => format!("permute[{p:?}]"),
+            ShapeOp::Broadcast(s) => format!("broadcast[{s:?}]"),
+            ShapeOp::Narrow { axis, start, len } => format!("narrow[axis={axis},start={start},len={len}]"),
+            ShapeOp::Concat(a) => format!("concat[axis={a}]"),
+        }
+    }
+}
+
+// ---- index
+
+/// Indexing primitives; the index operand is an integer tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IndexOp {
+    /// `x.index_select(idx, axis)`: `idx` is 1-D; the result takes
+    /// `x[.., idx[k], ..]` along `axis`.
+    IndexSelect(usize),
+    /// `x.gather(idx, axis)`: `idx` has x's rank; `out[.., k, ..] = x[.., idx[.., k, ..], ..]`.
+    Gather(usize),
+    /// The adjoint of index-select: `src` rows added into `size` rows at
+    /// `idx` along `axis` (zeros elsewhere).
+    IndexAdd {
+        /// The axis.
+        axis: usize,
+        /// Size of the result along `axis`.
+        size: usize,
+    },
+    /// The adjoint of gather: `src` (shaped like `idx`) added into `size`
+    /// positions along `axis` at `idx`.
+    ScatterAdd {
+        /// The axis.
+        axis: usize,
+        /// Size of the result along `axis`.
+        size: usize,
+    },
+}
+
+impl IndexOp {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            IndexOp::IndexSelect(a) => format!("index_select[axis={a}]"),
+            IndexOp::Gather(a) => format!("gather[axis={a}]"),
+            IndexOp::IndexAdd { axis, size } => format!("index_add[axis={axis},size={size}]"),
+            IndexOp::ScatterAdd { axis, size } => format!("scatter_add[axis={axis},size={size}]"),
+        }
+    }
+}
+
+// ---- pool
+
+/// Pooling primitives and their gradients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum PoolOp {
+    /// Maximum over each `kernel` window, windows `stride` apart.
+    MaxPool2d {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+    },
+    /// Mean over each window.
+    AvgPool2d {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+    },
+    /// `(x, ct) -> dx`: each window's cotangent goes to the window's first
+    /// maximum of `x`.
+    MaxPoolGrad {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+    },
+    /// `(x, g) -> [N, C, H', W']`: `g` read at each window's first maximum of
+    /// `x` (the adjoint of `MaxPoolGrad` in its second operand).
+    MaxPoolSelect {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+    },
+    /// `ct -> dx`: each window's cotangent spread evenly over the window.
+    AvgPoolGrad {
+        /// Window (height, width).
+        kernel: (usize, usize),
+        /// Step (height, width).
+        stride: (usize, usize),
+        /// Input (height, width).
+        input: (usize, usize),
+    },
+}
+
+pub(crate) type Window = ((usize, usize), (usize, usize));
+
+impl PoolOp {
+    pub(crate) fn name(&self) -> String {
+        let (kind, (k, s)) = (self.kind(), self.window());
+        match self {
+            PoolOp::AvgPoolGrad { input, .. } => format!("{kind}[k={k:?},s={s:?},size={input:?}]"),
+            _ => format!("{kind}[k={k:?},s={s:?}]"),
+        }
+    }
+
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            PoolOp::MaxPool2d { .. } => "max_pool2d",
+            PoolOp::AvgPool2d { .. } => "avg_pool2d",
+            PoolOp::MaxPoolGrad { .. } => "max_pool2d_grad",
+            PoolOp::MaxPoolSelect { .. } => "max_pool2d_select",
+            PoolOp::AvgPoolGrad { .. } => "avg_pool2d_grad",
+        }
+    }
+
+    pub(crate) fn window(&self) -> Window {
+        match *self {
+            PoolOp::MaxPool2d { kernel, stride }
+            | PoolOp::AvgPool2d { kernel, stride }
+            | PoolOp::MaxPoolGrad { kernel, stride }
+            | PoolOp::MaxPoolSelect { kernel, stride }
+            | PoolOp::AvgPoolGrad { kernel, stride, .. } => (kernel, stride),
+        }
+    }
+}
+
+// ---- random
+
+/// Values uniform in `[0, 1)` of a fixed shape and dtype, drawn anew at
+/// every run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Uniform {
+    /// Result type.
+    pub(crate) ty: TensorType,
+}
+
+impl Uniform {
+    pub(crate) fn name(&self) -> String {
+        format!("uniform[{:?}]", self.ty.shape)
+    }
+}

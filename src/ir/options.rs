@@ -1,0 +1,183 @@
+//! Options as values: what a transform was asked for ([`Options`], every
+//! field optional) and what it resolved to ([`Opts`], read by the rules and
+//! carried by `Map` nodes). Process-wide defaults live in
+//! `crate::transforms::settings`; here are only the types.
+
+use crate::error::{Error, Result};
+use std::str::FromStr;
+
+/// How a convolution with batched input and batched weight is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum ConvRoute {
+    /// Fold the batch into the channels and call a grouped convolution with
+    /// `groups = B * groups` (what `torch.func` and JAX do).
+    Grouped,
+    /// Opacus's formulation: im2col, then one GEMM per model (ungrouped) or
+    /// one batched matmul per group; each example's weight gradient by one
+    /// primitive (shifted GEMMs for stride 1 on the CPU).
+    #[default]
+    Unfold,
+    /// The unbatched convolution once per example, stacked: the correctness
+    /// oracle, and the way to turn the convolution batching rule off.
+    Loop,
+    /// The fastest of the above for the shape and device, measured once per
+    /// shape signature (see [`auto_choices`](crate::auto_choices)).
+    Auto,
+}
+
+impl FromStr for ConvRoute {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "grouped" => Ok(ConvRoute::Grouped),
+            "unfold" => Ok(ConvRoute::Unfold),
+            "loop" => Ok(ConvRoute::Loop),
+            "auto" => Ok(ConvRoute::Auto),
+            other => Err(Error::Config {
+                msg: format!("unknown conv route {other:?}; expected grouped, unfold, loop or auto"),
+            }),
+        }
+    }
+}
+
+/// What random operations (dropout) do under `vmap`, as `torch.func.vmap`'s
+/// `randomness` option.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Randomness {
+    /// Refuse to trace a random operation (the default).
+    #[default]
+    Error,
+    /// One draw shared by every example.
+    Same,
+    /// An independent draw per example.
+    Different,
+}
+
+/// The options of one transform, each unset by default. An unset route,
+/// strict mode or seed is taken from the enclosing transform (when the
+/// transform runs inside another's trace), else from the process-wide
+/// setting ([`set_conv_route`](crate::set_conv_route), the
+/// `CANDLE_FUNC_CONV_ROUTE` variable, [`set_strict`](crate::set_strict),
+/// [`manual_seed`](crate::manual_seed)). `randomness` and `chunk_size`
+/// belong to one `vmap` and are not inherited.
+///
+/// ```
+/// use candle_func::{ConvRoute, Options};
+/// let opts = Options::new().conv_route(ConvRoute::Loop).strict(true).seed(7);
+/// assert_eq!(opts.get_conv_route(), Some(ConvRoute::Loop));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Options {
+    route: Option<ConvRoute>,
+    strict: Option<bool>,
+    randomness: Option<Randomness>,
+    chunk_size: Option<usize>,
+    seed: Option<u64>,
+}
+
+impl Options {
+    /// Nothing set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The convolution route.
+    pub fn conv_route(mut self, route: ConvRoute) -> Self {
+        self.route = Some(route);
+        self
+    }
+
+    /// Strict mode: a primitive without a batching rule is an error instead
+    /// of a warning and a per-example loop.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = Some(on);
+        self
+    }
+
+    /// What random operations do under `vmap`.
+    pub fn randomness(mut self, r: Randomness) -> Self {
+        self.randomness = Some(r);
+        self
+    }
+
+    /// Run a `vmap`'s batch in chunks of `k` examples (`k > 0`).
+    pub fn chunk_size(mut self, k: usize) -> Self {
+        self.chunk_size = Some(k);
+        self
+    }
+
+    /// The seed of the random primitives this transform runs. A call on
+    /// tensors draws from the seed of the outermost transform in it that
+    /// has one, with a count of that function's calls (so each call draws
+    /// anew, and a fresh transform repeats the sequence), else from the
+    /// process-wide stream ([`manual_seed`](crate::manual_seed)).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// The route, if set.
+    pub fn get_conv_route(&self) -> Option<ConvRoute> {
+        self.route
+    }
+
+    /// Strict mode, if set.
+    pub fn get_strict(&self) -> Option<bool> {
+        self.strict
+    }
+
+    /// The randomness setting, if set.
+    pub fn get_randomness(&self) -> Option<Randomness> {
+        self.randomness
+    }
+
+    /// The chunk size, if set.
+    pub fn get_chunk_size(&self) -> Option<usize> {
+        self.chunk_size
+    }
+
+    /// The seed, if set.
+    pub fn get_seed(&self) -> Option<u64> {
+        self.seed
+    }
+
+    /// An error for options that only a `vmap` has (`randomness`,
+    /// `chunk_size`) given to another transform, `op`: they would be
+    /// ignored there, silently.
+    pub(crate) fn check_not_vmap(&self, op: &str) -> Result<()> {
+        if self.randomness.is_some() || self.chunk_size.is_some() {
+            return Err(Error::Config {
+                msg: format!(
+                    "{op}: randomness and chunk_size belong to a vmap (set them on the vmap inside), got {self:?}"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// These options with every unset inherited field (route, strict
+    /// mode, seed) taken from `outer`, the enclosing transform's.
+    pub(crate) fn inherit(&self, outer: &Options) -> Options {
+        Options {
+            route: self.route.or(outer.route),
+            strict: self.strict.or(outer.strict),
+            seed: self.seed.or(outer.seed),
+            ..*self
+        }
+    }
+}
+
+/// Resolved options: what the rules read, what a `Map` node carries, and
+/// part of every graph-cache key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct Opts {
+    pub(crate) route: ConvRoute,
+    pub(crate) strict: bool,
+    pub(crate) randomness: Randomness,
+    pub(crate) chunk_size: Option<usize>,
+    /// The transform's own seed; `None` draws from the process-wide stream.
+    pub(crate) seed: Option<u64>,
+}

@@ -1,0 +1,164 @@
+//! How the convolution family runs on candle tensors: on the CPU (f32,
+//! f64) through the crate's kernels (shifted GEMMs, row im2col, batched
+//! GEMMs), elsewhere through candle's convolutions or unfold + matmul.
+
+use crate::error::{CandleContext, Result};
+use crate::ir::conv::ConvOp;
+use crate::ir::ConvGeom;
+use crate::kernels::unfold;
+use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose};
+use crate::rules::reduce::sum_axes;
+use candle_core::Tensor;
+
+/// Computes `op(args)`.
+pub(super) fn run(op: &ConvOp, args: &[&Tensor]) -> Result<Tensor> {
+    let name = op.name();
+    match op {
+        ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups).op(&name),
+        ConvOp::Unfold(geom) => unfold::unfold(args[0], geom).op(&name),
+        ConvOp::UnfoldRows(geom) => rows::unfold_rows(args[0], geom).op(&name),
+        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].contiguous().op(&name)?, geom, spatial).op(&name),
+        ConvOp::GradInput { geom, groups, spatial } => {
+            run_grad_input(args[0], args[1], geom, *groups, spatial).op(&name)
+        }
+        ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], geom, *groups).op(&name),
+        ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom).op(&name),
+    }
+}
+
+/// Runs an unbatched convolution. On the CPU (f32/f64): stride 1 with
+/// enough input channels by shifted GEMMs (`kernels::shift`, no im2col),
+/// other ungrouped ones as one GEMM on the row layout, grouped ones by
+/// unfold + one batched matmul per group; all measured faster than
+/// candle's conv2d on this crate's workloads (`cargo run --release
+/// --example conv_routes`). Elsewhere candle's own 1D/2D convolution, and
+/// unfold + matmul for 3D (candle has none).
+/// candle's convolutions read a strided kernel as if it were contiguous, so
+/// operands are made contiguous first.
+pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
+    let (x, w) = (&x.contiguous()?, &w.contiguous()?);
+    let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
+    let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
+    match g.kernel.len() {
+        _ if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
+        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g),
+        _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
+        1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
+        2 if candle_2d => x.conv2d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
+        _ => unfold::conv_unfold(x, w, g, groups),
+    }
+}
+
+/// An ungrouped convolution as one GEMM: `(N L) CK @ CK Cout`.
+fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+    let (n, cout) = (x.dims()[0], w.dims()[0]);
+    let out = g.out_spatial(&x.dims()[2..])?;
+    let shape = [&[n, cout], &out[..]].concat();
+    let rows = rows::unfold_rows(x, g)?; // N L CK
+    let (l, ck) = (rows.dims()[1], rows.dims()[2]);
+    if n * l == 0 || cout == 0 {
+        return Tensor::zeros(shape, x.dtype(), x.device());
+    }
+    let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?)?;
+    // (N L) Cout -> N Cout L
+    transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
+}
+
+/// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
+/// (`kernels::shift`), else for ungrouped convolutions one GEMM over the
+/// whole batch in the row layout (`kernels::rows`). Otherwise per group one
+/// batched GEMM `w_g^T [CK, Cout/g] @ ct_g [N, Cout/g, L] -> [N, CK, L]`,
+/// written straight in the layout fold reads (folding the examples into the
+/// GEMM's columns instead needs two transposing copies of a tensor as
+/// large as the columns, which took as long as the GEMM itself).
+fn run_grad_input(
+    ct: &Tensor,
+    w: &Tensor,
+    g: &ConvGeom,
+    groups: usize,
+    spatial: &[usize],
+) -> candle_core::Result<Tensor> {
+    let (n, cout) = (ct.dims()[0], ct.dims()[1]);
+    let l: usize = ct.dims()[2..].iter().product();
+    if n == 0 || cout == 0 {
+        let cin = w.dims()[1] * groups;
+        return Tensor::zeros([&[n, cin], spatial].concat(), ct.dtype(), ct.device());
+    }
+    let ck = w.elem_count() / cout; // Cin/g * K
+    if has_cpu_kernel(ct) && shift::applies(g, groups, w.dims()[1]) {
+        return shift::grad_input(ct, w, g, spatial);
+    }
+    if groups == 1 && has_cpu_kernel(ct) {
+        // N Cout O.. -> N L Cout -> (N L) Cout; (N L) Cout @ Cout CK -> N L CK
+        let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?.reshape((n * l, cout))?;
+        let rows = bmm::matmul(&c, &w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
+        return rows::fold_rows(&rows, g, spatial);
+    }
+    let cpg = cout / groups;
+    // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
+    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.contiguous()?;
+    // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
+    let ct = ct.contiguous()?.reshape((n, cout, l))?;
+    let cols = (0..groups)
+        .map(|i| wt.get(i)?.broadcast_matmul(&ct.narrow(1, i * cpg, cpg)?))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    // g x [N, CK, L] -> N (g CK) L
+    unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
+}
+
+/// `dw = sum_n ct[n] @ unfold(x)[n]^T`. On the CPU: shifted GEMMs where
+/// they apply, else for ungrouped convolutions one GEMM with the examples
+/// in its inner dimension, on the row layout. Otherwise per group one
+/// batched GEMM `[N, Cout/g, L] @ [N, L, CK]` reading the unfolded input in
+/// place, then the sum over examples as one more GEMM (see `sum_axes`).
+fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
+    let (n, cout) = (ct.dims()[0], ct.dims()[1]);
+    let l: usize = ct.dims()[2..].iter().product();
+    let w_shape = [&[cout, x.dims()[1] / groups], &g.kernel[..]].concat();
+    if n == 0 || cout == 0 {
+        return Tensor::zeros(w_shape, ct.dtype(), ct.device());
+    }
+    if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) {
+        return shift::grad_weight(x, ct, g);
+    }
+    if groups == 1 && has_cpu_kernel(x) {
+        let rows = rows::unfold_rows(x, g)?; // N L CK
+        let ck = rows.dims()[2];
+        // N Cout O.. -> Cout N L -> Cout (N L); @ (N L) CK -> Cout CK
+        let c = ct
+            .reshape((n, cout, l))?
+            .permute((1, 0, 2))?
+            .contiguous()?
+            .reshape((cout, n * l))?;
+        return bmm::matmul(&c, &rows.reshape((n * l, ck))?)?.reshape(w_shape);
+    }
+    let cpg = cout / groups;
+    let cols = unfold::unfold(x, g)?; // N (Cin K) L
+    let ck = cols.dims()[1] / groups;
+    let ct = ct.contiguous()?.reshape((n, cout, l))?;
+    let per_example = (0..groups)
+        .map(|i| {
+            let cols_t = cols.narrow(1, i * ck, ck)?.transpose(1, 2)?; // N L CK
+            bmm::matmul(&ct.narrow(1, i * cpg, cpg)?, &cols_t)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    // g x [N, Cout/g, CK] -> N Cout CK -> Cout CK
+    sum_axes(&Tensor::cat(&per_example, 1)?, &[0])?.reshape(w_shape)
+}
+
+/// Each example's weight gradient: shifted GEMMs where they apply,
+/// otherwise `ct[e] @ unfold_rows(x)[e]` as one batched product.
+fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+    let (e, cin, cout) = (x.dims()[0], x.dims()[1], ct.dims()[1]);
+    let shape = [&[e, cout, cin], &g.kernel[..]].concat();
+    if e == 0 || cout == 0 {
+        return Tensor::zeros(shape, x.dtype(), x.device());
+    }
+    if has_cpu_kernel(x) && shift::applies(g, 1, cin) {
+        return shift::grad_weight_each(x, ct, g);
+    }
+    let rows = rows::unfold_rows(x, g)?; // E L CK
+    let l = rows.dims()[1];
+    let c = ct.contiguous()?.reshape((e, cout, l))?;
+    bmm::matmul(&c, &rows)?.reshape(shape)
+}

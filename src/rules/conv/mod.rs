@@ -1,0 +1,46 @@
+//! The convolution family: convolutions (1D, 2D, 3D; stride, padding,
+//! dilation, groups), unfold / fold (im2col / col2im) and the two
+//! convolution gradients, whose rules close the family under
+//! differentiation.
+//!
+//! One room per concern: shape rules (`infer`), how each primitive runs on
+//! candle and the CPU kernels (`cpu`), the batching rules with the conv
+//! routes (`batch`), and the VJP rules (`vjp`).
+
+mod batch;
+mod cpu;
+mod infer;
+mod vjp;
+
+use super::{BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use crate::error::Result;
+use crate::ir::conv::ConvOp;
+use crate::ir::{ConvGeom, Prim, TensorType, VarId};
+use candle_core::Tensor;
+
+impl Rule for ConvOp {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        infer::infer(self, args)
+    }
+
+    fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+        cpu::run(self, args)
+    }
+
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        batch::batch(self, cx, args).map(Some)
+    }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        vjp::vjp(self, b, args, ct).map(Some)
+    }
+}
+
+/// The input-gradient primitive of a convolution with this geometry.
+pub(super) fn grad_input(geom: &ConvGeom, groups: usize, spatial: Vec<usize>) -> Prim {
+    Prim::Conv(ConvOp::GradInput {
+        geom: geom.clone(),
+        groups,
+        spatial,
+    })
+}

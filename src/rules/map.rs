@@ -1,0 +1,309 @@
+//! The `map` primitive: a per-example sub-graph run once per example and
+//! stacked. It is the generic batching fallback (a primitive without a
+//! rule, JAX's and functorch's loop) and the conv `Loop` route, so `vmap`
+//! never gives a wrong answer for want of a rule. The interpreter runs its
+//! body; its batching rule batches the body; its VJP is a map of the
+//! body's per-example VJP.
+
+use super::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use crate::error::{Error, Result};
+use crate::ir::options::Opts;
+use crate::ir::{Graph, Map, Prim, TensorType, VarId};
+use candle_core::Tensor;
+use std::sync::Arc;
+
+/// `t` without its batch axis.
+fn unbatched(t: &TensorType, bdim: Option<usize>) -> TensorType {
+    let mut t = t.clone();
+    if let Some(d) = bdim {
+        if d < t.shape.len() {
+            t.shape.remove(d);
+        }
+    }
+    t
+}
+
+/// Emits `prim` mapped over the examples (batch axis first in the result).
+pub(crate) fn emit_map(cx: &mut BatchCx, prim: &Prim, args: &[BVal]) -> Result<BVal> {
+    let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
+    let body = {
+        let mut sb = scratch.borrow_mut();
+        let ids: Vec<VarId> = args
+            .iter()
+            .map(|&(v, bd)| sb.input(unbatched(cx.b.ty(v), bd)))
+            .collect();
+        let out = sb.emit(prim.clone(), &ids)?;
+        sb.finish(vec![out]).0
+    };
+    emit_body(cx.b, body, args, cx.size, *cx.opts)
+}
+
+/// Emits a map node of `body` over `args`.
+fn emit_body(b: &mut Builder, body: Graph, args: &[BVal], size: usize, opts: crate::ir::options::Opts) -> Result<BVal> {
+    let m = Map {
+        body: Arc::new(body),
+        bdims: args.iter().map(|a| a.1).collect(),
+        size,
+        opts,
+    };
+    let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
+    Ok((b.emit(Prim::Map(Box::new(m)), &ids)?, Some(0)))
+}
+
+impl Rule for Map {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
+        if args.len() != self.bdims.len() || self.body.inputs.len() != args.len() || self.body.outputs.len() != 1 {
+            return Err(Error::shape(
+                "map",
+                &shapes,
+                format!("the map takes {} operands", self.bdims.len()),
+            ));
+        }
+        for (k, (t, bd)) in args.iter().zip(&self.bdims).enumerate() {
+            if let Some(d) = bd {
+                if *d >= t.rank() || t.shape[*d] != self.size {
+                    return Err(Error::shape(
+                        "map",
+                        &shapes,
+                        format!("axis {d} of operand {k} is not a batch of {}", self.size),
+                    ));
+                }
+            }
+            if unbatched(t, *bd) != *self.body.ty(self.body.inputs[k]) {
+                return Err(Error::shape(
+                    "map",
+                    &shapes,
+                    format!(
+                        "operand {k} does not fit the body's {:?}",
+                        self.body.ty(self.body.inputs[k])
+                    ),
+                ));
+            }
+        }
+        let mut out = self.body.ty(self.body.outputs[0]).clone();
+        out.shape.insert(0, self.size);
+        Ok(out)
+    }
+
+    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+        // A body is a graph, and running graphs is the interpreter's job.
+        Err(Error::internal(self.name(), "a map's body is run by the interpreter"))
+    }
+
+    /// A map under another `vmap`: the same map over a body batched by the
+    /// new axis. Every operand the new `vmap` batches gets that axis first
+    /// (`.. B2 .. -> B2 ..`), so the map's own axis moves one place back and
+    /// each example of the map sees the new batch at axis 0.
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
+        let mut operands = Vec::with_capacity(args.len());
+        let mut bdims = Vec::with_capacity(args.len());
+        let body = {
+            let mut sb = scratch.borrow_mut();
+            let mut inner = Vec::with_capacity(args.len());
+            for (k, (&(v, bd2), &bd)) in args.iter().zip(&self.bdims).enumerate() {
+                let per = self.body.ty(self.body.inputs[k]).clone();
+                match bd2 {
+                    Some(_) => {
+                        operands.push(cx.front((v, bd2))?);
+                        bdims.push(bd.map(|d| d + 1));
+                        let mut ty = per;
+                        ty.shape.insert(0, cx.size);
+                        inner.push((sb.input(ty), Some(0)));
+                    }
+                    None => {
+                        operands.push(v);
+                        bdims.push(bd);
+                        inner.push((sb.input(per), None));
+                    }
+                }
+            }
+            // The body is batched over the new vmap's axis: its route is
+            // the map's (the caller's choice for what the map holds), strict
+            // if either asks, and random draws as the new vmap says.
+            let opts = Opts {
+                strict: self.opts.strict || cx.opts.strict,
+                randomness: cx.opts.randomness,
+                ..self.opts
+            };
+            let mut icx = BatchCx {
+                b: &mut sb,
+                size: cx.size,
+                opts: &opts,
+                plan: cx.plan,
+            };
+            let out = walk::batch_graph(&self.body, &mut icx, &inner)?[0];
+            let out = icx.materialize(out)?;
+            sb.finish(vec![out]).0.eliminate_dead_code()
+        };
+        let m = Map {
+            body: Arc::new(body),
+            bdims,
+            size: self.size,
+            opts: self.opts,
+        };
+        // size B2 .. : the new batch is axis 1 of the result.
+        Ok(Some((cx.b.emit(Prim::Map(Box::new(m)), &operands)?, Some(1))))
+    }
+
+    /// A map of the body's per-example VJP: one map per operand with a
+    /// cotangent (each body pruned to that cotangent), taking the primal
+    /// operands and the result's cotangent. A shared operand's cotangent
+    /// is the sum over the examples.
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let (graph, has) = {
+            let mut sb = scratch.borrow_mut();
+            let ids: Vec<VarId> = self
+                .body
+                .inputs
+                .iter()
+                .map(|&i| sb.input(self.body.ty(i).clone()))
+                .collect();
+            let c = sb.input(unbatched(b.ty(ct), Some(0)));
+            let wrt = vec![true; ids.len()];
+            let (_, cts) = walk::vjp_graph(&self.body, &mut sb, &ids, &wrt, &[(0, c)])?;
+            let has: Vec<bool> = cts.iter().map(Option::is_some).collect();
+            (sb.finish(cts.into_iter().flatten().collect()).0, has)
+        };
+        let mut operands: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
+        operands.push((ct, Some(0)));
+        let mut next = 0;
+        let mut cts = Vec::with_capacity(args.len());
+        for (k, &bd) in self.bdims.iter().enumerate() {
+            if !has[k] {
+                cts.push(None);
+                continue;
+            }
+            let body = Graph {
+                outputs: vec![graph.outputs[next]],
+                ..graph.clone()
+            }
+            .eliminate_dead_code();
+            next += 1;
+            let (g, _) = emit_body(b, body, &operands, self.size, self.opts)?;
+            // size X.. -> the operand's layout: summed if shared, else the
+            // batch axis back where the operand has it.
+            cts.push(Some(match bd {
+                None => b.sum_axes(g, vec![0], false)?,
+                Some(d) => b.move_axis(g, 0, d)?,
+            }));
+        }
+        Ok(Some(cts))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::ops::Unary;
+    use crate::ir::options::{ConvRoute, Options};
+    use crate::ir::CustomOp;
+    use crate::rules::plan::Fixed;
+    use crate::rules::TraceCtx;
+    use candle_core::{DType, Device};
+
+    fn body(prim: Prim) -> Graph {
+        let sb = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let mut sb = sb.borrow_mut();
+        let x = sb.input(TensorType::new(vec![2], DType::F32));
+        let y = sb.emit(prim, &[x]).unwrap();
+        sb.finish(vec![y]).0
+    }
+
+    fn custom() -> Prim {
+        Prim::Custom(CustomOp {
+            name: "opaque".into(),
+            f: Arc::new(|xs: &[Tensor]| xs[0].exp()),
+            ins: vec![TensorType::new(vec![2], DType::F32)],
+            out: TensorType::new(vec![2], DType::F32),
+        })
+    }
+
+    /// A map over 4 examples of `prim`, carrying `opts`, batched again by a
+    /// vmap of 3 with other options (not strict).
+    fn batch_again(prim: Prim, opts: Opts) -> Result<(Vec<usize>, Option<usize>, Opts)> {
+        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let mut b = root.borrow_mut();
+        let x = b.input(TensorType::new(vec![3, 4, 2], DType::F32));
+        let m = Map {
+            body: Arc::new(body(prim)),
+            bdims: vec![Some(0)],
+            size: 4,
+            opts,
+        };
+        let outer = Opts::default();
+        let mut cx = BatchCx {
+            b: &mut b,
+            size: 3,
+            opts: &outer,
+            plan: &Fixed,
+        };
+        let (v, bd) = m.batch(&mut cx, &[(x, Some(0))])?.unwrap();
+        let carried = match &b.nodes[v].prim {
+            Prim::Map(m) => m.opts,
+            p => panic!("expected a map, got {}", p.name()),
+        };
+        Ok((b.dims(v), bd, carried))
+    }
+
+    #[test]
+    fn a_batched_map_batches_its_body_with_its_own_options() {
+        let strict = Opts {
+            strict: true,
+            ..Opts::default()
+        };
+        // The body's custom op has no batching rule: the map's own strict
+        // mode refuses the loop, though the enclosing vmap is not strict.
+        assert!(matches!(batch_again(custom(), strict), Err(Error::Unsupported { .. })));
+        let lax = Opts {
+            route: ConvRoute::Loop,
+            ..Opts::default()
+        };
+        let (dims, bd, carried) = batch_again(custom(), lax).unwrap();
+        assert_eq!(
+            (dims, bd),
+            (vec![4, 3, 2], Some(1)),
+            "the map's axis first, the new batch second"
+        );
+        assert_eq!(carried, lax, "the batched map keeps the caller's options");
+        let (dims, _, _) = batch_again(Prim::Unary(Unary::Exp), strict).unwrap();
+        assert_eq!(dims, vec![4, 3, 2], "a body with rules batches in strict mode");
+    }
+
+    #[test]
+    fn a_maps_vjp_is_a_map_with_the_same_options() {
+        let opts = Opts {
+            route: ConvRoute::Grouped,
+            strict: true,
+            ..Opts::default()
+        };
+        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let mut b = root.borrow_mut();
+        let x = b.input(TensorType::new(vec![4, 2], DType::F32));
+        let m = Map {
+            body: Arc::new(body(Prim::Unary(Unary::Exp))),
+            bdims: vec![Some(0)],
+            size: 4,
+            opts,
+        };
+        let out = b.emit(Prim::Map(Box::new(m.clone())), &[x]).unwrap();
+        let ct = b.input(TensorType::new(vec![4, 2], DType::F32));
+        let cts = m.vjp(&mut b, &[x], out, ct).unwrap().unwrap();
+        let g = cts[0].unwrap();
+        assert_eq!(b.dims(g), vec![4, 2]);
+        let maps: Vec<Opts> = b.nodes[out + 1..]
+            .iter()
+            .filter_map(|n| match &n.prim {
+                Prim::Map(m) => Some(m.opts),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            maps,
+            vec![opts],
+            "one map for the one cotangent, with the caller's options"
+        );
+    }
+}

@@ -1,0 +1,188 @@
+//! The planner: where a batched program has several lowerings, it decides.
+//! Rules describe a choice (`rules::plan::Choice`); this planner answers
+//! the options' route, or for `Auto` times every candidate's lowered graph
+//! once per shape signature and device on random data and keeps the
+//! fastest for the process ([`auto_choices`] shows what it chose and why;
+//! [`save_auto_cache`] / [`load_auto_cache`] keep the choices across runs).
+//!
+//! It also decides how a whole batched graph runs (`Planner::schedule`):
+//! at once, or in chunks of examples. This is where a plan for a whole
+//! graph or a segment of it (a per-example schedule, a measured choice
+//! between them) belongs.
+
+use crate::error::{CandleContext, Error, Result};
+use crate::interp;
+use crate::ir::options::ConvRoute;
+use crate::rules::plan::{lower, Choice, Planner};
+use candle_core::Tensor;
+use std::sync::Mutex;
+
+/// One choice of the `Auto` route: the lowered operation, its batched
+/// operand shapes, the candidates' measured times and the winner.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct AutoChoice {
+    /// The batched operation (`conv2d[..]`, `conv2d_grad_weight[..]`, ...).
+    pub op: String,
+    /// The operands' shapes with the batch axis first, and the batch size.
+    pub shapes: Vec<Vec<usize>>,
+    /// Each candidate's time in milliseconds (best of five rounds in which
+    /// the candidates take turns).
+    pub timings_ms: Vec<(ConvRoute, f64)>,
+    /// The fastest candidate.
+    pub chosen: ConvRoute,
+}
+
+type AutoKey = String;
+
+static AUTO: Mutex<Vec<(AutoKey, AutoChoice)>> = Mutex::new(Vec::new());
+
+/// What `Auto` chose so far in this process (and what was loaded), in the
+/// order the choices were made.
+pub fn auto_choices() -> Vec<AutoChoice> {
+    AUTO.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(_, c)| c.clone())
+        .collect()
+}
+
+fn cached_choice(key: &str) -> Option<ConvRoute> {
+    AUTO.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, c)| c.chosen)
+}
+
+fn record_choice(key: AutoKey, choice: AutoChoice) {
+    log::debug!(
+        "conv route auto: {} on {:?} -> {:?} (timings {:?})",
+        choice.op,
+        choice.shapes,
+        choice.chosen,
+        choice.timings_ms
+    );
+    let mut table = AUTO.lock().unwrap_or_else(|e| e.into_inner());
+    table.retain(|(k, _)| *k != key);
+    table.push((key, choice));
+}
+
+/// Writes the `Auto` choices to a text file, one per line, to reload with
+/// [`load_auto_cache`] so a later process skips the measurements.
+pub fn save_auto_cache(path: impl AsRef<std::path::Path>) -> Result<()> {
+    let table = AUTO.lock().unwrap_or_else(|e| e.into_inner());
+    let mut text = String::new();
+    for (key, c) in table.iter() {
+        let times: Vec<String> = c.timings_ms.iter().map(|(r, t)| format!("{r:?}={t}")).collect();
+        text.push_str(&format!(
+            "{key}\t{:?}\t{}\t{}\t{:?}\n",
+            c.chosen,
+            times.join(","),
+            c.op,
+            c.shapes
+        ));
+    }
+    std::fs::write(path.as_ref(), text).map_err(|e| Error::Config {
+        msg: format!("save_auto_cache {}: {e}", path.as_ref().display()),
+    })
+}
+
+/// Reads choices written by [`save_auto_cache`]; they take the place of
+/// measurements for the same signatures. A malformed line is an error.
+pub fn load_auto_cache(path: impl AsRef<std::path::Path>) -> Result<usize> {
+    let text = std::fs::read_to_string(path.as_ref()).map_err(|e| Error::Config {
+        msg: format!("load_auto_cache {}: {e}", path.as_ref().display()),
+    })?;
+    let mut n = 0;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let parts: Vec<&str> = line.split('\t').collect();
+        let bad = || Error::Config {
+            msg: format!("load_auto_cache: malformed line {line:?}"),
+        };
+        if parts.len() != 5 {
+            return Err(bad());
+        }
+        let chosen: ConvRoute = parts[1].parse().map_err(|_| bad())?;
+        let mut timings_ms = Vec::new();
+        for t in parts[2].split(',').filter(|t| !t.is_empty()) {
+            let (r, ms) = t.split_once('=').ok_or_else(bad)?;
+            timings_ms.push((r.parse().map_err(|_| bad())?, ms.parse().map_err(|_| bad())?));
+        }
+        let choice = AutoChoice {
+            op: parts[3].to_string(),
+            shapes: Vec::new(),
+            timings_ms,
+            chosen,
+        };
+        record_choice(parts[0].to_string(), choice);
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// The planner of a transform's trace: answers `Auto` choices by
+/// measurement, cached per signature and device.
+pub(crate) struct Measured;
+
+impl Planner for Measured {
+    fn choose(&self, choice: &Choice) -> Result<ConvRoute> {
+        let types: Vec<_> = choice.args.iter().map(|(t, bd)| (t, bd)).collect();
+        let key = format!(
+            "{}|{types:?}|{}|{:?}",
+            choice.prim.name(),
+            choice.size,
+            choice.device.location()
+        );
+        if let Some(r) = cached_choice(&key) {
+            return Ok(r);
+        }
+        let timings = time_routes(choice)?;
+        let chosen = timings
+            .iter()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|t| t.0)
+            .unwrap_or_default();
+        let record = AutoChoice {
+            op: choice.prim.name(),
+            shapes: choice.batch_first_shapes(),
+            timings_ms: timings,
+            chosen,
+        };
+        record_choice(key, record);
+        Ok(chosen)
+    }
+}
+
+/// Rounds in which `Auto` times every candidate once.
+const AUTO_ROUNDS: usize = 5;
+
+/// Milliseconds each candidate takes on random operands: the best of
+/// `AUTO_ROUNDS` after a warm-up, the candidates taking turns within each
+/// round, so a burst of load on a shared machine does not fall on one of
+/// them only.
+fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
+    let graphs = choice
+        .candidates
+        .iter()
+        .map(|&r| lower(choice, r))
+        .collect::<Result<Vec<_>>>()?;
+    let inputs = choice
+        .args
+        .iter()
+        .map(|(t, _)| Tensor::randn(0f32, 1., t.shape.as_slice(), choice.device).and_then(|r| r.to_dtype(t.dtype)))
+        .collect::<candle_core::Result<Vec<_>>>()
+        .op("conv route auto")?;
+    for g in &graphs {
+        interp::run(g, &inputs, 0)?;
+    }
+    let mut best = vec![f64::INFINITY; graphs.len()];
+    for _ in 0..AUTO_ROUNDS {
+        for (g, b) in graphs.iter().zip(best.iter_mut()) {
+            let start = std::time::Instant::now();
+            interp::run(g, &inputs, 0)?;
+            *b = b.min(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(choice.candidates.iter().copied().zip(best).collect())
+}

@@ -1,0 +1,116 @@
+//! Process-wide defaults: what a transform uses for an option it was not
+//! given (and its enclosing transform did not set). They are defaults only;
+//! what they resolve to is part of every graph-cache key, so changing one
+//! never reuses a graph traced under another. Also the process-wide random
+//! stream and the once-per-cause warnings.
+
+use crate::error::{Error, Result};
+use crate::ir::options::{ConvRoute, Options, Opts};
+use crate::ir::Graph;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
+
+/// Name of the environment variable that sets the process-wide route.
+pub const ROUTE_ENV: &str = "CANDLE_FUNC_CONV_ROUTE";
+
+static STRICT: AtomicBool = AtomicBool::new(false);
+static PROCESS_ROUTE: RwLock<Option<ConvRoute>> = RwLock::new(None);
+static SEED: AtomicU64 = AtomicU64::new(0x5eed);
+static DRAWS: AtomicU64 = AtomicU64::new(0);
+static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Process-wide strict mode: when on, `vmap` refuses to batch a primitive
+/// with the per-example loop fallback and returns an error instead of a
+/// warning. A transform's own `.strict(..)` wins.
+pub fn set_strict(on: bool) {
+    STRICT.store(on, Ordering::Relaxed);
+}
+
+/// Whether process-wide strict mode is on.
+pub fn strict() -> bool {
+    STRICT.load(Ordering::Relaxed)
+}
+
+/// Sets the process-wide route (`None` returns to the environment variable
+/// or the default). A route given to a transform with `.conv_route(..)` wins.
+pub fn set_conv_route(route: Option<ConvRoute>) {
+    *PROCESS_ROUTE.write().unwrap_or_else(|e| e.into_inner()) = route;
+}
+
+/// The process-wide route: the setter's, else the environment variable's
+/// (`CANDLE_FUNC_CONV_ROUTE=grouped|unfold|loop|auto`; an unknown value is
+/// an error), else the default (`Unfold`).
+pub fn conv_route() -> Result<ConvRoute> {
+    if let Some(r) = *PROCESS_ROUTE.read().unwrap_or_else(|e| e.into_inner()) {
+        return Ok(r);
+    }
+    match std::env::var(ROUTE_ENV) {
+        Ok(v) => v.parse().map_err(|e: Error| Error::Config {
+            msg: format!("{ROUTE_ENV}: {e}"),
+        }),
+        Err(std::env::VarError::NotPresent) => Ok(ConvRoute::default()),
+        Err(e) => Err(Error::Config {
+            msg: format!("{ROUTE_ENV}: {e}"),
+        }),
+    }
+}
+
+/// Seeds the process-wide random stream (dropout masks of transforms
+/// without a seed of their own): the runs after this call draw the same
+/// sequence of values.
+pub fn manual_seed(seed: u64) {
+    SEED.store(seed, Ordering::Relaxed);
+    DRAWS.store(0, Ordering::Relaxed);
+}
+
+/// `opts` resolved against the process defaults: the options a `vmap`
+/// batches with. An unset route reads the setter and the environment (so a
+/// bad `CANDLE_FUNC_CONV_ROUTE` fails only a transform that needs a route).
+pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
+    if opts.get_chunk_size() == Some(0) {
+        return Err(Error::Config {
+            msg: "vmap: chunk_size must be positive".into(),
+        });
+    }
+    Ok(Opts {
+        route: match opts.get_conv_route() {
+            Some(r) => r,
+            None => conv_route()?,
+        },
+        strict: opts.get_strict().unwrap_or_else(strict),
+        randomness: opts.get_randomness().unwrap_or_default(),
+        chunk_size: opts.get_chunk_size(),
+        seed: opts.get_seed(),
+    })
+}
+
+/// The seed of one run of `g`: from the transform's own stream (its seed
+/// and its count of calls) or from the process-wide one. A graph without
+/// random draws takes none, so it leaves both streams where they are.
+pub(crate) fn run_seed(g: &Graph, own: Option<u64>, calls: &AtomicU64) -> u64 {
+    if !g.has_random() {
+        return 0;
+    }
+    match own {
+        Some(seed) => crate::interp::mix(seed, calls.fetch_add(1, Ordering::Relaxed)),
+        None => crate::interp::mix(SEED.load(Ordering::Relaxed), DRAWS.fetch_add(1, Ordering::Relaxed)),
+    }
+}
+
+/// Logs `msg` as a warning the first time `key` is seen in this process.
+/// Returns whether it was logged.
+pub(crate) fn warn_once(key: String, msg: String) -> bool {
+    let mut guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    let first = guard.get_or_insert_with(HashSet::new).insert(key);
+    if first {
+        log::warn!("{msg}");
+    }
+    first
+}
+
+/// Whether a warning with this key has been given (for tests).
+pub fn warned(key: &str) -> bool {
+    let guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    guard.as_ref().is_some_and(|s| s.contains(key))
+}
