@@ -11,9 +11,9 @@ mod models;
 
 use candle_core::{Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, jit, vmap, ConvRoute, Tracer};
+use candle_func::{grad, jit, vmap, ConvRoute, Schedule, Tracer};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use models::{build, c3d, cnn_o, cnn_t};
+use models::{build, c3d, cnn_o, cnn_t, mlp};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -63,12 +63,14 @@ fn per_sample(c: &mut Criterion) {
     g.finish();
 }
 
-fn ensemble(c: &mut Criterion) {
-    let built: Vec<_> = (0..10).map(|_| build(cnn_t).unwrap()).collect();
+/// Ten models with a batch each: the loop, the default vmap, each
+/// schedule, and the batched graph by route.
+fn ensemble_of(c: &mut Criterion, name: &str, arch: Arch, example: &[usize]) {
+    let built: Vec<_> = (0..10).map(|_| build(arch).unwrap()).collect();
     let models: Vec<&Sequential> = built.iter().map(|(_, m)| m).collect();
     let stacked = stack_params(&models).unwrap();
-    let xs = Tensor::randn(0f32, 1., (10, 64, 1, 28, 28), &Device::Cpu).unwrap();
-    let mut g = c.benchmark_group("ensemble_own_batch");
+    let xs = Tensor::randn(0f32, 1., [&[10, 64], example].concat(), &Device::Cpu).unwrap();
+    let mut g = c.benchmark_group(format!("ensemble_own_batch_{name}"));
     g.sample_size(10)
         .measurement_time(Duration::from_secs(5))
         .warm_up_time(Duration::from_millis(500));
@@ -81,13 +83,29 @@ fn ensemble(c: &mut Criterion) {
                 .collect::<Vec<_>>()
         })
     });
+    let f = |s: Schedule| vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x)).schedule(s);
+    for (label, s) in [
+        ("vmap default", Schedule::Auto),
+        ("vmap per example", Schedule::PerExample),
+    ] {
+        let f = f(s);
+        g.bench_function(label, |b| b.iter(|| f.call((&stacked, &xs)).unwrap()));
+    }
     for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop, ConvRoute::Auto] {
-        let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x)).conv_route(route);
-        g.bench_function(format!("vmap {route:?}"), |b| {
+        let f = f(Schedule::Batched).conv_route(route);
+        g.bench_function(format!("vmap batched {route:?}"), |b| {
             b.iter(|| f.call((&stacked, &xs)).unwrap())
         });
     }
     g.finish();
+}
+
+type Arch = fn(candle_nn::VarBuilder) -> candle_func::Result<Sequential>;
+
+fn ensemble(c: &mut Criterion) {
+    ensemble_of(c, "tutorial_cnn", cnn_t, &[1, 28, 28]);
+    ensemble_of(c, "opacus_cnn", cnn_o, &[1, 28, 28]);
+    ensemble_of(c, "mlp", mlp, &[784]);
 }
 
 fn forward(c: &mut Criterion) {

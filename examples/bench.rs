@@ -14,9 +14,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, jit, make_graph, vmap, ConvRoute, Tracer};
+use candle_func::{grad, jit, make_graph, vmap, ConvRoute, Schedule, Tracer};
 use common::median_ms;
-use common::models::{build, c3d, cnn_o, cnn_t};
+use common::models::{build, c3d, cnn_o, cnn_t, mlp};
 use std::collections::BTreeMap;
 
 type Params = BTreeMap<String, Tensor>;
@@ -189,17 +189,50 @@ fn auto_note(by_route: &[(ConvRoute, f64)]) -> String {
     )
 }
 
-fn ensemble(o: &Opts, own: bool) -> Res<()> {
+/// An ensemble workload: the architecture, its name, one example's shape.
+struct Ensemble {
+    arch: fn(candle_nn::VarBuilder) -> candle_func::Result<Sequential>,
+    name: &'static str,
+    example: &'static [usize],
+}
+
+const TUTORIAL: Ensemble = Ensemble {
+    arch: cnn_t,
+    name: "tutorial CNNs",
+    example: &[1, 28, 28],
+};
+const OPACUS: Ensemble = Ensemble {
+    arch: cnn_o,
+    name: "Opacus MNIST CNNs",
+    example: &[1, 28, 28],
+};
+const MLP: Ensemble = Ensemble {
+    arch: mlp,
+    name: "MLPs 784-128-128-10",
+    example: &[784],
+};
+
+/// The vmapped ensembles timed beside the loop: the default (`Auto`
+/// schedule and route), each schedule, and the batched graph by route.
+fn ensemble_variants() -> Vec<(String, Schedule, Option<ConvRoute>)> {
+    let mut v = vec![
+        ("vmap default".to_string(), Schedule::Auto, None),
+        ("vmap per example".to_string(), Schedule::PerExample, None),
+    ];
+    for r in ROUTES {
+        v.push((format!("vmap batched, {r:?}"), Schedule::Batched, Some(r)));
+    }
+    v
+}
+
+fn ensemble(o: &Opts, e: &Ensemble, own: bool) -> Res<()> {
     let (m, b) = (10, 64);
-    let built = (0..m).map(|_| build(cnn_t)).collect::<candle_func::Result<Vec<_>>>()?;
+    let built = (0..m).map(|_| build(e.arch)).collect::<candle_func::Result<Vec<_>>>()?;
     let models: Vec<&Sequential> = built.iter().map(|(_, s)| s).collect();
     let stacked = stack_params(&models)?;
     let dev = Device::Cpu;
-    let x = if own {
-        Tensor::randn(0f32, 1., (m, b, 1, 28, 28), &dev)?
-    } else {
-        Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?
-    };
+    let lead: Vec<usize> = if own { vec![m, b] } else { vec![b] };
+    let x = Tensor::randn(0f32, 1., [&lead[..], e.example].concat(), &dev)?;
     let fwd = jit(|x: Tracer| models[0].forward(&x));
     let xi = |i: usize| -> candle_core::Result<Tensor> {
         if own {
@@ -209,12 +242,17 @@ fn ensemble(o: &Opts, own: bool) -> Res<()> {
         }
     };
     let runs: Vec<_> = models.iter().map(|mm| jit(move |x: Tracer| mm.forward(&x))).collect();
-    let fs: Vec<_> = ROUTES
+    let variants = ensemble_variants();
+    let fs: Vec<_> = variants
         .iter()
-        .map(|&route| {
-            vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x))
+        .map(|(_, schedule, route)| {
+            let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(models[0], &p, &x))
                 .in_dims([Some(0), if own { Some(0) } else { None }])
-                .conv_route(route)
+                .schedule(*schedule);
+            match route {
+                Some(r) => f.conv_route(*r),
+                None => f,
+            }
         })
         .collect();
     let mut jobs: Vec<Job> = vec![
@@ -231,34 +269,40 @@ fn ensemble(o: &Opts, own: bool) -> Res<()> {
     }
     let ms = interleaved(o.reps, &mut jobs)?;
     drop(jobs);
-    let single = ms[0];
+    let (single, looped) = (ms[0], ms[1]);
     let mut rows = vec![Row {
         variant: format!("loop over the {m} models"),
-        ms: ms[1],
+        ms: looped,
         peak_mib: None,
     }];
     let mut by_route = Vec::new();
-    for ((route, f), &ms) in ROUTES.iter().zip(&fs).zip(&ms[2..]) {
+    for (((name, schedule, route), f), &t) in variants.iter().zip(&fs).zip(&ms[2..]) {
         let peak = peak_mib(&make_graph(f, (&stacked, &x))?, &flat_inputs(&stacked, &[&x]))?;
-        by_route.push((*route, ms));
+        if let (Schedule::Batched, Some(r)) = (schedule, route) {
+            by_route.push((*r, t));
+        }
         rows.push(Row {
-            variant: format!("vmap {route:?}"),
-            ms,
+            variant: format!("{name} (/ loop {:.2})", t / looped),
+            ms: t,
             peak_mib: Some(peak),
         });
     }
-    let best = by_route.iter().map(|r| r.1).fold(f64::INFINITY, f64::min);
+    let chosen = candle_func::schedule_choices()
+        .last()
+        .map(|c| format!("{:?} (measured {:?})", c.chosen, c.timings_ms))
+        .unwrap_or_else(|| "batched, unmeasured (a small program)".into());
     let notes = vec![
         format!(
-            "one model alone: {single:.2} ms; best vmap / loop: {:.2}",
-            best / rows[0].ms
+            "one model alone: {single:.2} ms; the default vmap / loop: {:.2}",
+            ms[2] / looped
         ),
+        format!("the last schedule Auto measured: {chosen}"),
         auto_note(&by_route),
     ];
     let kind = if own { "a batch per model" } else { "one shared batch" };
     report(
         o,
-        &format!("ensemble of {m} tutorial CNNs, forward, {kind} of {b}"),
+        &format!("ensemble of {m} {}, forward, {kind} of {b}", e.name),
         &rows,
         &notes,
     );
@@ -487,8 +531,10 @@ fn main() -> Res<()> {
         )?;
     }
     if want("ENS") {
-        ensemble(&o, false)?;
-        ensemble(&o, true)?;
+        for e in [&TUTORIAL, &OPACUS, &MLP] {
+            ensemble(&o, e, false)?;
+            ensemble(&o, e, true)?;
+        }
     }
     if want("FWD") {
         forward_overhead(&o)?;

@@ -77,13 +77,15 @@ mod transforms;
 
 pub use error::{Error, Result};
 pub use interp::{NodeTimes, RunStats};
-pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Randomness, TensorType};
+pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Randomness, Schedule, TensorType};
 pub use ops::{custom_op, Axes, Axis};
 pub use trace::{Operand, Tracer};
 pub use transforms::grad::{
     grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,
 };
-pub use transforms::planner::{auto_choices, load_auto_cache, save_auto_cache, AutoChoice};
+pub use transforms::planner::{
+    auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
+};
 #[doc(hidden)]
 pub use transforms::settings::warned;
 pub use transforms::settings::{conv_route, manual_seed, set_conv_route, set_strict, strict, ROUTE_ENV};

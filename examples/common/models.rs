@@ -1,4 +1,6 @@
 //! The benchmark models of `../shared/peers/models.py`, as `nn` layers.
+// Each example uses a few of them.
+#![allow(dead_code)]
 
 use candle_core::{DType, Device};
 use candle_func::nn::{self, Activation, ConvConfig, MaxPool2d, Sequential};
@@ -53,6 +55,17 @@ pub fn c3d(vb: VarBuilder) -> candle_func::Result<Sequential> {
         .add(Activation::Relu)
         .add(nn::Flatten)
         .add(nn::linear(16 * 12 * 12 * 12, 10, vb.pp("fc"))?))
+}
+
+/// The torch.func model-ensembling tutorial's MLP: 784 -> 128 -> 128 -> 10
+/// with ReLUs (inputs `[B, 784]`).
+pub fn mlp(vb: VarBuilder) -> candle_func::Result<Sequential> {
+    Ok(nn::seq()
+        .add(nn::linear(784, 128, vb.pp("fc1"))?)
+        .add(Activation::Relu)
+        .add(nn::linear(128, 128, vb.pp("fc2"))?)
+        .add(Activation::Relu)
+        .add(nn::linear(128, 10, vb.pp("fc3"))?))
 }
 
 /// A model with fresh weights in its own `VarMap`.

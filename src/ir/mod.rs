@@ -16,7 +16,7 @@ mod print;
 mod simplify;
 
 pub use geom::ConvGeom;
-pub use options::{ConvRoute, Options, Randomness};
+pub use options::{ConvRoute, Options, Randomness, Schedule};
 pub use prim::CustomKernel;
 pub(crate) use prim::{CustomOp, Map, Prim};
 

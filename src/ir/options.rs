@@ -56,6 +56,24 @@ pub enum Randomness {
     Different,
 }
 
+/// How a `vmap` runs its batch, as a whole: the batched graph (every
+/// primitive through its batching rule), or the unbatched graph once per
+/// example (its own kernels, one example's data in cache at a time, the
+/// results stacked), or whichever measures faster.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Schedule {
+    /// The batched graph for a small program; for a large one (many
+    /// megabytes of batched values) the faster of the two, measured once
+    /// per signature and device (see [`schedule_choices`](crate::schedule_choices)).
+    #[default]
+    Auto,
+    /// The batched graph.
+    Batched,
+    /// The unbatched graph once per example.
+    PerExample,
+}
+
 /// The options of one transform, each unset by default. An unset route,
 /// strict mode or seed is taken from the enclosing transform (when the
 /// transform runs inside another's trace), else from the process-wide
@@ -76,6 +94,7 @@ pub struct Options {
     randomness: Option<Randomness>,
     chunk_size: Option<usize>,
     seed: Option<u64>,
+    schedule: Option<Schedule>,
 }
 
 impl Options {
@@ -119,6 +138,18 @@ impl Options {
         self
     }
 
+    /// How a `vmap` runs its batch (see [`Schedule`]). A `chunk_size`
+    /// bounds memory whatever the schedule: its chunks run batched.
+    pub fn schedule(mut self, s: Schedule) -> Self {
+        self.schedule = Some(s);
+        self
+    }
+
+    /// The schedule, if set.
+    pub fn get_schedule(&self) -> Option<Schedule> {
+        self.schedule
+    }
+
     /// The route, if set.
     pub fn get_conv_route(&self) -> Option<ConvRoute> {
         self.route
@@ -145,13 +176,13 @@ impl Options {
     }
 
     /// An error for options that only a `vmap` has (`randomness`,
-    /// `chunk_size`) given to another transform, `op`: they would be
+    /// `chunk_size`, `schedule`) given to another transform, `op`: they would be
     /// ignored there, silently.
     pub(crate) fn check_not_vmap(&self, op: &str) -> Result<()> {
-        if self.randomness.is_some() || self.chunk_size.is_some() {
+        if self.randomness.is_some() || self.chunk_size.is_some() || self.schedule.is_some() {
             return Err(Error::Config {
                 msg: format!(
-                    "{op}: randomness and chunk_size belong to a vmap (set them on the vmap inside), got {self:?}"
+                    "{op}: randomness, chunk_size and schedule belong to a vmap (set them on the vmap inside), got {self:?}"
                 ),
             });
         }
@@ -180,4 +211,5 @@ pub(crate) struct Opts {
     pub(crate) chunk_size: Option<usize>,
     /// The transform's own seed; `None` draws from the process-wide stream.
     pub(crate) seed: Option<u64>,
+    pub(crate) schedule: Schedule,
 }

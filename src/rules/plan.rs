@@ -7,7 +7,7 @@
 
 use super::{walk, BVal, BatchCx, Builder, TraceCtx};
 use crate::error::{Error, Result};
-use crate::ir::options::{ConvRoute, Options, Opts};
+use crate::ir::options::{ConvRoute, Options, Opts, Schedule};
 use crate::ir::{Graph, Prim, TensorType};
 use candle_core::Device;
 
@@ -45,12 +45,14 @@ impl Choice<'_> {
 }
 
 /// How a batched graph runs as a whole.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Schedule {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum RunAs {
     /// The whole batch through one batched graph.
     Whole,
     /// Chunks of this many examples, each batched, concatenated.
     Chunks(usize),
+    /// The unbatched graph once per example (a map of the whole graph).
+    PerExample,
 }
 
 /// Decides what has more than one way to run: a lowering for a
@@ -59,12 +61,14 @@ pub(crate) trait Planner {
     /// One of `choice.candidates`.
     fn choose(&self, choice: &Choice) -> Result<ConvRoute>;
 
-    /// How a map over `size` examples runs: by default the user's chunk
-    /// size when it is smaller than the batch, else the whole batch.
-    fn schedule(&self, opts: &Opts, size: usize) -> Schedule {
-        match opts.chunk_size {
-            Some(k) if k < size => Schedule::Chunks(k),
-            _ => Schedule::Whole,
+    /// How a map over `size` examples runs, before any measurement: the
+    /// user's chunk size when it is smaller than the batch (a memory
+    /// bound), else the schedule asked for (`Auto`: the batched graph).
+    fn schedule(&self, opts: &Opts, size: usize) -> RunAs {
+        match (opts.chunk_size, opts.schedule) {
+            (Some(k), _) if k < size => RunAs::Chunks(k),
+            (_, Schedule::PerExample) => RunAs::PerExample,
+            _ => RunAs::Whole,
         }
     }
 }

@@ -4,6 +4,7 @@
 
 pub(crate) mod grad;
 pub(crate) mod planner;
+pub(crate) mod schedule;
 pub(crate) mod settings;
 pub(crate) mod tree;
 pub(crate) mod vmap;

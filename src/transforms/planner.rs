@@ -12,9 +12,10 @@
 
 use crate::error::{CandleContext, Error, Result};
 use crate::interp;
-use crate::ir::options::ConvRoute;
-use crate::rules::plan::{lower, Choice, Planner};
-use candle_core::Tensor;
+use crate::ir::options::{ConvRoute, Schedule};
+use crate::ir::{Graph, TensorType};
+use crate::rules::plan::{lower, Choice, Planner, RunAs};
+use candle_core::{Device, Tensor};
 use std::sync::Mutex;
 
 /// One choice of the `Auto` route: the lowered operation, its batched
@@ -154,35 +155,140 @@ impl Planner for Measured {
     }
 }
 
-/// Rounds in which `Auto` times every candidate once.
+/// Rounds in which `Auto` times every candidate route once.
 const AUTO_ROUNDS: usize = 5;
 
-/// Milliseconds each candidate takes on random operands: the best of
-/// `AUTO_ROUNDS` after a warm-up, the candidates taking turns within each
-/// round, so a burst of load on a shared machine does not fall on one of
-/// them only.
+/// Rounds for whole-graph schedules: each candidate is a whole program,
+/// so fewer rounds already take long enough to average out a burst.
+const SCHEDULE_ROUNDS: usize = 3;
+
+/// Milliseconds each candidate route takes for a choice, on random operands.
 fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
     let graphs = choice
         .candidates
         .iter()
         .map(|&r| lower(choice, r))
         .collect::<Result<Vec<_>>>()?;
-    let inputs = choice
-        .args
+    let types: Vec<TensorType> = choice.args.iter().map(|(t, _)| t.clone()).collect();
+    let best = time_graphs(&graphs, &types, choice.device, AUTO_ROUNDS)?;
+    Ok(choice.candidates.iter().copied().zip(best).collect())
+}
+
+/// Inputs to time a graph on: standard normal floats, and zeros for
+/// integer operands (labels, indices), a value every index accepts.
+fn timing_inputs(types: &[TensorType], device: &Device) -> Result<Vec<Tensor>> {
+    types
         .iter()
-        .map(|(t, _)| Tensor::randn(0f32, 1., t.shape.as_slice(), choice.device).and_then(|r| r.to_dtype(t.dtype)))
+        .map(|t| {
+            let shape = t.shape.as_slice();
+            if t.dtype.is_float() {
+                Tensor::randn(0f32, 1., shape, device).and_then(|r| r.to_dtype(t.dtype))
+            } else {
+                Tensor::zeros(shape, t.dtype, device)
+            }
+        })
         .collect::<candle_core::Result<Vec<_>>>()
-        .op("conv route auto")?;
-    for g in &graphs {
+        .op("auto timing")
+}
+
+/// Milliseconds each graph takes on random inputs of `types`: the best of
+/// `rounds` after a warm-up, the graphs taking turns within each round, so
+/// a burst of load on a shared machine does not fall on one of them only.
+fn time_graphs(graphs: &[Graph], types: &[TensorType], device: &Device, rounds: usize) -> Result<Vec<f64>> {
+    let inputs = timing_inputs(types, device)?;
+    for g in graphs {
         interp::run(g, &inputs, 0)?;
     }
     let mut best = vec![f64::INFINITY; graphs.len()];
-    for _ in 0..AUTO_ROUNDS {
+    for _ in 0..rounds {
         for (g, b) in graphs.iter().zip(best.iter_mut()) {
             let start = std::time::Instant::now();
             interp::run(g, &inputs, 0)?;
             *b = b.min(start.elapsed().as_secs_f64() * 1e3);
         }
     }
-    Ok(choice.candidates.iter().copied().zip(best).collect())
+    Ok(best)
+}
+
+/// One choice of `Schedule::Auto` for a large program: the batch size, the
+/// candidates' measured times and the winner.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ScheduleChoice {
+    /// The batch size.
+    pub size: usize,
+    /// Equations in the per-example graph.
+    pub equations: usize,
+    /// Each candidate's time in milliseconds (best of three rounds in
+    /// which the candidates take turns).
+    pub timings_ms: Vec<(Schedule, f64)>,
+    /// The fastest candidate.
+    pub chosen: Schedule,
+}
+
+static SCHEDULES: Mutex<Vec<(String, ScheduleChoice)>> = Mutex::new(Vec::new());
+
+/// What `Schedule::Auto` measured and chose so far in this process, in the
+/// order the choices were made (small programs, run batched without
+/// measuring, are not listed).
+pub fn schedule_choices() -> Vec<ScheduleChoice> {
+    SCHEDULES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(_, c)| c.clone())
+        .collect()
+}
+
+fn public(r: RunAs) -> Schedule {
+    match r {
+        RunAs::PerExample => Schedule::PerExample,
+        _ => Schedule::Batched,
+    }
+}
+
+/// The fastest of `candidates` (each a way to run the same batch, lowered
+/// to a graph over inputs of `types`), measured once per `key` and cached
+/// for the process.
+pub(crate) fn measured_schedule(
+    key: String,
+    size: usize,
+    candidates: &[(RunAs, Graph)],
+    types: &[TensorType],
+    device: &Device,
+) -> Result<RunAs> {
+    let cached = SCHEDULES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, c)| c.chosen);
+    if let Some(c) = cached {
+        return Ok(candidates
+            .iter()
+            .map(|(r, _)| *r)
+            .find(|&r| public(r) == c)
+            .unwrap_or(RunAs::Whole));
+    }
+    let graphs: Vec<Graph> = candidates.iter().map(|(_, g)| g.clone()).collect();
+    let times = time_graphs(&graphs, types, device, SCHEDULE_ROUNDS)?;
+    let (best, _) = candidates
+        .iter()
+        .zip(&times)
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|((r, _), t)| (*r, *t))
+        .unwrap_or((RunAs::Whole, 0.0));
+    let choice = ScheduleChoice {
+        size,
+        equations: candidates.first().map_or(0, |(_, g)| g.equation_count()),
+        timings_ms: candidates.iter().map(|(r, _)| public(*r)).zip(times).collect(),
+        chosen: public(best),
+    };
+    log::debug!(
+        "vmap schedule auto: batch of {size} -> {:?} (timings {:?})",
+        choice.chosen,
+        choice.timings_ms
+    );
+    SCHEDULES.lock().unwrap_or_else(|e| e.into_inner()).push((key, choice));
+    Ok(best)
 }

@@ -82,6 +82,7 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         randomness: opts.get_randomness().unwrap_or_default(),
         chunk_size: opts.get_chunk_size(),
         seed: opts.get_seed(),
+        schedule: opts.get_schedule().unwrap_or_default(),
     })
 }
 

@@ -1,16 +1,14 @@
 //! `vmap`: traces the function on per-example shapes, then re-emits every
 //! node through its primitive's batching rule into the enclosing trace.
 
-use super::planner::Measured;
+use super::schedule::run_batch;
 use super::settings;
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
 use super::{call_concrete, innermost, trace_inner, Function, GraphCache};
 use crate::error::{Error, Result};
-use crate::ir::options::{ConvRoute, Options, Opts, Randomness};
-use crate::ir::{Graph, TensorType, VarId};
-use crate::rules::plan::{Planner, Schedule};
-use crate::rules::walk::batch_graph_shared;
-use crate::rules::{BVal, BatchCx, Builder, BuilderRef};
+use crate::ir::options::{ConvRoute, Options, Randomness, Schedule};
+use crate::ir::TensorType;
+use crate::rules::{BVal, BuilderRef};
 use crate::trace::Tracer;
 
 /// Batch axes, one entry per top-level argument (or output); `None` means
@@ -138,6 +136,15 @@ impl<F> Vmap<F> {
         self
     }
 
+    /// How the batch runs as a whole: batched, once per example, or the
+    /// faster of the two for a large program (the default; see
+    /// [`Schedule`]).
+    pub fn schedule(mut self, s: Schedule) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.options = self.options.schedule(s);
+        self
+    }
+
     /// The seed of the random draws (see [`Options::seed`]).
     pub fn seed(mut self, seed: u64) -> Self {
         self.cache = GraphCache::default(); // a changed transform traces anew
@@ -221,30 +228,6 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
     Ok(Inputs { vals, types, size })
 }
 
-/// Moves a batched output's batch axis to `out_dim` (materialising an
-/// unbatched output when a batch axis is asked for).
-fn place_output(cx: &mut BatchCx, out: BVal, out_dim: Option<isize>, index: usize) -> Result<VarId> {
-    match out_dim {
-        None if out.1.is_some() => Err(Error::OutDims {
-            output: index,
-            msg: "out_dims is None but the output depends on the batched inputs".into(),
-        }),
-        None => Ok(out.0),
-        Some(d) => {
-            let v = cx.materialize(out)?;
-            let r = cx.b.ty(v).rank() as isize;
-            let a = if d < 0 { d + r } else { d };
-            if a < 0 || a >= r {
-                return Err(Error::OutDims {
-                    output: index,
-                    msg: format!("axis {d} is out of range for an output of rank {r}"),
-                });
-            }
-            cx.b.move_axis(v, 0, a as usize)
-        }
-    }
-}
-
 /// The out_dims entry of every output leaf (one entry per top-level output:
 /// the elements of a returned tuple, else the whole result).
 fn leaf_out_dims(dims: &Dims, def: &TreeDef) -> Result<Vec<Option<isize>>> {
@@ -290,7 +273,7 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
             for c in &captures {
                 vals.push((ob.lift(c)?, None));
             }
-            run_chunks(&g, &mut ob, &vals, ins.size, &opts, &out_dims)?
+            run_batch(&g, &mut ob, &vals, ins.size, &opts, &out_dims)?
         };
         let tracers: Vec<Tracer> = ids.into_iter().map(|id| Tracer::new(&outer, id)).collect();
         F::Output::unflatten_from(&out_def, &mut tracers.into_iter())
@@ -299,83 +282,4 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
     fn own_options(&self) -> Options {
         self.options
     }
-}
-
-/// The outputs of a map over zero examples: empty along the batch axis (as
-/// in JAX), with the per-example shapes the trace gave.
-fn empty_outputs(g: &Graph, b: &mut Builder, out_dims: &[Option<isize>]) -> Result<Vec<VarId>> {
-    let mut ids = Vec::with_capacity(g.outputs.len());
-    for (i, (&o, d)) in g.outputs.iter().zip(out_dims).enumerate() {
-        let mut shape = g.ty(o).shape.clone();
-        if let Some(d) = d {
-            let r = shape.len() as isize + 1;
-            let a = if *d < 0 { d + r } else { *d };
-            if a < 0 || a >= r {
-                return Err(Error::OutDims {
-                    output: i,
-                    msg: format!("axis {d} is out of range for an output of rank {r}"),
-                });
-            }
-            shape.insert(a as usize, 0);
-        }
-        ids.push(b.zeros(shape, g.ty(o).dtype)?);
-    }
-    Ok(ids)
-}
-
-/// Batches `g` as the planner's schedule says: over the whole batch, or
-/// chunk by chunk (narrowing the batched inputs and concatenating the
-/// outputs).
-fn run_chunks(
-    g: &Graph,
-    b: &mut Builder,
-    vals: &[BVal],
-    size: usize,
-    opts: &Opts,
-    out_dims: &[Option<isize>],
-) -> Result<Vec<VarId>> {
-    let k = match Measured.schedule(opts, size) {
-        Schedule::Whole => size,
-        Schedule::Chunks(k) => k,
-    };
-    if size == 0 {
-        return empty_outputs(g, b, out_dims);
-    }
-    let mut pieces: Vec<Vec<VarId>> = vec![Vec::new(); g.outputs.len()];
-    let mut shared = std::collections::HashMap::new();
-    for start in (0..size).step_by(k) {
-        let len = k.min(size - start);
-        let mut chunk_vals = Vec::with_capacity(vals.len());
-        for &(v, bd) in vals {
-            chunk_vals.push(match bd {
-                Some(d) => (b.narrow(v, d, start, len)?, Some(d)),
-                None => (v, None),
-            });
-        }
-        let mut cx = BatchCx {
-            b,
-            size: len,
-            opts,
-            plan: &Measured,
-        };
-        let outs = batch_graph_shared(g, &mut cx, &chunk_vals, &mut shared)?;
-        for (i, (&o, &d)) in outs.iter().zip(out_dims).enumerate() {
-            pieces[i].push(place_output(&mut cx, o, d, i)?);
-        }
-        if start == 0 && k == size {
-            break;
-        }
-    }
-    let mut ids = Vec::with_capacity(pieces.len());
-    for (p, d) in pieces.iter().zip(out_dims) {
-        ids.push(match d {
-            None => p[0],
-            Some(d) => {
-                let r = b.ty(p[0]).rank() as isize;
-                let axis = if *d < 0 { d + r } else { *d } as usize;
-                b.concat(p, axis)?
-            }
-        });
-    }
-    Ok(ids)
 }

@@ -1,0 +1,266 @@
+//! How a `vmap` runs its batch as a whole: the batched graph over the
+//! whole batch or in chunks (a memory bound), or the unbatched graph once
+//! per example as one `map` node (each example's kernels on one example's
+//! data, which stays in cache where ten models' batched activations do
+//! not). For `Schedule::Auto` a large program is measured both ways by
+//! the planner, once per signature and device.
+
+use super::planner::{measured_schedule, Measured};
+use crate::error::{Error, Result};
+use crate::ir::options::{Opts, Randomness, Schedule};
+use crate::ir::{Graph, Map, Prim, TensorType, VarId};
+use crate::rules::plan::{Planner, RunAs};
+use crate::rules::walk::{batch_graph_shared, forward};
+use crate::rules::{BVal, BatchCx, Builder};
+use candle_core::DType;
+use std::sync::Arc;
+
+/// Below this many bytes of batched values in all, `Auto` runs the batched
+/// graph without measuring: a small program's batched kernels beat a loop,
+/// and measuring would cost more than it saves.
+const AUTO_MIN_BYTES: usize = 32 << 20;
+
+/// Emits `g` batched over `vals` (batch size `size`) into `b` as the
+/// schedule says, with each output's batch axis where `out_dims` puts it.
+pub(crate) fn run_batch(
+    g: &Graph,
+    b: &mut Builder,
+    vals: &[BVal],
+    size: usize,
+    opts: &Opts,
+    out_dims: &[Option<isize>],
+) -> Result<Vec<VarId>> {
+    if size == 0 {
+        return empty_outputs(g, b, out_dims);
+    }
+    let run_as = match Measured.schedule(opts, size) {
+        RunAs::Whole if opts.schedule == Schedule::Auto => auto_schedule(g, b, vals, size, opts)?,
+        r => r,
+    };
+    match run_as {
+        RunAs::PerExample if per_example_applies(g, vals, opts) => {
+            let outs = per_example(g, b, vals, size, opts)?;
+            let mut cx = BatchCx {
+                b,
+                size,
+                opts,
+                plan: &Measured,
+            };
+            outs.into_iter()
+                .zip(out_dims)
+                .enumerate()
+                .map(|(i, (o, &d))| place_output(&mut cx, o, d, i))
+                .collect()
+        }
+        RunAs::Chunks(k) => run_chunks(g, b, vals, (size, k), opts, out_dims),
+        _ => run_chunks(g, b, vals, (size, size), opts, out_dims),
+    }
+}
+
+/// Whether `g` can run once per example: every output depends on a
+/// batched input (an unbatched output stays unbatched only when batched),
+/// and its random draws, if any, are meant to differ per example.
+fn per_example_applies(g: &Graph, vals: &[BVal], opts: &Opts) -> bool {
+    if g.has_random() && opts.randomness != Randomness::Different {
+        return false;
+    }
+    let mut batched = vec![false; g.nodes.len()];
+    for (k, &v) in g.inputs.iter().enumerate() {
+        batched[v] = vals.get(k).is_some_and(|x| x.1.is_some());
+    }
+    for (v, n) in g.nodes.iter().enumerate() {
+        if !n.prim.is_leaf() {
+            batched[v] = n.args.iter().any(|&a| batched[a]);
+        }
+    }
+    g.outputs.iter().all(|&o| batched[o])
+}
+
+/// The batch as one map of `g`: its outputs, flattened and concatenated
+/// per dtype so one map node carries them all (`B [n1 + n2 + ..]`), are
+/// cut apart again after the map (`B n1 -> B out1..`).
+fn per_example(g: &Graph, b: &mut Builder, vals: &[BVal], size: usize, opts: &Opts) -> Result<Vec<BVal>> {
+    let mut groups: Vec<(DType, Vec<usize>)> = Vec::new();
+    for (i, &o) in g.outputs.iter().enumerate() {
+        let dt = g.ty(o).dtype;
+        match groups.iter_mut().find(|(d, _)| *d == dt) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((dt, vec![i])),
+        }
+    }
+    let mut outs: Vec<Option<BVal>> = vec![None; g.outputs.len()];
+    for (_, members) in &groups {
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let body = {
+            let mut sb = scratch.borrow_mut();
+            let ins: Vec<VarId> = g.inputs.iter().map(|&i| sb.input(g.ty(i).clone())).collect();
+            let env = forward(g, &mut sb, &ins)?;
+            let mut flat = Vec::with_capacity(members.len());
+            for &i in members {
+                let o = env[g.outputs[i]];
+                let n = sb.ty(o).elem_count();
+                flat.push(sb.reshape(o, vec![n])?);
+            }
+            let packed = sb.concat(&flat, 0)?;
+            sb.finish(vec![packed]).0.eliminate_dead_code()
+        };
+        let m = Map {
+            body: Arc::new(body),
+            bdims: vals.iter().map(|v| v.1).collect(),
+            size,
+            opts: *opts,
+        };
+        let ids: Vec<VarId> = vals.iter().map(|v| v.0).collect();
+        let packed = b.emit(Prim::Map(Box::new(m)), &ids)?;
+        let mut offset = 0;
+        for &i in members {
+            let shape = g.ty(g.outputs[i]).shape.clone();
+            let n = g.ty(g.outputs[i]).elem_count();
+            // B total -> B n -> B out..
+            let piece = b.narrow(packed, 1, offset, n)?;
+            let piece = b.reshape(piece, [&[size], &shape[..]].concat())?;
+            outs[i] = Some((piece, Some(0)));
+            offset += n;
+        }
+    }
+    outs.into_iter()
+        .map(|o| o.ok_or_else(|| Error::internal("vmap", "an output without a map")))
+        .collect()
+}
+
+/// `Auto`: the batched graph for a small program; for a large one the
+/// faster of the batched graph and the per-example map, as the planner
+/// measures them on this signature.
+fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts) -> Result<RunAs> {
+    let bytes: usize = g
+        .nodes
+        .iter()
+        .filter(|n| !n.prim.is_leaf())
+        .map(|n| n.ty.elem_count().saturating_mul(n.ty.dtype.size_in_bytes()))
+        .fold(0usize, usize::saturating_add)
+        .saturating_mul(size);
+    if bytes < AUTO_MIN_BYTES || !per_example_applies(g, vals, opts) {
+        return Ok(RunAs::Whole);
+    }
+    let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
+    let mut candidates = Vec::new();
+    for run_as in [RunAs::Whole, RunAs::PerExample] {
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let graph = {
+            let mut sb = scratch.borrow_mut();
+            let ins: Vec<BVal> = types
+                .iter()
+                .zip(vals)
+                .map(|(t, v)| (sb.input(t.clone()), v.1))
+                .collect();
+            let forced = Opts {
+                schedule: match run_as {
+                    RunAs::PerExample => Schedule::PerExample,
+                    _ => Schedule::Batched,
+                },
+                ..*opts
+            };
+            let outs = run_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
+            sb.finish(outs).0.eliminate_dead_code()
+        };
+        candidates.push((run_as, graph));
+    }
+    let key = format!("{g}|{types:?}|{size}|{:?}|{:?}", b.ctx.device.location(), opts.route);
+    measured_schedule(key, size, &candidates, &types, &b.ctx.device)
+}
+
+/// Moves a batched output's batch axis to `out_dim` (materialising an
+/// unbatched output when a batch axis is asked for).
+fn place_output(cx: &mut BatchCx, out: BVal, out_dim: Option<isize>, index: usize) -> Result<VarId> {
+    match out_dim {
+        None if out.1.is_some() => Err(Error::OutDims {
+            output: index,
+            msg: "out_dims is None but the output depends on the batched inputs".into(),
+        }),
+        None => Ok(out.0),
+        Some(d) => {
+            let v = cx.materialize(out)?;
+            let r = cx.b.ty(v).rank() as isize;
+            let a = if d < 0 { d + r } else { d };
+            if a < 0 || a >= r {
+                return Err(Error::OutDims {
+                    output: index,
+                    msg: format!("axis {d} is out of range for an output of rank {r}"),
+                });
+            }
+            cx.b.move_axis(v, 0, a as usize)
+        }
+    }
+}
+
+/// The outputs of a map over zero examples: empty along the batch axis (as
+/// in JAX), with the per-example shapes the trace gave.
+fn empty_outputs(g: &Graph, b: &mut Builder, out_dims: &[Option<isize>]) -> Result<Vec<VarId>> {
+    let mut ids = Vec::with_capacity(g.outputs.len());
+    for (i, (&o, d)) in g.outputs.iter().zip(out_dims).enumerate() {
+        let mut shape = g.ty(o).shape.clone();
+        if let Some(d) = d {
+            let r = shape.len() as isize + 1;
+            let a = if *d < 0 { d + r } else { *d };
+            if a < 0 || a >= r {
+                return Err(Error::OutDims {
+                    output: i,
+                    msg: format!("axis {d} is out of range for an output of rank {r}"),
+                });
+            }
+            shape.insert(a as usize, 0);
+        }
+        ids.push(b.zeros(shape, g.ty(o).dtype)?);
+    }
+    Ok(ids)
+}
+
+/// Batches `g` over chunks of `k` examples (narrowing the batched inputs
+/// and concatenating the outputs), or over the whole batch when `k` is the
+/// batch size.
+fn run_chunks(
+    g: &Graph,
+    b: &mut Builder,
+    vals: &[BVal],
+    (size, k): (usize, usize),
+    opts: &Opts,
+    out_dims: &[Option<isize>],
+) -> Result<Vec<VarId>> {
+    let mut pieces: Vec<Vec<VarId>> = vec![Vec::new(); g.outputs.len()];
+    let mut shared = std::collections::HashMap::new();
+    for start in (0..size).step_by(k) {
+        let len = k.min(size - start);
+        let mut chunk_vals = Vec::with_capacity(vals.len());
+        for &(v, bd) in vals {
+            chunk_vals.push(match bd {
+                Some(d) => (b.narrow(v, d, start, len)?, Some(d)),
+                None => (v, None),
+            });
+        }
+        let mut cx = BatchCx {
+            b,
+            size: len,
+            opts,
+            plan: &Measured,
+        };
+        let outs = batch_graph_shared(g, &mut cx, &chunk_vals, &mut shared)?;
+        for (i, (&o, &d)) in outs.iter().zip(out_dims).enumerate() {
+            pieces[i].push(place_output(&mut cx, o, d, i)?);
+        }
+        if start == 0 && k == size {
+            break;
+        }
+    }
+    let mut ids = Vec::with_capacity(pieces.len());
+    for (p, d) in pieces.iter().zip(out_dims) {
+        ids.push(match d {
+            None => p[0],
+            Some(d) => {
+                let r = b.ty(p[0]).rank() as isize;
+                let axis = if *d < 0 { d + r } else { *d } as usize;
+                b.concat(p, axis)?
+            }
+        });
+    }
+    Ok(ids)
+}

@@ -1,0 +1,105 @@
+//! Whole-graph schedules: a vmap runs its batch batched, or the unbatched
+//! graph once per example as one map node, or (Auto) the faster of the
+//! two for a large program. Every schedule gives the same numbers.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::{make_graph, schedule_choices, vmap, ConvRoute, Operand, Randomness, Schedule, Tracer};
+use common::{assert_close, rand};
+
+/// A small CNN ensemble member: conv, relu, conv, sum, plus a second
+/// output of another dtype.
+fn model(w1: Tracer, w2: Tracer, x: Tracer) -> candle_func::Result<(Tracer, Tracer)> {
+    let h = x.conv2d(&w1, 1, 1, 1, 1)?.relu()?;
+    let y = h.conv2d(&w2, 0, 2, 1, 1)?;
+    Ok((y.clone(), y.sum([2, 3])?.to_dtype(DType::F64)?))
+}
+
+#[test]
+fn per_example_runs_the_unbatched_graph_and_agrees() {
+    let w1 = rand(&[4, 6, 2, 3, 3], 1);
+    let w2 = rand(&[4, 5, 6, 3, 3], 2);
+    for (x, dims) in [
+        (rand(&[3, 2, 9, 9], 3), [Some(0), Some(0), None]), // one shared batch
+        (rand(&[4, 3, 2, 9, 9], 4), [Some(0), Some(0), Some(0)]), // a batch per model
+    ] {
+        let f = |s| vmap(model).in_dims(dims).schedule(s).conv_route(ConvRoute::Unfold);
+        let g = make_graph(&f(Schedule::PerExample), (&w1, &w2, &x))
+            .unwrap()
+            .to_string();
+        assert_eq!(g.matches("map[").count(), 2, "one map per output dtype: {g}");
+        assert!(!g.contains("unfold_rows"), "no batched lowering: {g}");
+        let (a, a64) = f(Schedule::PerExample).call((&w1, &w2, &x)).unwrap();
+        let (b, b64) = f(Schedule::Batched).call((&w1, &w2, &x)).unwrap();
+        assert_eq!(a.dims(), b.dims());
+        assert_eq!(a64.dtype(), DType::F64);
+        assert_close(&a, &b, 1e-4, "per example = batched");
+        assert_close(&a64, &b64, 1e-3, "second output");
+        // and out_dims moves the batch axis as for the batched graph
+        let moved = vmap(model)
+            .in_dims(dims)
+            .out_dims(1)
+            .schedule(Schedule::PerExample)
+            .call((&w1, &w2, &x))
+            .unwrap();
+        assert_close(&moved.0, &b.transpose(0, 1).unwrap(), 1e-4, "out_dims 1");
+    }
+}
+
+#[test]
+fn per_example_falls_back_where_it_cannot_apply() {
+    let xs = Tensor::ones((4, 8), DType::F32, &Device::Cpu).unwrap();
+    // one draw shared by all examples cannot be drawn once per example
+    let r = vmap(|x: Tracer| x.rand_uniform_like())
+        .randomness(Randomness::Same)
+        .schedule(Schedule::PerExample)
+        .call(&xs)
+        .unwrap();
+    for i in 1..4 {
+        assert_close(&r.get(i).unwrap(), &r.get(0).unwrap(), 0.0, "Same holds");
+    }
+    // an output that does not depend on the batch stays unbatched
+    let c = rand(&[8], 1);
+    let (y, k) = vmap(|x: Tracer| Ok((x.exp()?, c.to_tracer(&x)?.sqr()?)))
+        .out_dims([Some(0), None])
+        .schedule(Schedule::PerExample)
+        .call(&xs)
+        .unwrap();
+    assert_eq!((y.dims(), k.dims()), (&[4, 8][..], &[8][..]));
+}
+
+#[test]
+fn auto_measures_large_programs_only() {
+    let before = schedule_choices().len();
+    let small = vmap(|x: Tracer| x.exp()?.sum_all());
+    small.call(rand(&[4, 16], 1)).unwrap();
+    assert_eq!(
+        schedule_choices().len(),
+        before,
+        "a small program is batched unmeasured"
+    );
+    // ten models' activations of 64 x 8 x 32 x 32 floats: 21 MiB per
+    // batched op, several ops
+    let w = rand(&[10, 8, 3, 3, 3], 2);
+    let x = rand(&[64, 3, 32, 32], 3);
+    let f = vmap(|w: Tracer, x: Tracer| x.conv2d(&w, 1, 1, 1, 1)?.relu()?.sqr()?.sum([2, 3])).in_dims([Some(0), None]);
+    let auto = f.call((&w, &x)).unwrap();
+    let choices = schedule_choices();
+    assert_eq!(choices.len(), before + 1, "{choices:?}");
+    let c = choices.last().unwrap();
+    assert_eq!(c.size, 10);
+    assert_eq!(c.timings_ms.len(), 2);
+    assert!(c.timings_ms.iter().all(|(_, t)| *t > 0.0));
+    let fastest = c.timings_ms.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0;
+    assert_eq!(c.chosen, fastest);
+    let batched = vmap(|w: Tracer, x: Tracer| x.conv2d(&w, 1, 1, 1, 1)?.relu()?.sqr()?.sum([2, 3]))
+        .in_dims([Some(0), None])
+        .schedule(Schedule::Batched)
+        .call((&w, &x))
+        .unwrap();
+    assert_close(&auto, &batched, 1e-2, "auto's choice computes the same");
+    // cached: a second call of the same signature measures nothing
+    f.call((&w, &x)).unwrap();
+    assert_eq!(schedule_choices().len(), before + 1);
+}
