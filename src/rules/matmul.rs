@@ -67,17 +67,23 @@ impl Rule for Matmul {
                 let ab = cx.front(a)?;
                 (cx.b.emit(Prim::Matmul, &[ab, b.0])?, Some(0))
             }
-            // m k @ B k n: B k n -> k B n -> k (B n), one GEMM, -> m B n.
+            // m k @ B k n as one GEMM over the batched operand's stored
+            // layout: stacked linear weights `[B, out, in]` enter as the
+            // view `B in out` (k n), so `B k n -> B n k` is that storage
+            // again and `(B n) k` costs nothing; (B n) k @ k m -> (B n) m
+            // -> B n m -> B m n. Only the small shared `a` is transposed.
             (None, Some(_)) if ra == 2 && rb == 2 => {
                 let bb = cx.front(b)?;
                 let [_, k, n] = cx.b.dims(bb)[..] else {
                     return Err(Error::internal("matmul", "a batched matrix of rank other than 3"));
                 };
-                let t = cx.b.permute(bb, vec![1, 0, 2])?;
-                let t = cx.b.reshape(t, vec![k, cx.size * n])?;
-                let y = cx.b.emit(Prim::Matmul, &[a.0, t])?;
+                let bt = transpose_last(cx.b, bb)?;
+                let bt = cx.b.reshape(bt, vec![cx.size * n, k])?;
+                let at = transpose_last(cx.b, a.0)?;
+                let y = cx.b.emit(Prim::Matmul, &[bt, at])?;
                 let m = cx.b.dims(a.0)[0];
-                (cx.b.reshape(y, vec![m, cx.size, n])?, Some(1))
+                let y = cx.b.reshape(y, vec![cx.size, n, m])?;
+                (transpose_last(cx.b, y)?, Some(0))
             }
             // Otherwise: batch axis first, unit axes up to the common rank,
             // and let the leading axes broadcast.
