@@ -64,8 +64,9 @@ pub enum Randomness {
 #[non_exhaustive]
 pub enum Schedule {
     /// The batched graph for a small program; for a large one (many
-    /// megabytes of batched values) the faster of the two, measured once
-    /// per signature and device (see [`schedule_choices`](crate::schedule_choices)).
+    /// megabytes of batched values) the faster of the two, measured once per
+    /// program, batch size (to the next power of two) and device (see
+    /// [`schedule_choices`](crate::schedule_choices)).
     #[default]
     Auto,
     /// The batched graph.

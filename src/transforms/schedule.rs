@@ -3,7 +3,8 @@
 //! per example as one `map` node (each example's kernels on one example's
 //! data, which stays in cache where ten models' batched activations do
 //! not). For `Schedule::Auto` a large program is measured both ways by
-//! the planner, once per signature and device.
+//! the planner, once per program, batch size (to the next power of two)
+//! and device.
 
 use super::planner::{measured_schedule, Measured};
 use crate::error::{Error, Result};
@@ -165,7 +166,21 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
         };
         candidates.push((run_as, graph));
     }
-    let key = format!("{g}|{types:?}|{size}|{:?}|{:?}", b.ctx.device.location(), opts.route);
+    // Per-example types and the batch size to the next power of two: a
+    // Poisson-sampled batch changes size every step, and which schedule
+    // wins does not flip between neighbouring sizes.
+    let per: Vec<(&TensorType, Option<usize>)> = g
+        .inputs
+        .iter()
+        .map(|&i| g.ty(i))
+        .zip(vals.iter().map(|v| v.1))
+        .collect();
+    let key = format!(
+        "{g}|{per:?}|{}|{:?}|{:?}",
+        size.next_power_of_two(),
+        b.ctx.device.location(),
+        opts.route
+    );
     measured_schedule(key, size, &candidates, &types, &b.ctx.device)
 }
 
