@@ -12,7 +12,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use candle_func::nn::{functional_call, stack_params, Module};
-use candle_func::{value_and_grad, vmap, ConvRoute, Tracer};
+use candle_func::{value_and_grad, vmap, ConvRoute, Schedule, Tracer};
 use common::arch::{build_nn, cross_entropy, parse};
 use common::max_diff;
 use std::collections::{BTreeMap, HashMap};
@@ -86,7 +86,7 @@ fn model(f: &Fixture, p: &BTreeMap<String, Tensor>) -> candle_func::nn::Sequenti
     m
 }
 
-fn run_per_sample(f: &Fixture, route: ConvRoute) -> String {
+fn run_per_sample(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
     let x = &f.tensors["x"];
     let y = &f.tensors["y"];
     let p = params(f);
@@ -99,6 +99,7 @@ fn run_per_sample(f: &Fixture, route: ConvRoute) -> String {
     let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
         .in_dims([None, Some(0), Some(0)])
         .conv_route(route)
+        .schedule(schedule)
         .call((&p, x, y))
         .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
     let dl = check(&format!("{} {route:?} logits", f.name), &logits, &f.tensors["logits"]);
@@ -112,7 +113,7 @@ fn run_per_sample(f: &Fixture, route: ConvRoute) -> String {
     format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}")
 }
 
-fn run_ensemble(f: &Fixture, route: ConvRoute) -> String {
+fn run_ensemble(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
     let shared = f.meta.get("shared_batch").map(|s| s == "true").unwrap_or(false);
     let stacked = params(f);
     // one model per slice of the stacked parameters, stacked again
@@ -132,6 +133,7 @@ fn run_ensemble(f: &Fixture, route: ConvRoute) -> String {
     let logits = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(&nets[0], &p, &x))
         .in_dims([Some(0), x_dim])
         .conv_route(route)
+        .schedule(schedule)
         .call((&p, x))
         .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
     let d = check(
@@ -155,15 +157,22 @@ fn fixtures_match_pytorch() {
     let mut lines = 0;
     for path in &paths {
         let f = load(path);
-        for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
+        // every route batched, and the per-example schedule
+        let runs = [
+            (ConvRoute::Grouped, Schedule::Batched),
+            (ConvRoute::Unfold, Schedule::Batched),
+            (ConvRoute::Loop, Schedule::Batched),
+            (ConvRoute::Unfold, Schedule::PerExample),
+        ];
+        for (route, schedule) in runs {
             let line = match f.meta.get("kind").map(String::as_str) {
-                Some("per_sample_grad") => run_per_sample(&f, route),
-                Some("ensemble") => run_ensemble(&f, route),
+                Some("per_sample_grad") => run_per_sample(&f, route, schedule),
+                Some("ensemble") => run_ensemble(&f, route, schedule),
                 other => panic!("{}: unknown fixture kind {other:?}", f.name),
             };
-            println!("fixture {} route {route:?}: {line}", f.name);
+            println!("fixture {} route {route:?} schedule {schedule:?}: {line}", f.name);
             lines += 1;
         }
     }
-    assert_eq!(lines, paths.len() * 3);
+    assert_eq!(lines, paths.len() * 4);
 }
