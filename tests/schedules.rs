@@ -5,7 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::{make_graph, schedule_choices, vmap, ConvRoute, Operand, Randomness, Schedule, Tracer};
+use candle_func::{make_graph, schedule_choices, vmap, ConvRoute, Function, Operand, Randomness, Schedule, Tracer};
 use common::{assert_close, rand};
 
 /// A small CNN ensemble member: conv, relu, conv, sum, plus a second
@@ -59,6 +59,32 @@ fn per_example_falls_back_where_it_cannot_apply() {
     for i in 1..4 {
         assert_close(&r.get(i).unwrap(), &r.get(0).unwrap(), 0.0, "Same holds");
     }
+    // per-example draws would be seeded by where each map sits, and a
+    // gradient's maps (or a second dtype's) sit elsewhere: random programs
+    // run batched, so a value and its gradient see one mask
+    let w = Tensor::ones((4, 64), DType::F32, &Device::Cpu).unwrap();
+    let masked = |w: Tracer| {
+        let per = vmap(|w: Tracer| w.mul(&w.rand_uniform_like()?.ge(0.5)?.to_dtype(DType::F32)?)?.sum_all())
+            .randomness(Randomness::Different)
+            .schedule(Schedule::PerExample);
+        per.apply((w,))?.sum_all()
+    };
+    let (value, g) = candle_func::value_and_grad(masked).call(&w).unwrap();
+    assert_close(&value, &g.sum_all().unwrap(), 0.0, "value = sum of the gradient's mask");
+    let (r, r64) = vmap(|x: Tracer| {
+        let r = x.mul(&x.rand_uniform_like()?)?;
+        Ok((r.clone(), r.to_dtype(DType::F64)?))
+    })
+    .randomness(Randomness::Different)
+    .schedule(Schedule::PerExample)
+    .call(&w)
+    .unwrap();
+    assert_close(
+        &r.to_dtype(DType::F64).unwrap(),
+        &r64,
+        1e-7,
+        "one draw for both outputs",
+    );
     // an output that does not depend on the batch stays unbatched
     let c = rand(&[8], 1);
     let (y, k) = vmap(|x: Tracer| Ok((x.exp()?, c.to_tracer(&x)?.sqr()?)))
@@ -102,4 +128,22 @@ fn auto_measures_large_programs_only() {
     // cached: a second call of the same signature measures nothing
     f.call((&w, &x)).unwrap();
     assert_eq!(schedule_choices().len(), before + 1);
+    // inside a trace that will be differentiated: batched, unmeasured
+    // (another program than the one measured above, so no cached decision
+    // answers for it)
+    let inner =
+        vmap(|w: Tracer, x: Tracer| x.conv2d(&w, 1, 1, 1, 1)?.tanh()?.sqr()?.sum([2, 3])).in_dims([Some(0), None]);
+    let loss = |w: Tracer| inner.apply((w.clone(), x.to_tracer(&w)?))?.sum_all();
+    let gw = candle_func::grad(loss).call(&w).unwrap();
+    assert_eq!(gw.dims(), w.dims());
+    assert_eq!(schedule_choices().len(), before + 1, "no measurement under grad");
+    // integer division is not measured on made-up divisors
+    let a = Tensor::ones((8, 1 << 20), DType::U32, &Device::Cpu).unwrap();
+    let q = vmap(|a: Tracer, b: Tracer| a.div(&b)).call((&a, &a)).unwrap();
+    assert_eq!(q.dims(), &[8, 1 << 20]);
+    assert_eq!(
+        schedule_choices().len(),
+        before + 1,
+        "no measurement of an integer division"
+    );
 }

@@ -32,6 +32,9 @@ pub(crate) struct Builder {
     pub(crate) given: Options,
     /// What every builder of one top-level trace shares.
     pub(crate) ctx: Rc<TraceCtx>,
+    /// Whether what is traced here will be differentiated (a trace made by
+    /// `grad` or `vjp`, or nested in one).
+    pub(crate) differentiated: bool,
 }
 
 /// A value of an enclosing trace: its builder's id, the value's id there
@@ -103,7 +106,9 @@ impl Builder {
         let p = parent.borrow();
         let mut ancestors = p.ancestors.clone();
         ancestors.push(p.id);
-        Self::with_ancestors(id, ancestors, given, p.ctx.clone())
+        let b = Self::with_ancestors(id, ancestors, given, p.ctx.clone());
+        b.borrow_mut().differentiated = p.differentiated;
+        b
     }
 
     /// A free-standing builder for a rule's own sub-graph (a map's body, a
@@ -126,6 +131,7 @@ impl Builder {
             capture_ids: HashMap::new(),
             given,
             ctx,
+            differentiated: false,
         }))
     }
 

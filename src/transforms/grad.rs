@@ -225,7 +225,7 @@ where
     options.check_not_vmap("grad")?;
     let given = options.inherit(&outer.borrow().given);
     outer.borrow().ctx.offer_seed(options.get_seed());
-    let (g, captures, out_def) = trace_inner(f, &outer, given, &defs, &types)?;
+    let (g, captures, out_def) = trace_inner(f, &outer, (given, true), &defs, &types)?;
     let loss = g
         .outputs
         .first()
@@ -353,7 +353,7 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&args)?;
-    let compiled = trace_top(f, f.own_options(), &defs, &leaves, &device)?;
+    let compiled = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
     let compiled_seed = compiled.seed;
     let fwd_graph = compiled.graph;
     let n_out = fwd_graph.outputs.len();

@@ -168,7 +168,7 @@ where
 pub(crate) fn trace_inner<S, F>(
     f: &F,
     outer: &BuilderRef,
-    given: Options,
+    (given, differentiated): (Options, bool),
     defs: &[TreeDef],
     types: &[Vec<TensorType>],
 ) -> Result<(Graph, Vec<Outer>, TreeDef)>
@@ -176,7 +176,9 @@ where
     S: ArgList,
     F: Function<S>,
 {
-    trace_into(f, &Builder::child(outer, next_builder_id(), given), defs, types)
+    let b = Builder::child(outer, next_builder_id(), given);
+    b.borrow_mut().differentiated |= differentiated;
+    trace_into(f, &b, defs, types)
 }
 
 /// Flattened concrete arguments with their device.
@@ -199,7 +201,7 @@ fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>
 /// fell back to a per-example loop.
 fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     f: &F,
-    given: Options,
+    (given, differentiated): (Options, bool),
     defs: &[TreeDef],
     leaves: &[Vec<Tensor>],
     device: &Device,
@@ -208,7 +210,9 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     let ctx = TraceCtx::new(device.clone());
     ctx.offer_seed(given.get_seed());
     // A top-level trace has no enclosing one, so nothing can be captured.
-    let (graph, _, out_def) = trace_into(f, &Builder::root(next_builder_id(), given, ctx.clone()), defs, &types)?;
+    let root = Builder::root(next_builder_id(), given, ctx.clone());
+    root.borrow_mut().differentiated = differentiated;
+    let (graph, _, out_def) = trace_into(f, &root, defs, &types)?;
     for kind in ctx.fallbacks.borrow().iter() {
         settings::warn_once(
             format!("loop-{kind}"),
@@ -248,7 +252,7 @@ where
     let compiled = match cached {
         Some(c) if c.current() => c,
         _ => {
-            let c = Arc::new(trace_top(f, given, &key.defs, &leaves, &device)?);
+            let c = Arc::new(trace_top(f, (given, false), &key.defs, &leaves, &device)?);
             cache
                 .map
                 .lock()
@@ -281,7 +285,7 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&args)?;
-    Ok(trace_top(f, f.own_options(), &defs, &leaves, &device)?.graph)
+    Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?.graph)
 }
 
 /// Running a graph from [`make_graph`] on concrete tensors, in the order

@@ -175,7 +175,8 @@ fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
 }
 
 /// Inputs to time a graph on: standard normal floats, and zeros for
-/// integer operands (labels, indices), a value every index accepts.
+/// integer operands (labels, indices: a value every index accepts; the
+/// schedule measures no program that divides integers).
 fn timing_inputs(types: &[TensorType], device: &Device) -> Result<Vec<Tensor>> {
     types
         .iter()
@@ -220,7 +221,8 @@ pub struct ScheduleChoice {
     /// Equations in the per-example graph.
     pub equations: usize,
     /// Each candidate's time in milliseconds (best of three rounds in
-    /// which the candidates take turns).
+    /// which the candidates take turns); empty where measuring failed and
+    /// the program runs batched.
     pub timings_ms: Vec<(Schedule, f64)>,
     /// The fastest candidate.
     pub chosen: Schedule,
@@ -247,29 +249,52 @@ fn public(r: RunAs) -> Schedule {
     }
 }
 
+/// A decision measured before for `key`.
+pub(crate) fn cached_schedule(key: &str) -> Option<RunAs> {
+    SCHEDULES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, c)| match c.chosen {
+            Schedule::PerExample => RunAs::PerExample,
+            _ => RunAs::Whole,
+        })
+}
+
+fn record_schedule(key: String, choice: ScheduleChoice) {
+    log::debug!(
+        "vmap schedule auto: batch of {} -> {:?} (timings {:?})",
+        choice.size,
+        choice.chosen,
+        choice.timings_ms
+    );
+    let mut table = SCHEDULES.lock().unwrap_or_else(|e| e.into_inner());
+    table.retain(|(k, _)| *k != key);
+    table.push((key, choice));
+}
+
+/// Remembers that measuring `key` failed: it runs batched, unmeasured.
+pub(crate) fn record_unmeasured(key: String, size: usize) {
+    let choice = ScheduleChoice {
+        size,
+        equations: 0,
+        timings_ms: Vec::new(),
+        chosen: Schedule::Batched,
+    };
+    record_schedule(key, choice);
+}
+
 /// The fastest of `candidates` (each a way to run the same batch, lowered
-/// to a graph over inputs of `types`), measured once per `key` and cached
-/// for the process.
+/// to a graph over inputs of `types`), measured and cached for the process
+/// under `key`.
 pub(crate) fn measured_schedule(
-    key: String,
+    key: &str,
     size: usize,
     candidates: &[(RunAs, Graph)],
     types: &[TensorType],
     device: &Device,
 ) -> Result<RunAs> {
-    let cached = SCHEDULES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .find(|(k, _)| *k == key)
-        .map(|(_, c)| c.chosen);
-    if let Some(c) = cached {
-        return Ok(candidates
-            .iter()
-            .map(|(r, _)| *r)
-            .find(|&r| public(r) == c)
-            .unwrap_or(RunAs::Whole));
-    }
     let graphs: Vec<Graph> = candidates.iter().map(|(_, g)| g.clone()).collect();
     let times = time_graphs(&graphs, types, device, SCHEDULE_ROUNDS)?;
     let (best, _) = candidates
@@ -284,11 +309,6 @@ pub(crate) fn measured_schedule(
         timings_ms: candidates.iter().map(|(r, _)| public(*r)).zip(times).collect(),
         chosen: public(best),
     };
-    log::debug!(
-        "vmap schedule auto: batch of {size} -> {:?} (timings {:?})",
-        choice.chosen,
-        choice.timings_ms
-    );
-    SCHEDULES.lock().unwrap_or_else(|e| e.into_inner()).push((key, choice));
+    record_schedule(key.to_string(), choice);
     Ok(best)
 }

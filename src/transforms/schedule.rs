@@ -6,14 +6,16 @@
 //! the planner, once per program, batch size (to the next power of two)
 //! and device.
 
-use super::planner::{measured_schedule, Measured};
+use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Measured};
 use crate::error::{Error, Result};
-use crate::ir::options::{Opts, Randomness, Schedule};
+use crate::ir::ops::Binary;
+use crate::ir::options::{Opts, Schedule};
 use crate::ir::{Graph, Map, Prim, TensorType, VarId};
 use crate::rules::plan::{Planner, RunAs};
 use crate::rules::walk::{batch_graph_shared, forward};
-use crate::rules::{BVal, BatchCx, Builder};
+use crate::rules::{BVal, BatchCx, Builder, TraceCtx};
 use candle_core::DType;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 /// Below this many bytes of batched values in all, `Auto` runs the batched
@@ -39,7 +41,7 @@ pub(crate) fn run_batch(
         r => r,
     };
     match run_as {
-        RunAs::PerExample if per_example_applies(g, vals, opts) => {
+        RunAs::PerExample if per_example_applies(g, vals) => {
             let outs = per_example(g, b, vals, size, opts)?;
             let mut cx = BatchCx {
                 b,
@@ -60,9 +62,11 @@ pub(crate) fn run_batch(
 
 /// Whether `g` can run once per example: every output depends on a
 /// batched input (an unbatched output stays unbatched only when batched),
-/// and its random draws, if any, are meant to differ per example.
-fn per_example_applies(g: &Graph, vals: &[BVal], opts: &Opts) -> bool {
-    if g.has_random() && opts.randomness != Randomness::Different {
+/// and it draws no random numbers. A map's draws are seeded by the node's
+/// place in the graph, and the maps a gradient or a second dtype adds sit
+/// elsewhere, so they would draw other masks than the forward map did.
+fn per_example_applies(g: &Graph, vals: &[BVal]) -> bool {
+    if g.has_random() {
         return false;
     }
     let mut batched = vec![false; g.nodes.len()];
@@ -131,7 +135,12 @@ fn per_example(g: &Graph, b: &mut Builder, vals: &[BVal], size: usize, opts: &Op
 
 /// `Auto`: the batched graph for a small program; for a large one the
 /// faster of the batched graph and the per-example map, as the planner
-/// measures them on this signature.
+/// measures them on this program. Not measured, and batched: a program
+/// inside a trace that will be differentiated (the decision would be made
+/// on its forward pass alone, and a per-example map's gradient reruns its
+/// forward per operand), one with custom ops or integer division (user
+/// code, and inputs that could fail on the measurement's data), and one
+/// whose measurement fails.
 fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts) -> Result<RunAs> {
     let bytes: usize = g
         .nodes
@@ -140,48 +149,82 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
         .map(|n| n.ty.elem_count().saturating_mul(n.ty.dtype.size_in_bytes()))
         .fold(0usize, usize::saturating_add)
         .saturating_mul(size);
-    if bytes < AUTO_MIN_BYTES || !per_example_applies(g, vals, opts) {
+    if bytes < AUTO_MIN_BYTES || b.differentiated || !per_example_applies(g, vals) || !measurable(g) {
         return Ok(RunAs::Whole);
     }
-    let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
-    let mut candidates = Vec::new();
-    for run_as in [RunAs::Whole, RunAs::PerExample] {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let graph = {
-            let mut sb = scratch.borrow_mut();
-            let ins: Vec<BVal> = types
-                .iter()
-                .zip(vals)
-                .map(|(t, v)| (sb.input(t.clone()), v.1))
-                .collect();
-            let forced = Opts {
-                schedule: match run_as {
-                    RunAs::PerExample => Schedule::PerExample,
-                    _ => Schedule::Batched,
-                },
-                ..*opts
-            };
-            let outs = run_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
-            sb.finish(outs).0.eliminate_dead_code()
-        };
-        candidates.push((run_as, graph));
-    }
-    // Per-example types and the batch size to the next power of two: a
-    // Poisson-sampled batch changes size every step, and which schedule
-    // wins does not flip between neighbouring sizes.
+    // The program, per-example types and the batch size to the next power
+    // of two: a Poisson-sampled batch changes size every step, and which
+    // schedule wins does not flip between neighbouring sizes.
     let per: Vec<(&TensorType, Option<usize>)> = g
         .inputs
         .iter()
         .map(|&i| g.ty(i))
         .zip(vals.iter().map(|v| v.1))
         .collect();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    g.to_string().hash(&mut h);
     let key = format!(
-        "{g}|{per:?}|{}|{:?}|{:?}",
+        "{:016x}|{per:?}|{}|{:?}|{:?}",
+        h.finish(),
         size.next_power_of_two(),
         b.ctx.device.location(),
         opts.route
     );
-    measured_schedule(key, size, &candidates, &types, &b.ctx.device)
+    if let Some(r) = cached_schedule(&key) {
+        return Ok(r);
+    }
+    let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
+    let measured = lower_candidates(g, b, vals, &types, size, opts)
+        .and_then(|candidates| measured_schedule(&key, size, &candidates, &types, &b.ctx.device));
+    match measured {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            log::debug!("vmap schedule auto: measuring failed ({e}); running batched");
+            record_unmeasured(key, size);
+            Ok(RunAs::Whole)
+        }
+    }
+}
+
+/// The two schedules of `g`, each lowered in a builder of its own context
+/// (so a loop fallback of the batched lowering is not warned about when
+/// the per-example map runs).
+fn lower_candidates(
+    g: &Graph,
+    b: &Builder,
+    vals: &[BVal],
+    types: &[TensorType],
+    size: usize,
+    opts: &Opts,
+) -> Result<Vec<(RunAs, Graph)>> {
+    let mut candidates = Vec::new();
+    for (run_as, schedule) in [
+        (RunAs::Whole, Schedule::Batched),
+        (RunAs::PerExample, Schedule::PerExample),
+    ] {
+        let scratch = Builder::scratch(b.given, TraceCtx::new(b.ctx.device.clone()));
+        let mut sb = scratch.borrow_mut();
+        let ins: Vec<BVal> = types
+            .iter()
+            .zip(vals)
+            .map(|(t, v)| (sb.input(t.clone()), v.1))
+            .collect();
+        let forced = Opts { schedule, ..*opts };
+        let outs = run_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
+        candidates.push((run_as, sb.finish(outs).0.eliminate_dead_code()));
+    }
+    Ok(candidates)
+}
+
+/// Whether running `g` on measurement data is safe: no user code, no
+/// integer division (zeros or ones as divisors are not the user's data).
+fn measurable(g: &Graph) -> bool {
+    g.nodes.iter().all(|n| match &n.prim {
+        Prim::Custom(_) => false,
+        Prim::Binary(Binary::Div) => n.ty.dtype.is_float(),
+        Prim::Map(m) => measurable(&m.body),
+        _ => true,
+    })
 }
 
 /// Moves a batched output's batch axis to `out_dim` (materialising an
