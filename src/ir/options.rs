@@ -71,7 +71,12 @@ pub enum Schedule {
     Auto,
     /// The batched graph.
     Batched,
-    /// The unbatched graph once per example.
+    /// The unbatched graph once per example. A program that draws random
+    /// numbers, or with an output that does not depend on the batch, runs
+    /// batched instead. Differentiating the vmapped function runs each
+    /// example's forward again for every operand's gradient (the map's
+    /// VJP is a map per operand), which `Auto` accounts for by batching
+    /// inside a differentiated trace.
     PerExample,
 }
 
