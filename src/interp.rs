@@ -252,6 +252,11 @@ mod tests {
             .vjp(&mut b, &[x, w], out, ct)
             .unwrap()
             .unwrap();
+        let maps = b.nodes[out + 1..]
+            .iter()
+            .filter(|n| matches!(n.prim, Prim::Map(_)))
+            .count();
+        assert_eq!(maps, 1, "both cotangents from one per-example forward and backward");
         let g = b.finish(vec![out, cts[0].unwrap(), cts[1].unwrap()]).0;
         let dev = Device::Cpu;
         let xv = Tensor::arange(0f32, 12., &dev).unwrap().reshape((3, 4)).unwrap();

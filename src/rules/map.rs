@@ -38,6 +38,68 @@ pub(crate) fn emit_map(cx: &mut BatchCx, prim: &Prim, args: &[BVal]) -> Result<B
     emit_body(cx.b, body, args, cx.size, *cx.opts)
 }
 
+/// Emits `body` (a per-example graph with any number of outputs) mapped
+/// over `operands`: one map per output dtype, whose body computes all of
+/// that dtype's outputs once and returns them flattened and concatenated
+/// (`B [n1 + n2 + ..]`), cut apart after the map (`B n1 -> B out1..`).
+/// Returns every output with its batch axis first.
+pub(crate) fn emit_packed(
+    b: &mut Builder,
+    body: &Graph,
+    operands: &[BVal],
+    size: usize,
+    opts: Opts,
+) -> Result<Vec<VarId>> {
+    let mut groups: Vec<(candle_core::DType, Vec<usize>)> = Vec::new();
+    for (i, &o) in body.outputs.iter().enumerate() {
+        let dt = body.ty(o).dtype;
+        match groups.iter_mut().find(|(d, _)| *d == dt) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((dt, vec![i])),
+        }
+    }
+    let mut outs: Vec<Option<VarId>> = vec![None; body.outputs.len()];
+    for (_, members) in &groups {
+        if let [i] = members[..] {
+            // One output of its dtype: no packing.
+            let single = Graph {
+                outputs: vec![body.outputs[i]],
+                ..body.clone()
+            }
+            .eliminate_dead_code();
+            outs[i] = Some(emit_body(b, single, operands, size, opts)?.0);
+            continue;
+        }
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let packed_body = {
+            let mut sb = scratch.borrow_mut();
+            let ins: Vec<VarId> = body.inputs.iter().map(|&i| sb.input(body.ty(i).clone())).collect();
+            let env = walk::forward(body, &mut sb, &ins)?;
+            let mut flat = Vec::with_capacity(members.len());
+            for &i in members {
+                let o = env[body.outputs[i]];
+                let n = sb.ty(o).elem_count();
+                flat.push(sb.reshape(o, vec![n])?);
+            }
+            let packed = sb.concat(&flat, 0)?;
+            sb.finish(vec![packed]).0.eliminate_dead_code()
+        };
+        let (packed, _) = emit_body(b, packed_body, operands, size, opts)?;
+        let mut offset = 0;
+        for &i in members {
+            let shape = body.ty(body.outputs[i]).shape.clone();
+            let n = body.ty(body.outputs[i]).elem_count();
+            // B total -> B n -> B out..
+            let piece = b.narrow(packed, 1, offset, n)?;
+            outs[i] = Some(b.reshape(piece, [&[size], &shape[..]].concat())?);
+            offset += n;
+        }
+    }
+    outs.into_iter()
+        .map(|o| o.ok_or_else(|| Error::internal("map", "an output without a map")))
+        .collect()
+}
+
 /// Emits a map node of `body` over `args`.
 fn emit_body(b: &mut Builder, body: Graph, args: &[BVal], size: usize, opts: crate::ir::options::Opts) -> Result<BVal> {
     let m = Map {
@@ -147,10 +209,11 @@ impl Rule for Map {
         Ok(Some((cx.b.emit(Prim::Map(Box::new(m)), &operands)?, Some(1))))
     }
 
-    /// A map of the body's per-example VJP: one map per operand with a
-    /// cotangent (each body pruned to that cotangent), taking the primal
-    /// operands and the result's cotangent. A shared operand's cotangent
-    /// is the sum over the examples.
+    /// A map of the body's per-example VJP: one map (per cotangent dtype)
+    /// computing every operand's cotangent from one forward and backward
+    /// pass per example, taking the primal operands and the result's
+    /// cotangent. A shared operand's cotangent is the sum over the
+    /// examples.
     fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
         let scratch = Builder::scratch(b.given, b.ctx.clone());
         let (graph, has) = {
@@ -169,20 +232,16 @@ impl Rule for Map {
         };
         let mut operands: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
         operands.push((ct, Some(0)));
-        let mut next = 0;
+        let mut per = emit_packed(b, &graph, &operands, self.size, self.opts)?.into_iter();
         let mut cts = Vec::with_capacity(args.len());
         for (k, &bd) in self.bdims.iter().enumerate() {
             if !has[k] {
                 cts.push(None);
                 continue;
             }
-            let body = Graph {
-                outputs: vec![graph.outputs[next]],
-                ..graph.clone()
-            }
-            .eliminate_dead_code();
-            next += 1;
-            let (g, _) = emit_body(b, body, &operands, self.size, self.opts)?;
+            let g = per
+                .next()
+                .ok_or_else(|| Error::internal("map", "a cotangent without a map"))?;
             // size X.. -> the operand's layout: summed if shared, else the
             // batch axis back where the operand has it.
             cts.push(Some(match bd {

@@ -10,13 +10,12 @@ use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Meas
 use crate::error::{Error, Result};
 use crate::ir::ops::Binary;
 use crate::ir::options::{Opts, Schedule};
-use crate::ir::{Graph, Map, Prim, TensorType, VarId};
+use crate::ir::{Graph, Prim, TensorType, VarId};
+use crate::rules::map::emit_packed;
 use crate::rules::plan::{Planner, RunAs};
-use crate::rules::walk::{batch_graph_shared, forward};
+use crate::rules::walk::batch_graph_shared;
 use crate::rules::{BVal, BatchCx, Builder, TraceCtx};
-use candle_core::DType;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
 
 /// Below this many bytes of batched values in all, `Auto` runs the batched
 /// graph without measuring: a small program's batched kernels beat a loop,
@@ -81,56 +80,11 @@ fn per_example_applies(g: &Graph, vals: &[BVal]) -> bool {
     g.outputs.iter().all(|&o| batched[o])
 }
 
-/// The batch as one map of `g`: its outputs, flattened and concatenated
-/// per dtype so one map node carries them all (`B [n1 + n2 + ..]`), are
-/// cut apart again after the map (`B n1 -> B out1..`).
+/// The batch as maps of `g` (one per output dtype, see
+/// `rules::map::emit_packed`), every output batched on axis 0.
 fn per_example(g: &Graph, b: &mut Builder, vals: &[BVal], size: usize, opts: &Opts) -> Result<Vec<BVal>> {
-    let mut groups: Vec<(DType, Vec<usize>)> = Vec::new();
-    for (i, &o) in g.outputs.iter().enumerate() {
-        let dt = g.ty(o).dtype;
-        match groups.iter_mut().find(|(d, _)| *d == dt) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((dt, vec![i])),
-        }
-    }
-    let mut outs: Vec<Option<BVal>> = vec![None; g.outputs.len()];
-    for (_, members) in &groups {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let body = {
-            let mut sb = scratch.borrow_mut();
-            let ins: Vec<VarId> = g.inputs.iter().map(|&i| sb.input(g.ty(i).clone())).collect();
-            let env = forward(g, &mut sb, &ins)?;
-            let mut flat = Vec::with_capacity(members.len());
-            for &i in members {
-                let o = env[g.outputs[i]];
-                let n = sb.ty(o).elem_count();
-                flat.push(sb.reshape(o, vec![n])?);
-            }
-            let packed = sb.concat(&flat, 0)?;
-            sb.finish(vec![packed]).0.eliminate_dead_code()
-        };
-        let m = Map {
-            body: Arc::new(body),
-            bdims: vals.iter().map(|v| v.1).collect(),
-            size,
-            opts: *opts,
-        };
-        let ids: Vec<VarId> = vals.iter().map(|v| v.0).collect();
-        let packed = b.emit(Prim::Map(Box::new(m)), &ids)?;
-        let mut offset = 0;
-        for &i in members {
-            let shape = g.ty(g.outputs[i]).shape.clone();
-            let n = g.ty(g.outputs[i]).elem_count();
-            // B total -> B n -> B out..
-            let piece = b.narrow(packed, 1, offset, n)?;
-            let piece = b.reshape(piece, [&[size], &shape[..]].concat())?;
-            outs[i] = Some((piece, Some(0)));
-            offset += n;
-        }
-    }
-    outs.into_iter()
-        .map(|o| o.ok_or_else(|| Error::internal("vmap", "an output without a map")))
-        .collect()
+    let outs = emit_packed(b, g, vals, size, *opts)?;
+    Ok(outs.into_iter().map(|o| (o, Some(0))).collect())
 }
 
 /// `Auto`: the batched graph for a small program; for a large one the
