@@ -221,3 +221,29 @@ proptest! {
         fd1("index_add / scatter_add", twice, &x, seed);
     }
 }
+
+/// ReLU's gradient differentiated again: with respect to the cotangent it
+/// masks, the mask `[x > 0]`; with respect to `x`, zero (piecewise
+/// constant), through `grad(grad)`.
+#[test]
+fn relu_gradient_differentiated_again() {
+    let x = Tensor::new(&[-1.5f64, -0.2, 0.3, 2.0], &candle_core::Device::Cpu).unwrap();
+    let c = Tensor::new(&[1.0f64, 2.0, 3.0, 4.0], &candle_core::Device::Cpu).unwrap();
+    let inner = |x: Tracer, c: Tracer| x.relu()?.mul(&c)?.sum_all();
+    // d/dc sum(grad_x) = [x > 0]
+    let by_c = grad(|c: Tracer, x: Tracer| {
+        use candle_func::Function;
+        grad(inner).apply((x, c))?.sum_all()
+    })
+    .call((&c, &x))
+    .unwrap();
+    assert_eq!(by_c.to_vec1::<f64>().unwrap(), vec![0., 0., 1., 1.]);
+    // d/dx sum(grad_x) = 0
+    let by_x = grad(|x: Tracer, c: Tracer| {
+        use candle_func::Function;
+        grad(inner).apply((x, c))?.sum_all()
+    })
+    .call((&x, &c))
+    .unwrap();
+    assert_eq!(by_x.to_vec1::<f64>().unwrap(), vec![0.; 4]);
+}

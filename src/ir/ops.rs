@@ -73,6 +73,9 @@ pub(crate) enum Binary {
     Maximum,
     /// elementwise minimum
     Minimum,
+    /// ReLU's gradient: `b` where `a > 0`, else 0 (`(x, ct) -> dx`; one
+    /// pass instead of a comparison and a select)
+    ReluGrad,
 }
 
 impl Binary {
@@ -84,6 +87,7 @@ impl Binary {
             Binary::Div => "div",
             Binary::Maximum => "maximum",
             Binary::Minimum => "minimum",
+            Binary::ReluGrad => "relu_grad",
         }
     }
 }

@@ -4,7 +4,7 @@
 //! pass.
 
 use super::{contiguous_slice, has_cpu_kernel, par_blocks_mut, Elem};
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// Which orderings of `x` against `s` count as true.
 #[derive(Clone, Copy, Debug)]
@@ -78,6 +78,62 @@ pub fn with_scalar(x: &Tensor, s: &Tensor, accept: Accept) -> Result<Option<Tens
     Ok(Some(x.contiguous()?.apply_op1_no_bwd(&op)?))
 }
 
+struct ReluGradOp;
+
+fn relu_grad_cpu<T: Elem>(x: &[T], ct: &[T]) -> Vec<T> {
+    let zero = T::default();
+    // A select, not `ct * mask`: a NaN or infinite cotangent where the
+    // input is not positive still gives 0, as PyTorch's threshold_backward.
+    // Branch-free (random signs would mispredict half the time): the
+    // choice indexes a pair, which compiles to a blend.
+    let pass = |d: &mut [T], x: &[T], c: &[T]| {
+        for ((o, v), c) in d.iter_mut().zip(x).zip(c) {
+            *o = [zero, *c][(*v > zero) as usize];
+        }
+    };
+    let mut dst = super::output(x.len());
+    let whole = x.len() / BLOCK * BLOCK;
+    let (head, tail) = dst.split_at_mut(whole);
+    par_blocks_mut(head, BLOCK, 3 * whole, |i, d| {
+        pass(d, &x[i * BLOCK..(i + 1) * BLOCK], &ct[i * BLOCK..(i + 1) * BLOCK])
+    });
+    pass(tail, &x[whole..], &ct[whole..]);
+    dst
+}
+
+impl CustomOp2 for ReluGradOp {
+    fn name(&self) -> &'static str {
+        "relu_grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        if l1.dims() != l2.dims() {
+            bail!("relu_grad: shapes {:?} and {:?} differ", l1.dims(), l2.dims())
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(c)) => CpuStorage::F32(relu_grad_cpu(
+                contiguous_slice("relu_grad", x, l1)?,
+                contiguous_slice("relu_grad", c, l2)?,
+            )),
+            (CpuStorage::F64(x), CpuStorage::F64(c)) => CpuStorage::F64(relu_grad_cpu(
+                contiguous_slice("relu_grad", x, l1)?,
+                contiguous_slice("relu_grad", c, l2)?,
+            )),
+            _ => bail!("relu_grad: no CPU kernel for these dtypes"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// `ct` where `x > 0`, else 0, in one threaded pass, for CPU f32/f64
+/// operands of one shape; `None` otherwise.
+pub fn relu_grad(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
+    if !has_cpu_kernel(x) || x.dtype() != ct.dtype() || x.dims() != ct.dims() || !ct.device().is_cpu() {
+        return Ok(None);
+    }
+    Ok(Some(x.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &ReluGradOp)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,6 +172,25 @@ mod tests {
         };
         let got = with_scalar(&nan, &Tensor::new(1f32, &d)?, ne)?.expect("takes f32");
         assert_eq!(got.to_vec1::<u8>()?, nan.ne(1f64)?.to_vec1::<u8>()?);
+        Ok(())
+    }
+
+    /// ReLU's gradient against a comparison and a select, f32 and f64,
+    /// several blocks and a tail; a NaN cotangent where x <= 0 gives 0.
+    #[test]
+    fn relu_grad_matches_a_select() -> Result<()> {
+        let d = Device::Cpu;
+        for dt in [DType::F32, DType::F64] {
+            let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
+            let c = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
+            let want = x.gt(0f64)?.where_cond(&c, &c.zeros_like()?)?;
+            let got = relu_grad(&x, &c)?.expect("takes f32/f64");
+            assert_eq!(crate::kernels::max_diff(&got, &want)?, 0.0);
+        }
+        let x = Tensor::new(&[-1f32, 0., 2.], &d)?;
+        let c = Tensor::new(&[f32::NAN, f32::INFINITY, 3.], &d)?;
+        assert_eq!(relu_grad(&x, &c)?.unwrap().to_vec1::<f32>()?, vec![0., 0., 3.]);
+        assert!(relu_grad(&x, &c.to_dtype(DType::F64)?)?.is_none());
         Ok(())
     }
 }

@@ -84,11 +84,7 @@ fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Res
             let sign = sign(b, x)?;
             b.bin(Mul, ct, sign)?
         }
-        Unary::Relu => {
-            let zero = b.scalar_as(0.0, x);
-            let pos = b.cmp(Compare::Gt, x, zero)?;
-            b.select(pos, ct, zero)?
-        }
+        Unary::Relu => b.bin(Binary::ReluGrad, x, ct)?,
         Unary::Tanh => {
             let sq = b.un(Unary::Sqr, out)?;
             let d = b.un(Unary::Affine(-1.0, 1.0), sq)?;
@@ -144,6 +140,7 @@ impl Rule for Binary {
             Binary::Div => a.broadcast_div(b),
             Binary::Maximum => a.broadcast_maximum(b),
             Binary::Minimum => a.broadcast_minimum(b),
+            Binary::ReluGrad => return relu_grad(a, b, &_out.shape),
         };
         r.op(self.name())
     }
@@ -183,7 +180,26 @@ fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: V
             extremum_share(b, Compare::Lt, x, y, ct)?,
             extremum_share(b, Compare::Lt, y, x, ct)?,
         ),
+        // Piecewise constant in x; linear in the cotangent it masks.
+        ReluGrad => {
+            let shape = b.dims(out);
+            let dt = b.ty(out).dtype;
+            (b.zeros(shape, dt)?, b.bin(ReluGrad, x, ct)?)
+        }
     })
+}
+
+/// `ct` where `x > 0`, else 0, at the broadcast shape `shape`: one pass
+/// on the CPU, a comparison and a select elsewhere.
+fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    let op = "relu_grad";
+    let (x, ct) = (x.broadcast_as(shape).op(op)?, ct.broadcast_as(shape).op(op)?);
+    if let Some(t) = compare::relu_grad(&x, &ct).op(op)? {
+        return Ok(t);
+    }
+    let zero = Tensor::zeros(shape, ct.dtype(), ct.device()).op(op)?;
+    let mask = x.gt(&Tensor::zeros(shape, x.dtype(), x.device()).op(op)?).op(op)?;
+    mask.where_cond(&ct, &zero).op(op)
 }
 
 /// `ct` where `x` wins the comparison against `y`, `ct / 2` where they tie.
