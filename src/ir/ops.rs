@@ -73,8 +73,9 @@ pub(crate) enum Binary {
     Maximum,
     /// elementwise minimum
     Minimum,
-    /// ReLU's gradient: `b` where `a > 0`, else 0 (`(x, ct) -> dx`; one
-    /// pass instead of a comparison and a select)
+    /// ReLU's gradient: `b` unless `a <= 0` (so a NaN `a` passes it, as
+    /// PyTorch's), else 0 (`(x, ct) -> dx`; one pass instead of a
+    /// comparison and a select)
     ReluGrad,
 }
 

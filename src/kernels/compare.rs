@@ -1,7 +1,8 @@
-//! Comparison of a tensor with a scalar, `x > 0` in every ReLU gradient.
-//! candle compares against a broadcast scalar through its strided path
-//! (4.4 ms for 2.4 M elements, twice its own ReLU); this is one threaded
-//! pass.
+//! Comparison of a tensor with a scalar, and ReLU and its gradient, each
+//! one branch-free threaded pass. candle compares against a broadcast
+//! scalar through its strided path (4.4 ms for 2.4 M elements, twice its
+//! own ReLU), and a comparison plus a select for ReLU's gradient took
+//! 1.9 ms where one pass takes 0.4.
 
 use super::{contiguous_slice, has_cpu_kernel, par_blocks_mut, Elem};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -83,12 +84,13 @@ struct ReluGradOp;
 fn relu_grad_cpu<T: Elem>(x: &[T], ct: &[T]) -> Vec<T> {
     let zero = T::default();
     // A select, not `ct * mask`: a NaN or infinite cotangent where the
-    // input is not positive still gives 0, as PyTorch's threshold_backward.
+    // input is not positive still gives 0, and a NaN input passes the
+    // cotangent, as PyTorch's threshold_backward (`x <= 0 ? 0 : ct`).
     // Branch-free (random signs would mispredict half the time): the
     // choice indexes a pair, which compiles to a blend.
     let pass = |d: &mut [T], x: &[T], c: &[T]| {
         for ((o, v), c) in d.iter_mut().zip(x).zip(c) {
-            *o = [zero, *c][(*v > zero) as usize];
+            *o = [*c, zero][(*v <= zero) as usize];
         }
     };
     let mut dst = super::output(x.len());
@@ -125,8 +127,50 @@ impl CustomOp2 for ReluGradOp {
     }
 }
 
-/// `ct` where `x > 0`, else 0, in one threaded pass, for CPU f32/f64
-/// operands of one shape; `None` otherwise.
+struct ReluOp;
+
+fn relu_cpu<T: Elem>(x: &[T]) -> Vec<T> {
+    let zero = T::default();
+    // Branch-free, and NaN stays NaN (PyTorch's relu): `x` unless x <= 0.
+    let pass = |d: &mut [T], x: &[T]| {
+        for (o, v) in d.iter_mut().zip(x) {
+            *o = [*v, zero][(*v <= zero) as usize];
+        }
+    };
+    let mut dst = super::output(x.len());
+    let whole = x.len() / BLOCK * BLOCK;
+    let (head, tail) = dst.split_at_mut(whole);
+    par_blocks_mut(head, BLOCK, 2 * whole, |i, d| pass(d, &x[i * BLOCK..(i + 1) * BLOCK]));
+    pass(tail, &x[whole..]);
+    dst
+}
+
+impl CustomOp1 for ReluOp {
+    fn name(&self) -> &'static str {
+        "relu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = match s {
+            CpuStorage::F32(v) => CpuStorage::F32(relu_cpu(contiguous_slice("relu", v, l)?)),
+            CpuStorage::F64(v) => CpuStorage::F64(relu_cpu(contiguous_slice("relu", v, l)?)),
+            _ => bail!("relu: no CPU kernel for this dtype"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// `max(x, 0)` in one threaded pass, NaN kept (as PyTorch), for CPU
+/// f32/f64; `None` otherwise.
+pub fn relu(x: &Tensor) -> Result<Option<Tensor>> {
+    if !has_cpu_kernel(x) {
+        return Ok(None);
+    }
+    Ok(Some(x.contiguous()?.apply_op1_no_bwd(&ReluOp)?))
+}
+
+/// `ct` where `x > 0` (or `x` is NaN), else 0, in one threaded pass, for
+/// CPU f32/f64 operands of one shape; `None` otherwise.
 pub fn relu_grad(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
     if !has_cpu_kernel(x) || x.dtype() != ct.dtype() || x.dims() != ct.dims() || !ct.device().is_cpu() {
         return Ok(None);
@@ -175,6 +219,20 @@ mod tests {
         Ok(())
     }
 
+    #[test]
+    fn relu_matches_candle_and_keeps_nan() -> Result<()> {
+        let d = Device::Cpu;
+        for dt in [DType::F32, DType::F64] {
+            let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
+            assert_eq!(crate::kernels::max_diff(&relu(&x)?.unwrap(), &x.relu()?)?, 0.0);
+        }
+        let x = Tensor::new(&[-1f32, 0., 2., f32::NAN], &d)?;
+        let y = relu(&x)?.unwrap().to_vec1::<f32>()?;
+        assert_eq!(&y[..3], &[0., 0., 2.]);
+        assert!(y[3].is_nan());
+        Ok(())
+    }
+
     /// ReLU's gradient against a comparison and a select, f32 and f64,
     /// several blocks and a tail; a NaN cotangent where x <= 0 gives 0.
     #[test]
@@ -183,13 +241,13 @@ mod tests {
         for dt in [DType::F32, DType::F64] {
             let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
             let c = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
-            let want = x.gt(0f64)?.where_cond(&c, &c.zeros_like()?)?;
+            let want = x.le(0f64)?.where_cond(&c.zeros_like()?, &c)?;
             let got = relu_grad(&x, &c)?.expect("takes f32/f64");
             assert_eq!(crate::kernels::max_diff(&got, &want)?, 0.0);
         }
-        let x = Tensor::new(&[-1f32, 0., 2.], &d)?;
-        let c = Tensor::new(&[f32::NAN, f32::INFINITY, 3.], &d)?;
-        assert_eq!(relu_grad(&x, &c)?.unwrap().to_vec1::<f32>()?, vec![0., 0., 3.]);
+        let x = Tensor::new(&[-1f32, 0., 2., f32::NAN], &d)?;
+        let c = Tensor::new(&[f32::NAN, f32::INFINITY, 3., 4.], &d)?;
+        assert_eq!(relu_grad(&x, &c)?.unwrap().to_vec1::<f32>()?, vec![0., 0., 3., 4.]);
         assert!(relu_grad(&x, &c.to_dtype(DType::F64)?)?.is_none());
         Ok(())
     }

@@ -39,7 +39,10 @@ impl Rule for Unary {
             Unary::Sqr => x.sqr(),
             Unary::Recip => x.recip(),
             Unary::Abs => x.abs(),
-            Unary::Relu => x.relu(),
+            Unary::Relu => match compare::relu(x).op("relu")? {
+                Some(y) => return Ok(y),
+                None => x.relu(),
+            },
             Unary::Tanh => x.tanh(),
             Unary::Sigmoid => candle_nn::ops::sigmoid(x),
             Unary::Powf(e) => x.powf(*e),
@@ -189,8 +192,8 @@ fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: V
     })
 }
 
-/// `ct` where `x > 0`, else 0, at the broadcast shape `shape`: one pass
-/// on the CPU, a comparison and a select elsewhere.
+/// `ct` where `x > 0` (or NaN, as PyTorch), else 0, at the broadcast
+/// shape `shape`: one pass on the CPU, a comparison and a select elsewhere.
 fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let op = "relu_grad";
     let (x, ct) = (x.broadcast_as(shape).op(op)?, ct.broadcast_as(shape).op(op)?);
@@ -198,8 +201,8 @@ fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
         return Ok(t);
     }
     let zero = Tensor::zeros(shape, ct.dtype(), ct.device()).op(op)?;
-    let mask = x.gt(&Tensor::zeros(shape, x.dtype(), x.device()).op(op)?).op(op)?;
-    mask.where_cond(&ct, &zero).op(op)
+    let off = x.le(&Tensor::zeros(shape, x.dtype(), x.device()).op(op)?).op(op)?;
+    off.where_cond(&zero, &ct).op(op)
 }
 
 /// `ct` where `x` wins the comparison against `y`, `ct / 2` where they tie.
