@@ -192,3 +192,30 @@ fn sizes_that_overflow_are_shape_errors() {
     let g = make_graph(&jit(move |x: Tracer| x.unfold(huge.clone())), &x);
     assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
 }
+
+#[test]
+fn graph_views_and_runners_take_bad_input_as_errors() {
+    let x = rand(&[4, 3], 1);
+    let g = make_graph(&jit(|x: Tracer| x.exp()), &x).unwrap();
+    assert!(g.node(usize::MAX).is_none());
+    assert!(g.node(g.nodes().count()).is_none());
+    let wrong = rand(&[4, 4], 2);
+    assert!(matches!(
+        g.run_with_stats(std::slice::from_ref(&wrong)),
+        Err(Error::Tree { .. })
+    ));
+    assert!(matches!(
+        g.run_profiled(std::slice::from_ref(&wrong)),
+        Err(Error::Tree { .. })
+    ));
+    let f64x = x.to_dtype(DType::F64).unwrap();
+    assert!(matches!(g.run(std::slice::from_ref(&f64x)), Err(Error::Tree { .. })));
+    // the per-example schedule over zero examples, and with a bad in_dims
+    let empty = candle_core::Tensor::zeros((0, 3), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let per = vmap(|x: Tracer| x.exp()).schedule(candle_func::Schedule::PerExample);
+    assert_eq!(per.call(&empty).unwrap().dims(), &[0, 3]);
+    let bad = vmap(|x: Tracer| x.exp())
+        .in_dims(5)
+        .schedule(candle_func::Schedule::PerExample);
+    assert!(matches!(bad.call(&x), Err(Error::InDims { .. })));
+}

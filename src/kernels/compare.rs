@@ -29,6 +29,16 @@ struct CmpOp {
 /// needs, so the tail is done separately.
 const BLOCK: usize = 1 << 14;
 
+/// Calls `pass(start, d)` for each piece `d` of `dst` that starts at
+/// element `start`: whole `BLOCK`s spread over threads when
+/// `work_per_elem` times their length pays for them, then the tail.
+fn by_blocks<O: Send>(dst: &mut [O], work_per_elem: usize, pass: impl Fn(usize, &mut [O]) + Sync) {
+    let whole = dst.len() / BLOCK * BLOCK;
+    let (head, tail) = dst.split_at_mut(whole);
+    par_blocks_mut(head, BLOCK, work_per_elem * whole, |i, d| pass(i * BLOCK, d));
+    pass(whole, tail);
+}
+
 fn cmp_cpu<T: Elem>(x: &[T], s: T, a: Accept) -> Vec<u8> {
     // Plain comparisons joined with non-short-circuit `&` / `|`: no
     // branches, so random signs cost no mispredictions and the loop
@@ -39,16 +49,11 @@ fn cmp_cpu<T: Elem>(x: &[T], s: T, a: Accept) -> Vec<u8> {
         ((lt & a.less) | (eq & a.equal) | (gt & a.greater) | (un & a.unordered)) as u8
     };
     let mut dst = vec![0u8; x.len()];
-    let whole = x.len() / BLOCK * BLOCK;
-    let (head, tail) = dst.split_at_mut(whole);
-    par_blocks_mut(head, BLOCK, 2 * whole, |i, d| {
-        for (o, v) in d.iter_mut().zip(&x[i * BLOCK..]) {
+    by_blocks(&mut dst, 2, |start, d| {
+        for (o, v) in d.iter_mut().zip(&x[start..]) {
             *o = test(v);
         }
     });
-    for (o, v) in tail.iter_mut().zip(&x[whole..]) {
-        *o = test(v);
-    }
     dst
 }
 
@@ -88,18 +93,12 @@ fn relu_grad_cpu<T: Elem>(x: &[T], ct: &[T]) -> Vec<T> {
     // cotangent, as PyTorch's threshold_backward (`x <= 0 ? 0 : ct`).
     // Branch-free (random signs would mispredict half the time): the
     // choice indexes a pair, which compiles to a blend.
-    let pass = |d: &mut [T], x: &[T], c: &[T]| {
-        for ((o, v), c) in d.iter_mut().zip(x).zip(c) {
+    let mut dst = super::output(x.len());
+    by_blocks(&mut dst, 3, |start, d| {
+        for ((o, v), c) in d.iter_mut().zip(&x[start..]).zip(&ct[start..]) {
             *o = [*c, zero][(*v <= zero) as usize];
         }
-    };
-    let mut dst = super::output(x.len());
-    let whole = x.len() / BLOCK * BLOCK;
-    let (head, tail) = dst.split_at_mut(whole);
-    par_blocks_mut(head, BLOCK, 3 * whole, |i, d| {
-        pass(d, &x[i * BLOCK..(i + 1) * BLOCK], &ct[i * BLOCK..(i + 1) * BLOCK])
     });
-    pass(tail, &x[whole..], &ct[whole..]);
     dst
 }
 
@@ -132,16 +131,12 @@ struct ReluOp;
 fn relu_cpu<T: Elem>(x: &[T]) -> Vec<T> {
     let zero = T::default();
     // Branch-free, and NaN stays NaN (PyTorch's relu): `x` unless x <= 0.
-    let pass = |d: &mut [T], x: &[T]| {
-        for (o, v) in d.iter_mut().zip(x) {
+    let mut dst = super::output(x.len());
+    by_blocks(&mut dst, 2, |start, d| {
+        for (o, v) in d.iter_mut().zip(&x[start..]) {
             *o = [*v, zero][(*v <= zero) as usize];
         }
-    };
-    let mut dst = super::output(x.len());
-    let whole = x.len() / BLOCK * BLOCK;
-    let (head, tail) = dst.split_at_mut(whole);
-    par_blocks_mut(head, BLOCK, 2 * whole, |i, d| pass(d, &x[i * BLOCK..(i + 1) * BLOCK]));
-    pass(tail, &x[whole..]);
+    });
     dst
 }
 

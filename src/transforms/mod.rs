@@ -292,21 +292,27 @@ where
 /// of the flattened arguments (as `make_graph` flattened them). Random
 /// draws come from the process-wide stream.
 impl Graph {
+    /// The seed of one run from the process-wide stream (none taken when
+    /// the graph draws nothing).
+    fn process_seed(&self) -> u64 {
+        settings::run_seed(self, None, &AtomicU64::new(0))
+    }
+
     /// Runs the graph and returns its outputs.
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        interp::run(self, inputs, settings::run_seed(self, None, &AtomicU64::new(0)))
+        interp::run(self, inputs, self.process_seed())
     }
 
     /// [`Graph::run`], also reporting the peak number and size of values
     /// held at once.
     pub fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
-        interp::run_with_stats(self, inputs, settings::run_seed(self, None, &AtomicU64::new(0)))
+        interp::run_with_stats(self, inputs, self.process_seed())
     }
 
     /// [`Graph::run`], also returning the seconds each computed node took,
     /// as `(node index, seconds)`: where a graph spends its time.
     pub fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
-        interp::run_profiled(self, inputs, settings::run_seed(self, None, &AtomicU64::new(0)))
+        interp::run_profiled(self, inputs, self.process_seed())
     }
 }
 
