@@ -494,9 +494,10 @@ fn main() -> Res<()> {
     };
     if !json {
         println!(
-            "candle-func benchmarks: f32, {} threads, median of {}",
+            "candle-func benchmarks: f32, {} threads, median of {}, {}",
             candle_core::utils::get_num_threads(),
-            o.reps
+            o.reps,
+            common::allocator()
         );
     }
     let dev = Device::Cpu;

@@ -1,30 +1,38 @@
 //! Where a graph spends its time: runs a workload's graph with per-node
 //! timings and prints the slowest nodes and the time per primitive.
 //!
-//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|forward|ensemble [--batch B] [--route R]
+//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|forward [--batch B] [--route R]
+//!     cargo run --release --example profile_graph -- ensemble [--model tutorial|opacus|mlp] [--own] [--route R]
 //!
 //! For `tutorial`, `opacus` and `c3d` it profiles both the ordinary batched
 //! gradient step and `vmap(grad)` (per-sample gradients) of the model;
 //! `forward` profiles the tutorial CNN's forward alone, `ensemble` the
-//! forward of 10 stacked tutorial CNNs.
+//! batched forward of 10 stacked models, on one shared batch or (`--own`)
+//! a batch per model.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, make_graph, set_conv_route, vmap, ConvRoute, Graph, Tracer};
-use common::models::{build, c3d, cnn_o, cnn_t};
+use candle_func::{grad, make_graph, set_conv_route, vmap, ConvRoute, Graph, Schedule, Tracer};
+use common::models::{build, c3d, cnn_o, cnn_t, mlp};
 use std::collections::BTreeMap;
 
 fn report(title: &str, g: &Graph, inputs: &[Tensor]) -> candle_func::Result<()> {
     g.run(inputs)?; // warm-up
     let mut runs = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..common::arg("--runs", 3usize).max(1) {
         runs.push(g.run_profiled(inputs)?.1);
     }
-    // The run with the median total, so one noisy run does not decide.
-    runs.sort_by(|a, b| total(a).total_cmp(&total(b)));
-    let times = &runs[1];
+    // Each node's median over the runs, so one noisy run does not decide.
+    let times: Vec<(usize, f64)> = (0..runs[0].len())
+        .map(|i| {
+            let mut t: Vec<f64> = runs.iter().map(|r| r[i].1).collect();
+            t.sort_by(f64::total_cmp);
+            (runs[0][i].0, t[t.len() / 2])
+        })
+        .collect();
+    let times = &times;
     let sum = total(times);
     println!(
         "\n## {title}: {:.2} ms over {} nodes\n\nslowest nodes:",
@@ -94,18 +102,35 @@ fn forward(b: usize) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn ensemble() -> Result<(), Box<dyn std::error::Error>> {
+fn ensemble(arch: &str, own: bool) -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::Cpu;
-    let built = (0..10).map(|_| build(cnn_t)).collect::<candle_func::Result<Vec<_>>>()?;
+    type Arch = fn(candle_nn::VarBuilder) -> candle_func::Result<Sequential>;
+    let (make, example): (Arch, &[usize]) = match arch {
+        "mlp" => (mlp, &[784]),
+        "opacus" => (cnn_o, &[1, 28, 28]),
+        _ => (cnn_t, &[1, 28, 28]),
+    };
+    let built = (0..10).map(|_| build(make)).collect::<candle_func::Result<Vec<_>>>()?;
     let refs: Vec<&Sequential> = built.iter().map(|(_, m)| m).collect();
     let stacked = stack_params(&refs)?;
-    let x = Tensor::randn(0f32, 1., (64, 1, 28, 28), &dev)?;
+    let lead: &[usize] = if own { &[10, 64] } else { &[64] };
+    let x = Tensor::randn(0f32, 1., [lead, example].concat(), &dev)?;
     let model = refs[0];
-    let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(model, &p, &x)).in_dims([Some(0), None]);
+    let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(model, &p, &x))
+        .in_dims([Some(0), own.then_some(0)])
+        .schedule(Schedule::Batched);
     let g = make_graph(&f, (&stacked, &x))?;
+    if std::env::var("PRINT_GRAPH").is_ok() {
+        println!("{g}");
+    }
     let mut inputs: Vec<Tensor> = stacked.values().cloned().collect();
     inputs.push(x);
-    report("ensemble of 10 tutorial CNNs, shared batch of 64", &g, &inputs)?;
+    let kind = if own { "a batch per model" } else { "one shared batch" };
+    report(
+        &format!("batched ensemble of 10 {arch} models, {kind} of 64"),
+        &g,
+        &inputs,
+    )?;
     Ok(())
 }
 
@@ -116,7 +141,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     set_conv_route(Some(route.parse::<ConvRoute>()?));
     let _ = DType::F32;
     match which.as_str() {
-        "ensemble" => ensemble(),
+        "ensemble" => ensemble(
+            &common::arg("--model", "tutorial".to_string()),
+            std::env::args().any(|a| a == "--own"),
+        ),
         "forward" => forward(b),
         "opacus" => per_sample(&build(cnn_o)?.1, b, &[1, 28, 28]),
         "c3d" => per_sample(&build(c3d)?.1, b, &[1, 16, 16, 16]),

@@ -4,6 +4,21 @@
 pub mod digits;
 pub mod models;
 
+/// With `--features mimalloc`, every example runs under mimalloc (see the
+/// README's note on allocators).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The global allocator this example was built with, for its printout.
+pub fn allocator() -> &'static str {
+    if cfg!(feature = "mimalloc") {
+        "mimalloc"
+    } else {
+        "the system allocator"
+    }
+}
+
 use candle_func::nn::{self, Activation, ConvConfig, MaxPool2d, Sequential};
 use candle_nn::VarBuilder;
 

@@ -8,6 +8,7 @@
 //! two primitives instead, which keeps every transform rule single-output.
 
 pub(crate) mod conv;
+mod fuse;
 mod geom;
 pub(crate) mod ops;
 pub(crate) mod options;
@@ -18,7 +19,7 @@ mod simplify;
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};
 pub use prim::CustomKernel;
-pub(crate) use prim::{CustomOp, Map, Prim};
+pub(crate) use prim::{CustomOp, Fused, Map, Prim};
 
 use candle_core::{DType, Tensor};
 

@@ -45,6 +45,9 @@ pub(crate) enum Prim {
     Custom(CustomOp),
     /// Random values, drawn anew at every run.
     Random(Uniform),
+    /// A convolution or matrix product with its epilogue (bias, ReLU),
+    /// made by `Graph::fuse_epilogues` on graphs about to run.
+    Fused(Box<Fused>),
 }
 
 impl Prim {
@@ -72,6 +75,7 @@ impl Prim {
             Prim::Map(m) => m.name(),
             Prim::Custom(c) => format!("custom[{}]", c.name),
             Prim::Random(r) => r.name(),
+            Prim::Fused(f) => f.name(),
         }
     }
 
@@ -83,6 +87,34 @@ impl Prim {
             Some(i) => name[..i].to_string(),
             None => name,
         }
+    }
+}
+
+/// `relu?(base(x, w) + bias?)` as one primitive, operands `[x, w, bias?]`:
+/// the epilogue runs on the product's output in place while it is still
+/// fresh, instead of two more passes that each allocate a tensor as large.
+/// Only `Graph::fuse_epilogues` makes it, after every transform, so it has
+/// no batching or VJP rule.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Fused {
+    /// The product: `Prim::Conv(ConvOp::Conv { .. })` or `Prim::Matmul`.
+    pub(crate) base: Prim,
+    /// Whether a bias (broadcast to the product's shape) is added.
+    pub(crate) bias: bool,
+    /// Whether ReLU follows.
+    pub(crate) relu: bool,
+}
+
+impl Fused {
+    pub(crate) fn name(&self) -> String {
+        let mut s = format!("fused[{}", self.base.name());
+        if self.bias {
+            s.push_str("+bias");
+        }
+        if self.relu {
+            s.push_str("+relu");
+        }
+        s + "]"
     }
 }
 

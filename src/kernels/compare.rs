@@ -32,7 +32,7 @@ const BLOCK: usize = 1 << 14;
 /// Calls `pass(start, d)` for each piece `d` of `dst` that starts at
 /// element `start`: whole `BLOCK`s spread over threads when
 /// `work_per_elem` times their length pays for them, then the tail.
-fn by_blocks<O: Send>(dst: &mut [O], work_per_elem: usize, pass: impl Fn(usize, &mut [O]) + Sync) {
+pub(super) fn by_blocks<O: Send>(dst: &mut [O], work_per_elem: usize, pass: impl Fn(usize, &mut [O]) + Sync) {
     let whole = dst.len() / BLOCK * BLOCK;
     let (head, tail) = dst.split_at_mut(whole);
     par_blocks_mut(head, BLOCK, work_per_elem * whole, |i, d| pass(i * BLOCK, d));

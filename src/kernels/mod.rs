@@ -24,6 +24,7 @@
 
 pub mod bmm;
 pub mod compare;
+pub mod epilogue;
 pub mod outer;
 pub mod pool;
 pub(crate) mod rng;
@@ -38,7 +39,15 @@ use std::sync::OnceLock;
 
 /// Element types with a CPU kernel. `Default` is the zero used for padding.
 pub(crate) trait Elem:
-    Copy + Default + AddAssign + PartialOrd + std::ops::Mul<Output = Self> + Send + Sync + 'static
+    Copy
+    + Default
+    + AddAssign
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + Send
+    + Sync
+    + 'static
 {
 }
 impl Elem for f32 {}

@@ -16,6 +16,7 @@ pub(crate) mod builder;
 pub(crate) mod conv;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
+pub(crate) mod fused;
 pub(crate) mod index;
 pub(crate) mod map;
 pub(crate) mod matmul;
@@ -89,6 +90,7 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Map(r) => r.as_ref(),
         Prim::Custom(r) => r,
         Prim::Random(r) => r,
+        Prim::Fused(r) => r.as_ref(),
         Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_) => {
             return Err(Error::internal(prim.name(), "a leaf has no rules"))
         }

@@ -221,7 +221,8 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     }
     let mode_deps = ctx.mode_deps.borrow().clone();
     Ok(Compiled {
-        graph: graph.simplify(),
+        // after every transform: fused nodes have no transform rules
+        graph: graph.simplify().fuse_epilogues(),
         out_def,
         mode_deps,
         seed: ctx.seed.get(),

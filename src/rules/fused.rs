@@ -1,0 +1,96 @@
+//! The fused product-and-epilogue primitive, `relu?(base(x, w) + bias?)`
+//! (made by `Graph::fuse_epilogues` on graphs about to run). On the CPU
+//! the epilogue runs in place on the product's output
+//! (`kernels::epilogue`); elsewhere, or for other dtypes, it runs as the
+//! add and the ReLU it replaced, through their own rules.
+
+use super::{arity, broadcast_shapes, rule, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use crate::error::{CandleContext, Error, Result};
+use crate::ir::ops::{Binary, Unary};
+use crate::ir::{Fused, TensorType, VarId};
+use crate::kernels::epilogue;
+use candle_core::Tensor;
+
+impl Rule for Fused {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        arity("fused", args, 2 + usize::from(self.bias))?;
+        let y = rule(&self.base)?.infer(&args[..2])?;
+        if let Some(b) = args.get(2) {
+            let (ys, bs) = (y.shape.as_slice(), b.shape.as_slice());
+            if b.dtype != y.dtype || broadcast_shapes("fused", bs, ys)? != ys {
+                return Err(Error::shape(
+                    "fused",
+                    &[ys, bs],
+                    "the bias must broadcast to the product's shape",
+                ));
+            }
+        }
+        Ok(y)
+    }
+
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        let y = rule(&self.base)?.run(&args[..2], out, cx)?;
+        let bias = args.get(2).copied();
+        if epilogue::applies(&y, bias) {
+            // `y` is the product's fresh output, read by nothing else yet.
+            epilogue::apply(&y, bias, self.relu).op(&self.name())?;
+            return Ok(y);
+        }
+        let y = match bias {
+            Some(b) => Binary::Add.run(&[&y, b], out, cx)?,
+            None => y,
+        };
+        if self.relu {
+            return Unary::Relu.run(&[&y], out, cx);
+        }
+        Ok(y)
+    }
+
+    fn batch(&self, _cx: &mut BatchCx, _args: &[BVal]) -> Result<Option<BVal>> {
+        Err(Error::internal(
+            "fused",
+            "fused nodes are made after every transform and have no batching rule",
+        ))
+    }
+
+    fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
+        Err(Error::internal(
+            "fused",
+            "fused nodes are made after every transform and have no VJP rule",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Prim;
+    use candle_core::DType;
+
+    /// A bias that would grow the product, or of another dtype, is refused
+    /// by name; the missing transform rules are errors, not panics.
+    #[test]
+    fn checks_its_operands_and_refuses_transforms() {
+        let f = Fused {
+            base: Prim::Matmul,
+            bias: true,
+            relu: true,
+        };
+        let t = |s: &[usize], dt| TensorType::new(s.to_vec(), dt);
+        let (x, w) = (t(&[6, 7], DType::F32), t(&[7, 4], DType::F32));
+        assert_eq!(f.infer(&[&x, &w, &t(&[4], DType::F32)]).unwrap().shape, vec![6, 4]);
+        for bad in [t(&[2, 6, 4], DType::F32), t(&[4], DType::F64), t(&[5], DType::F32)] {
+            let e = f.infer(&[&x, &w, &bad]).unwrap_err().to_string();
+            assert!(e.contains("fused"), "{e}");
+        }
+        assert!(f.infer(&[&x, &w]).is_err());
+        let b = crate::rules::Builder::scratch(
+            crate::ir::Options::new(),
+            crate::rules::TraceCtx::new(candle_core::Device::Cpu),
+        );
+        let mut b = b.borrow_mut();
+        let v = b.input(x.clone());
+        let e = f.vjp(&mut b, &[v, v], v, v).unwrap_err().to_string();
+        assert!(e.contains("no VJP rule"), "{e}");
+    }
+}
