@@ -26,9 +26,17 @@ pub(super) fn run(op: &ConvOp, args: &[&Tensor]) -> Result<Tensor> {
     }
 }
 
+/// Output planes at least this long take one GEMM per example
+/// (`conv_cols`); shorter ones make GEMMs too small to run well, and take
+/// one GEMM over the whole batch (`conv_rows`). On the Opacus CNN's second
+/// convolution (5x5 outputs) the per-example GEMMs were 8% slower; on the
+/// tutorial CNN's first (26x26, one input channel) they were 6x faster.
+const MIN_COLS_LEN: usize = 64;
+
 /// Runs an unbatched convolution. On the CPU (f32/f64): stride 1 with
 /// enough input channels by shifted GEMMs (`kernels::shift`, no im2col),
-/// other ungrouped ones as one GEMM on the row layout, grouped ones by
+/// other ungrouped ones by im2col and a GEMM (per example for long output
+/// planes, over the whole batch for short ones), grouped ones by
 /// unfold + one batched matmul per group; all measured faster than
 /// candle's conv2d on this crate's workloads (`cargo run --release
 /// --example conv_routes`). Elsewhere candle's own 1D/2D convolution, and
@@ -41,6 +49,12 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> c
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
         _ if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
+        _ if groups == 1
+            && has_cpu_kernel(x)
+            && g.out_spatial(&x.dims()[2..])?.iter().product::<usize>() >= MIN_COLS_LEN =>
+        {
+            conv_cols(x, w, g)
+        }
         _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g),
         _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
@@ -62,6 +76,24 @@ fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor
     let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?)?;
     // (N L) Cout -> N Cout L
     transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
+}
+
+/// An ungrouped convolution as one GEMM per example, `w [Cout, CK] @
+/// cols[n] [CK, L]`, written straight in the `[N, Cout, L]` layout (the
+/// row layout's single GEMM has the few input channels' taps as its
+/// inner dimension, and its output needs a transposing copy).
+fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+    let (n, cout) = (x.dims()[0], w.dims()[0]);
+    let out = g.out_spatial(&x.dims()[2..])?;
+    let shape = [&[n, cout], &out[..]].concat();
+    let cols = unfold::unfold(x, g)?; // N CK L
+    let ck = cols.dims()[1];
+    if n * cols.dims()[2] == 0 || cout == 0 {
+        return Tensor::zeros(shape, x.dtype(), x.device());
+    }
+    // Cout CK -> N Cout CK, the weight read at batch stride 0
+    let w = w.reshape((1, cout, ck))?.broadcast_as((n, cout, ck))?;
+    bmm::bmm(&w, &cols)?.reshape(shape)
 }
 
 /// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
@@ -161,4 +193,45 @@ fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::R
     let l = rows.dims()[1];
     let c = ct.contiguous()?.reshape((e, cout, l))?;
     bmm::matmul(&c, &rows)?.reshape(shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Every CPU lowering of an unbatched convolution (shifted GEMMs, one
+    /// GEMM per example, one over the batch, grouped) against candle's
+    /// conv1d/conv2d, or for 3D the generic unfold + matmul, f32 and f64.
+    #[test]
+    fn lowerings_match_a_reference() -> candle_core::Result<()> {
+        let d = Device::Cpu;
+        // (input, weight, padding, stride, dilation, groups)
+        let cases: [(&[usize], &[usize], usize, usize, usize, usize); 8] = [
+            (&[3, 1, 28, 28], &[4, 1, 3, 3], 0, 1, 1, 1),   // per example, 1 channel
+            (&[2, 3, 20, 20], &[5, 3, 4, 4], 3, 2, 1, 1),   // per example, stride 2
+            (&[3, 16, 13, 13], &[6, 16, 4, 4], 0, 2, 1, 1), // short planes: one GEMM
+            (&[2, 9, 10, 10], &[4, 9, 3, 3], 1, 1, 2, 1),   // shifted GEMMs, dilated
+            (&[2, 4, 9, 9], &[6, 2, 3, 3], 1, 1, 1, 2),     // grouped
+            (&[2, 2, 40], &[3, 2, 5], 2, 1, 1, 1),          // 1D
+            (&[2, 1, 9, 9, 9], &[3, 1, 3, 3, 3], 1, 1, 1, 1), // 3D, per example
+            (&[2, 3, 5, 5, 5], &[2, 3, 2, 2, 2], 0, 2, 1, 1), // 3D, short planes
+        ];
+        for dt in [DType::F32, DType::F64] {
+            for (xs, ws, p, s, dil, groups) in cases {
+                let x = Tensor::randn(0f32, 1., xs, &d)?.to_dtype(dt)?;
+                let w = Tensor::randn(0f32, 1., ws, &d)?.to_dtype(dt)?;
+                let g = ConvGeom::uniform(xs.len() - 2, ws[2], p, s, dil);
+                let want = match xs.len() {
+                    3 => x.conv1d(&w, p, s, dil, groups)?,
+                    4 => x.conv2d(&w, p, s, dil, groups)?,
+                    _ => unfold::conv_unfold(&x, &w, &g, groups)?,
+                };
+                let got = run_conv(&x, &w, &g, groups)?;
+                let diff = crate::kernels::max_diff(&got, &want)?;
+                assert!(diff < 1e-4, "{xs:?} * {ws:?}: {diff}");
+            }
+        }
+        Ok(())
+    }
 }
