@@ -283,7 +283,7 @@ fn ensemble(o: &Opts, e: &Ensemble, own: bool) -> Res<()> {
             by_route.push((*r, t));
         }
         rows.push(Row {
-            variant: format!("{name} (/ loop {:.2})", t / looped),
+            variant: name.clone(),
             ms: t,
             peak_mib: Some(peak),
         });

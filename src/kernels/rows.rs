@@ -15,50 +15,99 @@ use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, zeroed, El
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+/// A tap in the padding, or a line of taps that is not one run.
+const NONE: usize = usize::MAX;
+
 /// For every output position `l` and kernel tap `k`, the offset in an input
-/// plane that `(l, k)` reads, or `None` in the padding: `taps[l * K + k]`.
-fn taps(g: &ConvGeom, spatial: &[usize], out: &[usize]) -> Vec<Option<usize>> {
-    let (kn, l) = (g.kernel_numel(), out.iter().product::<usize>());
-    let mut t = Vec::with_capacity(kn * l);
-    for o in 0..l {
-        for k in 0..kn {
-            t.push(tap_offset(g, spatial, out, o, k));
-        }
+/// plane that `(l, k)` reads, or `NONE` in the padding: `taps[l * K + k]`.
+/// Each entry is a sum of one lookup per axis in a small table (the offset
+/// along that axis of every output index and tap), filled axis by axis:
+/// no division per entry (computing each entry's position by division
+/// took 0.7 ms of a 0.75 ms unfold of one 16^3 example by a 3^3 kernel).
+fn taps(g: &ConvGeom, spatial: &[usize], out: &[usize]) -> Vec<usize> {
+    let nd = g.ndim();
+    let mut stride = vec![1; nd];
+    for d in (0..nd.saturating_sub(1)).rev() {
+        stride[d] = stride[d + 1] * spatial[d + 1];
     }
+    // table[d][o * kernel[d] + k]: the offset along axis d of output index o, tap k
+    let table: Vec<Vec<usize>> = (0..nd)
+        .map(|d| {
+            let axis = |o: usize, k: usize| {
+                let pos = (o * g.stride[d] + k * g.dilation[d]).checked_sub(g.padding[d]);
+                pos.filter(|&p| p < spatial[d]).map_or(NONE, |p| p * stride[d])
+            };
+            (0..out[d])
+                .flat_map(|o| (0..g.kernel[d]).map(move |k| axis(o, k)))
+                .collect()
+        })
+        .collect();
+    let axes = Axes {
+        table,
+        out,
+        kernel: &g.kernel,
+        kn: g.kernel_numel(),
+    };
+    let mut t = vec![NONE; out.iter().product::<usize>() * axes.kn];
+    axes.fill(&mut t, 0, (0, 0), 0);
     t
 }
 
-/// The input offset of output position `o` (row-major in `out`) and kernel
-/// tap `k` (row-major in the kernel), or `None` in the padding.
-fn tap_offset(g: &ConvGeom, spatial: &[usize], out: &[usize], mut o: usize, mut k: usize) -> Option<usize> {
-    let (mut offset, mut stride) = (0, 1);
-    for d in (0..g.ndim()).rev() {
-        let (od, kd) = (o % out[d], k % g.kernel[d]);
-        o /= out[d];
-        k /= g.kernel[d];
-        let pos = (od * g.stride[d] + kd * g.dilation[d]).checked_sub(g.padding[d])?;
-        if pos >= spatial[d] {
-            return None;
+/// The per-axis tables of [`taps`] and the sizes they index.
+struct Axes<'a> {
+    /// `table[d][o * kernel[d] + k]`: the offset along axis `d`, or `NONE`.
+    table: Vec<Vec<usize>>,
+    out: &'a [usize],
+    kernel: &'a [usize],
+    kn: usize,
+}
+
+impl Axes<'_> {
+    /// Writes every entry whose indices along the axes before `d` are
+    /// `(o, k)` (row-major so far) and whose offset so far is `offset`;
+    /// entries with a tap in the padding along some axis stay `NONE`.
+    fn fill(&self, t: &mut [usize], d: usize, (o, k): (usize, usize), offset: usize) {
+        if d == self.out.len() {
+            t[o * self.kn + k] = offset;
+            return;
         }
-        offset += pos * stride;
-        stride *= spatial[d];
+        let kd = self.kernel[d];
+        if d + 1 == self.out.len() {
+            // the last axis: a plain loop instead of one call per entry
+            for (od, row) in self.table[d].chunks_exact(kd).enumerate() {
+                let at = (o * self.out[d] + od) * self.kn + k * kd;
+                for (e, &a) in t[at..at + kd].iter_mut().zip(row) {
+                    if a != NONE {
+                        *e = offset + a;
+                    }
+                }
+            }
+            return;
+        }
+        for (od, row) in self.table[d].chunks_exact(kd).enumerate() {
+            for (j, &a) in row.iter().enumerate() {
+                if a != NONE {
+                    self.fill(t, d + 1, (o * self.out[d] + od, k * kd + j), offset + a);
+                }
+            }
+        }
     }
-    Some(offset)
 }
 
 /// The taps in lines of the last kernel axis: for output position `o` and
 /// line `j` (all kernel indices but the last), the input offset of the
 /// line's first tap when the whole line lies inside the input and its taps
-/// are adjacent (dilation 1 along the last axis), so it copies as a run.
-fn runs(g: &ConvGeom, taps: &[Option<usize>], l: usize) -> Vec<Option<usize>> {
+/// are adjacent (dilation 1 along the last axis), so it copies as a run;
+/// `NONE` otherwise.
+fn runs(g: &ConvGeom, taps: &[usize], l: usize) -> Vec<usize> {
     let kw = g.kernel[g.ndim() - 1];
     let adjacent = g.dilation[g.ndim() - 1] == 1;
     let kn = g.kernel_numel();
     let mut r = Vec::with_capacity(l * kn / kw);
     for o in 0..l {
         for line in taps[o * kn..(o + 1) * kn].chunks_exact(kw) {
-            let whole = line.iter().all(|t| t.is_some());
-            r.push(if adjacent && whole { line[0] } else { None });
+            let whole = line.iter().all(|&t| t != NONE);
+            r.push(if adjacent && whole { line[0] } else { NONE });
         }
     }
     r
@@ -78,8 +127,8 @@ struct Dims {
 
 /// The precomputed offsets of one call.
 struct Plan {
-    taps: Vec<Option<usize>>,
-    runs: Vec<Option<usize>>,
+    taps: Vec<usize>,
+    runs: Vec<usize>,
 }
 
 /// `[N, C, S] -> [N, L, C K]`, one output row per thread task.
@@ -93,19 +142,16 @@ fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
         for (c, out) in out.chunks_exact_mut(d.kn).enumerate() {
             let plane = &x[(i * d.c + c) * d.plane..(i * d.c + c + 1) * d.plane];
             for ((out, run), taps) in out.chunks_exact_mut(d.kw).zip(runs).zip(taps.chunks_exact(d.kw)) {
-                match *run {
+                if *run != NONE {
                     // A loop, not copy_from_slice: runs are a few elements,
                     // too short to pay for a memcpy call.
-                    Some(s) => {
-                        for (dst, v) in out.iter_mut().zip(&plane[s..s + d.kw]) {
-                            *dst = *v;
-                        }
+                    for (dst, v) in out.iter_mut().zip(&plane[*run..*run + d.kw]) {
+                        *dst = *v;
                     }
-                    None => {
-                        for (dst, tap) in out.iter_mut().zip(taps) {
-                            if let Some(q) = *tap {
-                                *dst = plane[q];
-                            }
+                } else {
+                    for (dst, &q) in out.iter_mut().zip(taps) {
+                        if q != NONE {
+                            *dst = plane[q];
                         }
                     }
                 }
@@ -126,17 +172,14 @@ fn fold_rows_cpu<T: Elem>(src: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
             let taps = &p.taps[o * d.kn..(o + 1) * d.kn];
             let runs = &p.runs[o * lines..(o + 1) * lines];
             for ((s, run), taps) in s.chunks_exact(d.kw).zip(runs).zip(taps.chunks_exact(d.kw)) {
-                match *run {
-                    Some(start) => {
-                        for (dst, v) in plane[start..start + d.kw].iter_mut().zip(s) {
-                            *dst += *v;
-                        }
+                if *run != NONE {
+                    for (dst, v) in plane[*run..*run + d.kw].iter_mut().zip(s) {
+                        *dst += *v;
                     }
-                    None => {
-                        for (v, tap) in s.iter().zip(taps) {
-                            if let Some(t) = *tap {
-                                plane[t] += *v;
-                            }
+                } else {
+                    for (v, &t) in s.iter().zip(taps) {
+                        if t != NONE {
+                            plane[t] += *v;
                         }
                     }
                 }

@@ -87,7 +87,11 @@ fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Res
             let sign = sign(b, x)?;
             b.bin(Mul, ct, sign)?
         }
-        Unary::Relu => b.bin(Binary::ReluGrad, x, ct)?,
+        // Masked by the output: relu(x) > 0 exactly where x > 0, and NaN
+        // where x is NaN, so the mask is the same; the pre-activation then
+        // has no reader but the ReLU, which lets it fuse into the product
+        // before it (`ir::fuse`) and need not be kept for the backward pass.
+        Unary::Relu => b.bin(Binary::ReluGrad, out, ct)?,
         Unary::Tanh => {
             let sq = b.un(Unary::Sqr, out)?;
             let d = b.un(Unary::Affine(-1.0, 1.0), sq)?;

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Our benchmark beside PyTorch's, round by round, with paired ratios.
+
+Each round runs, one after another (never two at once on two cores):
+`../shared/peers/bench_torch.py` (per-sample gradients and the ordinary
+batched step), `benches/peers/bench_ensembles.py` (the three ensembles, a
+for-loop and torch.func's vmap) and the crate's `examples/bench.rs --json`
+on the same workloads. A ratio is taken within each round, so load on the
+machine during one round falls on both sides of that round's ratios; the
+table gives each ratio's median, min and max over the rounds.
+
+    PY="$HOME/peers/bin/python" python3 benches/peers/side_by_side.py [ROUNDS] [REPS] [FEATURES]
+
+from the repository root; ROUNDS default 3, REPS (timed repetitions per
+run) default 5, FEATURES passed to cargo (for instance `mimalloc`).
+Ratios below 1 favour this crate.
+"""
+import json, os, re, statistics, subprocess, sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEERS = os.environ.get("PEERS", os.path.join(ROOT, "..", "shared", "peers"))
+PY = os.environ.get("PY", "python3")
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+REPS = sys.argv[2] if len(sys.argv) > 2 else "5"
+FEATURES = sys.argv[3] if len(sys.argv) > 3 else ""
+
+# torch's per-sample tag -> our workload name's prefix
+PER_SAMPLE = {"CNN-T B=64": "PyTorch-tutorial CNN, B=64", "CNN-O B=64": "Opacus MNIST CNN, B=64",
+              "CNN-O B=256": "Opacus MNIST CNN, B=256", "C3D B=16": "conv3d net, B=16"}
+# torch's ensemble tag -> the words our ensemble workload's name contains
+ENSEMBLES = {"CNN-T": "tutorial CNNs", "CNN-O": "Opacus MNIST CNNs", "MLP": "MLPs"}
+
+
+def results(out):
+    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"RESULT (.+?)\s+median\s+([0-9.]+) ms", out)}
+
+
+def torch_run():
+    run = lambda script, *a: subprocess.run([PY, script, *a], capture_output=True, text=True, check=True).stdout
+    t = results(run(os.path.join(PEERS, "bench_torch.py"), "all", REPS))
+    t.update(results(run(os.path.join(ROOT, "benches", "peers", "bench_ensembles.py"), "all", REPS)))
+    return t
+
+
+def ours_run():
+    cmd = ["cargo", "run", "--release", "-q", "--example", "bench"]
+    if FEATURES:
+        cmd += ["--features", FEATURES]
+    cmd += ["--", "--only", "T,O,C3D,ENS", "--json", "--reps", REPS]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            res.setdefault(r["workload"], {})[r["variant"]] = r["median_ms"]
+    return res
+
+
+def find(ours, *words):
+    return next((v for k, v in ours.items() if all(w in k for w in words)), None)
+
+
+def ratios(t, o):
+    rows = {}
+    for tag, name in PER_SAMPLE.items():
+        wl = next((v for k, v in o.items() if k.startswith(name)), None)
+        func, std = t.get(f"{tag} (ii) torch.func vmap(grad)"), t.get(f"{tag} (i) standard fwd+bwd")
+        opacus = t.get(f"{tag} (iii) Opacus GradSampleModule hooks")
+        if not wl or not func:
+            continue
+        auto = wl.get("vmap(grad) Auto")
+        rows[f"{tag}: our vmap(grad), Auto / torch.func"] = auto / func
+        if opacus:
+            rows[f"{tag}: our vmap(grad), Auto / Opacus"] = auto / opacus
+        rows[f"{tag}: our batched step / torch's"] = wl["batched gradient step"] / std
+    for tag, words in ENSEMBLES.items():
+        for kind, ours_kind in (("shared", "one shared batch"), ("own", "a batch per model")):
+            wl = find(o, "ensemble", words, ours_kind)
+            tl, tv = t.get(f"ENS {tag} {kind}-batch for-loop over M=10"), t.get(f"ENS {tag} {kind}-batch torch.func vmap")
+            if not wl or not tl:
+                continue
+            loop, vm = wl["loop over the 10 models"], wl["vmap default"]
+            rows[f"ENS {tag} {kind}: our vmap / our loop"] = vm / loop
+            rows[f"ENS {tag} {kind}: our vmap / torch loop"] = vm / tl
+            rows[f"ENS {tag} {kind}: our vmap / torch.func vmap"] = vm / tv
+            rows[f"ENS {tag} {kind}: our loop / torch loop"] = loop / tl
+    return rows
+
+
+table, last = {}, None
+for r in range(ROUNDS):
+    t, o = torch_run(), ours_run()
+    for k, v in ratios(t, o).items():
+        table.setdefault(k, []).append(v)
+    last = (t, o)
+    print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
+print(f"| ratio (below 1 favours candle-func) | median of {ROUNDS} rounds | min | max |")
+print("| --- | --- | --- | --- |")
+for k, v in table.items():
+    print(f"| {k} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+t, o = last
+print("\nlast round, milliseconds:\n")
+for k, v in t.items():
+    print(f"torch  {k}: {v:.3f}")
+for wl, variants in o.items():
+    for k, v in variants.items():
+        print(f"ours   {wl} | {k}: {v:.3f}")
