@@ -229,7 +229,8 @@ mod tests {
     fn lowerings_match_a_reference() -> candle_core::Result<()> {
         let d = Device::Cpu;
         // (input, weight, padding, stride, dilation, groups)
-        let cases: [(&[usize], &[usize], usize, usize, usize, usize); 8] = [
+        type Case = (&'static [usize], &'static [usize], usize, usize, usize, usize);
+        let cases: [Case; 8] = [
             (&[3, 1, 28, 28], &[4, 1, 3, 3], 0, 1, 1, 1),     // per example, 1 channel
             (&[2, 3, 20, 20], &[5, 3, 4, 4], 3, 2, 1, 1),     // per example, stride 2
             (&[3, 16, 13, 13], &[6, 16, 4, 4], 0, 2, 1, 1),   // short planes: one GEMM
