@@ -1,7 +1,8 @@
 //! Regression tests for cases a review found: empty batches, empty
 //! convolution gradients, shared random draws across chunks, layer mode
 //! changes after a graph was cached, bad parameter overrides, overflowing
-//! ranges, and scalar branches of `where_cond`.
+//! ranges, scalar branches of `where_cond`, and outputs that kept candle's
+//! autograd history.
 
 mod common;
 
@@ -107,4 +108,27 @@ fn overflowing_ranges_and_scalar_branches() {
     );
     // squeeze of a larger axis leaves the tensor as it is, as in candle
     assert_eq!(jit(|x: Tracer| x.squeeze(0)).call(&x).unwrap().dims(), &[2, 3]);
+}
+
+/// Outputs keep no candle autograd history of their inputs: a training
+/// loop whose parameters started as `Var`s grew by every step's
+/// intermediates while they did. Stacked parameters are detached too.
+#[test]
+fn outputs_and_stacks_keep_no_candle_history() {
+    // elementwise ops of the Var that candle itself runs (and would track)
+    let w = candle_core::Var::from_tensor(&rand(&[4, 3], 1)).unwrap();
+    let x = rand(&[4, 3], 2);
+    let g = grad(|w: Tracer| w.sqr()?.sum_all()).call(w.as_tensor()).unwrap();
+    let y = jit(|w: Tracer, x: Tracer| w.exp()?.add(&x))
+        .call((w.as_tensor(), &x))
+        .unwrap();
+    for out in [&g, &y] {
+        assert!(!out.track_op(), "an output tracks candle ops");
+        let grads = out.sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(w.as_tensor()).is_none(), "an output reaches the Var");
+    }
+    let vb = candle_nn::VarBuilder::from_varmap(&candle_nn::VarMap::new(), DType::F32, &Device::Cpu);
+    let m = nn::linear(3, 2, vb).unwrap();
+    let stacked = nn::stack_params(&[&m, &m]).unwrap();
+    assert!(stacked.values().all(|t| !t.track_op() && !t.is_variable()));
 }

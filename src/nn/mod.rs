@@ -177,7 +177,8 @@ pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, 
 
 /// Stacks the parameters of several models of the same architecture on a new
 /// leading axis: name -> `[M, ...]`, for ensembling with `vmap` (like
-/// `torch.func.stack_module_state`).
+/// `torch.func.stack_module_state`). The stack is detached from candle's
+/// autograd (as `stack_module_state`'s is from PyTorch's).
 pub fn stack_params<M: Module + ?Sized>(models: &[&M]) -> Result<BTreeMap<String, Tensor>> {
     let first = models.first().ok_or_else(|| Error::Tree {
         msg: "stack_params: no models".into(),
@@ -191,7 +192,10 @@ pub fn stack_params<M: Module + ?Sized>(models: &[&M]) -> Result<BTreeMap<String
             let t = p.get(&name).ok_or_else(|| Error::Tree {
                 msg: format!("stack_params: model {i} has no parameter {name:?}"),
             })?;
-            parts.push(t.clone());
+            // Detached: the stack is a new value, not a step of candle's
+            // autograd, and a training loop's updates of it would otherwise
+            // each keep the one before alive.
+            parts.push(t.detach());
         }
         let shapes: Vec<Vec<usize>> = parts.iter().map(|t| t.dims().to_vec()).collect();
         if shapes.iter().any(|s| *s != shapes[0]) {

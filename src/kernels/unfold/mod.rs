@@ -222,7 +222,9 @@ pub fn fold(cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tensor> {
 ///
 /// Each group is ONE batched matmul `w_g [Cout/g, Cin/g*K] @ cols_g [N,
 /// Cin/g*K, L]`, reading its rows of the shared unfold in place (no
-/// block-diagonal weight, no per-group copy of the columns).
+/// block-diagonal weight, no per-group copy of the columns). On the CPU the
+/// product is the crate's kernel, which candle's autodiff does not
+/// differentiate (the crate's own VJP rules do).
 pub fn conv_unfold(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> Result<Tensor> {
     let out = check_input("conv_unfold", x, g)?;
     let (n, cin) = (x.dim(0)?, x.dim(1)?);
@@ -231,12 +233,11 @@ pub fn conv_unfold(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> Resul
     let (cin_g, cout_g) = (cin / groups, cout / groups);
     let cols = unfold(x, g)?;
     let w = w.reshape((cout, cin_g * k))?;
-    // The weight is broadcast over the batch (stride 0), so candle runs one
-    // gemm per sample without copying it.
+    // The weight is read at batch stride 0, with no copy.
     let outs = (0..groups)
         .map(|i| {
             let wg = w.narrow(0, i * cout_g, cout_g)?;
-            wg.broadcast_matmul(&cols.narrow(1, i * cin_g * k, cin_g * k)?)
+            super::bmm::each_example(&wg, &cols.narrow(1, i * cin_g * k, cin_g * k)?)
         })
         .collect::<Result<Vec<_>>>()?;
     // `cat` of a single tensor is free.

@@ -91,9 +91,7 @@ fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor
     if n * cols.dims()[2] == 0 || cout == 0 {
         return Tensor::zeros(shape, x.dtype(), x.device());
     }
-    // Cout CK -> N Cout CK, the weight read at batch stride 0
-    let w = w.reshape((1, cout, ck))?.broadcast_as((n, cout, ck))?;
-    bmm::bmm(&w, &cols)?.reshape(shape)
+    bmm::each_example(&w.reshape((cout, ck))?, &cols)?.reshape(shape)
 }
 
 /// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
@@ -126,16 +124,43 @@ fn run_grad_input(
         let rows = bmm::matmul(&c, &w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
         return rows::fold_rows(&rows, g, spatial);
     }
+    if has_cpu_kernel(ct) {
+        return grouped_grad_input_rows(ct, w, g, groups, spatial);
+    }
     let cpg = cout / groups;
     // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
     let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.contiguous()?;
     // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
     let ct = ct.contiguous()?.reshape((n, cout, l))?;
     let cols = (0..groups)
-        .map(|i| wt.get(i)?.broadcast_matmul(&ct.narrow(1, i * cpg, cpg)?))
+        .map(|i| bmm::each_example(&wt.get(i)?, &ct.narrow(1, i * cpg, cpg)?))
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, CK, L] -> N (g CK) L
     unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
+}
+
+/// A grouped convolution's input gradient on the row layout, as ONE
+/// batched product over the groups, `ct_g [(N L), Cout/g] @ w_g [Cout/g,
+/// CK] -> [g, (N L), CK]`, then one copy into the rows fold reads. One GEMM
+/// per group and example instead ran 256 tiny GEMMs for a vmapped
+/// ensemble of 8 digits CNNs (2.3 ms where this takes a fraction).
+fn grouped_grad_input_rows(
+    ct: &Tensor,
+    w: &Tensor,
+    g: &ConvGeom,
+    groups: usize,
+    spatial: &[usize],
+) -> candle_core::Result<Tensor> {
+    let (n, cout) = (ct.dims()[0], ct.dims()[1]);
+    let l: usize = ct.dims()[2..].iter().product();
+    let (cpg, ck) = (cout / groups, w.elem_count() / cout);
+    // N Cout O.. -> N L Cout -> (N L) g Cout/g -> g (N L) Cout/g, read in place
+    let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?;
+    let c = c.reshape((n * l, groups, cpg))?.transpose(0, 1)?;
+    let rows = bmm::bmm(&c, &w.reshape((groups, cpg, ck))?)?; // g (N L) CK
+                                                              // g (N L) CK -> (N L) g CK -> N L (g CK)
+    let rows = transpose::contiguous(&rows.transpose(0, 1)?)?.reshape((n, l, groups * ck))?;
+    rows::fold_rows(&rows, g, spatial)
 }
 
 /// `dw = sum_n ct[n] @ unfold(x)[n]^T`. On the CPU: shifted GEMMs where
