@@ -16,6 +16,10 @@ pub struct RunStats {
     /// Most bytes held at the same time (by size and dtype; views of one
     /// buffer count once each, so this is an upper bound).
     pub peak_bytes: usize,
+    /// Bytes the crate's kernels copied to change a layout (an operand
+    /// made row-major or contiguous) rather than to compute; copies inside
+    /// candle's own operations are not counted.
+    pub copied_bytes: usize,
 }
 
 /// Seconds each computed node took, as `(node, seconds)` in graph order.
@@ -64,6 +68,7 @@ fn run_inner(
     let last = g.last_uses();
     let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
     let (mut live, mut live_bytes, mut stats) = (0usize, 0usize, RunStats::default());
+    let copied_before = crate::kernels::copies::copied();
     for (v, node) in g.nodes.iter().enumerate() {
         let t = match &node.prim {
             // Detached: candle's autograd does not run through a graph (the
@@ -126,6 +131,7 @@ fn run_inner(
         .map(|&o| vals.get(o).and_then(Option::clone))
         .collect::<Option<Vec<_>>>()
         .ok_or_else(|| Error::internal("run", "an output was not computed"))?;
+    stats.copied_bytes = crate::kernels::copies::copied() - copied_before;
     Ok((outs, stats))
 }
 

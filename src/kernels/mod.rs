@@ -24,6 +24,7 @@
 
 pub mod bmm;
 pub mod compare;
+pub(crate) mod copies;
 pub mod epilogue;
 pub mod outer;
 pub mod pool;

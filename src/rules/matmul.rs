@@ -5,6 +5,7 @@ use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Ru
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::bmm;
+use crate::kernels::copies::Relayout;
 use crate::kernels::outer::outer;
 use candle_core::Tensor;
 
@@ -40,7 +41,7 @@ impl Rule for Matmul {
         let r = if bd.len() == 2 && ad.len() > 2 {
             // [.., m, k] @ [k, n]: fold the leading axes into m, one GEMM.
             let k = ad[ad.len() - 1];
-            let a2 = a.contiguous().op("matmul")?.reshape(((), k)).op("matmul")?;
+            let a2 = a.relayout().op("matmul")?.reshape(((), k)).op("matmul")?;
             mm(&a2, b)?.reshape(out.shape.as_slice()).op("matmul")?
         } else if ad.len() == bd.len() && ad[..ad.len() - 2] == bd[..bd.len() - 2] {
             mm(a, b)?
@@ -51,7 +52,7 @@ impl Rule for Matmul {
             let b = b
                 .broadcast_as([&out.shape[..out.shape.len() - 2], &bd[bd.len() - 2..]].concat())
                 .op("matmul")?;
-            mm(&a.contiguous().op("matmul")?, &b.contiguous().op("matmul")?)?
+            mm(&a.relayout().op("matmul")?, &b.relayout().op("matmul")?)?
         };
         Ok(r)
     }
@@ -179,12 +180,12 @@ fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let r = ad.len();
     let batch: usize = ad[..r - 2].iter().product();
     let a3 = a
-        .contiguous()
+        .relayout()
         .op("matmul")?
         .reshape((batch, ad[r - 2], ad[r - 1]))
         .op("matmul")?;
     let b3 = b
-        .contiguous()
+        .relayout()
         .op("matmul")?
         .reshape((batch, bd[r - 2], bd[r - 1]))
         .op("matmul")?;

@@ -5,6 +5,7 @@
 use crate::error::{CandleContext, Result};
 use crate::ir::conv::ConvOp;
 use crate::ir::ConvGeom;
+use crate::kernels::copies::Relayout;
 use crate::kernels::unfold;
 use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose};
 use crate::rules::reduce::sum_axes;
@@ -17,7 +18,7 @@ pub(super) fn run(op: &ConvOp, args: &[&Tensor]) -> Result<Tensor> {
         ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups).op(&name),
         ConvOp::Unfold(geom) => unfold::unfold(args[0], geom).op(&name),
         ConvOp::UnfoldRows(geom) => rows::unfold_rows(args[0], geom).op(&name),
-        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].contiguous().op(&name)?, geom, spatial).op(&name),
+        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].relayout().op(&name)?, geom, spatial).op(&name),
         ConvOp::GradInput { geom, groups, spatial } => {
             run_grad_input(args[0], args[1], geom, *groups, spatial).op(&name)
         }
@@ -44,7 +45,7 @@ const MIN_COLS_LEN: usize = 64;
 /// candle's convolutions read a strided kernel as if it were contiguous, so
 /// operands are made contiguous first.
 pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
-    let (x, w) = (&x.contiguous()?, &w.contiguous()?);
+    let (x, w) = (&x.relayout()?, &w.relayout()?);
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
@@ -129,9 +130,9 @@ fn run_grad_input(
     }
     let cpg = cout / groups;
     // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
-    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.contiguous()?;
+    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.relayout()?;
     // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
-    let ct = ct.contiguous()?.reshape((n, cout, l))?;
+    let ct = ct.relayout()?.reshape((n, cout, l))?;
     let cols = (0..groups)
         .map(|i| bmm::each_example(&wt.get(i)?, &ct.narrow(1, i * cpg, cpg)?))
         .collect::<candle_core::Result<Vec<_>>>()?;
@@ -185,14 +186,14 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
         let c = ct
             .reshape((n, cout, l))?
             .permute((1, 0, 2))?
-            .contiguous()?
+            .relayout()?
             .reshape((cout, n * l))?;
         return split_k_product(&c, &rows.reshape((n * l, ck))?)?.reshape(w_shape);
     }
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
     let ck = cols.dims()[1] / groups;
-    let ct = ct.contiguous()?.reshape((n, cout, l))?;
+    let ct = ct.relayout()?.reshape((n, cout, l))?;
     let per_example = (0..groups)
         .map(|i| {
             let cols_t = cols.narrow(1, i * ck, ck)?.transpose(1, 2)?; // N L CK
@@ -238,7 +239,7 @@ fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::R
     }
     let rows = rows::unfold_rows(x, g)?; // E L CK
     let l = rows.dims()[1];
-    let c = ct.contiguous()?.reshape((e, cout, l))?;
+    let c = ct.relayout()?.reshape((e, cout, l))?;
     bmm::matmul(&c, &rows)?.reshape(shape)
 }
 
