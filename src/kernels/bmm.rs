@@ -56,6 +56,11 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
         };
         product(d, (n, 1), lhs, rhs, (m, n, k), false, one, par);
     };
+    let parts = split_k((nb, m, n, k));
+    if parts > 1 {
+        split_k_cpu(a, b, (m, n, k), parts, one, &mut dst);
+        return dst;
+    }
     if nb >= 2 * max_threads() {
         // Threads are spawned per call: worth it only for enough products
         // (a multiply-add counts as a sixteenth of a copied element, so the
@@ -72,6 +77,61 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
         }
     }
     dst
+}
+
+/// Outputs at most this large with an inner dimension of at least
+/// `SPLIT_K_MIN` per thread split that dimension between the threads.
+const SPLIT_K_MAX_OUT: usize = 64 * 64;
+const SPLIT_K_MIN: usize = 2048;
+
+/// How many slices of the inner dimension one product of a few hundred
+/// outputs and a long inner dimension is split into (1: not split). A GEMM
+/// splits its output between threads, and an output this small leaves all
+/// but one idle: a linear layer's `[16, 27648] @ [27648, 10]` (the conv3d
+/// net's head) and a weight gradient's sum over every example and position
+/// (`[8, 43904] @ [43904, 27]`) ran on one thread.
+fn split_k((nb, m, n, k): (usize, usize, usize, usize)) -> usize {
+    if nb != 1 || m * n > SPLIT_K_MAX_OUT {
+        return 1;
+    }
+    max_threads().min(k / SPLIT_K_MIN).max(1)
+}
+
+/// `dst = a @ b` as `parts` single-threaded products over slices of the
+/// inner dimension, run in parallel into partial sums, then added.
+fn split_k_cpu<T: Elem>(
+    a: &Operand<T>,
+    b: &Operand<T>,
+    (m, n, k): (usize, usize, usize),
+    parts: usize,
+    one: T,
+    dst: &mut [T],
+) {
+    let per = k.div_ceil(parts);
+    let mut partial = super::zeroed(parts * m * n);
+    par_blocks_mut(&mut partial, m * n, usize::MAX, |p, d| {
+        let (k0, kk) = (p * per, per.min(k.saturating_sub(p * per)));
+        if kk == 0 {
+            return;
+        }
+        // element (i, k0 + j) of `a` and (k0 + j, c) of `b`
+        let lhs = Mat {
+            data: &a.data[k0 * a.sc..],
+            rs: a.sr,
+            cs: a.sc,
+        };
+        let rhs = Mat {
+            data: &b.data[k0 * b.sr..],
+            rs: b.sr,
+            cs: b.sc,
+        };
+        product(d, (n, 1), lhs, rhs, (m, n, kk), false, one, gemm::Parallelism::None);
+    });
+    for part in partial.chunks_exact(m * n) {
+        for (o, v) in dst.iter_mut().zip(part) {
+            *o += *v;
+        }
+    }
 }
 
 struct BmmOp;
@@ -135,7 +195,9 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         // product (batch stride 0) would be packed once per product: copied
         // or transposed once first.
         let spread = a.dims()[0] >= 2 * max_threads() && b.stride()[0] != 0;
-        if column_major(b) && !spread {
+        let (ad, bd) = (a.dims(), b.dims());
+        let split = split_k((ad[0], ad[1], bd[2], ad[2])) > 1;
+        if column_major(b) && !spread && !split {
             return by_row_major_rhs(a, b);
         }
         return a.apply_op2_no_bwd(b, &BmmOp);
@@ -243,6 +305,18 @@ mod tests {
                 assert!(column_major(y));
                 let diff = max_diff(&bmm(x, y)?, &x.contiguous()?.matmul(&y.contiguous()?)?)?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
+            }
+        }
+        // one product of a small output and a long inner dimension: split
+        // between the threads (where there are several), either layout of b
+        for dt in [DType::F32, DType::F64] {
+            let k = 3 * SPLIT_K_MIN + 17;
+            let a = Tensor::randn(0f32, 1., (1, 8, k), &d)?.to_dtype(dt)?;
+            let b = Tensor::randn(0f32, 1., (1, k, 6), &d)?.to_dtype(dt)?;
+            let bt = Tensor::randn(0f32, 1., (1, 6, k), &d)?.to_dtype(dt)?.transpose(1, 2)?;
+            for y in [&b, &bt] {
+                let diff = max_diff(&bmm(&a, y)?, &a.matmul(&y.contiguous()?)?)?;
+                assert!(diff < 1e-3, "split-k {dt:?}: {diff}");
             }
         }
         let e = Tensor::zeros((8, 3, 0), DType::F32, &d)?;

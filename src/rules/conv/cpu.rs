@@ -188,7 +188,7 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
             .permute((1, 0, 2))?
             .relayout()?
             .reshape((cout, n * l))?;
-        return split_k_product(&c, &rows.reshape((n * l, ck))?)?.reshape(w_shape);
+        return bmm::matmul(&c, &rows.reshape((n * l, ck))?)?.reshape(w_shape);
     }
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
@@ -202,28 +202,6 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, Cout/g, CK] -> N Cout CK -> Cout CK
     sum_axes(&Tensor::cat(&per_example, 1)?, &[0])?.reshape(w_shape)
-}
-
-/// `a [M, K] @ b [K, N]` for a small `M N` and a long `K` (a weight
-/// gradient's sum over every example and output position), as partial
-/// products over slices of `K`, one per thread's share, then their sum: a
-/// GEMM splits its output between threads, and an output of a few hundred
-/// elements leaves all but one idle (the conv3d net's first weight
-/// gradient, `[8, 43904] @ [43904, 27]`, took 1.4 ms as one GEMM).
-fn split_k_product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    let (m, k, n) = (a.dims()[0], a.dims()[1], b.dims()[1]);
-    let threads = crate::kernels::max_threads();
-    let parts = (1..=2 * threads)
-        .rev()
-        .find(|p| k % p == 0 && k / p >= 1024)
-        .unwrap_or(1);
-    if parts == 1 || m * n >= 64 * 64 {
-        return bmm::matmul(a, b);
-    }
-    // M (P K/P) -> P M K/P, read in place; (P K/P) N -> P K/P N
-    let a = a.reshape((m, parts, k / parts))?.transpose(0, 1)?;
-    let b = b.reshape((parts, k / parts, n))?;
-    bmm::bmm(&a, &b)?.sum(0)
 }
 
 /// Each example's weight gradient: shifted GEMMs where they apply,

@@ -1,0 +1,64 @@
+//! Kernel lines: the taps along the last kernel axis folded into the
+//! GEMMs' inner dimension. With few input channels a tap's GEMM is too
+//! thin (`k = Cin`: the conv3d net's second layer ran its 27 taps at
+//! `k = 8`), and every GEMM reads and writes the whole wide output again.
+//! Copying the input `kw` times, each copy shifted by one tap of the last
+//! axis (`x3[(c, j)] = x[c]` shifted by `j`), turns the `kw` taps of one
+//! line into ONE GEMM with `k = Cin kw`, and `prod(kernel) / kw` GEMMs in
+//! all. The weight is laid out line by line to match (`[line, Cout, Cin
+//! kw]`, a few kilobytes).
+
+use super::super::{zeroed, Elem};
+use super::Plan;
+
+/// `x3 [Cin kw, plane]` of one example's `x [Cin, plane]`: row `(c, j)` is
+/// channel `c` read `j * dilation` further on, zeros past the end (which
+/// no line's GEMM reaches: every tap's reads end inside the plane).
+pub(super) fn input<T: Elem>(x: &[T], p: &Plan) -> Vec<T> {
+    let plane = p.plane();
+    let mut x3 = zeroed(p.cin * p.fold * plane);
+    for (r, row) in x3.chunks_exact_mut(plane).enumerate() {
+        let (c, off) = (r / p.fold, (r % p.fold) * p.dil_last);
+        let src = &x[c * plane + off..(c + 1) * plane];
+        row[..src.len()].copy_from_slice(src);
+    }
+    x3
+}
+
+/// The weight `[Cout, Cin, taps]` as `[line, Cout, Cin kw]`.
+pub(super) fn weight<T: Elem>(w: &[T], p: &Plan) -> Vec<T> {
+    let (kn, rk) = (p.taps(), p.cin * p.fold);
+    let mut wf = zeroed(p.lines() * p.cout * rk);
+    for (i, v) in wf.iter_mut().enumerate() {
+        let (l, rest) = (i / (p.cout * rk), i % (p.cout * rk));
+        let (co, r) = (rest / rk, rest % rk);
+        let (c, j) = (r / p.fold, r % p.fold);
+        *v = w[(co * p.cin + c) * kn + l * p.fold + j];
+    }
+    wf
+}
+
+/// The inverse of [`weight`]: a weight gradient `[line, Cout, Cin kw]`
+/// back to `[Cout, Cin, taps]`, written into `dw`.
+pub(super) fn unweight<T: Elem>(wf: &[T], p: &Plan, dw: &mut [T]) {
+    let (kn, rk) = (p.taps(), p.cin * p.fold);
+    for (i, v) in wf.iter().enumerate() {
+        let (l, rest) = (i / (p.cout * rk), i % (p.cout * rk));
+        let (co, r) = (rest / rk, rest % rk);
+        let (c, j) = (r / p.fold, r % p.fold);
+        dw[(co * p.cin + c) * kn + l * p.fold + j] = *v;
+    }
+}
+
+/// Adds `y3 [Cin kw, plane]` (each row's values belonging `j * dilation`
+/// further on) into one example's input gradient `dx [Cin, plane]`.
+pub(super) fn add_folded<T: Elem>(y3: &[T], p: &Plan, dx: &mut [T]) {
+    let plane = p.plane();
+    for (r, row) in y3.chunks_exact(plane).enumerate() {
+        let (c, off) = (r / p.fold, (r % p.fold) * p.dil_last);
+        let dst = &mut dx[c * plane + off..(c + 1) * plane];
+        for (d, v) in dst.iter_mut().zip(row) {
+            *d += *v;
+        }
+    }
+}
