@@ -16,8 +16,10 @@ pub struct RunStats {
     /// Most bytes held at the same time (by size and dtype; views of one
     /// buffer count once each, so this is an upper bound).
     pub peak_bytes: usize,
-    /// Bytes the crate's kernels copied to change a layout (an operand
-    /// made row-major or contiguous) rather than to compute; copies inside
+    /// Bytes copied to lay out the operands of matrix products and
+    /// convolutions (a transposed operand made row-major, a strided one
+    /// contiguous) rather than to compute. Copies made inside other
+    /// kernels (padding, pooling, elementwise operands) and inside
     /// candle's own operations are not counted.
     pub copied_bytes: usize,
 }

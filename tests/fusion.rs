@@ -176,3 +176,31 @@ fn gradients_and_vmaps_of_fused_layers_agree_with_the_unfused_numbers() {
         }
     }
 }
+
+/// `vjp` differentiates the unfused graph and fuses its two halves after:
+/// a linear + ReLU and a conv + bias + ReLU layer, plainly and as a
+/// per-example map, give the gradients `grad` gives.
+#[test]
+fn vjp_of_fusible_layers() {
+    let (x, w, b) = (rand(&[3, 8, 9, 9], 21), rand(&[5, 8, 3, 3], 22), rand(&[5], 23));
+    let (xl, wl) = (rand(&[6, 7], 24), rand(&[4, 7], 25));
+    let lin = |x: Tracer, w: Tracer| x.matmul(&w.t()?)?.relu();
+    let (y, pullback) = candle_func::vjp(&lin, (&xl, &wl)).unwrap();
+    let ones = y.ones_like().unwrap();
+    let (dx, dw) = pullback.call(&ones).unwrap();
+    let sum = |x: Tracer, w: Tracer| lin(x, w)?.sum_all();
+    let (gx, gw) = grad(sum).argnums::<0, 1>().call((&xl, &wl)).unwrap();
+    assert_close(&dx, &gx, 1e-5, "linear dx");
+    assert_close(&dw, &gw, 1e-5, "linear dw");
+    for s in [Schedule::Batched, Schedule::PerExample] {
+        let conv = vmap(|x: Tracer, w: Tracer, b: Tracer| conv_layer(x.unsqueeze(0)?, w, b))
+            .in_dims([Some(0), None, None])
+            .schedule(s);
+        let (y, pullback) = candle_func::vjp(&conv, (&x, &w, &b)).unwrap();
+        let (_, dw, db) = pullback.call(&y.ones_like().unwrap()).unwrap();
+        let sum = |w: Tracer, b: Tracer, x: Tracer| conv_layer(x, w, b)?.sum_all();
+        let (gw, gb) = grad(sum).argnums::<0, 1>().call((&w, &b, &x)).unwrap();
+        assert_close(&dw, &gw, 1e-4, &format!("{s:?} conv dw"));
+        assert_close(&db, &gb, 1e-4, &format!("{s:?} conv db"));
+    }
+}

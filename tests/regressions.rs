@@ -132,3 +132,32 @@ fn outputs_and_stacks_keep_no_candle_history() {
     let stacked = nn::stack_params(&[&m, &m]).unwrap();
     assert!(stacked.values().all(|t| !t.track_op() && !t.is_variable()));
 }
+
+/// ReLU keeps NaN and its gradient passes the cotangent there, in every
+/// dtype (f16 and bf16 take candle's ops, f32 the crate's kernel).
+#[test]
+fn relu_and_its_gradient_keep_nan_in_every_float_dtype() {
+    for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let x = Tensor::new(&[f32::NAN, 1.0, -1.0, 0.0], &Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let y: Vec<f32> = jit(|x: Tracer| x.relu())
+            .call(&x)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(y[0].is_nan(), "{dt:?}: {y:?}");
+        assert_eq!(&y[1..], &[1.0, 0.0, 0.0], "{dt:?}");
+        let g: Vec<f32> = grad(|x: Tracer| x.relu()?.sum_all())
+            .call(&x)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(g, vec![1.0, 1.0, 0.0, 0.0], "{dt:?}");
+    }
+}

@@ -89,12 +89,19 @@ const SPLIT_K_MIN: usize = 2048;
 /// splits its output between threads, and an output this small leaves all
 /// but one idle: a linear layer's `[16, 27648] @ [27648, 10]` (the conv3d
 /// net's head) and a weight gradient's sum over every example and position
-/// (`[8, 43904] @ [43904, 27]`) ran on one thread.
+/// (`[8, 43904] @ [43904, 27]`) ran on one thread. (The sum's order then
+/// depends on the number of threads, as in any parallel reduction.)
 fn split_k((nb, m, n, k): (usize, usize, usize, usize)) -> usize {
     if nb != 1 || m * n > SPLIT_K_MAX_OUT {
         return 1;
     }
-    max_threads().min(k / SPLIT_K_MIN).max(1)
+    // each slice worth a thread: such a product is bound by reading its
+    // operands, `k (m + n)` elements (a dot product of 4096 is not split)
+    let work = k.saturating_mul(m + n);
+    max_threads()
+        .min(k / SPLIT_K_MIN)
+        .min(work / super::MIN_ELEMS_PER_THREAD)
+        .max(1)
 }
 
 /// `dst = a @ b` as `parts` single-threaded products over slices of the
@@ -310,7 +317,8 @@ mod tests {
         // one product of a small output and a long inner dimension: split
         // between the threads (where there are several), either layout of b
         for dt in [DType::F32, DType::F64] {
-            let k = 3 * SPLIT_K_MIN + 17;
+            let k = 20 * SPLIT_K_MIN + 17;
+            assert!(max_threads() == 1 || split_k((1, 8, 6, k)) > 1);
             let a = Tensor::randn(0f32, 1., (1, 8, k), &d)?.to_dtype(dt)?;
             let b = Tensor::randn(0f32, 1., (1, k, 6), &d)?.to_dtype(dt)?;
             let bt = Tensor::randn(0f32, 1., (1, 6, k), &d)?.to_dtype(dt)?.transpose(1, 2)?;

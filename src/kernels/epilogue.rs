@@ -118,13 +118,13 @@ impl InplaceOp2 for Epilogue {
 
 /// Whether [`apply`] runs in place on `y`: CPU f32/f64, contiguous, with
 /// a bias (if any) of its dtype on the CPU.
-pub fn applies(y: &Tensor, bias: Option<&Tensor>) -> bool {
+pub(crate) fn applies(y: &Tensor, bias: Option<&Tensor>) -> bool {
     super::has_cpu_kernel(y) && y.is_contiguous() && bias.is_none_or(|b| b.device().is_cpu() && b.dtype() == y.dtype())
 }
 
 /// `y = relu?(y + bias?)` in place, the bias broadcast to `y`'s shape.
 /// `y` must be a tensor nothing else reads: the caller's fresh output.
-pub fn apply(y: &Tensor, bias: Option<&Tensor>, relu: bool) -> Result<()> {
+pub(crate) fn apply(y: &Tensor, bias: Option<&Tensor>, relu: bool) -> Result<()> {
     if y.elem_count() == 0 {
         return Ok(());
     }

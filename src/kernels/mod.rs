@@ -3,7 +3,7 @@
 //!
 //! * [`mod@unfold`]: im2col / col2im ([`unfold::unfold`] / [`unfold::fold`])
 //!   for 1-, 2- and 3-d windows and a convolution built on them
-//!   ([`unfold::conv_unfold`]).
+//!   ([`unfold::conv_unfold`], the grouped and the generic lowering).
 //! * [`rows`]: the same im2col with one row per output position
 //!   ([`rows::unfold_rows`]) and its adjoint, so that a convolution and its
 //!   gradients over a whole batch are single GEMMs.

@@ -162,7 +162,8 @@ impl Builder {
             return v;
         }
         let k = self.consts.len();
-        self.consts.push(t.clone());
+        // detached: the graph keeps the value, not candle's history of it
+        self.consts.push(t.detach());
         let v = self.push(Prim::Const(k), vec![], TensorType::of(t));
         self.const_ids.insert(t.id(), v);
         v

@@ -41,7 +41,12 @@ impl Rule for Unary {
             Unary::Abs => x.abs(),
             Unary::Relu => match compare::relu(x).op("relu")? {
                 Some(y) => return Ok(y),
-                None => x.relu(),
+                // `x` unless x <= 0, NaN kept as PyTorch does (candle's
+                // relu, `max(x, 0)`, gives 0 for NaN in some dtypes; the
+                // VJP's mask reads this output)
+                None => x
+                    .le(&x.zeros_like().op("relu")?)
+                    .and_then(|off| off.where_cond(&x.zeros_like()?, x)),
             },
             Unary::Tanh => x.tanh(),
             Unary::Sigmoid => candle_nn::ops::sigmoid(x),
@@ -88,7 +93,8 @@ fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Res
             b.bin(Mul, ct, sign)?
         }
         // Masked by the output: relu(x) > 0 exactly where x > 0, and NaN
-        // where x is NaN, so the mask is the same; the pre-activation then
+        // where x is NaN (both forward paths keep NaN), so the mask is the
+        // same; the pre-activation then
         // has no reader but the ReLU, which lets it fuse into the product
         // before it (`ir::fuse`) and need not be kept for the backward pass.
         Unary::Relu => b.bin(Binary::ReluGrad, out, ct)?,

@@ -382,6 +382,10 @@ where
         bb.finish(results).0.eliminate_dead_code()
     };
     let (fwd, backward) = partition(&joint, leaves.iter().map(Vec::len).sum(), n_out);
+    // Fused only now, after differentiation (fused nodes have no VJP rule);
+    // a pre-activation the backward pass reads is an output of `fwd` and
+    // so stays unfused.
+    let (fwd, backward) = (fwd.fuse_epilogues(), backward.fuse_epilogues());
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = interp::run(
         &fwd,

@@ -90,6 +90,16 @@ pub(crate) struct Compiled {
 }
 
 impl Compiled {
+    /// The graph with its epilogues fused (`Graph::fuse_epilogues`), for
+    /// running: only once no transform will rewrite it, since fused nodes
+    /// have no transform rules.
+    fn fused(self) -> Self {
+        Compiled {
+            graph: self.graph.fuse_epilogues(),
+            ..self
+        }
+    }
+
     /// Whether every flag the trace read still has the value it had.
     fn current(&self) -> bool {
         self.mode_deps.iter().all(|(f, on)| f.load(Ordering::Relaxed) == *on)
@@ -221,8 +231,7 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     }
     let mode_deps = ctx.mode_deps.borrow().clone();
     Ok(Compiled {
-        // after every transform: fused nodes have no transform rules
-        graph: graph.simplify().fuse_epilogues(),
+        graph: graph.simplify(),
         out_def,
         mode_deps,
         seed: ctx.seed.get(),
@@ -253,7 +262,7 @@ where
     let compiled = match cached {
         Some(c) if c.current() => c,
         _ => {
-            let c = Arc::new(trace_top(f, (given, false), &key.defs, &leaves, &device)?);
+            let c = Arc::new(trace_top(f, (given, false), &key.defs, &leaves, &device)?.fused());
             cache
                 .map
                 .lock()
@@ -286,7 +295,9 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&args)?;
-    Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?.graph)
+    Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?
+        .fused()
+        .graph)
 }
 
 /// Running a graph from [`make_graph`] on concrete tensors, in the order

@@ -53,6 +53,10 @@ const PER_EXAMPLE_GRAD_LEN: usize = 1024;
 /// candle's convolutions read a strided kernel as if it were contiguous, so
 /// operands are made contiguous first.
 pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
+    let (n, cout, out) = (x.dims()[0], w.dims()[0], g.out_spatial(&x.dims()[2..])?);
+    if n == 0 || cout == 0 || out.contains(&0) {
+        return Tensor::zeros([&[n, cout], &out[..]].concat(), x.dtype(), x.device());
+    }
     let (x, w) = (&x.relayout()?, &w.relayout()?);
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
@@ -267,6 +271,17 @@ mod tests {
                 let diff = crate::kernels::max_diff(&got, &want)?;
                 assert!(diff < 1e-4, "{xs:?} * {ws:?}: {diff}");
             }
+        }
+        // no output channels, or no examples: empty results, on every lowering
+        let g = ConvGeom::uniform(2, 3, 0, 1, 1);
+        for (xs, ws) in [
+            ([2, 8, 6, 6], [0, 8, 3, 3]),
+            ([2, 1, 6, 6], [0, 1, 3, 3]),
+            ([0, 8, 6, 6], [4, 8, 3, 3]),
+        ] {
+            let x = Tensor::zeros(&xs, DType::F32, &d)?;
+            let y = run_conv(&x, &Tensor::zeros(&ws, DType::F32, &d)?, &g, 1)?;
+            assert_eq!(y.dims(), &[xs[0], ws[0], 4, 4]);
         }
         Ok(())
     }
