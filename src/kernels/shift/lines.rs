@@ -25,29 +25,20 @@ pub(super) fn input<T: Elem>(x: &[T], p: &Plan) -> Vec<T> {
     x3
 }
 
-/// The weight `[Cout, Cin, taps]` as `[line, Cout, Cin kw]`.
+/// The weight `[Cout, Cin, taps]` as `[line, Cout, Cin kw]` (nested loops,
+/// no division per element: this runs on every call).
 pub(super) fn weight<T: Elem>(w: &[T], p: &Plan) -> Vec<T> {
-    let (kn, rk) = (p.taps(), p.cin * p.fold);
-    let mut wf = zeroed(p.lines() * p.cout * rk);
-    for (i, v) in wf.iter_mut().enumerate() {
-        let (l, rest) = (i / (p.cout * rk), i % (p.cout * rk));
-        let (co, r) = (rest / rk, rest % rk);
-        let (c, j) = (r / p.fold, r % p.fold);
-        *v = w[(co * p.cin + c) * kn + l * p.fold + j];
+    let (kn, f) = (p.taps(), p.fold);
+    let mut wf = Vec::with_capacity(p.lines() * p.cout * p.cin * f);
+    for l in 0..p.lines() {
+        for co in 0..p.cout {
+            for c in 0..p.cin {
+                let at = (co * p.cin + c) * kn + l * f;
+                wf.extend_from_slice(&w[at..at + f]);
+            }
+        }
     }
     wf
-}
-
-/// The inverse of [`weight`]: a weight gradient `[line, Cout, Cin kw]`
-/// back to `[Cout, Cin, taps]`, written into `dw`.
-pub(super) fn unweight<T: Elem>(wf: &[T], p: &Plan, dw: &mut [T]) {
-    let (kn, rk) = (p.taps(), p.cin * p.fold);
-    for (i, v) in wf.iter().enumerate() {
-        let (l, rest) = (i / (p.cout * rk), i % (p.cout * rk));
-        let (co, r) = (rest / rk, rest % rk);
-        let (c, j) = (r / p.fold, r % p.fold);
-        dw[(co * p.cin + c) * kn + l * p.fold + j] = *v;
-    }
 }
 
 /// Adds `y3 [Cin kw, plane]` (each row's values belonging `j * dilation`

@@ -279,18 +279,18 @@ fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec
     dst
 }
 
-/// Adds example `i`'s weight gradient into `dwf`, laid out by lines
-/// (`[line, Cout, Cin kw]`, see `lines::weight`):
-/// `dwf[l] += ct_wide[i] [Cout, span] @ (rows of x[i] from line l)^T [span, Cin kw]`.
-fn add_weight_grad<T: Elem>(dwf: &mut [T], x: &[T], wide: &[T], p: &Plan, i: usize, one: T, par: gemm::Parallelism) {
-    let (plane, span, rk) = (p.plane(), p.span(), p.rk());
-    let mut buf = Vec::new();
-    let rows = p.input_rows(&x[i * p.cin * plane..(i + 1) * p.cin * plane], &mut buf);
+/// Adds example `i`'s weight gradient into `dw [Cout, Cin, K]`:
+/// `dw[:, :, t] += ct_wide[i] [Cout, span] @ (x[i] shifted by t)^T [span, Cin]`
+/// for every tap `t` (`dw` at row stride `Cin K`, column stride `K`). Weight
+/// gradients keep one GEMM per tap (see `weight_op`).
+fn add_weight_grad<T: Elem>(dw: &mut [T], x: &[T], wide: &[T], p: &Plan, i: usize, one: T, par: gemm::Parallelism) {
+    let (plane, span, kn) = (p.plane(), p.span(), p.taps());
+    let xs = &x[i * p.cin * plane..];
     let c = &wide[i * p.cout * span..(i + 1) * p.cout * span];
-    for l in 0..p.lines() {
+    for (t, &shift) in p.shifts.iter().enumerate() {
         let g = Gemm {
             m: p.cout,
-            n: rk,
+            n: p.cin,
             k: span,
             lhs: Mat {
                 data: c,
@@ -298,12 +298,12 @@ fn add_weight_grad<T: Elem>(dwf: &mut [T], x: &[T], wide: &[T], p: &Plan, i: usi
                 cs: 1,
             },
             rhs: Mat {
-                data: &rows[p.line_shift(l)..],
+                data: &xs[shift..],
                 rs: 1,
                 cs: plane,
             },
         };
-        g.run(&mut dwf[l * p.cout * rk..], (rk, 1), one, par);
+        g.run(&mut dw[t..], (p.cin * kn, kn), one, par);
     }
 }
 
@@ -327,21 +327,17 @@ fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Ve
             *a += *b;
         }
     }
-    let mut dw = zeroed(size);
-    lines::unweight(&partial[..size], p, &mut dw);
-    dw
+    partial.truncate(size);
+    partial
 }
 
 /// `dw[n]_t = ct[n] @ (x[n] shifted by t)^T` for each example, not summed.
 fn grad_weight_each_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
     let wide = widen(ct, p, n);
-    let size = p.cout * p.cin * p.taps();
-    let mut dst = zeroed(n * size);
+    let mut dst = zeroed(n * p.cout * p.cin * p.taps());
     let par = inner_par(n);
-    per_example(&mut dst, size, n, |i, dw| {
-        let mut dwf = zeroed(size);
-        add_weight_grad(&mut dwf, x, &wide, p, i, one, par);
-        lines::unweight(&dwf, p, dw);
+    per_example(&mut dst, p.cout * p.cin * p.taps(), n, |i, dw| {
+        add_weight_grad(dw, x, &wide, p, i, one, par)
     });
     dst
 }
