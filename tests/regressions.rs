@@ -142,22 +142,11 @@ fn relu_and_its_gradient_keep_nan_in_every_float_dtype() {
             .unwrap()
             .to_dtype(dt)
             .unwrap();
-        let y: Vec<f32> = jit(|x: Tracer| x.relu())
-            .call(&x)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let values = |t: Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().to_vec1().unwrap() };
+        let y = values(jit(|x: Tracer| x.relu()).call(&x).unwrap());
         assert!(y[0].is_nan(), "{dt:?}: {y:?}");
         assert_eq!(&y[1..], &[1.0, 0.0, 0.0], "{dt:?}");
-        let g: Vec<f32> = grad(|x: Tracer| x.relu()?.sum_all())
-            .call(&x)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let g = values(grad(|x: Tracer| x.relu()?.sum_all()).call(&x).unwrap());
         assert_eq!(g, vec![1.0, 1.0, 0.0, 0.0], "{dt:?}");
     }
 }

@@ -36,6 +36,16 @@ impl<'a, T> Operand<'a, T> {
         }
         Ok(Operand { data, sb, sr, sc })
     }
+
+    /// The matrix starting `offset` elements in, at the operand's row and
+    /// column strides.
+    fn mat(&self, offset: usize) -> Mat<'a, T> {
+        Mat {
+            data: &self.data[offset..],
+            rs: self.sr,
+            cs: self.sc,
+        }
+    }
 }
 
 fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize, usize, usize), one: T) -> Vec<T> {
@@ -44,17 +54,7 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
         return dst; // an empty sum: zeros
     }
     let gemm_one = |i: usize, d: &mut [T], par: gemm::Parallelism| {
-        let lhs = Mat {
-            data: &a.data[i * a.sb..],
-            rs: a.sr,
-            cs: a.sc,
-        };
-        let rhs = Mat {
-            data: &b.data[i * b.sb..],
-            rs: b.sr,
-            cs: b.sc,
-        };
-        product(d, (n, 1), lhs, rhs, (m, n, k), false, one, par);
+        product(d, (n, 1), a.mat(i * a.sb), b.mat(i * b.sb), (m, n, k), false, one, par);
     };
     let parts = split_k((nb, m, n, k));
     if parts > 1 {
@@ -122,16 +122,7 @@ fn split_k_cpu<T: Elem>(
             return;
         }
         // element (i, k0 + j) of `a` and (k0 + j, c) of `b`
-        let lhs = Mat {
-            data: &a.data[k0 * a.sc..],
-            rs: a.sr,
-            cs: a.sc,
-        };
-        let rhs = Mat {
-            data: &b.data[k0 * b.sr..],
-            rs: b.sr,
-            cs: b.sc,
-        };
+        let (lhs, rhs) = (a.mat(k0 * a.sc), b.mat(k0 * b.sr));
         product(d, (n, 1), lhs, rhs, (m, n, kk), false, one, gemm::Parallelism::None);
     });
     for part in partial.chunks_exact(m * n) {

@@ -44,9 +44,10 @@ impl Rule for Unary {
                 // `x` unless x <= 0, NaN kept as PyTorch does (candle's
                 // relu, `max(x, 0)`, gives 0 for NaN in some dtypes; the
                 // VJP's mask reads this output)
-                None => x
-                    .le(&x.zeros_like().op("relu")?)
-                    .and_then(|off| off.where_cond(&x.zeros_like()?, x)),
+                None => {
+                    let zero = x.zeros_like().op("relu")?;
+                    x.le(&zero).and_then(|off| off.where_cond(&zero, x))
+                }
             },
             Unary::Tanh => x.tanh(),
             Unary::Sigmoid => candle_nn::ops::sigmoid(x),

@@ -54,21 +54,19 @@ const PER_EXAMPLE_GRAD_LEN: usize = 1024;
 /// operands are made contiguous first.
 pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
     let (n, cout, out) = (x.dims()[0], w.dims()[0], g.out_spatial(&x.dims()[2..])?);
+    let shape = [&[n, cout], &out[..]].concat();
     if n == 0 || cout == 0 || out.contains(&0) {
-        return Tensor::zeros([&[n, cout], &out[..]].concat(), x.dtype(), x.device());
+        return Tensor::zeros(shape, x.dtype(), x.device());
     }
     let (x, w) = (&x.relayout()?, &w.relayout()?);
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
         _ if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
-        _ if groups == 1
-            && has_cpu_kernel(x)
-            && g.out_spatial(&x.dims()[2..])?.iter().product::<usize>() >= MIN_COLS_LEN =>
-        {
-            conv_cols(x, w, g)
+        _ if groups == 1 && has_cpu_kernel(x) && out.iter().product::<usize>() >= MIN_COLS_LEN => {
+            conv_cols(x, w, g, &shape)
         }
-        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g),
+        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g, &shape),
         _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         2 if candle_2d => x.conv2d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
@@ -77,15 +75,10 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> c
 }
 
 /// An ungrouped convolution as one GEMM: `(N L) CK @ CK Cout`.
-fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
-    let (n, cout) = (x.dims()[0], w.dims()[0]);
-    let out = g.out_spatial(&x.dims()[2..])?;
-    let shape = [&[n, cout], &out[..]].concat();
+fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize]) -> candle_core::Result<Tensor> {
+    let (n, cout) = (shape[0], shape[1]);
     let rows = rows::unfold_rows(x, g)?; // N L CK
     let (l, ck) = (rows.dims()[1], rows.dims()[2]);
-    if n * l == 0 || cout == 0 {
-        return Tensor::zeros(shape, x.dtype(), x.device());
-    }
     let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?)?;
     // (N L) Cout -> N Cout L
     transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
@@ -95,21 +88,14 @@ fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor
 /// cols[n] [CK, L]`, written straight in the `[N, Cout, L]` layout (the
 /// row layout's single GEMM has the few input channels' taps as its
 /// inner dimension, and its output needs a transposing copy).
-fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
-    let (n, cout) = (x.dims()[0], w.dims()[0]);
-    let out = g.out_spatial(&x.dims()[2..])?;
-    let shape = [&[n, cout], &out[..]].concat();
+fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize]) -> candle_core::Result<Tensor> {
     let cols = unfold::unfold(x, g)?; // N CK L
-    let ck = cols.dims()[1];
-    if n * cols.dims()[2] == 0 || cout == 0 {
-        return Tensor::zeros(shape, x.dtype(), x.device());
-    }
-    bmm::each_example(&w.reshape((cout, ck))?, &cols)?.reshape(shape)
+    bmm::each_example(&w.reshape((shape[1], cols.dims()[1]))?, &cols)?.reshape(shape)
 }
 
 /// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
-/// (`kernels::shift`), else for ungrouped convolutions one GEMM over the
-/// whole batch in the row layout (`kernels::rows`). Otherwise per group one
+/// (`kernels::shift`), else one GEMM per group over the whole batch in the
+/// row layout (`grad_input_rows`). Elsewhere per group one
 /// batched GEMM `w_g^T [CK, Cout/g] @ ct_g [N, Cout/g, L] -> [N, CK, L]`,
 /// written straight in the layout fold reads (folding the examples into the
 /// GEMM's columns instead needs two transposing copies of a tensor as
@@ -131,14 +117,8 @@ fn run_grad_input(
     if has_cpu_kernel(ct) && shift::applies(g, groups, w.dims()[1]) {
         return shift::grad_input(ct, w, g, spatial);
     }
-    if groups == 1 && has_cpu_kernel(ct) {
-        // N Cout O.. -> N L Cout -> (N L) Cout; (N L) Cout @ Cout CK -> N L CK
-        let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?.reshape((n * l, cout))?;
-        let rows = bmm::matmul(&c, &w.reshape((cout, ck))?)?.reshape((n, l, ck))?;
-        return rows::fold_rows(&rows, g, spatial);
-    }
     if has_cpu_kernel(ct) {
-        return grouped_grad_input_rows(ct, w, g, groups, spatial);
+        return grad_input_rows(ct, w, g, groups, spatial);
     }
     let cpg = cout / groups;
     // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
@@ -152,12 +132,13 @@ fn run_grad_input(
     unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
 }
 
-/// A grouped convolution's input gradient on the row layout, as ONE
-/// batched product over the groups, `ct_g [(N L), Cout/g] @ w_g [Cout/g,
-/// CK] -> [g, (N L), CK]`, then one copy into the rows fold reads. One GEMM
-/// per group and example instead ran 256 tiny GEMMs for a vmapped
-/// ensemble of 8 digits CNNs (2.3 ms where this takes a fraction).
-fn grouped_grad_input_rows(
+/// A convolution's input gradient on the row layout, as ONE batched
+/// product over the groups, `ct_g [(N L), Cout/g] @ w_g [Cout/g, CK] -> [g,
+/// (N L), CK]`, then one copy into the rows fold reads (none for one group:
+/// the transpose only moves a unit axis). One GEMM per group and example
+/// instead ran 256 tiny GEMMs for a vmapped ensemble of 8 digits CNNs (2.3
+/// ms where this takes a fraction).
+fn grad_input_rows(
     ct: &Tensor,
     w: &Tensor,
     g: &ConvGeom,
