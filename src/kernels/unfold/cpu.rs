@@ -79,7 +79,7 @@ fn fold_lines<T: Elem>(lines: &Lines, src: &[T], dst: &mut [T]) {
 }
 
 /// Applies `f` to matching blocks of `src` and `dst` (both non-empty block
-/// sizes), spread over up to `get_num_threads()` scoped threads, each with
+/// sizes), spread over up to `get_num_threads()` threads (`run_jobs`), each with
 /// its own scratch buffer. Blocks are independent `(n, c)` planes, so no
 /// synchronisation is needed.
 fn par_blocks<T: Elem>(
@@ -101,15 +101,11 @@ fn par_blocks<T: Elem>(
         }
     };
     let per = blocks.div_ceil(threads);
-    let mut jobs = src.chunks(per * src_block).zip(dst.chunks_mut(per * dst_block));
-    let Some((s0, d0)) = jobs.next() else { return };
-    std::thread::scope(|scope| {
-        for (s, d) in jobs {
-            scope.spawn(|| run(s, d));
-        }
-        // The calling thread takes the first share instead of idling.
-        run(s0, d0);
-    });
+    let jobs: Vec<(&[T], &mut [T])> = src
+        .chunks(per * src_block)
+        .zip(dst.chunks_mut(per * dst_block))
+        .collect();
+    super::super::run_jobs(jobs, |(s, d)| run(s, d));
 }
 
 /// CPU unfold of `planes` contiguous `(n, c)` planes.
