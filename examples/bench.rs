@@ -218,6 +218,7 @@ fn ensemble_variants() -> Vec<(String, Schedule, Option<ConvRoute>)> {
     let mut v = vec![
         ("vmap default".to_string(), Schedule::Auto, None),
         ("vmap per example".to_string(), Schedule::PerExample, None),
+        ("vmap convs per example".to_string(), Schedule::ConvsPerExample, None),
     ];
     for r in ROUTES {
         v.push((format!("vmap batched, {r:?}"), Schedule::Batched, Some(r)));

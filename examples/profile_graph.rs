@@ -3,6 +3,7 @@
 //!
 //!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|forward [--batch B] [--route R]
 //!     cargo run --release --example profile_graph -- ensemble [--model tutorial|opacus|mlp] [--own] [--route R]
+//!         [--schedule batched|per-example|convs]
 //!
 //! For `tutorial`, `opacus` and `c3d` it profiles both the ordinary batched
 //! gradient step and `vmap(grad)` (per-sample gradients) of the model;
@@ -118,7 +119,11 @@ fn ensemble(arch: &str, own: bool) -> Result<(), Box<dyn std::error::Error>> {
     let model = refs[0];
     let f = vmap(|p: BTreeMap<String, Tracer>, x: Tracer| functional_call(model, &p, &x))
         .in_dims([Some(0), own.then_some(0)])
-        .schedule(Schedule::Batched);
+        .schedule(match common::arg("--schedule", String::new()).as_str() {
+            "per-example" => Schedule::PerExample,
+            "convs" => Schedule::ConvsPerExample,
+            _ => Schedule::Batched,
+        });
     let g = make_graph(&f, (&stacked, &x))?;
     if std::env::var("PRINT_GRAPH").is_ok() {
         println!("{g}");
@@ -127,7 +132,7 @@ fn ensemble(arch: &str, own: bool) -> Result<(), Box<dyn std::error::Error>> {
     inputs.push(x);
     let kind = if own { "a batch per model" } else { "one shared batch" };
     report(
-        &format!("batched ensemble of 10 {arch} models, {kind} of 64"),
+        &format!("vmapped ensemble of 10 {arch} models, {kind} of 64"),
         &g,
         &inputs,
     )?;

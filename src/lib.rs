@@ -50,9 +50,9 @@
 //!   [`vjp`] for reverse mode; [`jit`] runs a traced function without
 //!   transforming it; [`make_graph`] shows the graph a call runs (and
 //!   [`Graph::run`] runs it).
-//! * [`Schedule`]: whether a `vmap` runs its batch batched or the unbatched
-//!   graph once per example (`Auto`, the default, measures a large
-//!   program both ways).
+//! * [`Schedule`]: whether a `vmap` runs its batch batched, the unbatched
+//!   graph once per example, or its convolutions per example and the rest
+//!   batched (`Auto`, the default, measures a large program every way).
 //! * [`Options`]: a transform's settings as one value. A transform nested
 //!   in another inherits the route and strict mode it does not set;
 //!   [`set_conv_route`], `CANDLE_FUNC_CONV_ROUTE`, [`set_strict`] and

@@ -1,6 +1,7 @@
 //! Whole-graph schedules: a vmap runs its batch batched, or the unbatched
-//! graph once per example as one map node, or (Auto) the faster of the
-//! two for a large program. Every schedule gives the same numbers.
+//! graph once per example as one map node, or its convolutions per example
+//! and the rest batched, or (Auto) the fastest for a large program. Every
+//! schedule gives the same numbers.
 
 mod common;
 
@@ -45,6 +46,84 @@ fn per_example_runs_the_unbatched_graph_and_agrees() {
             .unwrap();
         assert_close(&moved.0, &b.transpose(0, 1).unwrap(), 1e-4, "out_dims 1");
     }
+}
+
+/// A CNN with a linear head: conv, relu, max-pool, flatten, linear, relu,
+/// linear, log-softmax (a batch of images to log-probabilities).
+fn cnn(w1: Tracer, w2: Tracer, w3: Tracer, x: Tracer) -> candle_func::Result<Tracer> {
+    let h = x.conv2d(&w1, 1, 1, 1, 1)?.relu()?.max_pool2d(2)?.flatten_from(1)?;
+    h.matmul(&w2)?.relu()?.matmul(&w3)?.log_softmax(1)
+}
+
+#[test]
+fn convs_per_example_maps_the_front_and_batches_the_head() {
+    let w1 = rand(&[4, 6, 2, 3, 3], 1);
+    let w2 = rand(&[4, 6 * 4 * 4, 16], 2);
+    let w3 = rand(&[4, 16, 5], 3);
+    for (x, dims) in [
+        (rand(&[3, 2, 8, 8], 4), [Some(0), Some(0), Some(0), None]), // one shared batch
+        (rand(&[4, 3, 2, 8, 8], 5), [Some(0), Some(0), Some(0), Some(0)]), // a batch per model
+    ] {
+        let f = |s| vmap(cnn).in_dims(dims).schedule(s).conv_route(ConvRoute::Unfold);
+        let g = make_graph(&f(Schedule::ConvsPerExample), (&w1, &w2, &w3, &x))
+            .unwrap()
+            .to_string();
+        assert_eq!(g.matches("map[").count(), 1, "one map, the front: {g}");
+        // the map yields the flattened activations (the fewest bytes after
+        // the convolution), and the head's products run batched outside it
+        let map_line = g.lines().find(|l| l.contains("map[")).unwrap();
+        assert!(
+            map_line.contains(&format!("f32[4,3,{}] = map", 6 * 4 * 4)),
+            "{map_line}"
+        );
+        let after_map = &g[g.find(map_line).unwrap()..];
+        assert_eq!(after_map.matches("matmul").count(), 2, "{g}");
+        assert!(!g.contains("unfold_rows"), "the convolution runs unbatched: {g}");
+        let a = f(Schedule::ConvsPerExample).call((&w1, &w2, &w3, &x)).unwrap();
+        let b = f(Schedule::Batched).call((&w1, &w2, &w3, &x)).unwrap();
+        assert_eq!(a.dims(), &[4, 3, 5]);
+        assert_close(&a, &b, 1e-4, "segments = batched");
+        // differentiated through: the map's gradient is a map, the head's
+        // the batched rules'
+        let loss = |s: Schedule| {
+            move |w2: Tracer, w1: Tracer, w3: Tracer, x: Tracer| {
+                vmap(cnn).in_dims(dims).schedule(s).apply((w1, w2, w3, x))?.sum_all()
+            }
+        };
+        let ga = candle_func::grad(loss(Schedule::ConvsPerExample))
+            .call((&w2, &w1, &w3, &x))
+            .unwrap();
+        let gb = candle_func::grad(loss(Schedule::Batched))
+            .call((&w2, &w1, &w3, &x))
+            .unwrap();
+        assert_close(&ga, &gb, 1e-3, "gradients agree");
+    }
+}
+
+#[test]
+fn convs_per_example_without_a_head_or_convolutions() {
+    let w = rand(&[4, 8, 3], 1);
+    let x = rand(&[4, 5, 8], 2);
+    let f = |s| vmap(|w: Tracer, x: Tracer| x.matmul(&w)?.tanh()).schedule(s);
+    let g = make_graph(&f(Schedule::ConvsPerExample), (&w, &x)).unwrap().to_string();
+    assert!(!g.contains("map["), "{g}");
+    // nothing batched after the last convolution: the whole program maps
+    let w1 = rand(&[4, 6, 2, 3, 3], 3);
+    let xs = rand(&[4, 1, 2, 8, 8], 4);
+    let conv_only = |s| vmap(|w: Tracer, x: Tracer| x.conv2d(&w, 1, 1, 1, 1)?.relu()).schedule(s);
+    let g = make_graph(&conv_only(Schedule::ConvsPerExample), (&w1, &xs))
+        .unwrap()
+        .to_string();
+    assert_eq!(g.matches("map[").count(), 1, "{g}");
+    let a = conv_only(Schedule::ConvsPerExample).call((&w1, &xs)).unwrap();
+    let b = conv_only(Schedule::Batched).call((&w1, &xs)).unwrap();
+    assert_close(&a, &b, 1e-5, "same numbers");
+    assert_close(
+        &f(Schedule::ConvsPerExample).call((&w, &x)).unwrap(),
+        &f(Schedule::Batched).call((&w, &x)).unwrap(),
+        0.0,
+        "same kernels",
+    );
 }
 
 #[test]

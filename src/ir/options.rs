@@ -59,12 +59,13 @@ pub enum Randomness {
 /// How a `vmap` runs its batch, as a whole: the batched graph (every
 /// primitive through its batching rule), or the unbatched graph once per
 /// example (its own kernels, one example's data in cache at a time, the
-/// results stacked), or whichever measures faster.
+/// results stacked), or per segment (the convolutions per example, a
+/// linear head batched), or whichever measures fastest.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Schedule {
     /// The batched graph for a small program; for a large one (many
-    /// megabytes of batched values) the faster of the two, measured once per
+    /// megabytes of batched values) the fastest schedule, measured once per
     /// program, batch size (to the next power of two) and device (see
     /// [`schedule_choices`](crate::schedule_choices)).
     #[default]
@@ -78,6 +79,14 @@ pub enum Schedule {
     /// VJP is a map per operand), which `Auto` accounts for by batching
     /// inside a differentiated trace.
     PerExample,
+    /// A schedule per segment: the program up to and including its last
+    /// batched convolution (and the pooling and reshapes after it, up to
+    /// where the fewest bytes cross) once per example, the rest (a linear
+    /// head, a loss) batched. A program without a batched convolution runs
+    /// batched, one with nothing batched after its convolutions runs as
+    /// `PerExample`, and one that cannot run per example (see there) runs
+    /// batched.
+    ConvsPerExample,
 }
 
 /// The options of one transform, each unset by default. An unset route,

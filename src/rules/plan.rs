@@ -53,6 +53,9 @@ pub(crate) enum RunAs {
     Chunks(usize),
     /// The unbatched graph once per example (a map of the whole graph).
     PerExample,
+    /// The convolutional front per example, the rest batched
+    /// (`Schedule::ConvsPerExample`).
+    ConvsPerExample,
 }
 
 /// Decides what has more than one way to run: a lowering for a
@@ -68,6 +71,7 @@ pub(crate) trait Planner {
         match (opts.chunk_size, opts.schedule) {
             (Some(k), _) if k < size => RunAs::Chunks(k),
             (_, Schedule::PerExample) => RunAs::PerExample,
+            (_, Schedule::ConvsPerExample) => RunAs::ConvsPerExample,
             _ => RunAs::Whole,
         }
     }

@@ -5,6 +5,7 @@
 pub(crate) mod grad;
 pub(crate) mod planner;
 pub(crate) mod schedule;
+mod segments;
 pub(crate) mod settings;
 pub(crate) mod tree;
 pub(crate) mod vmap;

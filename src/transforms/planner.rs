@@ -247,6 +247,7 @@ pub fn schedule_choices() -> Vec<ScheduleChoice> {
 fn public(r: RunAs) -> Schedule {
     match r {
         RunAs::PerExample => Schedule::PerExample,
+        RunAs::ConvsPerExample => Schedule::ConvsPerExample,
         _ => Schedule::Batched,
     }
 }
@@ -260,6 +261,7 @@ pub(crate) fn cached_schedule(key: &str) -> Option<RunAs> {
         .find(|(k, _)| k == key)
         .map(|(_, c)| match c.chosen {
             Schedule::PerExample => RunAs::PerExample,
+            Schedule::ConvsPerExample => RunAs::ConvsPerExample,
             _ => RunAs::Whole,
         })
 }

@@ -2,11 +2,13 @@
 //! whole batch or in chunks (a memory bound), or the unbatched graph once
 //! per example as one `map` node (each example's kernels on one example's
 //! data, which stays in cache where ten models' batched activations do
-//! not). For `Schedule::Auto` a large program is measured both ways by
-//! the planner, once per program, batch size (to the next power of two)
-//! and device.
+//! not), or its convolutional front per example and the rest batched
+//! (`segments`). For `Schedule::Auto` a large program is measured every
+//! way that applies by the planner, once per program, batch size (to the
+//! next power of two) and device.
 
 use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Measured};
+use super::segments::{batched_values, split_after_convs, Front};
 use crate::error::{Error, Result};
 use crate::ir::ops::Binary;
 use crate::ir::options::{Opts, Schedule};
@@ -54,6 +56,25 @@ pub(crate) fn run_batch(
                 .map(|(i, (o, &d))| place_output(&mut cx, o, d, i))
                 .collect()
         }
+        RunAs::ConvsPerExample if per_example_applies(g, vals) => match split(g, vals) {
+            Front::Part(s) => {
+                let mut all = vals.to_vec();
+                all.extend(per_example(&s.front, b, vals, size, opts)?);
+                run_chunks(&s.head, b, &all, (size, size), opts, out_dims)
+            }
+            Front::All => run_batch(
+                g,
+                b,
+                vals,
+                size,
+                &Opts {
+                    schedule: Schedule::PerExample,
+                    ..*opts
+                },
+                out_dims,
+            ),
+            Front::Nothing => run_chunks(g, b, vals, (size, size), opts, out_dims),
+        },
         RunAs::Chunks(k) => run_chunks(g, b, vals, (size, k), opts, out_dims),
         _ => run_chunks(g, b, vals, (size, size), opts, out_dims),
     }
@@ -68,16 +89,17 @@ fn per_example_applies(g: &Graph, vals: &[BVal]) -> bool {
     if g.has_random() {
         return false;
     }
-    let mut batched = vec![false; g.nodes.len()];
-    for (k, &v) in g.inputs.iter().enumerate() {
-        batched[v] = vals.get(k).is_some_and(|x| x.1.is_some());
-    }
-    for (v, n) in g.nodes.iter().enumerate() {
-        if !n.prim.is_leaf() {
-            batched[v] = n.args.iter().any(|&a| batched[a]);
-        }
-    }
+    let batched = batched_values(g, &batched_inputs(vals));
     g.outputs.iter().all(|&o| batched[o])
+}
+
+fn batched_inputs(vals: &[BVal]) -> Vec<bool> {
+    vals.iter().map(|v| v.1.is_some()).collect()
+}
+
+/// `g` cut after its convolutions (see `segments`), where it has any.
+fn split(g: &Graph, vals: &[BVal]) -> Front {
+    split_after_convs(g, &batched_values(g, &batched_inputs(vals)))
 }
 
 /// The batch as maps of `g` (one per output dtype, see
@@ -88,8 +110,8 @@ fn per_example(g: &Graph, b: &mut Builder, vals: &[BVal], size: usize, opts: &Op
 }
 
 /// `Auto`: the batched graph for a small program; for a large one the
-/// faster of the batched graph and the per-example map, as the planner
-/// measures them on this program. Not measured, and batched: a program
+/// fastest of the batched graph, the per-example map and the convolutions
+/// per example, as the planner measures them on this program. Not measured, and batched: a program
 /// inside a trace that will be differentiated (the decision would be made
 /// on its forward pass alone, and a per-example map's gradient reruns its
 /// forward per operand), one with custom ops or integer division (user
@@ -140,9 +162,10 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
     }
 }
 
-/// The two schedules of `g`, each lowered in a builder of its own context
-/// (so a loop fallback of the batched lowering is not warned about when
-/// the per-example map runs).
+/// The schedules of `g` (batched, per example, and the convolutions per
+/// example where `g` has any), each lowered in a builder of its own
+/// context (so a loop fallback of the batched lowering is not warned about
+/// when the per-example map runs).
 fn lower_candidates(
     g: &Graph,
     b: &Builder,
@@ -152,10 +175,14 @@ fn lower_candidates(
     opts: &Opts,
 ) -> Result<Vec<(RunAs, Graph)>> {
     let mut candidates = Vec::new();
-    for (run_as, schedule) in [
+    let mut schedules = vec![
         (RunAs::Whole, Schedule::Batched),
         (RunAs::PerExample, Schedule::PerExample),
-    ] {
+    ];
+    if matches!(split(g, vals), Front::Part(_)) {
+        schedules.push((RunAs::ConvsPerExample, Schedule::ConvsPerExample));
+    }
+    for (run_as, schedule) in schedules {
         let scratch = Builder::scratch(b.given, TraceCtx::new(b.ctx.device.clone()));
         let mut sb = scratch.borrow_mut();
         let ins: Vec<BVal> = types
