@@ -91,6 +91,9 @@ fn per_sample(model: &Sequential, b: usize, input: &[usize]) -> Result<(), Box<d
     }))
     .in_dims([None, Some(0), Some(0)]);
     let g = make_graph(&f, (&p, &xs, &ys))?;
+    if std::env::var("PRINT_GRAPH").is_ok() {
+        println!("{g}");
+    }
     report(&format!("vmap(grad), B={b}"), &g, &inputs)?;
     Ok(())
 }

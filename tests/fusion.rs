@@ -177,6 +177,40 @@ fn gradients_and_vmaps_of_fused_layers_agree_with_the_unfused_numbers() {
     }
 }
 
+/// A batched convolution folds the batch into `N` and reshapes back before
+/// the bias add (`(B N) C H W -> B N C H W`): the reshape joins the fused
+/// node, and per-sample gradients keep their numbers.
+#[test]
+fn a_reshape_between_product_and_epilogue_is_fused() {
+    let (xs, w, b) = (rand(&[4, 1, 8, 9, 9], 24), rand(&[5, 8, 3, 3], 25), rand(&[5], 26));
+    let f = vmap(|x: Tracer, w: Tracer, b: Tracer| conv_layer(x, w, b)).in_dims([Some(0), None, None]);
+    let g = make_graph(&f, (&xs, &w, &b)).unwrap();
+    assert_eq!(
+        count(&g, "fused[conv2d[k=[3, 3],s=[1, 1],p=[1, 1],d=[1, 1]]+reshape"),
+        1,
+        "{g}"
+    );
+    assert_eq!(count(&g, "relu") + count(&g, "add"), 0, "{g}");
+    let got = f.call((&xs, &w, &b)).unwrap();
+    for i in 0..4 {
+        let want = jit(conv_layer).call((&xs.get(i).unwrap(), &w, &b)).unwrap();
+        assert_close(&got.get(i).unwrap(), &want, 1e-5, &format!("example {i}"));
+    }
+    let loss = |w: Tracer, b: Tracer, x: Tracer| conv_layer(x, w, b)?.sqr()?.sum_all();
+    let per = vmap(grad(loss).argnums::<0, 1>()).in_dims([None, None, Some(0)]);
+    let g = make_graph(&per, (&w, &b, &xs)).unwrap();
+    assert!(count(&g, "fused[conv2d") >= 1, "{g}");
+    let (gw, gb) = per.call((&w, &b, &xs)).unwrap();
+    for i in 0..4 {
+        let (ww, wb) = grad(loss)
+            .argnums::<0, 1>()
+            .call((&w, &b, &xs.get(i).unwrap()))
+            .unwrap();
+        assert_close(&gw.get(i).unwrap(), &ww, 1e-4, &format!("dw {i}"));
+        assert_close(&gb.get(i).unwrap(), &wb, 1e-4, &format!("db {i}"));
+    }
+}
+
 /// `vjp` differentiates the unfused graph and fuses its two halves after:
 /// a linear + ReLU and a conv + bias + ReLU layer, plainly and as a
 /// per-example map, give the gradients `grad` gives.

@@ -84,11 +84,20 @@ fn linear_per_sample_gradient_is_one_batched_matmul() {
     let g = make_graph(&vmap(grad(loss)).in_dims([None, Some(0)]), (&w, &xs)).unwrap();
     let biggest = g.nodes().map(|n| n.ty().elem_count()).max().unwrap();
     assert_eq!(biggest, b * fin * fout, "{g}");
-    let big_matmuls = g
+    let big_matmuls: Vec<_> = g
         .nodes()
         .filter(|n| n.name() == "matmul" && n.ty().elem_count() == b * fin * fout)
-        .count();
-    assert_eq!(big_matmuls, 1, "{g}");
+        .collect();
+    assert_eq!(big_matmuls.len(), 1, "{g}");
+    // written in the gradient's own layout, `[B, out, in]`, not as
+    // `[B, in, out]` and permuted
+    assert_eq!(big_matmuls[0].ty().shape, vec![b, fout, fin], "{g}");
+    let per = vmap(grad(loss)).in_dims([None, Some(0)]).call((&w, &xs)).unwrap();
+    assert!(per.is_contiguous());
+    for i in 0..b {
+        let one = grad(loss).call((&w, &xs.get(i).unwrap())).unwrap();
+        common::assert_close(&per.get(i).unwrap(), &one, 1e-5, &format!("example {i}"));
+    }
 }
 
 #[test]

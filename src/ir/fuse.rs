@@ -8,7 +8,7 @@
 //! run the fused node as the ops it replaced.
 
 use super::conv::ConvOp;
-use super::ops::{Binary, Unary};
+use super::ops::{Binary, ShapeOp, Unary};
 use super::{Fused, Graph, Prim, VarId};
 use std::sync::Arc;
 
@@ -35,8 +35,9 @@ impl Graph {
         users
     }
 
-    /// The same computation with every `relu?(product + bias?)` chain (at
-    /// least one of the two) as one `fused` node, inside map bodies too.
+    /// The same computation with every `relu?(reshape?(product) + bias?)`
+    /// chain (with a bias or a ReLU) as one `fused` node, inside map bodies
+    /// too.
     /// A chain is fused only where each intermediate has that one user and
     /// is not an output; the bias may be any operand the add broadcasts to
     /// the product's shape.
@@ -62,12 +63,17 @@ impl Graph {
             if !is_product(&g.nodes[v].prim) {
                 continue;
             }
-            let (mut end, mut bias, mut relu) = (v, None, false);
+            let (mut end, mut view, mut bias, mut relu) = (v, None, None, false);
+            if let Some(u) = sole(end) {
+                if let Prim::Shape(ShapeOp::Reshape(shape)) = &g.nodes[u].prim {
+                    (end, view) = (u, Some(shape.clone()));
+                }
+            }
             if let Some(u) = sole(end) {
                 let n = &g.nodes[u];
-                if n.prim == Prim::Binary(Binary::Add) && n.ty == g.nodes[v].ty {
-                    let other = if n.args[0] == v { n.args[1] } else { n.args[0] };
-                    if other != v && fits(&g.nodes[other].ty.shape, &n.ty.shape) {
+                if n.prim == Prim::Binary(Binary::Add) && n.ty == g.nodes[end].ty {
+                    let other = if n.args[0] == end { n.args[1] } else { n.args[0] };
+                    if other != end && fits(&g.nodes[other].ty.shape, &n.ty.shape) {
                         (end, bias) = (u, Some(other));
                     }
                 }
@@ -77,7 +83,7 @@ impl Graph {
                     (end, relu) = (u, true);
                 }
             }
-            if end == v {
+            if bias.is_none() && !relu {
                 continue;
             }
             let mut args = g.nodes[v].args.clone();
@@ -85,6 +91,7 @@ impl Graph {
             let base = g.nodes[v].prim.clone();
             g.nodes[end].prim = Prim::Fused(Box::new(Fused {
                 base,
+                view,
                 bias: bias.is_some(),
                 relu,
             }));

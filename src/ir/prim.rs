@@ -99,7 +99,10 @@ impl Prim {
 pub(crate) struct Fused {
     /// The product: `Prim::Conv(ConvOp::Conv { .. })` or `Prim::Matmul`.
     pub(crate) base: Prim,
-    /// Whether a bias (broadcast to the product's shape) is added.
+    /// The shape the product is viewed as before its epilogue, where a
+    /// reshape sat between them (a batching rule's `(B N) C .. -> B N C ..`).
+    pub(crate) view: Option<Vec<usize>>,
+    /// Whether a bias (broadcast to the (viewed) product's shape) is added.
     pub(crate) bias: bool,
     /// Whether ReLU follows.
     pub(crate) relu: bool,
@@ -108,6 +111,9 @@ pub(crate) struct Fused {
 impl Fused {
     pub(crate) fn name(&self) -> String {
         let mut s = format!("fused[{}", self.base.name());
+        if let Some(shape) = &self.view {
+            s.push_str(&format!("+reshape{shape:?}"));
+        }
         if self.bias {
             s.push_str("+bias");
         }

@@ -1,10 +1,24 @@
 //! Local simplifications the transforms leave room for: reshapes of
-//! reshapes, permutes of permutes, and multiplications by broadcast ones or
-//! additions of broadcast zeros (the seed of a gradient, an unused bias).
-//! Run before dead-code removal, on every graph a call runs.
+//! reshapes, permutes of permutes, multiplications by broadcast ones or
+//! additions of broadcast zeros (the seed of a gradient, an unused bias),
+//! and transposed products computed in the layout they are read in. Run
+//! before dead-code removal, on every graph a call runs.
 
 use super::ops::{Binary, ShapeOp, Unary};
-use super::{Graph, Prim};
+use super::{Graph, Node, Prim};
+
+/// Inner dimensions up to this make a product bound by writing its output
+/// (about `k / 2` flops per byte written, where this machine's balance is
+/// near 8), so the output's layout decides its speed; above, the GEMM's
+/// preferred orientation does (`[32, 64] @ [64, 512]` took 1.7x as long as
+/// `[512, 64] @ [64, 32]`), and the product is left as written.
+const MAX_WRITE_BOUND_K: usize = 8;
+
+/// Whether `p` swaps the last two axes and keeps the others.
+fn swaps_last_two(p: &[usize]) -> bool {
+    let r = p.len();
+    r >= 2 && p[r - 2] == r - 1 && p[r - 1] == r - 2 && p[..r - 2].iter().enumerate().all(|(i, &j)| i == j)
+}
 
 /// Whether `v` is the scalar `value`, possibly reshaped or broadcast.
 fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
@@ -16,9 +30,92 @@ fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
 }
 
 impl Graph {
+    /// Every `(a @ b)^T` (a permute swapping the last two axes of a product
+    /// nothing else reads) as `b^T @ a^T`, so the product is written in the
+    /// layout it is read in: a linear layer's per-sample weight gradient
+    /// comes out of its VJP as `(x^T @ ct)^T`, `[B, in, out]` then
+    /// permuted, and `[16, 27648, 1] @ [16, 1, 10]` took twice as long as
+    /// `[16, 10, 1] @ [16, 1, 27648]` (the permutes of the operands are
+    /// views, and undo the permutes that made them). Products of operands
+    /// of equal rank and a short inner dimension only.
+    fn transpose_products(&self) -> Graph {
+        let mut readers = vec![0usize; self.nodes.len()];
+        for n in &self.nodes {
+            for &a in &n.args {
+                readers[a] += 1;
+            }
+        }
+        for &o in &self.outputs {
+            readers[o] += 1;
+        }
+        let swapped = |n: &Node| match &n.prim {
+            Prim::Shape(ShapeOp::Permute(p)) if swaps_last_two(p) => {
+                let m = n.args[0];
+                if self.nodes[m].prim != Prim::Matmul || readers[m] != 1 {
+                    return None;
+                }
+                let (a, b) = (
+                    &self.nodes[self.nodes[m].args[0]].ty,
+                    &self.nodes[self.nodes[m].args[1]].ty,
+                );
+                // Equal ranks: `[.., m, k] @ [k, n]` runs as one GEMM over
+                // the folded leading axes, which the swapped form would not.
+                (a.rank() == b.rank() && a.shape[a.rank() - 1] <= MAX_WRITE_BOUND_K).then_some(m)
+            }
+            _ => None,
+        };
+        let deferred: std::collections::HashSet<usize> = self.nodes.iter().filter_map(swapped).collect();
+        if deferred.is_empty() {
+            return self.clone();
+        }
+        let mut g = Graph {
+            consts: self.consts.clone(),
+            ..Graph::default()
+        };
+        let mut remap = vec![usize::MAX; self.nodes.len()];
+        let transposed = |g: &mut Graph, v: usize| {
+            let mut shape = g.nodes[v].ty.shape.clone();
+            let r = shape.len();
+            shape.swap(r - 2, r - 1);
+            let mut p: Vec<usize> = (0..r).collect();
+            p.swap(r - 2, r - 1);
+            g.nodes.push(Node {
+                prim: Prim::Shape(ShapeOp::Permute(p)),
+                args: vec![v],
+                ty: g.nodes[v].ty.with_shape(shape),
+            });
+            g.nodes.len() - 1
+        };
+        for (v, n) in self.nodes.iter().enumerate() {
+            if deferred.contains(&v) {
+                continue;
+            }
+            let node = match swapped(n) {
+                Some(m) => {
+                    let (a, b) = (remap[self.nodes[m].args[0]], remap[self.nodes[m].args[1]]);
+                    let args = vec![transposed(&mut g, b), transposed(&mut g, a)];
+                    Node {
+                        prim: Prim::Matmul,
+                        args,
+                        ty: n.ty.clone(),
+                    }
+                }
+                None => Node {
+                    args: n.args.iter().map(|&a| remap[a]).collect(),
+                    ..n.clone()
+                },
+            };
+            g.nodes.push(node);
+            remap[v] = g.nodes.len() - 1;
+        }
+        g.inputs = self.inputs.iter().map(|&v| remap[v]).collect();
+        g.outputs = self.outputs.iter().map(|&v| remap[v]).collect();
+        g
+    }
+
     /// The same computation with local redundancies removed (then dead code).
     pub(crate) fn simplify(&self) -> Graph {
-        let mut g = self.clone();
+        let mut g = self.transpose_products();
         let mut same: Vec<usize> = (0..g.nodes.len()).collect();
         for v in 0..g.nodes.len() {
             let args: Vec<usize> = g.nodes[v].args.iter().map(|&a| same[a]).collect();

@@ -6,7 +6,7 @@
 
 use super::{arity, broadcast_shapes, rule, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::ops::{Binary, Unary};
+use crate::ir::ops::{Binary, ShapeOp, Unary};
 use crate::ir::{Fused, TensorType, VarId};
 use crate::kernels::epilogue;
 use candle_core::Tensor;
@@ -14,7 +14,10 @@ use candle_core::Tensor;
 impl Rule for Fused {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         arity("fused", args, 2 + usize::from(self.bias))?;
-        let y = rule(&self.base)?.infer(&args[..2])?;
+        let mut y = rule(&self.base)?.infer(&args[..2])?;
+        if let Some(shape) = &self.view {
+            y = ShapeOp::Reshape(shape.clone()).infer(&[&y])?;
+        }
         if let Some(b) = args.get(2) {
             let (ys, bs) = (y.shape.as_slice(), b.shape.as_slice());
             if b.dtype != y.dtype || broadcast_shapes("fused", bs, ys)? != ys {
@@ -29,7 +32,17 @@ impl Rule for Fused {
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-        let y = rule(&self.base)?.run(&args[..2], out, cx)?;
+        let base = rule(&self.base)?;
+        let y = match &self.view {
+            Some(shape) => {
+                // the product's own type, then a view of its fresh output
+                // (the epilogue still runs in place)
+                let ty = base.infer(&[&TensorType::of(args[0]), &TensorType::of(args[1])])?;
+                let y = base.run(&args[..2], &ty, cx)?;
+                y.reshape(shape.as_slice()).op(&self.name())?
+            }
+            None => base.run(&args[..2], out, cx)?,
+        };
         let bias = args.get(2).copied();
         if epilogue::applies(&y, bias) {
             // `y` is the product's fresh output, read by nothing else yet.
@@ -73,6 +86,7 @@ mod tests {
     fn checks_its_operands_and_refuses_transforms() {
         let f = Fused {
             base: Prim::Matmul,
+            view: None,
             bias: true,
             relu: true,
         };
