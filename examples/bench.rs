@@ -75,7 +75,11 @@ type Job<'a> = Box<dyn FnMut() -> Res<()> + 'a>;
 /// Median milliseconds of each job over `reps` rounds, the jobs taking
 /// turns within each round, so that load on a shared machine falls on all
 /// variants alike rather than on whichever ran during a noisy spell. One
-/// untimed call each first (it also traces and caches the graph).
+/// untimed call each first (it also traces and caches the graph), and in
+/// every round one untimed call right before the timed one, so each job is
+/// timed warm, with its own data in cache rather than the previous job's,
+/// as the peers' scripts time theirs (warm-up calls, then the repetitions
+/// back to back).
 fn interleaved(reps: usize, jobs: &mut [Job]) -> Res<Vec<f64>> {
     for j in jobs.iter_mut() {
         j()?;
@@ -83,6 +87,7 @@ fn interleaved(reps: usize, jobs: &mut [Job]) -> Res<Vec<f64>> {
     let mut times = vec![Vec::with_capacity(reps); jobs.len()];
     for _ in 0..reps.max(1) {
         for (j, t) in jobs.iter_mut().zip(times.iter_mut()) {
+            j()?;
             let s = std::time::Instant::now();
             j()?;
             t.push(s.elapsed().as_secs_f64() * 1e3);
