@@ -56,10 +56,13 @@ pub enum Error {
         msg: String,
     },
     /// Batched arguments disagree on the size of the mapped axis.
-    #[error("vmap: inconsistent batch sizes: {}", fmt_sizes(.sizes))]
+    #[error("vmap: inconsistent batch sizes: {}", fmt_sizes(.sizes, .leaves))]
     BatchSize {
         /// `(argument, axis, size)` for every batched leaf.
         sizes: Vec<(usize, usize, usize)>,
+        /// Each entry's leaf within its argument (`fc1.weight`; empty for
+        /// an argument that is one tensor).
+        leaves: Vec<String>,
     },
     /// A primitive or case that a transform cannot handle (for example a
     /// missing batching rule in strict mode).
@@ -115,12 +118,34 @@ fn fmt_shapes(shapes: &[Vec<usize>]) -> String {
     parts.join(" and ")
 }
 
-fn fmt_sizes(sizes: &[(usize, usize, usize)]) -> String {
-    let parts: Vec<String> = sizes
+/// Each distinct `(argument, axis, size)` once, with the leaves that have
+/// it, and the usual cause's remedy.
+fn fmt_sizes(sizes: &[(usize, usize, usize)], leaves: &[String]) -> String {
+    type Group<'a> = ((usize, usize, usize), Vec<&'a str>);
+    let mut groups: Vec<Group> = Vec::new();
+    for (i, s) in sizes.iter().enumerate() {
+        let leaf = leaves.get(i).map(String::as_str).unwrap_or("");
+        match groups.iter_mut().find(|g| g.0 == *s) {
+            Some(g) => g.1.push(leaf),
+            None => groups.push((*s, vec![leaf])),
+        }
+    }
+    let parts: Vec<String> = groups
         .iter()
-        .map(|(arg, axis, size)| format!("argument {arg} has size {size} on axis {axis}"))
+        .map(|((arg, axis, size), names)| {
+            let named: Vec<&str> = names.iter().copied().filter(|n| !n.is_empty()).collect();
+            let which = match named.len() {
+                0 => String::new(),
+                1..=4 => format!(" {named:?}"),
+                n => format!(" {:?} and {} more", &named[..3], n - 3),
+            };
+            format!("argument {arg}{which} has size {size} on axis {axis}")
+        })
         .collect();
-    parts.join(", ")
+    format!(
+        "{}; an argument that is not batched (parameters shared by every example, say) takes None in in_dims, e.g. .in_dims([None, Some(0)])",
+        parts.join("; ")
+    )
 }
 
 impl Error {

@@ -91,7 +91,10 @@ pub use transforms::planner::{
 };
 #[doc(hidden)]
 pub use transforms::settings::warned;
-pub use transforms::settings::{conv_route, manual_seed, set_conv_route, set_strict, strict, ROUTE_ENV};
+pub use transforms::settings::{
+    auto_capacity, cache_capacity, conv_route, manual_seed, set_auto_capacity, set_cache_capacity, set_conv_route,
+    set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, ROUTE_ENV,
+};
 pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
 pub use transforms::vmap::{vmap, Dims, Vmap};
 pub use transforms::{jit, make_graph, Function, Jit};

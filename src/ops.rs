@@ -71,6 +71,18 @@ impl<A: Axis> Axes for Vec<A> {
 }
 
 impl Tracer {
+    /// An error naming `op` unless this is a floating-point tensor.
+    fn float_only(&self, op: &'static str) -> Result<()> {
+        if self.dtype().is_float() {
+            return Ok(());
+        }
+        Err(Error::DType {
+            op,
+            dtypes: vec![self.dtype()],
+            msg: format!("{op} needs a floating-point operand"),
+        })
+    }
+
     fn unary(&self, u: Unary) -> Result<Tracer> {
         self.emit(Prim::Unary(u), &[])
     }
@@ -240,12 +252,14 @@ impl Tracer {
     }
     /// Mean over `axes`, dropping them.
     pub fn mean(&self, axes: impl Axes) -> Result<Tracer> {
+        self.float_only("mean")?;
         let axes = axes.indices("mean", self.dims())?;
         let n: usize = axes.iter().map(|&a| self.dims()[a]).product();
         self.reduce(axes, false, false)?.affine(1.0 / n as f64, 0.0)
     }
     /// Mean over `axes`, keeping them with size 1.
     pub fn mean_keepdim(&self, axes: impl Axes) -> Result<Tracer> {
+        self.float_only("mean")?;
         let axes = axes.indices("mean", self.dims())?;
         let n: usize = axes.iter().map(|&a| self.dims()[a]).product();
         self.reduce(axes, true, false)?.affine(1.0 / n as f64, 0.0)

@@ -78,7 +78,7 @@ fn inconsistent_batch_sizes() {
     let x = rand(&[4, 3], 1);
     let y = rand(&[5, 3], 2);
     match vmap(|x: Tracer, y: Tracer| x.add(&y)).call((&x, &y)) {
-        Err(Error::BatchSize { sizes }) => assert_eq!(sizes, vec![(0, 0, 4), (1, 0, 5)]),
+        Err(Error::BatchSize { sizes, .. }) => assert_eq!(sizes, vec![(0, 0, 4), (1, 0, 5)]),
         other => panic!("expected BatchSize, got {other:?}"),
     }
 }

@@ -65,6 +65,7 @@ pub fn per_sample_norms(grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
 /// (Opacus's factor `min(1, C / (norm + 1e-6))`); gradients below the bound
 /// are unchanged.
 pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Result<BTreeMap<String, Tensor>> {
+    positive("clip_per_sample", "max_norm", max_norm, false)?;
     let norms = per_sample_norms(grads)?;
     let factor = (norms.affine(1.0, 1e-6)?.recip()? * max_norm)?.clamp(0f32, 1f32)?;
     grads
@@ -80,6 +81,19 @@ pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Resul
         .collect()
 }
 
+/// An error naming `op` and `what` unless `v` is finite and positive (or
+/// zero, where `zero_ok`): a negative clipping norm zeroes every gradient,
+/// a NaN one makes them NaN, and an expected batch of 0 divides by zero.
+fn positive(op: &'static str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
+    if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
+        return Ok(());
+    }
+    let want = if zero_ok { "finite and >= 0" } else { "finite and > 0" };
+    Err(Error::Config {
+        msg: format!("{op}: {what} must be {want}, got {v}"),
+    })
+}
+
 /// The private gradient of a batch: per-sample gradients clipped to
 /// `max_norm`, summed, with Gaussian noise of standard deviation
 /// `noise_multiplier * max_norm` added to each coordinate, divided by
@@ -91,6 +105,8 @@ pub fn privatize(
     expected_batch: f64,
     rng: &mut Rng,
 ) -> Result<BTreeMap<String, Tensor>> {
+    positive("privatize", "noise_multiplier", noise_multiplier, true)?;
+    positive("privatize", "expected_batch", expected_batch, false)?;
     let clipped = clip_per_sample(per_sample, max_norm)?;
     clipped
         .into_iter()

@@ -73,10 +73,13 @@ impl Plane {
         for r in 0..kh {
             let row = &x[start + r * self.w..start + r * self.w + kw];
             for (c, &v) in row.iter().enumerate() {
-                // Strictly greater: ties keep the first, as PyTorch does.
-                // Written as selects, not a branch: on data like
-                // activations the branch is mispredicted half the time.
-                let gt = v > bv;
+                // Strictly greater: ties keep the first, as PyTorch does;
+                // the first NaN wins and stays (PyTorch propagates NaN; a
+                // value is NaN where it differs from itself). Written as
+                // selects, not a branch: on data like activations the
+                // branch is mispredicted half the time.
+                #[allow(clippy::eq_op)]
+                let gt = v > bv || (v != v && bv == bv);
                 bv = if gt { v } else { bv };
                 bi = if gt { start + r * self.w + c } else { bi };
             }

@@ -113,6 +113,9 @@ impl Rng {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
+        if !(std.is_finite() && std >= 0.0) {
+            candle_core::bail!("normal_tensor: the standard deviation must be finite and >= 0, got {std}")
+        }
         let n = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
         let Some(n) = n else {
             candle_core::bail!("normal_tensor: the element count of shape {shape:?} overflows usize")

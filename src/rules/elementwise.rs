@@ -32,6 +32,16 @@ impl Rule for Unary {
     fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let r = match self {
+            // candle has no integer `neg` or `sqr` (it panics), and its
+            // integer arithmetic panics on overflow in debug builds: both
+            // wrap, as PyTorch's do
+            Unary::Neg if !is_float(x.dtype()) => int_map(x, u8::wrapping_neg, u32::wrapping_neg, i64::wrapping_neg),
+            Unary::Sqr if !is_float(x.dtype()) => int_map(
+                x,
+                |v| v.wrapping_mul(v),
+                |v| v.wrapping_mul(v),
+                |v| v.wrapping_mul(v),
+            ),
             Unary::Neg => x.neg(),
             Unary::Exp => x.exp(),
             Unary::Log => x.log(),
@@ -151,9 +161,13 @@ impl Rule for Binary {
             Binary::Add => a.broadcast_add(b),
             Binary::Sub => a.broadcast_sub(b),
             Binary::Mul => a.broadcast_mul(b),
+            Binary::Div if !is_float(b.dtype()) => {
+                no_zero_divisor(b)?;
+                a.broadcast_div(b)
+            }
             Binary::Div => a.broadcast_div(b),
-            Binary::Maximum => a.broadcast_maximum(b),
-            Binary::Minimum => a.broadcast_minimum(b),
+            Binary::Maximum => return keep_nan(a.broadcast_maximum(b).op("maximum")?, a, b),
+            Binary::Minimum => return keep_nan(a.broadcast_minimum(b).op("minimum")?, a, b),
             Binary::ReluGrad => return relu_grad(a, b, &_out.shape),
         };
         r.op(self.name())
@@ -171,6 +185,53 @@ impl Rule for Binary {
     }
 }
 
+/// `f` of every element of an integer tensor (through the host: these
+/// are rare operations on small tensors such as labels).
+fn int_map(x: &Tensor, f8: fn(u8) -> u8, f32: fn(u32) -> u32, f64: fn(i64) -> i64) -> candle_core::Result<Tensor> {
+    let flat = x.flatten_all()?;
+    let y = match x.dtype() {
+        DType::U8 => Tensor::new(flat.to_vec1::<u8>()?.into_iter().map(f8).collect::<Vec<_>>(), x.device())?,
+        DType::U32 => Tensor::new(flat.to_vec1::<u32>()?.into_iter().map(f32).collect::<Vec<_>>(), x.device())?,
+        DType::I64 => Tensor::new(flat.to_vec1::<i64>()?.into_iter().map(f64).collect::<Vec<_>>(), x.device())?,
+        dt => return Err(candle_core::Error::UnsupportedDTypeForOp(dt, "integer map")),
+    };
+    y.reshape(x.shape())
+}
+
+/// Integer division by zero is an error, as in PyTorch (candle panics).
+fn no_zero_divisor(b: &Tensor) -> Result<()> {
+    let zeros = b
+        .eq(&b.zeros_like().op("div")?)
+        .and_then(|z| z.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>())
+        .op("div")?;
+    if zeros > 0 {
+        return Err(Error::DType {
+            op: "div",
+            dtypes: vec![b.dtype()],
+            msg: format!(
+                "integer division by zero ({zeros} zero divisors in a {:?} divisor)",
+                b.dims()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `r` (a maximum or minimum of `a` and `b`) with NaN wherever either
+/// operand is NaN, as PyTorch's `maximum`/`minimum` (candle's keep the
+/// other operand when the first is not NaN).
+fn keep_nan(r: Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if !is_float(r.dtype()) {
+        return Ok(r);
+    }
+    let shape = r.dims().to_vec();
+    let pick = |r: Tensor, x: &Tensor| -> candle_core::Result<Tensor> {
+        let x = x.broadcast_as(shape.as_slice())?;
+        x.ne(&x)?.where_cond(&x, &r)
+    };
+    pick(r, b).and_then(|r| pick(r, a)).op("maximum/minimum NaN")
+}
+
 /// Cotangents of both operands at the broadcast shape (summed back to each
 /// operand's shape by the caller).
 fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: VarId) -> Result<(VarId, VarId)> {
@@ -185,14 +246,15 @@ fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: V
             let gy = b.bin(Mul, ct, q)?;
             (gx, b.un(Unary::Neg, gy)?)
         }
-        // Ties split the cotangent evenly, as PyTorch does.
+        // Ties split the cotangent evenly, as PyTorch does; where either
+        // is NaN (no ordering) both take it, as PyTorch's do too.
         Maximum => (
-            extremum_share(b, Compare::Gt, x, y, ct)?,
-            extremum_share(b, Compare::Gt, y, x, ct)?,
-        ),
-        Minimum => (
             extremum_share(b, Compare::Lt, x, y, ct)?,
             extremum_share(b, Compare::Lt, y, x, ct)?,
+        ),
+        Minimum => (
+            extremum_share(b, Compare::Gt, x, y, ct)?,
+            extremum_share(b, Compare::Gt, y, x, ct)?,
         ),
         // Piecewise constant in x; linear in the cotangent it masks.
         ReluGrad => {
@@ -216,14 +278,15 @@ fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
     off.where_cond(&zero, &ct).op(op)
 }
 
-/// `ct` where `x` wins the comparison against `y`, `ct / 2` where they tie.
-fn extremum_share(b: &mut Builder, wins: Compare, x: VarId, y: VarId, ct: VarId) -> Result<VarId> {
+/// `ct` unless `x` loses the comparison against `y` (then 0), `ct / 2`
+/// where they tie.
+fn extremum_share(b: &mut Builder, loses: Compare, x: VarId, y: VarId, ct: VarId) -> Result<VarId> {
     let zero = b.scalar_as(0.0, ct);
     let half = b.un(Unary::Affine(0.5, 0.0), ct)?;
     let tie = b.cmp(Compare::Eq, x, y)?;
-    let win = b.cmp(wins, x, y)?;
-    let tied = b.select(tie, half, zero)?;
-    b.select(win, ct, tied)
+    let lose = b.cmp(loses, x, y)?;
+    let tied = b.select(tie, half, ct)?;
+    b.select(lose, zero, tied)
 }
 
 impl Compare {

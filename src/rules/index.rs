@@ -18,6 +18,30 @@ fn check_index_dtype(op: &'static str, idx: &TensorType) -> Result<()> {
     Ok(())
 }
 
+/// Every index in `0..size`. candle reads the index dtype's maximum (u8
+/// 255, `u32::MAX`) as padding and yields zeros for it, so a label of 255
+/// would silently drop its example from a loss (PyTorch refuses it; an
+/// ignore-index is an explicit option there).
+fn in_range(idx: &Tensor, size: usize, op: &'static str) -> Result<()> {
+    if idx.elem_count() == 0 {
+        return Ok(());
+    }
+    let flat = idx.flatten_all().and_then(|v| v.to_dtype(DType::I64)).op(op)?;
+    let (lo, hi) = (
+        flat.min(0).and_then(|v| v.to_scalar::<i64>()).op(op)?,
+        flat.max(0).and_then(|v| v.to_scalar::<i64>()).op(op)?,
+    );
+    if lo < 0 || hi >= size as i64 {
+        let bad = if lo < 0 { lo } else { hi };
+        return Err(Error::Shape {
+            op,
+            shapes: vec![idx.dims().to_vec()],
+            msg: format!("index {bad} is out of range for an axis of size {size}"),
+        });
+    }
+    Ok(())
+}
+
 impl Rule for IndexOp {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         arity("index", args, 2)?;
@@ -83,6 +107,13 @@ impl Rule for IndexOp {
     fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
+        let (kind, size) = match *self {
+            IndexOp::IndexSelect(axis) => ("index_select", x.dims()[axis]),
+            IndexOp::Gather(axis) => ("gather", x.dims()[axis]),
+            IndexOp::IndexAdd { axis, .. } => ("index_add", out.shape[axis]),
+            IndexOp::ScatterAdd { axis, .. } => ("scatter_add", out.shape[axis]),
+        };
+        in_range(idx, size, kind)?;
         match *self {
             IndexOp::IndexSelect(axis) => x
                 .contiguous()

@@ -38,6 +38,13 @@ impl Rule for PoolOp {
         match self {
             PoolOp::MaxPool2d { .. } | PoolOp::AvgPool2d { .. } => {
                 arity(kind, args, 1)?;
+                if matches!(self, PoolOp::AvgPool2d { .. }) && !args[0].dtype.is_float() {
+                    return Err(Error::DType {
+                        op: "avg_pool2d",
+                        dtypes: vec![args[0].dtype],
+                        msg: "average pooling needs a floating-point operand".into(),
+                    });
+                }
                 Ok(args[0].with_shape(pooled(kind, w, x)?))
             }
             PoolOp::MaxPoolGrad { .. } => {

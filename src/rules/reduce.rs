@@ -53,6 +53,16 @@ fn reduced_shape(shape: &[usize], axes: &[usize], keepdim: bool) -> Vec<usize> {
 /// 0.5 ms). So runs of adjacent reduced (R) or kept (K) axes are merged, a
 /// trailing R run is a last-axis sum, and an R run before a K run is a
 /// product with a row of ones, which GEMM does at full speed.
+/// `y` (the maximum of `x` over `axes`, kept) with NaN where the reduced
+/// values hold one, as PyTorch's `amax` (candle's skips NaN).
+fn nan_where_any(x: &Tensor, y: Tensor, axes: &[usize]) -> candle_core::Result<Tensor> {
+    let nans = sum_axes(&x.ne(x)?.to_dtype(x.dtype())?, axes)?.reshape(y.shape())?;
+    let nan = Tensor::new(f64::NAN, x.device())?
+        .to_dtype(x.dtype())?
+        .broadcast_as(y.shape())?;
+    nans.gt(&nans.zeros_like()?)?.where_cond(&nan, &y)
+}
+
 pub(crate) fn sum_axes(x: &Tensor, axes: &[usize]) -> candle_core::Result<Tensor> {
     let fast_dtype = x.dtype().is_float();
     if x.elem_count() == 0 || !fast_dtype {
@@ -100,6 +110,13 @@ impl Rule for Reduce {
             }
             Reduce::Softmax(a) | Reduce::LogSoftmax(a) => {
                 check_axes("softmax", &x.shape, &[*a])?;
+                if !x.dtype.is_float() {
+                    return Err(Error::DType {
+                        op: "softmax",
+                        dtypes: vec![x.dtype],
+                        msg: format!("{} needs a floating-point operand", self.name()),
+                    });
+                }
                 Ok(x.clone())
             }
         }
@@ -115,6 +132,9 @@ impl Rule for Reduce {
                 let mut y = x.clone();
                 for &a in axes {
                     y = y.max_keepdim(a).op(&op)?;
+                }
+                if x.dtype().is_float() && !axes.is_empty() {
+                    y = nan_where_any(x, y, axes).op(&op)?;
                 }
                 y.reshape(out.shape.as_slice()).op(&op)
             }

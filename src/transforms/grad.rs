@@ -239,6 +239,27 @@ where
         ));
     }
     let sel = W::indices();
+    // As JAX and torch.func: real-valued outputs and inputs only (an
+    // integer gradient would be zeros or ones with no meaning).
+    if !loss.dtype.is_float() {
+        return Err(Error::DType {
+            op: "grad",
+            dtypes: vec![loss.dtype],
+            msg: "the differentiated function must return a floating-point scalar".into(),
+        });
+    }
+    for &arg in &sel {
+        if let Some(t) = leaves[arg].iter().find(|t| !t.ty.dtype.is_float()) {
+            return Err(Error::DType {
+                op: "grad",
+                dtypes: vec![t.ty.dtype],
+                msg: format!(
+                    "argument {arg} is differentiated but holds a {:?} tensor: gradients are taken with respect to floating-point tensors only (choose others with argnums)",
+                    t.ty.dtype
+                ),
+            });
+        }
+    }
     let (outs, grads) = {
         let mut ob = outer.borrow_mut();
         let (mut inputs, mut wrt) = (Vec::new(), Vec::new());

@@ -112,14 +112,41 @@ impl Compiled {
 /// stream of a transform with its own seed.
 #[derive(Default, Debug)]
 pub(crate) struct GraphCache {
-    map: Mutex<HashMap<CacheKey, Arc<Compiled>>>,
+    /// Each signature's graph and when it was last used (a `tick`).
+    map: Mutex<HashMap<CacheKey, (Arc<Compiled>, u64)>>,
     calls: AtomicU64,
+    tick: AtomicU64,
 }
 
 impl GraphCache {
-    /// Number of signatures traced so far.
+    /// Number of signatures cached (at most `settings::cache_capacity()`).
     pub(crate) fn len(&self) -> usize {
         self.map.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The graph cached for `key`, marked as used now.
+    fn get(&self, key: &CacheKey) -> Option<Arc<Compiled>> {
+        let now = self.tick.fetch_add(1, Ordering::Relaxed);
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.get_mut(key).map(|(c, used)| {
+            *used = now;
+            c.clone()
+        })
+    }
+
+    /// Caches `c` for `key`, dropping the least recently used signatures
+    /// beyond the capacity (a scan: it runs only after a trace, which costs
+    /// far more).
+    fn insert(&self, key: CacheKey, c: Arc<Compiled>) {
+        let now = self.tick.fetch_add(1, Ordering::Relaxed);
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.insert(key, (c, now));
+        while map.len() > settings::cache_capacity() {
+            let Some(oldest) = map.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| k.clone()) else {
+                break;
+            };
+            map.remove(&oldest);
+        }
     }
 }
 
@@ -259,16 +286,11 @@ where
         route: settings::conv_route().ok(),
         strict: settings::strict(),
     };
-    let cached = cache.map.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-    let compiled = match cached {
+    let compiled = match cache.get(&key) {
         Some(c) if c.current() => c,
         _ => {
             let c = Arc::new(trace_top(f, (given, false), &key.defs, &leaves, &device)?.fused());
-            cache
-                .map
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key, c.clone());
+            cache.insert(key, c.clone());
             c
         }
     };

@@ -36,24 +36,60 @@ pub struct AutoChoice {
 
 type AutoKey = String;
 
-static AUTO: Mutex<Vec<(AutoKey, AutoChoice)>> = Mutex::new(Vec::new());
+/// A process-wide table of decisions in the order they were made, holding
+/// at most `settings::auto_capacity()`: the least recently used goes first
+/// (a scan; tables are read while tracing, not per call).
+struct Table<C> {
+    rows: Vec<(String, C, u64)>,
+    tick: u64,
+}
+
+impl<C: Clone> Table<C> {
+    const fn new() -> Self {
+        Table {
+            rows: Vec::new(),
+            tick: 0,
+        }
+    }
+
+    fn get(&mut self, key: &str) -> Option<C> {
+        self.tick += 1;
+        let now = self.tick;
+        self.rows.iter_mut().find(|r| r.0 == key).map(|r| {
+            r.2 = now;
+            r.1.clone()
+        })
+    }
+
+    fn put(&mut self, key: String, c: C) {
+        self.tick += 1;
+        self.rows.retain(|r| r.0 != key);
+        self.rows.push((key, c, self.tick));
+        while self.rows.len() > super::settings::auto_capacity() {
+            let oldest = (0..self.rows.len()).min_by_key(|&i| self.rows[i].2).unwrap_or(0);
+            self.rows.remove(oldest);
+        }
+    }
+
+    fn all(&self) -> Vec<C> {
+        self.rows.iter().map(|r| r.1.clone()).collect()
+    }
+}
+
+static AUTO: Mutex<Table<AutoChoice>> = Mutex::new(Table::new());
 
 /// What `Auto` chose so far in this process (and what was loaded), in the
-/// order the choices were made.
+/// order the choices were made; at most [`auto_capacity`](crate::auto_capacity)
+/// of them, the least recently used dropped first.
 pub fn auto_choices() -> Vec<AutoChoice> {
-    AUTO.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .map(|(_, c)| c.clone())
-        .collect()
+    AUTO.lock().unwrap_or_else(|e| e.into_inner()).all()
 }
 
 fn cached_choice(key: &str) -> Option<ConvRoute> {
     AUTO.lock()
         .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, c)| c.chosen)
+        .get(key)
+        .map(|c| c.chosen)
 }
 
 fn record_choice(key: AutoKey, choice: AutoChoice) {
@@ -64,9 +100,7 @@ fn record_choice(key: AutoKey, choice: AutoChoice) {
         choice.chosen,
         choice.timings_ms
     );
-    let mut table = AUTO.lock().unwrap_or_else(|e| e.into_inner());
-    table.retain(|(k, _)| *k != key);
-    table.push((key, choice));
+    AUTO.lock().unwrap_or_else(|e| e.into_inner()).put(key, choice);
 }
 
 /// Writes the `Auto` choices to a text file, one per line, to reload with
@@ -74,7 +108,7 @@ fn record_choice(key: AutoKey, choice: AutoChoice) {
 pub fn save_auto_cache(path: impl AsRef<std::path::Path>) -> Result<()> {
     let table = AUTO.lock().unwrap_or_else(|e| e.into_inner());
     let mut text = String::new();
-    for (key, c) in table.iter() {
+    for (key, c, _) in table.rows.iter() {
         let times: Vec<String> = c.timings_ms.iter().map(|(r, t)| format!("{r:?}={t}")).collect();
         text.push_str(&format!(
             "{key}\t{:?}\t{}\t{}\t{:?}\n",
@@ -105,10 +139,20 @@ pub fn load_auto_cache(path: impl AsRef<std::path::Path>) -> Result<usize> {
             return Err(bad());
         }
         let chosen: ConvRoute = parts[1].parse().map_err(|_| bad())?;
+        // `Auto` is what is being decided, not a decision; an empty key or
+        // operation name, or a time that is not a finite non-negative
+        // number, is no measurement either.
+        if chosen == ConvRoute::Auto || parts[0].trim().is_empty() || parts[3].trim().is_empty() {
+            return Err(bad());
+        }
         let mut timings_ms = Vec::new();
         for t in parts[2].split(',').filter(|t| !t.is_empty()) {
             let (r, ms) = t.split_once('=').ok_or_else(bad)?;
-            timings_ms.push((r.parse().map_err(|_| bad())?, ms.parse().map_err(|_| bad())?));
+            let ms: f64 = ms.parse().map_err(|_| bad())?;
+            if !(ms.is_finite() && ms >= 0.0) {
+                return Err(bad());
+            }
+            timings_ms.push((r.parse().map_err(|_| bad())?, ms));
         }
         let choice = AutoChoice {
             op: parts[3].to_string(),
@@ -230,18 +274,13 @@ pub struct ScheduleChoice {
     pub chosen: Schedule,
 }
 
-static SCHEDULES: Mutex<Vec<(String, ScheduleChoice)>> = Mutex::new(Vec::new());
+static SCHEDULES: Mutex<Table<ScheduleChoice>> = Mutex::new(Table::new());
 
 /// What `Schedule::Auto` measured and chose so far in this process, in the
 /// order the choices were made (small programs, run batched without
 /// measuring, are not listed).
 pub fn schedule_choices() -> Vec<ScheduleChoice> {
-    SCHEDULES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .map(|(_, c)| c.clone())
-        .collect()
+    SCHEDULES.lock().unwrap_or_else(|e| e.into_inner()).all()
 }
 
 fn public(r: RunAs) -> Schedule {
@@ -257,9 +296,8 @@ pub(crate) fn cached_schedule(key: &str) -> Option<RunAs> {
     SCHEDULES
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, c)| match c.chosen {
+        .get(key)
+        .map(|c| match c.chosen {
             Schedule::PerExample => RunAs::PerExample,
             Schedule::ConvsPerExample => RunAs::ConvsPerExample,
             _ => RunAs::Whole,
@@ -273,9 +311,7 @@ fn record_schedule(key: String, choice: ScheduleChoice) {
         choice.chosen,
         choice.timings_ms
     );
-    let mut table = SCHEDULES.lock().unwrap_or_else(|e| e.into_inner());
-    table.retain(|(k, _)| *k != key);
-    table.push((key, choice));
+    SCHEDULES.lock().unwrap_or_else(|e| e.into_inner()).put(key, choice);
 }
 
 /// Remembers that measuring `key` failed: it runs batched, unmeasured.

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Options, Opts};
 use crate::ir::Graph;
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 
 /// Name of the environment variable that sets the process-wide route.
@@ -19,6 +19,41 @@ static PROCESS_ROUTE: RwLock<Option<ConvRoute>> = RwLock::new(None);
 static SEED: AtomicU64 = AtomicU64::new(0x5eed);
 static DRAWS: AtomicU64 = AtomicU64::new(0);
 static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+static CACHE_CAPACITY: AtomicUsize = AtomicUsize::new(DEFAULT_CACHE_CAPACITY);
+static AUTO_CAPACITY: AtomicUsize = AtomicUsize::new(DEFAULT_AUTO_CAPACITY);
+
+/// Input signatures each transformed function keeps traced graphs for, by
+/// default (a graph is a few to a few hundred KiB).
+pub const DEFAULT_CACHE_CAPACITY: usize = 64;
+/// Decisions each of the process-wide `Auto` tables (routes, schedules)
+/// keeps, by default.
+pub const DEFAULT_AUTO_CAPACITY: usize = 1024;
+
+/// How many input signatures each transformed function keeps traced
+/// graphs for (at least 1); beyond it the least recently used is dropped
+/// and traced again if it comes back. A varying batch size (Poisson
+/// sampling) or sequence length otherwise grows the cache without bound.
+pub fn set_cache_capacity(signatures: usize) {
+    CACHE_CAPACITY.store(signatures.max(1), Ordering::Relaxed);
+}
+
+/// The current per-function graph-cache capacity (see
+/// [`set_cache_capacity`]).
+pub fn cache_capacity() -> usize {
+    CACHE_CAPACITY.load(Ordering::Relaxed)
+}
+
+/// How many decisions each process-wide `Auto` table (conv routes,
+/// `vmap` schedules) keeps (at least 1); beyond it the least recently used
+/// is dropped and measured again if it comes back.
+pub fn set_auto_capacity(decisions: usize) {
+    AUTO_CAPACITY.store(decisions.max(1), Ordering::Relaxed);
+}
+
+/// The current `Auto` table capacity (see [`set_auto_capacity`]).
+pub fn auto_capacity() -> usize {
+    AUTO_CAPACITY.load(Ordering::Relaxed)
+}
 
 /// Process-wide strict mode: when on, `vmap` refuses to batch a primitive
 /// with the per-example loop fallback and returns an error instead of a

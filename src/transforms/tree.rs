@@ -31,6 +31,32 @@ impl TreeDef {
             TreeDef::Map(c) => c.iter().map(|(_, d)| d.leaf_count()).sum(),
         }
     }
+
+    /// Each leaf's path in flattening order: map keys and tuple or list
+    /// positions joined by dots (`fc1.weight`, `0.1`), empty for a bare
+    /// tensor.
+    pub(crate) fn leaf_paths(&self) -> Vec<String> {
+        let join = |prefix: String, rest: Vec<String>| -> Vec<String> {
+            rest.into_iter()
+                .map(|r| {
+                    if r.is_empty() {
+                        prefix.clone()
+                    } else {
+                        format!("{prefix}.{r}")
+                    }
+                })
+                .collect()
+        };
+        match self {
+            TreeDef::Leaf => vec![String::new()],
+            TreeDef::Tuple(c) | TreeDef::List(c) => c
+                .iter()
+                .enumerate()
+                .flat_map(|(i, d)| join(i.to_string(), d.leaf_paths()))
+                .collect(),
+            TreeDef::Map(c) => c.iter().flat_map(|(k, d)| join(k.clone(), d.leaf_paths())).collect(),
+        }
+    }
 }
 
 fn mismatch(want: &str, def: &TreeDef) -> Error {

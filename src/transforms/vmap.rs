@@ -34,19 +34,26 @@ impl Dims {
     }
 }
 
+/// An axis as `isize`; one beyond `isize` (a `usize` above `isize::MAX`)
+/// becomes `isize::MAX`, out of range for every tensor, rather than
+/// wrapping to a negative axis that counts from the end.
+fn wide<T: TryInto<isize>>(d: T) -> isize {
+    d.try_into().unwrap_or(isize::MAX)
+}
+
 macro_rules! dims_from_int {
     ($($t:ty),+) => {$(
         impl From<$t> for Dims {
-            fn from(d: $t) -> Dims { Dims::All(Some(d as isize)) }
+            fn from(d: $t) -> Dims { Dims::All(Some(wide(d))) }
         }
         impl<const N: usize> From<[Option<$t>; N]> for Dims {
-            fn from(d: [Option<$t>; N]) -> Dims { Dims::Each(d.iter().map(|x| x.map(|v| v as isize)).collect()) }
+            fn from(d: [Option<$t>; N]) -> Dims { Dims::Each(d.iter().map(|x| x.map(wide)).collect()) }
         }
         impl<const N: usize> From<[$t; N]> for Dims {
-            fn from(d: [$t; N]) -> Dims { Dims::Each(d.iter().map(|&v| Some(v as isize)).collect()) }
+            fn from(d: [$t; N]) -> Dims { Dims::Each(d.iter().map(|&v| Some(wide(v))).collect()) }
         }
         impl From<Vec<Option<$t>>> for Dims {
-            fn from(d: Vec<Option<$t>>) -> Dims { Dims::Each(d.iter().map(|x| x.map(|v| v as isize)).collect()) }
+            fn from(d: Vec<Option<$t>>) -> Dims { Dims::Each(d.iter().map(|x| x.map(wide)).collect()) }
         }
     )+};
 }
@@ -184,12 +191,17 @@ struct Inputs {
     size: usize,
 }
 
-fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isize>]) -> Result<Inputs> {
+fn batched_inputs(
+    outer: &BuilderRef,
+    (leaves, defs): (&[Vec<Tracer>], &[TreeDef]),
+    dims: &[Option<isize>],
+) -> Result<Inputs> {
     let mut ob = outer.borrow_mut();
-    let (mut vals, mut types, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut vals, mut types, mut sizes, mut names) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (arg, (arg_leaves, dim)) in leaves.iter().zip(dims).enumerate() {
         let mut arg_types = Vec::new();
-        for t in arg_leaves {
+        let paths = defs.get(arg).map(TreeDef::leaf_paths).unwrap_or_default();
+        for (k, t) in arg_leaves.iter().enumerate() {
             let id = ob.lift(&t.outer())?;
             let mut ty = t.ty.clone();
             let bdim = match *dim {
@@ -205,6 +217,7 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
                     }
                     let a = a as usize;
                     sizes.push((arg, a, ty.shape.remove(a)));
+                    names.push(paths.get(k).cloned().unwrap_or_default());
                     Some(a)
                 }
             };
@@ -223,7 +236,7 @@ fn batched_inputs(outer: &BuilderRef, leaves: &[Vec<Tracer>], dims: &[Option<isi
         Some(&(_, _, s)) => s,
     };
     if sizes.iter().any(|&(_, _, s)| s != size) {
-        return Err(Error::BatchSize { sizes });
+        return Err(Error::BatchSize { sizes, leaves: names });
     }
     Ok(Inputs { vals, types, size })
 }
@@ -258,7 +271,7 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
             arg: 0,
             msg: "vmap needs at least one tensor argument".into(),
         })?;
-        let ins = batched_inputs(&outer, &leaves, &dims)?;
+        let ins = batched_inputs(&outer, (&leaves, &defs), &dims)?;
         let given = self.options.inherit(&outer.borrow().given);
         let opts = settings::resolve(&given)?;
         outer.borrow().ctx.offer_seed(self.options.get_seed());

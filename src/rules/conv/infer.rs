@@ -58,11 +58,18 @@ fn infer_conv(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Result<Te
         && w[1].checked_mul(groups) == Some(x[1])
         && w[0] % groups == 0;
     if !fits {
+        // The usual cause under vmap: the closure sees one example, without
+        // the N axis a convolution wants.
+        let hint = if x.len() + 1 == nd + 2 {
+            "; the input has no N axis: inside vmap the function sees one example, so add one with x.unsqueeze(0)"
+        } else {
+            ""
+        };
         return Err(Error::shape(
             "conv",
             &[x, w],
             format!(
-                "expected input [N, C, ..{nd} dims] and weight [Cout, C/{groups}, {:?}]",
+                "expected input [N, C, ..{nd} dims] and weight [Cout, C/{groups}, {:?}]{hint}",
                 geom.kernel
             ),
         ));
