@@ -64,6 +64,21 @@ pub enum Error {
         /// an argument that is one tensor).
         leaves: Vec<String>,
     },
+    /// A call whose plan holds more memory at once than the limit
+    /// ([`Options::memory_limit`](crate::Options::memory_limit), else the
+    /// machine's available memory): refused before it runs, where it would
+    /// otherwise abort the process when an allocation fails.
+    #[error(
+        "run: the graph needs {} at its peak (values alive at once), more than the limit of {}; run the batch in chunks (vmap(..).chunk_size(k)), use a smaller batch, or raise Options::memory_limit",
+        fmt_bytes(*.needed),
+        fmt_bytes(*.limit)
+    )]
+    Memory {
+        /// Bytes the interpreter's plan holds at its peak.
+        needed: usize,
+        /// The limit it was checked against.
+        limit: usize,
+    },
     /// A primitive or case that a transform cannot handle (for example a
     /// missing batching rule in strict mode).
     #[error("{op}: unsupported under {transform}: {msg}")]
@@ -116,6 +131,13 @@ pub enum Error {
 fn fmt_shapes(shapes: &[Vec<usize>]) -> String {
     let parts: Vec<String> = shapes.iter().map(|s| format!("{s:?}")).collect();
     parts.join(" and ")
+}
+
+fn fmt_bytes(b: usize) -> String {
+    if b == usize::MAX {
+        return "more than usize::MAX bytes".into();
+    }
+    format!("{:.1} MiB ({b} bytes)", b as f64 / (1u64 << 20) as f64)
 }
 
 /// Each distinct `(argument, axis, size)` once, with the leaves that have

@@ -50,6 +50,82 @@ fn bytes(t: &TensorType) -> usize {
     t.elem_count().saturating_mul(t.dtype.size_in_bytes())
 }
 
+/// Below this planned peak a call does not read the machine's available
+/// memory (a file read per call would cost more than a small program).
+const UNCHECKED_BYTES: usize = 256 << 20;
+
+/// The most bytes `g` holds at once by its plan: every buffer from its
+/// definition to the last use of the last value that views it (as
+/// `run_inner` frees values; reshapes, permutes, broadcasts and narrows
+/// are views of their operand's buffer), and a map's body at its own peak
+/// once per example, while the map node runs.
+pub(crate) fn planned_peak(g: &Graph) -> usize {
+    use crate::ir::ops::ShapeOp;
+    let last = g.last_uses();
+    // The buffer each value lives in, and how many live values view it.
+    let mut buffer: Vec<usize> = (0..g.nodes.len()).collect();
+    let mut views = vec![0usize; g.nodes.len()];
+    let (mut live, mut peak) = (0usize, 0usize);
+    for (v, node) in g.nodes.iter().enumerate() {
+        let view = matches!(
+            node.prim,
+            Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Permute(_) | ShapeOp::Broadcast(_) | ShapeOp::Narrow { .. })
+        );
+        if view {
+            buffer[v] = buffer[node.args[0]];
+        } else {
+            live = live.saturating_add(bytes(&node.ty));
+        }
+        views[buffer[v]] += 1;
+        let body = match &node.prim {
+            Prim::Map(m) => planned_peak(&m.body),
+            _ => 0,
+        };
+        peak = peak.max(live.saturating_add(body));
+        let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
+        if last[v] == 0 {
+            dead.push(v);
+        }
+        dead.sort_unstable();
+        dead.dedup();
+        for a in dead {
+            let b = buffer[a];
+            views[b] -= 1;
+            if views[b] == 0 {
+                live = live.saturating_sub(bytes(&g.nodes[b].ty));
+            }
+        }
+    }
+    peak
+}
+
+/// An error when `g`'s plan needs more than `limit` bytes (`None`: the
+/// machine's available memory, read only for a plan above
+/// `UNCHECKED_BYTES`).
+pub(crate) fn check_memory(g: &Graph, limit: Option<usize>) -> Result<()> {
+    let needed = planned_peak(g);
+    let limit = match limit {
+        Some(l) => l,
+        None if needed < UNCHECKED_BYTES => return Ok(()),
+        None => match available_memory() {
+            Some(l) => l,
+            None => return Ok(()),
+        },
+    };
+    if needed > limit {
+        return Err(Error::Memory { needed, limit });
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// splitmix64's finaliser: a well-mixed seed for each node (and each
 /// example of a map) from the run's seed.
 pub(crate) fn mix(seed: u64, k: u64) -> u64 {

@@ -304,3 +304,35 @@ fn caches_stay_bounded() {
     std::fs::remove_file(&dir).ok();
     candle_func::set_auto_capacity(candle_func::DEFAULT_AUTO_CAPACITY);
 }
+
+#[test]
+fn plans_beyond_the_memory_limit_are_errors_before_running() {
+    // a convolution whose padding makes a 32 TiB output: refused on any
+    // machine before anything is allocated (it aborted the process)
+    let x = rand(&[1, 1, 6, 6], 1);
+    let w = rand(&[2, 1, 3, 3], 2);
+    let r = no_panic("conv", || {
+        jit(|x: Tracer, w: Tracer| x.conv2d(&w, 1 << 20, 1, 1, 1)).call((&x, &w))
+    });
+    match r {
+        Err(e @ Error::Memory { .. }) => assert!(e.to_string().contains("chunk_size"), "{e}"),
+        other => panic!("expected a memory error, got {other:?}"),
+    }
+    // per transform: per-sample gradients of a linear layer, B x out x in
+    // floats, over a limit set below them and under one above
+    let (w, xs) = (rand(&[64, 128], 3), rand(&[32, 128], 4));
+    let psg = |limit: usize| {
+        vmap(grad(|w: Tracer, x: Tracer| x.unsqueeze(0)?.matmul(&w.t()?)?.sum_all()))
+            .in_dims([None, Some(0)])
+            .options(candle_func::Options::new().memory_limit(limit))
+            .call((&w, &xs))
+    };
+    match psg(1 << 20) {
+        Err(Error::Memory { needed, limit }) => {
+            assert!(needed >= 32 * 64 * 128 * 4, "{needed}");
+            assert_eq!(limit, 1 << 20);
+        }
+        other => panic!("expected a memory error, got {other:?}"),
+    }
+    assert_eq!(psg(64 << 20).unwrap().dims(), &[32, 64, 128]);
+}

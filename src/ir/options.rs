@@ -110,6 +110,7 @@ pub struct Options {
     chunk_size: Option<usize>,
     seed: Option<u64>,
     schedule: Option<Schedule>,
+    memory_limit: Option<usize>,
 }
 
 impl Options {
@@ -158,6 +159,22 @@ impl Options {
     pub fn schedule(mut self, s: Schedule) -> Self {
         self.schedule = Some(s);
         self
+    }
+
+    /// The most bytes a call may hold at once, by the interpreter's plan
+    /// (every value alive at the same time, inputs included); a call whose
+    /// plan needs more is an [`Error::Memory`](crate::Error::Memory)
+    /// before anything runs. Unset: the machine's available memory
+    /// (`MemAvailable` on Linux; no limit elsewhere). Read from the
+    /// outermost transform called on tensors.
+    pub fn memory_limit(mut self, bytes: usize) -> Self {
+        self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// The memory limit, if set.
+    pub fn get_memory_limit(&self) -> Option<usize> {
+        self.memory_limit
     }
 
     /// The schedule, if set.

@@ -48,18 +48,23 @@ impl<'a, T> Operand<'a, T> {
     }
 }
 
-fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize, usize, usize), one: T) -> Vec<T> {
-    let mut dst = output(nb * m * n);
+fn bmm_cpu<T: Elem>(
+    a: &Operand<T>,
+    b: &Operand<T>,
+    (nb, m, k, n): (usize, usize, usize, usize),
+    one: T,
+) -> candle_core::Result<Vec<T>> {
+    let mut dst = output(nb * m * n)?;
     if k == 0 {
-        return dst; // an empty sum: zeros
+        return Ok(dst); // an empty sum: zeros
     }
     let gemm_one = |i: usize, d: &mut [T], par: gemm::Parallelism| {
         product(d, (n, 1), a.mat(i * a.sb), b.mat(i * b.sb), (m, n, k), false, one, par);
     };
     let parts = split_k((nb, m, n, k));
     if parts > 1 {
-        split_k_cpu(a, b, (m, n, k), parts, one, &mut dst);
-        return dst;
+        split_k_cpu(a, b, (m, n, k), parts, one, &mut dst)?;
+        return Ok(dst);
     }
     if nb >= 2 * max_threads() {
         // Threads are spawned per call: worth it only for enough products
@@ -76,7 +81,7 @@ fn bmm_cpu<T: Elem>(a: &Operand<T>, b: &Operand<T>, (nb, m, k, n): (usize, usize
             gemm_one(i, d, par);
         }
     }
-    dst
+    Ok(dst)
 }
 
 /// Outputs at most this large with an inner dimension of at least
@@ -113,9 +118,9 @@ fn split_k_cpu<T: Elem>(
     parts: usize,
     one: T,
     dst: &mut [T],
-) {
+) -> candle_core::Result<()> {
     let per = k.div_ceil(parts);
-    let mut partial = super::zeroed(parts * m * n);
+    let mut partial = super::zeroed(parts * m * n)?;
     par_blocks_mut(&mut partial, m * n, usize::MAX, |p, d| {
         let (k0, kk) = (p * per, per.min(k.saturating_sub(p * per)));
         if kk == 0 {
@@ -130,6 +135,7 @@ fn split_k_cpu<T: Elem>(
             *o += *v;
         }
     }
+    Ok(())
 }
 
 struct BmmOp;
@@ -150,14 +156,14 @@ impl CustomOp2 for BmmOp {
                     Operand::new("bmm", a, l1, (nb, m, k))?,
                     Operand::new("bmm", b, l2, (nb, k, n))?,
                 );
-                CpuStorage::F32(bmm_cpu(&a, &b, sizes, 1.0))
+                CpuStorage::F32(bmm_cpu(&a, &b, sizes, 1.0)?)
             }
             (CpuStorage::F64(a), CpuStorage::F64(b)) => {
                 let (a, b) = (
                     Operand::new("bmm", a, l1, (nb, m, k))?,
                     Operand::new("bmm", b, l2, (nb, k, n))?,
                 );
-                CpuStorage::F64(bmm_cpu(&a, &b, sizes, 1.0))
+                CpuStorage::F64(bmm_cpu(&a, &b, sizes, 1.0)?)
             }
             _ => bail!("bmm: no CPU kernel for these dtypes"),
         };

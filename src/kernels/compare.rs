@@ -86,20 +86,20 @@ pub fn with_scalar(x: &Tensor, s: &Tensor, accept: Accept) -> Result<Option<Tens
 
 struct ReluGradOp;
 
-fn relu_grad_cpu<T: Elem>(x: &[T], ct: &[T]) -> Vec<T> {
+fn relu_grad_cpu<T: Elem>(x: &[T], ct: &[T]) -> candle_core::Result<Vec<T>> {
     let zero = T::default();
     // A select, not `ct * mask`: a NaN or infinite cotangent where the
     // input is not positive still gives 0, and a NaN input passes the
     // cotangent, as PyTorch's threshold_backward (`x <= 0 ? 0 : ct`).
     // Branch-free (random signs would mispredict half the time): the
     // choice indexes a pair, which compiles to a blend.
-    let mut dst = super::output(x.len());
+    let mut dst = super::output(x.len())?;
     by_blocks(&mut dst, 3, |start, d| {
         for ((o, v), c) in d.iter_mut().zip(&x[start..]).zip(&ct[start..]) {
             *o = [*c, zero][(*v <= zero) as usize];
         }
     });
-    dst
+    Ok(dst)
 }
 
 impl CustomOp2 for ReluGradOp {
@@ -115,11 +115,11 @@ impl CustomOp2 for ReluGradOp {
             (CpuStorage::F32(x), CpuStorage::F32(c)) => CpuStorage::F32(relu_grad_cpu(
                 contiguous_slice("relu_grad", x, l1)?,
                 contiguous_slice("relu_grad", c, l2)?,
-            )),
+            )?),
             (CpuStorage::F64(x), CpuStorage::F64(c)) => CpuStorage::F64(relu_grad_cpu(
                 contiguous_slice("relu_grad", x, l1)?,
                 contiguous_slice("relu_grad", c, l2)?,
-            )),
+            )?),
             _ => bail!("relu_grad: no CPU kernel for these dtypes"),
         };
         Ok((out, l1.shape().clone()))
@@ -128,16 +128,16 @@ impl CustomOp2 for ReluGradOp {
 
 struct ReluOp;
 
-fn relu_cpu<T: Elem>(x: &[T]) -> Vec<T> {
+fn relu_cpu<T: Elem>(x: &[T]) -> candle_core::Result<Vec<T>> {
     let zero = T::default();
     // Branch-free, and NaN stays NaN (PyTorch's relu): `x` unless x <= 0.
-    let mut dst = super::output(x.len());
+    let mut dst = super::output(x.len())?;
     by_blocks(&mut dst, 2, |start, d| {
         for (o, v) in d.iter_mut().zip(&x[start..]) {
             *o = [*v, zero][(*v <= zero) as usize];
         }
     });
-    dst
+    Ok(dst)
 }
 
 impl CustomOp1 for ReluOp {
@@ -147,8 +147,8 @@ impl CustomOp1 for ReluOp {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(relu_cpu(contiguous_slice("relu", v, l)?)),
-            CpuStorage::F64(v) => CpuStorage::F64(relu_cpu(contiguous_slice("relu", v, l)?)),
+            CpuStorage::F32(v) => CpuStorage::F32(relu_cpu(contiguous_slice("relu", v, l)?)?),
+            CpuStorage::F64(v) => CpuStorage::F64(relu_cpu(contiguous_slice("relu", v, l)?)?),
             _ => bail!("relu: no CPU kernel for this dtype"),
         };
         Ok((out, l.shape().clone()))

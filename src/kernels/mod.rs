@@ -145,10 +145,25 @@ fn madvise_hugepage(_addr: usize, _len: usize) {}
 
 /// An output buffer of `n` zeros for a kernel that only writes it
 /// (`calloc`'d, so the pages are touched first by the kernel's threads).
-pub(crate) fn output<T: Elem>(n: usize) -> Vec<T> {
+pub(crate) fn output<T: Elem>(n: usize) -> Result<Vec<T>> {
+    // Reserved fallibly first, then taken from `calloc` (`vec!` of zeros):
+    // fresh pages come zeroed from the kernel, so the kernel writing its
+    // output is the only pass over them.
+    drop(reserve::<T>(n)?);
     let mut v = vec![T::default(); n];
     advise_huge(&mut v);
-    v
+    Ok(v)
+}
+
+/// An empty vector with room for `n` elements; a request the allocator
+/// cannot meet is an error rather than an abort.
+fn reserve<T>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    if v.try_reserve_exact(n).is_err() {
+        let bytes = n.saturating_mul(std::mem::size_of::<T>());
+        candle_core::bail!("out of memory: a kernel's buffer of {n} elements ({bytes} bytes) could not be allocated")
+    }
+    Ok(v)
 }
 
 /// `n` zeros, written out rather than taken from `calloc`, for a kernel
@@ -158,11 +173,11 @@ pub(crate) fn output<T: Elem>(n: usize) -> Vec<T> {
 /// VM those inter-processor interrupts made a 9 MiB max-pool gradient take
 /// 20-35 ms instead of 3 (`perf record`: `do_wp_page` ->
 /// `flush_tlb_mm_range`).
-pub(crate) fn zeroed<T: Elem>(n: usize) -> Vec<T> {
-    let mut v = Vec::with_capacity(n);
+pub(crate) fn zeroed<T: Elem>(n: usize) -> Result<Vec<T>> {
+    let mut v = reserve(n)?;
     advise_huge(&mut v);
     v.resize(n, T::default());
-    v
+    Ok(v)
 }
 
 /// A matrix operand for [`product`]: a slice starting at its first element,
@@ -282,7 +297,7 @@ mod tests {
     #[test]
     fn huge_buffers_read_and_write() {
         for n in [1000, (HUGE_MIN_BYTES / 4) + 12345, 3 * (1 << 20) + 7] {
-            for mut v in [output::<f32>(n), zeroed::<f32>(n)] {
+            for mut v in [output::<f32>(n).unwrap(), zeroed::<f32>(n).unwrap()] {
                 assert_eq!(v.len(), n);
                 assert!(v.iter().all(|&x| x == 0.0));
                 for (i, x) in v.iter_mut().enumerate() {
@@ -291,5 +306,9 @@ mod tests {
                 assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32));
             }
         }
+        // a request no allocator can meet is an error, not an abort
+        let e = output::<f32>(usize::MAX / 8).unwrap_err().to_string();
+        assert!(e.contains("out of memory"), "{e}");
+        assert!(zeroed::<f64>(usize::MAX / 16).is_err());
     }
 }

@@ -10,15 +10,15 @@ use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 struct OuterOp;
 
-fn outer_cpu<T: Elem>(a: &[T], b: &[T], m: usize, n: usize) -> Vec<T> {
-    let mut dst = output(a.len() * n);
+fn outer_cpu<T: Elem>(a: &[T], b: &[T], m: usize, n: usize) -> candle_core::Result<Vec<T>> {
+    let mut dst = output(a.len() * n)?;
     par_blocks_mut(&mut dst, n, a.len() * n + b.len(), |row, d| {
         let (av, bs) = (a[row], &b[(row / m) * n..(row / m + 1) * n]);
         for (o, &bv) in d.iter_mut().zip(bs) {
             *o = av * bv;
         }
     });
-    dst
+    Ok(dst)
 }
 
 impl CustomOp2 for OuterOp {
@@ -37,13 +37,13 @@ impl CustomOp2 for OuterOp {
                 contiguous_slice("outer", b, l2)?,
                 m,
                 n,
-            )),
+            )?),
             (CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64(outer_cpu(
                 contiguous_slice("outer", a, l1)?,
                 contiguous_slice("outer", b, l2)?,
                 m,
                 n,
-            )),
+            )?),
             _ => bail!("outer: no CPU kernel for these dtypes"),
         };
         Ok((out, shape))

@@ -69,22 +69,42 @@ impl Plane {
     fn argmax<T: Elem>(&self, x: &[T], i: usize, j: usize, (kh, kw): (usize, usize)) -> (usize, T) {
         let (sh, sw) = self.win.stride;
         let start = (i * sh) * self.w + j * sw;
-        let (mut bi, mut bv) = (start, x[start]);
+        let (mut bi, mut bv, mut nan) = (start, x[start], false);
         for r in 0..kh {
             let row = &x[start + r * self.w..start + r * self.w + kw];
             for (c, &v) in row.iter().enumerate() {
-                // Strictly greater: ties keep the first, as PyTorch does;
-                // the first NaN wins and stays (PyTorch propagates NaN; a
-                // value is NaN where it differs from itself). Written as
-                // selects, not a branch: on data like activations the
-                // branch is mispredicted half the time.
-                #[allow(clippy::eq_op)]
-                let gt = v > bv || (v != v && bv == bv);
+                // Strictly greater: ties keep the first, as PyTorch does.
+                // Written as selects, not a branch: on data like
+                // activations the branch is mispredicted half the time.
+                let gt = v > bv;
                 bv = if gt { v } else { bv };
                 bi = if gt { start + r * self.w + c } else { bi };
+                // a value is NaN where it differs from itself
+                #[allow(clippy::eq_op)]
+                let is_nan = v != v;
+                nan |= is_nan;
             }
         }
+        if nan {
+            return self.first_nan(x, start, (kh, kw));
+        }
         (bi, bv)
+    }
+
+    /// The first NaN of the window at `start` (PyTorch's max-pool returns
+    /// it, and its gradient goes there); rare, so it is a second pass.
+    #[cold]
+    fn first_nan<T: Elem>(&self, x: &[T], start: usize, (kh, kw): (usize, usize)) -> (usize, T) {
+        for r in 0..kh {
+            for c in 0..kw {
+                let at = start + r * self.w + c;
+                #[allow(clippy::eq_op)]
+                if x[at] != x[at] {
+                    return (at, x[at]);
+                }
+            }
+        }
+        (start, x[start])
     }
 
     /// [`Self::each`] for one window size; with a constant size the
@@ -120,7 +140,7 @@ enum Kind {
     Select,
 }
 
-fn run_cpu<T: Elem>(kind: Kind, p: Plane, planes: usize, x: &[T], other: &[T]) -> Vec<T> {
+fn run_cpu<T: Elem>(kind: Kind, p: Plane, planes: usize, x: &[T], other: &[T]) -> candle_core::Result<Vec<T>> {
     let in_len = x.len() / planes.max(1);
     let out_len = p.ho * p.wo;
     let block = match kind {
@@ -128,8 +148,8 @@ fn run_cpu<T: Elem>(kind: Kind, p: Plane, planes: usize, x: &[T], other: &[T]) -
         Kind::Forward | Kind::Select => out_len,
     };
     let mut dst = match kind {
-        Kind::Grad => zeroed(planes * block),
-        Kind::Forward | Kind::Select => output(planes * block),
+        Kind::Grad => zeroed(planes * block)?,
+        Kind::Forward | Kind::Select => output(planes * block)?,
     };
     let work = x.len() + other.len() + dst.len();
     par_blocks_mut(&mut dst, block, work, |n, d| {
@@ -146,7 +166,7 @@ fn run_cpu<T: Elem>(kind: Kind, p: Plane, planes: usize, x: &[T], other: &[T]) -
             }
         }
     });
-    dst
+    Ok(dst)
 }
 
 /// A max-pooling kernel as a candle op (one or two operands).
@@ -175,10 +195,10 @@ impl PoolOp {
         };
         let storage = match (x, other) {
             (CpuStorage::F32(x), None) => {
-                CpuStorage::F32(run_cpu(self.kind, p, planes, contiguous_slice(op, x, lx)?, &[]))
+                CpuStorage::F32(run_cpu(self.kind, p, planes, contiguous_slice(op, x, lx)?, &[])?)
             }
             (CpuStorage::F64(x), None) => {
-                CpuStorage::F64(run_cpu(self.kind, p, planes, contiguous_slice(op, x, lx)?, &[]))
+                CpuStorage::F64(run_cpu(self.kind, p, planes, contiguous_slice(op, x, lx)?, &[])?)
             }
             (CpuStorage::F32(x), Some((CpuStorage::F32(o), lo))) => CpuStorage::F32(run_cpu(
                 self.kind,
@@ -186,14 +206,14 @@ impl PoolOp {
                 planes,
                 contiguous_slice(op, x, lx)?,
                 contiguous_slice(op, o, lo)?,
-            )),
+            )?),
             (CpuStorage::F64(x), Some((CpuStorage::F64(o), lo))) => CpuStorage::F64(run_cpu(
                 self.kind,
                 p,
                 planes,
                 contiguous_slice(op, x, lx)?,
                 contiguous_slice(op, o, lo)?,
-            )),
+            )?),
             _ => bail!("{op}: no CPU kernel for these dtypes"),
         };
         Ok((storage, shape))

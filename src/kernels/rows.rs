@@ -132,9 +132,9 @@ struct Plan {
 }
 
 /// `[N, C, S] -> [N, L, C K]`, one output row per thread task.
-fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
+fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, p: &Plan, n: usize) -> candle_core::Result<Vec<T>> {
     let (row, lines) = (d.c * d.kn, d.kn / d.kw);
-    let mut dst = output(n * d.l * row);
+    let mut dst = output(n * d.l * row)?;
     par_blocks_mut(&mut dst, row, 2 * n * d.l * row, |r, out| {
         let (i, o) = (r / d.l, r % d.l);
         let taps = &p.taps[o * d.kn..(o + 1) * d.kn];
@@ -158,13 +158,13 @@ fn unfold_rows_cpu<T: Elem>(x: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
             }
         }
     });
-    dst
+    Ok(dst)
 }
 
 /// `[N, L, C K] -> [N, C, S]`, summing overlaps; one input plane per task.
-fn fold_rows_cpu<T: Elem>(src: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
+fn fold_rows_cpu<T: Elem>(src: &[T], d: Dims, p: &Plan, n: usize) -> candle_core::Result<Vec<T>> {
     let (row, lines) = (d.c * d.kn, d.kn / d.kw);
-    let mut dst = zeroed(n * d.c * d.plane);
+    let mut dst = zeroed(n * d.c * d.plane)?;
     par_blocks_mut(&mut dst, d.plane, 2 * src.len(), |q, plane| {
         let (i, c) = (q / d.c, q % d.c);
         for o in 0..d.l {
@@ -186,7 +186,7 @@ fn fold_rows_cpu<T: Elem>(src: &[T], d: Dims, p: &Plan, n: usize) -> Vec<T> {
             }
         }
     });
-    dst
+    Ok(dst)
 }
 
 /// Which direction a [`RowsOp`] runs.
@@ -237,15 +237,15 @@ impl CustomOp1 for RowsOp {
             CpuStorage::F32(v) => {
                 let s = contiguous_slice(op, v, layout)?;
                 CpuStorage::F32(match self.dir {
-                    Dir::Unfold => unfold_rows_cpu(s, d, &p, n),
-                    Dir::Fold => fold_rows_cpu(s, d, &p, n),
+                    Dir::Unfold => unfold_rows_cpu(s, d, &p, n)?,
+                    Dir::Fold => fold_rows_cpu(s, d, &p, n)?,
                 })
             }
             CpuStorage::F64(v) => {
                 let s = contiguous_slice(op, v, layout)?;
                 CpuStorage::F64(match self.dir {
-                    Dir::Unfold => unfold_rows_cpu(s, d, &p, n),
-                    Dir::Fold => fold_rows_cpu(s, d, &p, n),
+                    Dir::Unfold => unfold_rows_cpu(s, d, &p, n)?,
+                    Dir::Fold => fold_rows_cpu(s, d, &p, n)?,
                 })
             }
             s => bail!("{op}: no CPU kernel for dtype {:?}", s.dtype()),

@@ -42,9 +42,9 @@ fn as_batched_transpose(layout: &Layout) -> Option<Batched> {
     }
 }
 
-fn transpose_cpu<T: Elem>(src: &[T], t: Batched) -> Vec<T> {
+fn transpose_cpu<T: Elem>(src: &[T], t: Batched) -> candle_core::Result<Vec<T>> {
     let m = t.r * t.c;
-    let mut dst = output(t.b * m);
+    let mut dst = output(t.b * m)?;
     par_blocks_mut(&mut dst, m, 2 * t.b * m, |i, d| {
         let s = &src[i * m..(i + 1) * m];
         for r0 in (0..t.r).step_by(TILE) {
@@ -57,7 +57,7 @@ fn transpose_cpu<T: Elem>(src: &[T], t: Batched) -> Vec<T> {
             }
         }
     });
-    dst
+    Ok(dst)
 }
 
 /// The batched-transpose copy as a candle op (it sees the strided layout).
@@ -71,8 +71,8 @@ impl CustomOp1 for TransposeOp {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (start, len) = (layout.start_offset(), self.0.b * self.0.r * self.0.c);
         let data = match storage {
-            CpuStorage::F32(v) => CpuStorage::F32(transpose_cpu(&v[start..start + len], self.0)),
-            CpuStorage::F64(v) => CpuStorage::F64(transpose_cpu(&v[start..start + len], self.0)),
+            CpuStorage::F32(v) => CpuStorage::F32(transpose_cpu(&v[start..start + len], self.0)?),
+            CpuStorage::F64(v) => CpuStorage::F64(transpose_cpu(&v[start..start + len], self.0)?),
             _ => bail!("contiguous_transpose: no CPU kernel for this dtype"),
         };
         Ok((data, layout.shape().clone()))

@@ -36,12 +36,9 @@ impl Rule for Unary {
             // integer arithmetic panics on overflow in debug builds: both
             // wrap, as PyTorch's do
             Unary::Neg if !is_float(x.dtype()) => int_map(x, u8::wrapping_neg, u32::wrapping_neg, i64::wrapping_neg),
-            Unary::Sqr if !is_float(x.dtype()) => int_map(
-                x,
-                |v| v.wrapping_mul(v),
-                |v| v.wrapping_mul(v),
-                |v| v.wrapping_mul(v),
-            ),
+            Unary::Sqr if !is_float(x.dtype()) => {
+                int_map(x, |v| v.wrapping_mul(v), |v| v.wrapping_mul(v), |v| v.wrapping_mul(v))
+            }
             Unary::Neg => x.neg(),
             Unary::Exp => x.exp(),
             Unary::Log => x.log(),
@@ -190,9 +187,18 @@ impl Rule for Binary {
 fn int_map(x: &Tensor, f8: fn(u8) -> u8, f32: fn(u32) -> u32, f64: fn(i64) -> i64) -> candle_core::Result<Tensor> {
     let flat = x.flatten_all()?;
     let y = match x.dtype() {
-        DType::U8 => Tensor::new(flat.to_vec1::<u8>()?.into_iter().map(f8).collect::<Vec<_>>(), x.device())?,
-        DType::U32 => Tensor::new(flat.to_vec1::<u32>()?.into_iter().map(f32).collect::<Vec<_>>(), x.device())?,
-        DType::I64 => Tensor::new(flat.to_vec1::<i64>()?.into_iter().map(f64).collect::<Vec<_>>(), x.device())?,
+        DType::U8 => Tensor::new(
+            flat.to_vec1::<u8>()?.into_iter().map(f8).collect::<Vec<_>>(),
+            x.device(),
+        )?,
+        DType::U32 => Tensor::new(
+            flat.to_vec1::<u32>()?.into_iter().map(f32).collect::<Vec<_>>(),
+            x.device(),
+        )?,
+        DType::I64 => Tensor::new(
+            flat.to_vec1::<i64>()?.into_iter().map(f64).collect::<Vec<_>>(),
+            x.device(),
+        )?,
         dt => return Err(candle_core::Error::UnsupportedDTypeForOp(dt, "integer map")),
     };
     y.reshape(x.shape())

@@ -295,6 +295,7 @@ where
         }
     };
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
+    interp::check_memory(&compiled.graph, given.get_memory_limit())?;
     let seed = settings::run_seed(&compiled.graph, compiled.seed, &cache.calls);
     let outs = interp::run(&compiled.graph, &flat, seed)?;
     F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
@@ -335,18 +336,21 @@ impl Graph {
 
     /// Runs the graph and returns its outputs.
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        interp::check_memory(self, None)?;
         interp::run(self, inputs, self.process_seed())
     }
 
     /// [`Graph::run`], also reporting the peak number and size of values
     /// held at once.
     pub fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
+        interp::check_memory(self, None)?;
         interp::run_with_stats(self, inputs, self.process_seed())
     }
 
     /// [`Graph::run`], also returning the seconds each computed node took,
     /// as `(node index, seconds)`: where a graph spends its time.
     pub fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
+        interp::check_memory(self, None)?;
         interp::run_profiled(self, inputs, self.process_seed())
     }
 }

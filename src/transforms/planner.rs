@@ -244,6 +244,7 @@ fn time_graphs(graphs: &[Graph], types: &[TensorType], device: &Device, rounds: 
     // as a call would run them
     let graphs: Vec<Graph> = graphs.iter().map(|g| g.simplify().fuse_epilogues()).collect();
     for g in &graphs {
+        interp::check_memory(g, None)?;
         interp::run(g, &inputs, 0)?;
     }
     let mut best = vec![f64::INFINITY; graphs.len()];

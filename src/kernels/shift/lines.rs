@@ -8,7 +8,7 @@
 //! all. The weight is laid out line by line to match (`[line, Cout, Cin
 //! kw]`, a few kilobytes).
 
-use super::super::{zeroed, Elem};
+use super::super::Elem;
 use super::Plan;
 
 /// `x3 [Cin kw, plane]` of one example's `x [Cin, plane]`: row `(c, j)` is
@@ -16,7 +16,8 @@ use super::Plan;
 /// no line's GEMM reaches: every tap's reads end inside the plane).
 pub(super) fn input<T: Elem>(x: &[T], p: &Plan) -> Vec<T> {
     let plane = p.plane();
-    let mut x3 = zeroed(p.cin * p.fold * plane);
+    // one example's scratch (the outputs are allocated fallibly)
+    let mut x3 = vec![T::default(); p.cin * p.fold * plane];
     for (r, row) in x3.chunks_exact_mut(plane).enumerate() {
         let (c, off) = (r / p.fold, (r % p.fold) * p.dil_last);
         let src = &x[c * plane + off..(c + 1) * plane];
@@ -27,7 +28,7 @@ pub(super) fn input<T: Elem>(x: &[T], p: &Plan) -> Vec<T> {
 
 /// The weight `[Cout, Cin, taps]` as `[line, Cout, Cin kw]` (nested loops,
 /// no division per element: this runs on every call).
-pub(super) fn weight<T: Elem>(w: &[T], p: &Plan) -> Vec<T> {
+pub(super) fn weight<T: Elem>(w: &[T], p: &Plan) -> candle_core::Result<Vec<T>> {
     let (kn, f) = (p.taps(), p.fold);
     let mut wf = Vec::with_capacity(p.lines() * p.cout * p.cin * f);
     for l in 0..p.lines() {
@@ -38,7 +39,7 @@ pub(super) fn weight<T: Elem>(w: &[T], p: &Plan) -> Vec<T> {
             }
         }
     }
-    wf
+    Ok(wf)
 }
 
 /// Adds `y3 [Cin kw, plane]` (each row's values belonging `j * dilation`

@@ -193,15 +193,16 @@ fn per_example<T: Elem>(dst: &mut [T], block: usize, n: usize, f: impl Fn(usize,
 
 /// `y[n] = sum_t w_t @ x[n] shifted by t`, cropped from the wide layout;
 /// one GEMM per kernel line (`lines`).
-fn conv_cpu<T: Elem>(x: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
+fn conv_cpu<T: Elem>(x: &[T], w: &[T], p: &Plan, n: usize, one: T) -> candle_core::Result<Vec<T>> {
     let (plane, span, rk) = (p.plane(), p.span(), p.rk());
-    let wf = lines::weight(w, p);
-    let mut dst = output(n * p.cout * p.out_len());
+    let wf = lines::weight(w, p)?;
+    let mut dst = output(n * p.cout * p.out_len())?;
     let par = inner_par(n);
     per_example(&mut dst, p.cout * p.out_len(), n, |i, y| {
         let mut buf = Vec::new();
         let rows = p.input_rows(&x[i * p.cin * plane..(i + 1) * p.cin * plane], &mut buf);
-        let mut wide = zeroed(p.cout * span);
+        // one example's scratch (the outputs are allocated fallibly)
+        let mut wide = vec![T::default(); p.cout * span];
         for l in 0..p.lines() {
             let g = Gemm {
                 m: p.cout,
@@ -228,30 +229,34 @@ fn conv_cpu<T: Elem>(x: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
             p.rows(|d, w, len| dense[d..d + len].copy_from_slice(&wide[w..w + len]));
         }
     });
-    dst
+    Ok(dst)
 }
 
 /// `ct [N, Cout, O]` on the wide layout, zeros in the unused columns.
-fn widen<T: Elem>(ct: &[T], p: &Plan, n: usize) -> Vec<T> {
+fn widen<T: Elem>(ct: &[T], p: &Plan, n: usize) -> candle_core::Result<Vec<T>> {
     let (span, len) = (p.span(), p.out_len());
-    let mut wide = zeroed(n * p.cout * span);
+    let mut wide = zeroed(n * p.cout * span)?;
     for (dense, wide) in ct.chunks_exact(len).zip(wide.chunks_exact_mut(span)) {
         p.rows(|d, w, l| wide[w..w + l].copy_from_slice(&dense[d..d + l]));
     }
-    wide
+    Ok(wide)
 }
 
 /// `dx[n] = sum_t (w_t^T @ ct[n]) shifted back by t`; one GEMM per kernel
 /// line, into the folded rows first where lines are folded.
-fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
+fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> candle_core::Result<Vec<T>> {
     let (plane, span, rk) = (p.plane(), p.span(), p.rk());
-    let wf = lines::weight(w, p);
-    let wide = widen(ct, p, n);
-    let mut dst = zeroed(n * p.cin * plane);
+    let wf = lines::weight(w, p)?;
+    let wide = widen(ct, p, n)?;
+    let mut dst = zeroed(n * p.cin * plane)?;
     let par = inner_par(n);
     per_example(&mut dst, p.cin * plane, n, |i, dx| {
         let c = &wide[i * p.cout * span..(i + 1) * p.cout * span];
-        let mut y3 = if p.fold > 1 { zeroed(rk * plane) } else { Vec::new() };
+        let mut y3 = if p.fold > 1 {
+            vec![T::default(); rk * plane]
+        } else {
+            Vec::new()
+        };
         let target: &mut [T] = if p.fold > 1 { &mut y3 } else { dx };
         for l in 0..p.lines() {
             // the line's weight transposed: [Cin kw, Cout]
@@ -276,7 +281,7 @@ fn grad_input_cpu<T: Elem>(ct: &[T], w: &[T], p: &Plan, n: usize, one: T) -> Vec
             lines::add_folded(&y3, p, dx);
         }
     });
-    dst
+    Ok(dst)
 }
 
 /// Adds example `i`'s weight gradient into `dw [Cout, Cin, K]`:
@@ -309,13 +314,13 @@ fn add_weight_grad<T: Elem>(dw: &mut [T], x: &[T], wide: &[T], p: &Plan, i: usiz
 
 /// `dw_t = sum_n ct[n] @ (x[n] shifted by t)^T`, one partial sum per
 /// thread's share of the examples.
-fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
-    let wide = widen(ct, p, n);
+fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> candle_core::Result<Vec<T>> {
+    let wide = widen(ct, p, n)?;
     let size = p.cout * p.cin * p.taps();
     let parts = if n >= 2 * max_threads() { max_threads() } else { 1 };
     let per = n.div_ceil(parts);
     let par = inner_par(n);
-    let mut partial = zeroed(parts * size);
+    let mut partial = zeroed(parts * size)?;
     par_blocks_mut(&mut partial, size, usize::MAX, |j, dw| {
         for i in j * per..((j + 1) * per).min(n) {
             add_weight_grad(dw, x, &wide, p, i, one, par);
@@ -328,18 +333,18 @@ fn grad_weight_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Ve
         }
     }
     partial.truncate(size);
-    partial
+    Ok(partial)
 }
 
 /// `dw[n]_t = ct[n] @ (x[n] shifted by t)^T` for each example, not summed.
-fn grad_weight_each_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> Vec<T> {
-    let wide = widen(ct, p, n);
-    let mut dst = zeroed(n * p.cout * p.cin * p.taps());
+fn grad_weight_each_cpu<T: Elem>(x: &[T], ct: &[T], p: &Plan, n: usize, one: T) -> candle_core::Result<Vec<T>> {
+    let wide = widen(ct, p, n)?;
+    let mut dst = zeroed(n * p.cout * p.cin * p.taps())?;
     let par = inner_par(n);
     per_example(&mut dst, p.cout * p.cin * p.taps(), n, |i, dw| {
         add_weight_grad(dw, x, &wide, p, i, one, par)
     });
-    dst
+    Ok(dst)
 }
 
 /// Which of the three products a [`ShiftOp`] computes.
@@ -362,7 +367,7 @@ struct ShiftOp {
 }
 
 impl ShiftOp {
-    fn run<T: Elem>(&self, a: &[T], b: &[T], one: T) -> Vec<T> {
+    fn run<T: Elem>(&self, a: &[T], b: &[T], one: T) -> candle_core::Result<Vec<T>> {
         match self.kind {
             Kind::Conv => conv_cpu(a, b, &self.plan, self.n, one),
             Kind::GradInput => grad_input_cpu(a, b, &self.plan, self.n, one),
@@ -398,10 +403,10 @@ impl CustomOp2 for ShiftOp {
         let op = self.name();
         let out = match (s1, s2) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                CpuStorage::F32(self.run(contiguous_slice(op, a, l1)?, contiguous_slice(op, b, l2)?, 1.0))
+                CpuStorage::F32(self.run(contiguous_slice(op, a, l1)?, contiguous_slice(op, b, l2)?, 1.0)?)
             }
             (CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                CpuStorage::F64(self.run(contiguous_slice(op, a, l1)?, contiguous_slice(op, b, l2)?, 1.0))
+                CpuStorage::F64(self.run(contiguous_slice(op, a, l1)?, contiguous_slice(op, b, l2)?, 1.0)?)
             }
             _ => bail!("{op}: no CPU kernel for these dtypes"),
         };

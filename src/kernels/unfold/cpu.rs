@@ -109,8 +109,8 @@ fn par_blocks<T: Elem>(
 }
 
 /// CPU unfold of `planes` contiguous `(n, c)` planes.
-pub(super) fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
-    let mut dst = output(planes * p.cols_len());
+pub(super) fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> candle_core::Result<Vec<T>> {
+    let mut dst = output(planes * p.cols_len())?;
     // An empty input plane unfolds to pure padding: already zeros.
     if p.in_len() > 0 && !dst.is_empty() {
         let lines = Lines::new(p);
@@ -118,18 +118,18 @@ pub(super) fn unfold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T>
             unfold_plane(&lines, s, d, scratch)
         });
     }
-    dst
+    Ok(dst)
 }
 
 /// CPU fold into `planes` contiguous `(n, c)` planes.
-pub(super) fn fold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
+pub(super) fn fold_cpu<T: Elem>(src: &[T], p: &Plan3, planes: usize) -> candle_core::Result<Vec<T>> {
     // Accumulates with `+=`: see `zeroed`.
-    let mut dst = zeroed(planes * p.in_len());
+    let mut dst = zeroed(planes * p.in_len())?;
     if !dst.is_empty() {
         let lines = Lines::new(p);
         par_blocks(src, p.cols_len(), &mut dst, p.in_len(), |s, d, scratch| {
             fold_plane(&lines, s, d, scratch)
         });
     }
-    dst
+    Ok(dst)
 }

@@ -89,8 +89,8 @@ fn dispatch(
     kernel: Kernel,
 ) -> Result<CpuStorage> {
     Ok(match storage {
-        CpuStorage::F32(v) => CpuStorage::F32(kernel.run(contiguous_slice(op, v, layout)?, p, planes)),
-        CpuStorage::F64(v) => CpuStorage::F64(kernel.run(contiguous_slice(op, v, layout)?, p, planes)),
+        CpuStorage::F32(v) => CpuStorage::F32(kernel.run(contiguous_slice(op, v, layout)?, p, planes)?),
+        CpuStorage::F64(v) => CpuStorage::F64(kernel.run(contiguous_slice(op, v, layout)?, p, planes)?),
         s => bail!("{op}: no CPU kernel for dtype {:?}", s.dtype()),
     })
 }
@@ -103,7 +103,7 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn run<T: Elem>(self, src: &[T], p: &Plan3, planes: usize) -> Vec<T> {
+    fn run<T: Elem>(self, src: &[T], p: &Plan3, planes: usize) -> candle_core::Result<Vec<T>> {
         match self {
             Kernel::Unfold => unfold_cpu(src, p, planes),
             Kernel::Fold => fold_cpu(src, p, planes),
