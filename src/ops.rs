@@ -286,8 +286,11 @@ impl Tracer {
     /// Same elements in a new shape; one dimension may be `()` to be inferred,
     /// as in candle (`x.reshape((b, ()))`).
     pub fn reshape(&self, shape: impl ShapeWithOneHole) -> Result<Tracer> {
-        let s = shape
-            .into_shape(self.elem_count())
+        let n = self.elem_count();
+        // candle's conversion multiplies the dimensions unchecked, which
+        // panics on overflow in debug builds: that is a shape error here
+        let s = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shape.into_shape(n)))
+            .map_err(|_| Error::shape("reshape", &[self.dims()], "the target's element count overflows usize"))?
             .map_err(|e| Error::shape("reshape", &[self.dims()], e.to_string()))?;
         if s.dims() == self.dims() {
             return Ok(self.clone());

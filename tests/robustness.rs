@@ -336,3 +336,23 @@ fn plans_beyond_the_memory_limit_are_errors_before_running() {
     }
     assert_eq!(psg(64 << 20).unwrap().dims(), &[32, 64, 128]);
 }
+
+#[test]
+fn results_whose_size_overflows_are_shape_errors() {
+    let x = rand(&[6], 1);
+    let r = jit(|x: Tracer| x.broadcast_as((1usize << 62, 6))).call(&x);
+    assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+    let r = jit(|x: Tracer| x.reshape((usize::MAX, 2, 72))).call(&x);
+    assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+    // padding or dilation near usize::MAX / 2, with one channel or many
+    for cin in [1, 8] {
+        let x = rand(&[1, cin, 6, 6], 2);
+        let w = rand(&[2, cin, 3, 3], 3);
+        for (pad, dil) in [(usize::MAX / 2, 1), (0, usize::MAX / 2)] {
+            let r = no_panic("conv", || {
+                jit(move |x: Tracer, w: Tracer| x.conv2d(&w, pad, 1, dil, 1)).call((&x, &w))
+            });
+            assert!(matches!(r, Err(Error::Shape { .. })), "pad {pad} dil {dil}: {r:?}");
+        }
+    }
+}

@@ -260,8 +260,16 @@ pub(crate) fn product<T: Elem>(
 /// The contiguous slice a layout describes (the kernels index planes
 /// directly, so they need it; the wrappers call `.contiguous()` first).
 pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    if layout.shape().elem_count() == 0 {
+        // an empty view may start past its (empty) storage
+        return Ok(&data[..0]);
+    }
     match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
+        Some((start, end)) if start <= end && end <= data.len() => Ok(&data[start..end]),
+        Some((start, end)) => bail!(
+            "{op}: the layout's elements {start}..{end} lie outside a storage of {}",
+            data.len()
+        ),
         None => bail!(
             "{op}: the CPU kernel needs a contiguous input, got shape {:?} strides {:?}",
             layout.dims(),

@@ -155,13 +155,17 @@ impl Rule for Binary {
     fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
         let r = match self {
+            // Integer arithmetic wraps, as PyTorch's does (candle's panics
+            // on overflow in debug builds, and `i64::MIN / -1` always).
+            Binary::Add | Binary::Sub | Binary::Mul | Binary::Div if !is_float(b.dtype()) => {
+                if *self == Binary::Div {
+                    no_zero_divisor(b)?;
+                }
+                return int_zip(*self, a, b, &_out.shape).op(self.name());
+            }
             Binary::Add => a.broadcast_add(b),
             Binary::Sub => a.broadcast_sub(b),
             Binary::Mul => a.broadcast_mul(b),
-            Binary::Div if !is_float(b.dtype()) => {
-                no_zero_divisor(b)?;
-                a.broadcast_div(b)
-            }
             Binary::Div => a.broadcast_div(b),
             Binary::Maximum => return keep_nan(a.broadcast_maximum(b).op("maximum")?, a, b),
             Binary::Minimum => return keep_nan(a.broadcast_minimum(b).op("minimum")?, a, b),
@@ -202,6 +206,41 @@ fn int_map(x: &Tensor, f8: fn(u8) -> u8, f32: fn(u32) -> u32, f64: fn(i64) -> i6
         dt => return Err(candle_core::Error::UnsupportedDTypeForOp(dt, "integer map")),
     };
     y.reshape(x.shape())
+}
+
+/// `a op b` of integer tensors broadcast to `shape`, wrapping (through the
+/// host, as `int_map`).
+fn int_zip(op: Binary, a: &Tensor, b: &Tensor, shape: &[usize]) -> candle_core::Result<Tensor> {
+    fn zip<T: candle_core::WithDType>(a: &Tensor, b: &Tensor, f: impl Fn(T, T) -> T) -> candle_core::Result<Vec<T>> {
+        let (x, y) = (a.flatten_all()?.to_vec1::<T>()?, b.flatten_all()?.to_vec1::<T>()?);
+        Ok(x.into_iter().zip(y).map(|(x, y)| f(x, y)).collect())
+    }
+    let (a, b) = (
+        a.broadcast_as(shape)?.contiguous()?,
+        b.broadcast_as(shape)?.contiguous()?,
+    );
+    macro_rules! wrapping {
+        ($t:ty) => {
+            zip::<$t>(
+                &a,
+                &b,
+                match op {
+                    Binary::Add => <$t>::wrapping_add,
+                    Binary::Sub => <$t>::wrapping_sub,
+                    Binary::Mul => <$t>::wrapping_mul,
+                    _ => <$t>::wrapping_div,
+                },
+            )
+        };
+    }
+    let dev = a.device();
+    let y = match a.dtype() {
+        DType::U8 => Tensor::new(wrapping!(u8)?, dev)?,
+        DType::U32 => Tensor::new(wrapping!(u32)?, dev)?,
+        DType::I64 => Tensor::new(wrapping!(i64)?, dev)?,
+        dt => return Err(candle_core::Error::UnsupportedDTypeForOp(dt, "integer arithmetic")),
+    };
+    y.reshape(shape)
 }
 
 /// Integer division by zero is an error, as in PyTorch (candle panics).

@@ -17,6 +17,14 @@ impl Rule for Matmul {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         arity("matmul", args, 2)?;
         let dt = same_dtype("matmul", args)?;
+        if !dt.is_float() {
+            // candle's integer products overflow with a panic in debug builds
+            return Err(Error::DType {
+                op: "matmul",
+                dtypes: vec![dt],
+                msg: "matrix products need floating-point operands".into(),
+            });
+        }
         let (a, b) = (args[0].shape.as_slice(), args[1].shape.as_slice());
         if a.len() < 2 || b.len() < 2 {
             return Err(Error::shape("matmul", &[a, b], "both operands need rank >= 2"));

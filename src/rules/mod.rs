@@ -97,9 +97,28 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
     })
 }
 
-/// Result type of `prim(args)`.
+/// Result type of `prim(args)`. A result whose element count or byte size
+/// overflows `usize` is a shape error for every primitive, whatever its
+/// own rule checks (a broadcast to `[2^62, 6]` was accepted as a view).
 pub(crate) fn infer(prim: &Prim, args: &[&TensorType]) -> Result<TensorType> {
-    rule(prim)?.infer(args)
+    let ty = rule(prim)?.infer(args)?;
+    let bytes = ty
+        .shape
+        .iter()
+        .try_fold(ty.dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
+    if bytes.is_none() {
+        let shapes: Vec<&[usize]> = args.iter().map(|a| a.shape.as_slice()).collect();
+        return Err(Error::shape(
+            "trace",
+            &shapes,
+            format!(
+                "{}: its result of shape {:?} overflows usize in bytes",
+                prim.name(),
+                ty.shape
+            ),
+        ));
+    }
+    Ok(ty)
 }
 
 /// Checks the operand count.

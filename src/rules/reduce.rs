@@ -4,7 +4,7 @@ use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Reduce, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 impl Reduce {
     /// The same reduction on a tensor with `n` extra leading axes.
@@ -61,6 +61,36 @@ fn nan_where_any(x: &Tensor, y: Tensor, axes: &[usize]) -> candle_core::Result<T
         .to_dtype(x.dtype())?
         .broadcast_as(y.shape())?;
     nans.gt(&nans.zeros_like()?)?.where_cond(&nan, &y)
+}
+
+/// The wrapping sum of an integer tensor over `axes`, shaped `out` (through
+/// the host: candle's integer sums panic on overflow in debug builds).
+fn int_sum(x: &Tensor, axes: &[usize], out: &[usize]) -> candle_core::Result<Tensor> {
+    // kept axes first, reduced ones last: each output is one run
+    let mut order: Vec<usize> = (0..x.rank()).filter(|a| !axes.contains(a)).collect();
+    order.extend(axes.iter().copied());
+    let run: usize = axes.iter().map(|&a| x.dims()[a]).product();
+    let flat = x.permute(order)?.contiguous()?.flatten_all()?;
+    fn sums<T: candle_core::WithDType>(v: Vec<T>, run: usize, add: fn(T, T) -> T) -> Vec<T> {
+        if run == 0 {
+            return Vec::new();
+        }
+        v.chunks(run).map(|c| c.iter().copied().fold(T::zero(), add)).collect()
+    }
+    let n: usize = out.iter().product();
+    let dev = x.device();
+    let y = match x.dtype() {
+        DType::U8 => Tensor::new(sums(flat.to_vec1::<u8>()?, run, u8::wrapping_add), dev)?,
+        DType::U32 => Tensor::new(sums(flat.to_vec1::<u32>()?, run, u32::wrapping_add), dev)?,
+        DType::I64 => Tensor::new(sums(flat.to_vec1::<i64>()?, run, i64::wrapping_add), dev)?,
+        dt => return Err(candle_core::Error::UnsupportedDTypeForOp(dt, "integer sum")),
+    };
+    if run == 0 {
+        // a sum over an empty axis: zeros
+        return Tensor::zeros(out, x.dtype(), dev);
+    }
+    debug_assert_eq!(y.elem_count(), n);
+    y.reshape(out)
 }
 
 pub(crate) fn sum_axes(x: &Tensor, axes: &[usize]) -> candle_core::Result<Tensor> {
@@ -127,6 +157,7 @@ impl Rule for Reduce {
         let op = self.name();
         match self {
             Reduce::Sum { axes, .. } if axes.is_empty() => Ok(x.clone()),
+            Reduce::Sum { axes, .. } if !x.dtype().is_float() => int_sum(x, axes, &out.shape).op(&op),
             Reduce::Sum { axes, .. } => sum_axes(x, axes).op(&op)?.reshape(out.shape.as_slice()).op(&op),
             Reduce::Max { axes, .. } => {
                 let mut y = x.clone();
@@ -138,6 +169,8 @@ impl Rule for Reduce {
                 }
                 y.reshape(out.shape.as_slice()).op(&op)
             }
+            // nothing to normalise (candle's softmax kernels panic on it)
+            Reduce::Softmax(_) | Reduce::LogSoftmax(_) if x.elem_count() == 0 => Ok(x.clone()),
             Reduce::Softmax(a) if *a + 1 == x.rank() => {
                 candle_nn::ops::softmax_last_dim(&x.contiguous().op(&op)?).op(&op)
             }

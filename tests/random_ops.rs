@@ -1,0 +1,202 @@
+//! Random programs (sequences of operations with random, often bad,
+//! parameters) on random shapes and dtypes, through `jit`, `vmap` and
+//! `grad`: each call gives a result or an `Error`, never a panic.
+//!
+//! CI runs 96 cases; `CANDLE_FUNC_FUZZ_CASES=20000 cargo test --release
+//! --test random_ops -- --nocapture` runs more and prints the tally of
+//! results and errors by variant.
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::{grad, jit, vmap, Error, Tracer};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// One operation with its (random) parameters; axes may be out of range
+/// and shapes may not fit, on purpose.
+#[derive(Clone, Debug)]
+enum Op {
+    Unary(u8),
+    Binary(u8),
+    Reduce { kind: u8, axis: i8 },
+    Reshape(Vec<usize>),
+    Permute(Vec<usize>),
+    Unsqueeze(u8),
+    Squeeze(i8),
+    Narrow { axis: i8, start: usize, len: usize },
+    Cast(u8),
+    Matmul,
+    Concat(i8),
+    IndexSelect { axis: i8, index: Vec<u32> },
+    Pool { max: bool, k: usize },
+    Conv { k: usize, pad: usize, dil: usize },
+    Clip,
+}
+
+const DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::U8, DType::U32, DType::I64];
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..12).prop_map(Op::Unary),
+        (0u8..6).prop_map(Op::Binary),
+        (0u8..4, -5i8..5).prop_map(|(kind, axis)| Op::Reduce { kind, axis }),
+        prop::collection::vec(0usize..7, 0..4).prop_map(Op::Reshape),
+        prop::collection::vec(0usize..5, 0..5).prop_map(Op::Permute),
+        (0u8..6).prop_map(Op::Unsqueeze),
+        (-5i8..5).prop_map(Op::Squeeze),
+        (-4i8..4, 0usize..4, 0usize..4).prop_map(|(axis, start, len)| Op::Narrow { axis, start, len }),
+        (0u8..5).prop_map(Op::Cast),
+        Just(Op::Matmul),
+        (-4i8..4).prop_map(Op::Concat),
+        (-3i8..3, prop::collection::vec(0u32..6, 0..4)).prop_map(|(axis, index)| Op::IndexSelect { axis, index }),
+        (any::<bool>(), 0usize..4).prop_map(|(max, k)| Op::Pool { max, k }),
+        (1usize..4, 0usize..3, 1usize..3).prop_map(|(k, pad, dil)| Op::Conv { k, pad, dil }),
+        Just(Op::Clip),
+    ]
+}
+
+fn apply(x: Tracer, ops: &[Op]) -> candle_func::Result<Tracer> {
+    let mut y = x;
+    for op in ops {
+        y = match op {
+            Op::Unary(i) => match i {
+                0 => y.neg()?,
+                1 => y.exp()?,
+                2 => y.log()?,
+                3 => y.sqrt()?,
+                4 => y.sqr()?,
+                5 => y.abs()?,
+                6 => y.relu()?,
+                7 => y.tanh()?,
+                8 => y.sigmoid()?,
+                9 => y.recip()?,
+                10 => y.softmax(-1)?,
+                _ => y.log_softmax(0)?,
+            },
+            Op::Binary(i) => match i {
+                0 => y.add(&y)?,
+                1 => y.sub(&y)?,
+                2 => y.mul(&y)?,
+                3 => y.div(&y)?,
+                4 => y.maximum(&y.neg()?)?,
+                _ => y.minimum(&y)?,
+            },
+            Op::Reduce { kind, axis } => {
+                let a = *axis as isize;
+                match kind {
+                    0 => y.sum(a)?,
+                    1 => y.max(a)?,
+                    2 => y.mean(a)?,
+                    _ => y.sum_all()?,
+                }
+            }
+            Op::Reshape(s) => y.reshape(s.clone())?,
+            Op::Permute(p) => y.permute(p)?,
+            Op::Unsqueeze(a) => y.unsqueeze(*a as usize)?,
+            Op::Squeeze(a) => y.squeeze(*a as isize)?,
+            Op::Narrow { axis, start, len } => y.narrow(*axis as isize, *start, *len)?,
+            Op::Cast(i) => y.to_dtype(DTYPES[*i as usize])?,
+            Op::Matmul => y.matmul(&y.t()?)?,
+            Op::Concat(a) => Tracer::cat(&[&y, &y], *a as isize)?,
+            Op::IndexSelect { axis, index } => {
+                let idx = Tensor::new(index.as_slice(), &Device::Cpu).map_err(Error::from)?;
+                y.index_select(&idx, *axis as isize)?
+            }
+            Op::Pool { max: true, k } => y.max_pool2d(*k)?,
+            Op::Pool { max: false, k } => y.avg_pool2d(*k)?,
+            Op::Conv { k, pad, dil } => {
+                let c = y.dims().get(1).copied().unwrap_or(1);
+                let w = Tensor::ones((2, c, *k, *k), y.dtype(), &Device::Cpu).map_err(Error::from)?;
+                y.conv2d(&w, *pad, 1, *dil, 1)?
+            }
+            Op::Clip => y.affine(0.5, 0.25)?,
+        };
+    }
+    Ok(y)
+}
+
+fn input() -> impl Strategy<Value = (usize, Vec<usize>, u64)> {
+    (0usize..5, prop::collection::vec(0usize..5, 0..5), any::<u64>())
+}
+
+fn make(dtype: DType, shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    // small values, a few of them NaN or zero for the float dtypes
+    let v: Vec<f64> = (0..n as u64)
+        .map(|i| {
+            let h = seed.wrapping_add(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+            match h % 17 {
+                0 => f64::NAN,
+                1 => 0.0,
+                r => r as f64 - 8.0,
+            }
+        })
+        .collect();
+    let t = Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+    match dtype {
+        DType::F32 | DType::F64 => t.to_dtype(dtype).unwrap(),
+        // integer dtypes: non-negative values (NaN casts to 0)
+        _ => t.abs().unwrap().to_dtype(dtype).unwrap(),
+    }
+}
+
+/// One transform's call on the case.
+type Run<'a> = Box<dyn Fn() -> candle_func::Result<Tensor> + 'a>;
+
+/// The error variant's name, for the tally.
+fn variant(e: &Error) -> String {
+    let d = format!("{e:?}");
+    d.split([' ', '{', '(']).next().unwrap_or("?").to_string()
+}
+
+#[test]
+fn random_programs_give_a_result_or_an_error() {
+    let cases = std::env::var("CANDLE_FUNC_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(96);
+    let tally: RefCell<BTreeMap<String, usize>> = RefCell::new(BTreeMap::new());
+    let count = |k: String| *tally.borrow_mut().entry(k).or_default() += 1;
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    // panics inside the calls are caught and reported as failures; keep
+    // their default messages off the output
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = runner.run(
+        &(input(), prop::collection::vec(op(), 1..6)),
+        |((dt, shape, seed), ops)| {
+            let x = make(DTYPES[dt], &shape, seed);
+            let runs: [(&str, Run); 3] = [
+                ("jit", Box::new(|| jit(|x: Tracer| apply(x, &ops)).call(&x))),
+                ("vmap", Box::new(|| vmap(|x: Tracer| apply(x, &ops)).call(&x))),
+                (
+                    "grad",
+                    Box::new(|| grad(|x: Tracer| apply(x, &ops)?.to_dtype(DType::F32)?.sum_all()).call(&x)),
+                ),
+            ];
+            for (name, run) in runs {
+                match catch_unwind(AssertUnwindSafe(run)) {
+                    Ok(Ok(_)) => count(format!("{name}: result")),
+                    Ok(Err(e)) => count(format!("{name}: Error::{}", variant(&e))),
+                    Err(_) => {
+                        count("panics".into());
+                        return Err(TestCaseError::fail(format!(
+                            "{name} panicked on {:?} {shape:?} with {ops:?}",
+                            DTYPES[dt]
+                        )));
+                    }
+                }
+            }
+            Ok(())
+        },
+    );
+    std::panic::set_hook(hook);
+    println!("{cases} cases: {:#?}", tally.borrow());
+    result.unwrap();
+}
