@@ -136,6 +136,14 @@ impl Rule for Reduce {
         match self {
             Reduce::Sum { axes, keepdim } | Reduce::Max { axes, keepdim } => {
                 check_axes("reduce", &x.shape, axes)?;
+                if matches!(self, Reduce::Max { .. }) && axes.iter().any(|&a| x.shape[a] == 0) {
+                    // as PyTorch: a maximum of nothing has no value
+                    return Err(Error::shape(
+                        "max",
+                        &[&x.shape],
+                        format!("cannot reduce an empty axis among {axes:?}"),
+                    ));
+                }
                 Ok(x.with_shape(reduced_shape(&x.shape, axes, *keepdim)))
             }
             Reduce::Softmax(a) | Reduce::LogSoftmax(a) => {

@@ -49,6 +49,13 @@ pub(super) fn out_spatial(op: &'static str, geom: &ConvGeom, x: &[usize]) -> Res
 fn infer_conv(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Result<TensorType> {
     arity("conv", args, 2)?;
     let dt = same_dtype("conv", args)?;
+    if !dt.is_float() {
+        return Err(Error::DType {
+            op: "conv",
+            dtypes: vec![dt],
+            msg: "convolutions need floating-point operands".into(),
+        });
+    }
     let (x, w) = (args[0].shape.as_slice(), args[1].shape.as_slice());
     let nd = geom.kernel.len();
     let fits = w.len() == nd + 2
