@@ -1,7 +1,7 @@
 //! Elementwise primitives: unary maps, casts, broadcasting binary maps,
 //! comparisons and `where`.
 
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
@@ -73,6 +73,18 @@ impl Rule for Unary {
 
     fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
         Ok(Some(vec![unary_vjp(self, b, args[0], out, ct)?]))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
+        let Some(t) = tans[0] else { return Ok(Some(None)) };
+        Ok(Some(match self {
+            // linear: the tangent cast alike (none into an integer dtype)
+            Unary::Cast(dt) if is_float(*dt) => Some(b.un(self.clone(), t)?),
+            Unary::Cast(_) => None,
+            // elementwise, so the VJP with the tangent as cotangent is
+            // `f'(x) t`
+            _ => unary_vjp(self, b, args[0], out, t)?,
+        }))
     }
 }
 
@@ -183,6 +195,29 @@ impl Rule for Binary {
         let (gx, gy) = binary_vjp(*self, b, x, y, out, ct)?;
         let (sx, sy) = (b.dims(x), b.dims(y));
         Ok(Some(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)]))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
+        // `df/dx tx + df/dy ty` at the broadcast shape: each partial is the
+        // VJP's (elementwise) with that tangent as the cotangent
+        let (x, y) = (args[0], args[1]);
+        let shape = b.dims(out);
+        let mut sum: Tan = None;
+        for (i, t) in tans.iter().enumerate() {
+            let Some(t) = *t else { continue };
+            let t = if b.dims(t) == shape {
+                t
+            } else {
+                b.broadcast(t, shape.clone())?
+            };
+            let (gx, gy) = binary_vjp(*self, b, x, y, out, t)?;
+            let term = if i == 0 { gx } else { gy };
+            sum = Some(match sum {
+                None => term,
+                Some(s) => b.bin(Binary::Add, s, term)?,
+            });
+        }
+        Ok(Some(sum))
     }
 }
 
@@ -385,6 +420,10 @@ impl Rule for Compare {
     fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
         Ok(Some(vec![None, None]))
     }
+
+    fn jvp(&self, _b: &mut Builder, _args: &[VarId], _tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        Ok(Some(None)) // an integer mask
+    }
 }
 
 /// `where(mask, on_true, on_false)`, all three broadcast together.
@@ -425,6 +464,15 @@ impl Rule for Where {
         let gf = b.select(m, zero, ct)?;
         let (st, sf) = (b.dims(t), b.dims(f));
         Ok(Some(vec![None, Some(b.sum_to(gt, &st)?), Some(b.sum_to(gf, &sf)?)]))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
+        if tans[1].is_none() && tans[2].is_none() {
+            return Ok(Some(None));
+        }
+        let zero = b.scalar_as(0.0, out);
+        let (tt, tf) = (tans[1].unwrap_or(zero), tans[2].unwrap_or(zero));
+        Ok(Some(Some(b.select(args[0], tt, tf)?)))
     }
 }
 

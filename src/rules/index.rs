@@ -1,7 +1,7 @@
 //! Indexing primitives: index-select and gather (picking a label's
 //! log-probability is `gather` along the class axis).
 
-use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::IndexOp;
 use crate::ir::{Prim, TensorType, VarId};
@@ -200,6 +200,11 @@ impl Rule for IndexOp {
             IndexOp::ScatterAdd { axis, .. } => b.emit(Prim::Index(IndexOp::Gather(axis)), &[ct, idx])?,
         };
         Ok(Some(vec![Some(g), None]))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        // linear in the indexed values; the indices are integers
+        multilinear_jvp(b, &Prim::Index(*self), args, tans, &[0]).map(Some)
     }
 }
 

@@ -5,7 +5,7 @@
 //! body; its batching rule batches the body; its VJP is a map of the
 //! body's per-example VJP.
 
-use super::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{Error, Result};
 use crate::ir::options::Opts;
 use crate::ir::{Graph, Map, Prim, TensorType, VarId};
@@ -250,6 +250,42 @@ impl Rule for Map {
             }));
         }
         Ok(Some(cts))
+    }
+
+    /// A map of the body's per-example JVP: the primal operands, then the
+    /// tangent of each operand that has one (batched as its operand is),
+    /// in; the result's tangent out.
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let graph = {
+            let mut sb = scratch.borrow_mut();
+            let ids: Vec<VarId> = self
+                .body
+                .inputs
+                .iter()
+                .map(|&i| sb.input(self.body.ty(i).clone()))
+                .collect();
+            let mut body_tans = Vec::with_capacity(ids.len());
+            for (k, &i) in self.body.inputs.iter().enumerate() {
+                let ty = self.body.ty(i).clone();
+                body_tans.push(tans.get(k).copied().flatten().map(|_| sb.input(ty)));
+            }
+            let (_, out_tans) = walk::jvp_graph(&self.body, &mut sb, &ids, &body_tans)?;
+            match out_tans.first().copied().flatten() {
+                Some(t) => sb.finish(vec![t]).0.eliminate_dead_code(),
+                None => return Ok(Some(None)),
+            }
+        };
+        let mut operands: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
+        for (k, t) in tans.iter().enumerate() {
+            if let Some(t) = t {
+                operands.push((*t, self.bdims[k]));
+            }
+        }
+        let out = emit_packed(b, &graph, &operands, self.size, self.opts)?
+            .pop()
+            .ok_or_else(|| Error::internal("map", "a tangent without a map"))?;
+        Ok(Some(Some(out)))
     }
 }
 

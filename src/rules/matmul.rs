@@ -1,7 +1,7 @@
 //! Matrix product with broadcast leading (batch) axes:
 //! `[.., m, k] @ [.., k, n] -> [.., m, n]`, both operands of rank >= 2.
 
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{arity, broadcast_shapes, multilinear_jvp, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::bmm;
@@ -114,6 +114,11 @@ impl Rule for Matmul {
         let gy = b.emit(Prim::Matmul, &[xt, ct])?;
         let (sx, sy) = (b.dims(x), b.dims(y));
         Ok(Some(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)]))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        // bilinear: ta @ b + a @ tb
+        multilinear_jvp(b, &Prim::Matmul, args, tans, &[0, 1]).map(Some)
     }
 }
 

@@ -69,10 +69,47 @@ pub(crate) trait Rule {
     fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
         Ok(None)
     }
+    /// Emits the tangent of the result (`out`) from the operands' tangents
+    /// (`None`: zero); the result's `None` is a zero tangent.
+    /// `Ok(None)`: the primitive has no JVP rule.
+    fn jvp(&self, _b: &mut Builder, _args: &[VarId], _tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        Ok(None)
+    }
 }
 
 /// Cotangents of a primitive's operands, in operand order.
 pub(crate) type Cts = Vec<Option<VarId>>;
+
+/// A tangent: `None` for zero (an operand the JVP does not depend on).
+pub(crate) type Tan = Option<VarId>;
+
+/// The tangent of `prim(args)` for a primitive linear in each operand of
+/// `linear` with the others fixed (a product or convolution in both, a
+/// reshape or an index in its first): the sum over those operands of
+/// `prim` with that operand replaced by its tangent. Tangents of the other
+/// operands (indices, a max-pool's selecting input) do not contribute.
+pub(crate) fn multilinear_jvp(
+    b: &mut Builder,
+    prim: &Prim,
+    args: &[VarId],
+    tans: &[Tan],
+    linear: &[usize],
+) -> Result<Tan> {
+    let mut sum: Tan = None;
+    for &i in linear {
+        let Some(t) = tans.get(i).copied().flatten() else {
+            continue;
+        };
+        let mut with = args.to_vec();
+        with[i] = t;
+        let term = b.emit(prim.clone(), &with)?;
+        sum = Some(match sum {
+            None => term,
+            Some(s) => b.bin(crate::ir::ops::Binary::Add, s, term)?,
+        });
+    }
+    Ok(sum)
+}
 
 /// The rules of a computed primitive (not of inputs, constants, literals).
 pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {

@@ -4,7 +4,7 @@
 //! other than the kernel); the average-pooling gradient spreads each
 //! window's cotangent over the window's unfolded columns and folds them back.
 
-use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{PoolOp, Window};
 use crate::ir::{Prim, TensorType, VarId};
@@ -129,6 +129,27 @@ impl Rule for PoolOp {
             PoolOp::AvgPoolGrad { .. } => vec![Some(b.emit(pool(PoolOp::AvgPool2d { kernel, stride }), &[ct])?)],
         };
         Ok(Some(cts))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        let (kernel, stride) = self.window();
+        match self {
+            // the tangent read at each window's first maximum
+            PoolOp::MaxPool2d { .. } => match tans[0] {
+                None => Ok(Some(None)),
+                Some(t) => {
+                    let select = Prim::Pool(PoolOp::MaxPoolSelect { kernel, stride });
+                    Ok(Some(Some(b.emit(select, &[args[0], t])?)))
+                }
+            },
+            // piecewise constant in the selecting input, linear in the other
+            PoolOp::MaxPoolGrad { .. } | PoolOp::MaxPoolSelect { .. } => {
+                multilinear_jvp(b, &Prim::Pool(self.clone()), args, tans, &[1]).map(Some)
+            }
+            PoolOp::AvgPool2d { .. } | PoolOp::AvgPoolGrad { .. } => {
+                multilinear_jvp(b, &Prim::Pool(self.clone()), args, tans, &[0]).map(Some)
+            }
+        }
     }
 }
 

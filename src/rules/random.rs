@@ -5,7 +5,7 @@
 //! the seed the interpreter hands each node (see `RunCx`), so a run is
 //! reproducible from its transform's seed, and live on the run's device.
 
-use super::{BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::Uniform;
 use crate::ir::options::Randomness;
@@ -53,5 +53,9 @@ impl Rule for Uniform {
 
     fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
         Ok(Some(vec![]))
+    }
+
+    fn jvp(&self, _b: &mut Builder, _args: &[VarId], _tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        Ok(Some(None)) // a draw does not depend on any operand
     }
 }

@@ -1,6 +1,6 @@
 //! Reductions over axes, and (log-)softmax along one axis.
 
-use super::{arity, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Reduce, Unary};
 use crate::ir::{Prim, TensorType, VarId};
@@ -230,6 +230,44 @@ impl Rule for Reduce {
             }
         };
         Ok(Some(vec![Some(g)]))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
+        let Some(t) = tans[0] else { return Ok(Some(None)) };
+        let x = args[0];
+        let xs = b.dims(x);
+        let tan = match self {
+            // linear
+            Reduce::Sum { .. } => return multilinear_jvp(b, &Prim::Reduce(self.clone()), args, tans, &[0]).map(Some),
+            // the tangent at the positions that attain the max, shared evenly
+            Reduce::Max { axes, .. } => {
+                let kept = reduced_shape(&xs, axes, true);
+                let o = b.reshape(out, kept)?;
+                let o = b.broadcast(o, xs)?;
+                let hit = b.cmp(Compare::Eq, x, o)?;
+                let hit = b.un(Unary::Cast(b.ty(x).dtype), hit)?;
+                let count = b.sum_axes(hit, axes.clone(), true)?;
+                let ht = b.bin(Binary::Mul, hit, t)?;
+                let num = b.sum_axes(ht, axes.clone(), true)?;
+                let share = b.bin(Binary::Div, num, count)?;
+                b.reshape(share, b.dims(out))?
+            }
+            // s * (t - sum(s * t))
+            Reduce::Softmax(a) => {
+                let st = b.bin(Binary::Mul, out, t)?;
+                let s = b.sum_axes(st, vec![*a], true)?;
+                let d = b.bin(Binary::Sub, t, s)?;
+                b.bin(Binary::Mul, out, d)?
+            }
+            // t - sum(exp(out) * t)
+            Reduce::LogSoftmax(a) => {
+                let e = b.un(Unary::Exp, out)?;
+                let et = b.bin(Binary::Mul, e, t)?;
+                let s = b.sum_axes(et, vec![*a], true)?;
+                b.bin(Binary::Sub, t, s)?
+            }
+        };
+        Ok(Some(Some(tan)))
     }
 }
 

@@ -1,7 +1,7 @@
 //! Shape primitives: reshape, permute, broadcast, narrow, concatenate.
 //! (squeeze, unsqueeze, flatten, transpose and stack are built from these.)
 
-use super::{checked_product, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{checked_product, multilinear_jvp, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::ShapeOp;
 use crate::ir::{Prim, TensorType, VarId};
@@ -187,5 +187,24 @@ impl Rule for ShapeOp {
             }
         };
         Ok(Some(g))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        // linear; a concatenation jointly in all its operands (zeros for
+        // those without a tangent)
+        if let ShapeOp::Concat(_) = self {
+            if tans.iter().all(Option::is_none) {
+                return Ok(Some(None));
+            }
+            let mut ts = Vec::with_capacity(args.len());
+            for (&a, t) in args.iter().zip(tans) {
+                ts.push(match t {
+                    Some(t) => *t,
+                    None => b.zeros(b.dims(a), b.ty(a).dtype)?,
+                });
+            }
+            return Ok(Some(Some(b.emit(Prim::Shape(self.clone()), &ts)?)));
+        }
+        multilinear_jvp(b, &Prim::Shape(self.clone()), args, tans, &[0]).map(Some)
     }
 }

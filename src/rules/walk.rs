@@ -3,7 +3,7 @@
 //! rule in reverse ([`vjp_graph`]). The transforms call these; so do the
 //! rules of primitives that hold a sub-graph (`map`).
 
-use super::{map, rule, BVal, BatchCx, Builder};
+use super::{map, rule, BVal, BatchCx, Builder, Tan};
 use crate::error::{Error, Result};
 use crate::ir::ops::Binary;
 use crate::ir::{Graph, Prim, TensorType, VarId};
@@ -177,6 +177,43 @@ pub(crate) fn vjp_graph(
     }
     let outs = g.outputs.iter().map(|&o| env[o]).collect();
     Ok((outs, g.inputs.iter().map(|&v| cts[v]).collect()))
+}
+
+/// Emits `g`'s forward pass with its tangents (forward mode) into `b`:
+/// the inputs bound to `inputs`, their tangents to `tans` (`None`: zero).
+/// Returns the outputs and each output's tangent (`None` where zero).
+pub(crate) fn jvp_graph(g: &Graph, b: &mut Builder, inputs: &[VarId], tans: &[Tan]) -> Result<(Vec<VarId>, Vec<Tan>)> {
+    if inputs.len() != g.inputs.len() || tans.len() != g.inputs.len() {
+        return Err(Error::internal("jvp", "inputs or tangents do not match the graph"));
+    }
+    let mut env = vec![usize::MAX; g.nodes.len()];
+    let mut tan: Vec<Tan> = vec![None; g.nodes.len()];
+    for (k, &v) in g.inputs.iter().enumerate() {
+        env[v] = inputs[k];
+        tan[v] = tans[k];
+    }
+    for (v, node) in g.nodes.iter().enumerate() {
+        env[v] = match &node.prim {
+            Prim::Input(_) => env[v],
+            Prim::Const(k) => b.constant(&g.consts[*k]),
+            Prim::Scalar(x) => b.scalar(*x, node.ty.dtype),
+            prim => {
+                let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
+                let out = b.emit(prim.clone(), &args)?;
+                let arg_tans: Vec<Tan> = node.args.iter().map(|&a| tan[a]).collect();
+                if arg_tans.iter().any(Option::is_some) {
+                    tan[v] = rule(prim)?.jvp(b, &args, &arg_tans, out)?.ok_or_else(|| {
+                        Error::unsupported(prim.kind(), "jvp", format!("{} has no JVP rule", prim.name()))
+                    })?;
+                }
+                out
+            }
+        };
+    }
+    Ok((
+        g.outputs.iter().map(|&o| env[o]).collect(),
+        g.outputs.iter().map(|&o| tan[o]).collect(),
+    ))
 }
 
 /// tinygrad's loud error: the primitive that has no derivative rule.

@@ -12,7 +12,7 @@ mod cpu;
 mod infer;
 mod vjp;
 
-use super::{BVal, BatchCx, Builder, Cts, Rule, RunCx};
+use super::{multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::Result;
 use crate::ir::conv::ConvOp;
 use crate::ir::{ConvGeom, Prim, TensorType, VarId};
@@ -33,6 +33,13 @@ impl Rule for ConvOp {
 
     fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
         vjp::vjp(self, b, args, ct).map(Some)
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        // a convolution and its gradients are bilinear in their two
+        // operands; unfold and fold are linear
+        let linear: &[usize] = if args.len() == 2 { &[0, 1] } else { &[0] };
+        multilinear_jvp(b, &Prim::Conv(self.clone()), args, tans, linear).map(Some)
     }
 }
 
