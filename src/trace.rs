@@ -45,6 +45,11 @@ impl Tracer {
         }
     }
 
+    /// The device of the trace this value belongs to.
+    pub(crate) fn device(&self) -> candle_core::Device {
+        self.b.borrow().ctx.device.clone()
+    }
+
     /// This value as the builders see it.
     pub(crate) fn outer(&self) -> Outer {
         Outer {

@@ -218,3 +218,64 @@ fn through_vmap_maps_and_every_conv_route() {
         check(&format!("vmap {route:?} {schedule:?}"), &f, &wv, 82);
     }
 }
+
+#[test]
+fn jacobians_hessians_and_hvps_agree() {
+    use candle_func::{hessian, hvp, jacfwd, jacrev, jit, vmap};
+    let w1 = f64s(&[5, 4], 90);
+    let w2 = f64s(&[3, 5], 91);
+    let mlp = move |x: Tracer| -> candle_func::Result<Tracer> {
+        x.matmul(&w1.t().unwrap().to_tracer(&x)?)?
+            .tanh()?
+            .matmul(&w2.t().unwrap().to_tracer(&x)?)?
+            .log_softmax(1)
+    };
+    let x = f64s(&[2, 4], 92);
+    let jf = jit(jacfwd(mlp.clone())).call(&x).unwrap();
+    let jr = jit(jacrev(mlp.clone())).call(&x).unwrap();
+    assert_eq!(jf.dims(), &[2, 3, 2, 4], "[*out, *in]");
+    assert_close(&jf, &jr, 1e-12, "jacfwd = jacrev");
+    // column (i, k) of the Jacobian is the JVP along e_(i,k)
+    for (i, k) in [(0, 0), (1, 3)] {
+        let mut e = vec![0f64; 8];
+        e[i * 4 + k] = 1.0;
+        let e = Tensor::from_vec(e, (2, 4), x.device()).unwrap();
+        let (_, col) = jvp(&mlp, &x, &e).unwrap();
+        let want = jf
+            .narrow(2, i, 1)
+            .unwrap()
+            .narrow(3, k, 1)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        assert_close(&col, &want, 1e-12, "a column");
+    }
+    // per-example Jacobians under vmap, as the torch.func tutorials do
+    let w1b = f64s(&[5, 4], 93);
+    let one = move |x: Tracer| {
+        x.unsqueeze(0)?
+            .matmul(&w1b.t().unwrap().to_tracer(&x)?)?
+            .tanh()?
+            .squeeze(0)
+    };
+    let xs = f64s(&[6, 4], 94);
+    let per = vmap(jacrev(one.clone())).call(&xs).unwrap();
+    assert_eq!(per.dims(), &[6, 5, 4]);
+    let j2 = jit(jacfwd(one)).call(xs.get(2).unwrap()).unwrap();
+    assert_close(&per.get(2).unwrap(), &j2, 1e-12, "example 2");
+    // the Hessian of a scalar loss: symmetric, and H v = hvp
+    let loss = {
+        let f = mlp.clone();
+        move |x: Tracer| f(x)?.exp()?.sqr()?.sum_all()
+    };
+    let h = jit(hessian(loss.clone())).call(&x).unwrap();
+    assert_eq!(h.dims(), &[2, 4, 2, 4]);
+    let hm = h.reshape((8, 8)).unwrap();
+    assert_close(&hm, &hm.t().unwrap(), 1e-10, "symmetric");
+    let v = f64s(&[2, 4], 95);
+    let (g, hv) = hvp(&loss, &x, &v).unwrap();
+    let want = hm.matmul(&v.reshape((8, 1)).unwrap()).unwrap().reshape((2, 4)).unwrap();
+    assert_close(&hv, &want, 1e-10, "hvp = H v");
+    let g2 = candle_func::grad(loss).call(&x).unwrap();
+    assert_close(&g, &g2, 1e-12, "hvp's gradient");
+}

@@ -10,6 +10,7 @@ use crate::ir::options::Options;
 use crate::ir::TensorType;
 use crate::rules::walk::jvp_graph;
 use crate::rules::{Builder, TraceCtx};
+use crate::trace::Tracer;
 use candle_core::Tensor;
 
 /// What [`jvp`] returns: the value and its tangent, each a concrete tree
@@ -85,4 +86,79 @@ where
     let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
     let tangent = F::Output::concrete_from(&compiled.out_def, &mut tangent_outs.into_iter())?;
     Ok((value, tangent))
+}
+
+/// `f` in forward mode as a function of `(primals, tangents)` (one
+/// argument tree each) giving `(value, tangent)`: a [`Function`], so it
+/// nests under other transforms (`vmap` over tangents is `jacfwd`; a
+/// `jvp_fn` of `grad` is a Hessian-vector product). Made by [`jvp_fn`].
+pub struct JvpFn<F> {
+    f: F,
+}
+
+/// `f` in forward mode as a composable function of `(primals, tangents)`
+/// (see [`JvpFn`]); [`jvp`] calls it on tensors directly.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{jit, jvp_fn, Tracer};
+/// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
+/// let u = Tensor::new(&[1f32, 1.], &Device::Cpu)?;
+/// let (y, dy) = jit(jvp_fn(|x: Tracer| x.exp())).call((&x, &u))?;
+/// assert_eq!(dy.to_vec1::<f32>()?, y.to_vec1::<f32>()?);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn jvp_fn<F>(f: F) -> JvpFn<F> {
+    JvpFn { f }
+}
+
+impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
+    type Output = (F::Output, F::Output);
+
+    fn apply(&self, (primals, tangents): (A, A)) -> Result<Self::Output> {
+        let (mut p, mut t) = (Vec::new(), Vec::new());
+        let (pd, td) = (primals.flatten_into(&mut p), tangents.flatten_into(&mut t));
+        let (pt, tt): (Vec<TensorType>, Vec<TensorType>) = (
+            p.iter().map(|x| x.ty.clone()).collect(),
+            t.iter().map(|x| x.ty.clone()).collect(),
+        );
+        if pd != td || pt != tt {
+            return Err(Error::Tree {
+                msg: format!("jvp: tangents {tt:?} do not match the primals {pt:?}"),
+            });
+        }
+        let outer = super::innermost(&[p.clone(), t.clone()]).ok_or_else(|| Error::Tree {
+            msg: "jvp: the function has no tensor arguments".into(),
+        })?;
+        let given = self.f.own_options().inherit(&outer.borrow().given);
+        let (g, captures, out_def) = super::trace_inner(&self.f, &outer, (given, true), &[pd], &[pt])?;
+        let (outs, tans) = {
+            let mut ob = outer.borrow_mut();
+            let mut ins = Vec::with_capacity(p.len() + captures.len());
+            let mut tin = Vec::with_capacity(ins.capacity());
+            for (x, u) in p.iter().zip(&t) {
+                ins.push(ob.lift(&x.outer())?);
+                let u = ob.lift(&u.outer())?;
+                tin.push(x.ty.dtype.is_float().then_some(u));
+            }
+            for c in &captures {
+                ins.push(ob.lift(c)?);
+                tin.push(None); // closed over: constant in the primals
+            }
+            let (outs, out_tans) = jvp_graph(&g, &mut ob, &ins, &tin)?;
+            let mut tans = Vec::with_capacity(outs.len());
+            for (o, t) in outs.iter().zip(out_tans) {
+                let ty = ob.ty(*o).clone();
+                tans.push(match t {
+                    Some(t) => t,
+                    None => ob.zeros(ty.shape, ty.dtype)?,
+                });
+            }
+            (outs, tans)
+        };
+        let tr = |ids: Vec<usize>| ids.into_iter().map(|id| Tracer::new(&outer, id)).collect::<Vec<_>>();
+        let value = F::Output::unflatten_from(&out_def, &mut tr(outs).into_iter())?;
+        let tangent = F::Output::unflatten_from(&out_def, &mut tr(tans).into_iter())?;
+        Ok((value, tangent))
+    }
 }

@@ -3,6 +3,7 @@
 //! and calling a traced function on concrete tensors.
 
 pub(crate) mod grad;
+pub(crate) mod jacobian;
 pub(crate) mod jvp;
 pub(crate) mod planner;
 pub(crate) mod schedule;
