@@ -7,14 +7,14 @@
 //!     cargo run --release --example bench                 # everything
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
-//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, SWEEP
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, jit, make_graph, vmap, ConvRoute, Schedule, Tracer};
+use candle_func::{grad, hvp_fn, jacfwd, jacrev, jit, make_graph, vmap, ConvRoute, Operand, Schedule, Tracer};
 use common::median_ms;
 use common::models::{build, c3d, cnn_o, cnn_t, mlp};
 use std::collections::BTreeMap;
@@ -472,6 +472,68 @@ fn chart(points: &[(ConvRoute, usize, f64)]) -> String {
     svg + "</svg>\n"
 }
 
+/// Forward and reverse mode side by side: `jacfwd` against `jacrev` on a
+/// map with few inputs and many outputs and on one with many inputs and
+/// few outputs, and a Hessian-vector product (forward over reverse)
+/// against one gradient of the same loss.
+fn higher_order(o: &Opts) -> Res<()> {
+    let dev = Device::Cpu;
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
+    for (name, fin, fout) in [("R^16 -> R^1024", 16, 1024), ("R^1024 -> R^16", 1024, 16)] {
+        let w = Tensor::randn(0f32, 1., (fout, fin), &dev)?;
+        let x = Tensor::randn(0f32, 1., fin, &dev)?;
+        let f = move |x: Tracer| x.unsqueeze(1)?.t()?.matmul(&w.t()?.to_tracer(&x)?)?.tanh()?.squeeze(0);
+        let (fwd, rev) = (jit(jacfwd(f.clone())), jit(jacrev(f)));
+        let mut jobs: Vec<Job> = vec![
+            Box::new(|| Ok(fwd.call(&x).map(|_| ())?)),
+            Box::new(|| Ok(rev.call(&x).map(|_| ())?)),
+        ];
+        let ms = interleaved(o.reps, &mut jobs)?;
+        rows.push(Row {
+            variant: format!("{name}: jacfwd"),
+            ms: ms[0],
+            peak_mib: None,
+        });
+        rows.push(Row {
+            variant: format!("{name}: jacrev"),
+            ms: ms[1],
+            peak_mib: None,
+        });
+        notes.push(format!("{name}: jacfwd / jacrev {:.2}", ms[0] / ms[1]));
+    }
+    // an MLP loss of a batch of 64 inputs, 784-128-10
+    let (w1, w2) = (
+        Tensor::randn(0f32, 0.05, (128, 784), &dev)?,
+        Tensor::randn(0f32, 0.1, (10, 128), &dev)?,
+    );
+    let loss = move |x: Tracer| -> candle_func::Result<Tracer> {
+        let h = x.matmul(&w1.t()?.to_tracer(&x)?)?.tanh()?;
+        h.matmul(&w2.t()?.to_tracer(&x)?)?.log_softmax(1)?.sum_all()
+    };
+    let x = Tensor::randn(0f32, 1., (64, 784), &dev)?;
+    let v = Tensor::randn(0f32, 1., (64, 784), &dev)?;
+    let (g, h) = (jit(grad(loss.clone())), jit(hvp_fn(loss)));
+    let mut jobs: Vec<Job> = vec![
+        Box::new(|| Ok(g.call(&x).map(|_| ())?)),
+        Box::new(|| Ok(h.call((&x, &v)).map(|_| ())?)),
+    ];
+    let ms = interleaved(o.reps, &mut jobs)?;
+    rows.push(Row {
+        variant: "MLP loss, B=64: grad".into(),
+        ms: ms[0],
+        peak_mib: None,
+    });
+    rows.push(Row {
+        variant: "MLP loss, B=64: hvp (forward over reverse)".into(),
+        ms: ms[1],
+        peak_mib: None,
+    });
+    notes.push(format!("hvp / grad: {:.2}", ms[1] / ms[0]));
+    report(o, "higher-order transforms", &rows, &notes);
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -547,6 +609,9 @@ fn main() -> Res<()> {
     }
     if want("FWD") {
         forward_overhead(&o)?;
+    }
+    if want("HO") {
+        higher_order(&o)?;
     }
     if want("SWEEP") {
         sweep(&o)?;

@@ -135,9 +135,31 @@ pub fn hessian<F>(f: F) -> Jacfwd<Jacrev<F>> {
     jacfwd(jacrev(f))
 }
 
+/// The Hessian-vector product of a scalar `f` as a [`Function`] of
+/// `(x, v)` giving `(grad f(x), H v)`, by forward over reverse (one JVP of
+/// the gradient; no Hessian is formed). Made by [`hvp_fn`]; wrap it in
+/// [`jit`] to trace once and call it repeatedly.
+pub struct HvpFn<F> {
+    f: F,
+}
+
+/// See [`HvpFn`].
+pub fn hvp_fn<F>(f: F) -> HvpFn<F> {
+    HvpFn { f }
+}
+
+impl<F: Function<(Tracer,), Output = Tracer>> Function<(Tracer, Tracer)> for HvpFn<F> {
+    type Output = (Tracer, Tracer);
+    fn apply(&self, (x, v): (Tracer, Tracer)) -> Result<(Tracer, Tracer)> {
+        let g = grad(ByRef(&self.f));
+        Function::apply(&jvp_fn(g), (x, v))
+    }
+}
+
 /// The Hessian of a scalar `f` at `x` times `v`, by forward over reverse
 /// (one JVP of the gradient: no Hessian is formed), with `f`'s gradient:
-/// `(grad f(x), H v)`, as `torch.func`'s `jvp(grad(f), ..)` recipe.
+/// `(grad f(x), H v)`, as `torch.func`'s `jvp(grad(f), ..)` recipe. It
+/// traces `f` on every call; `jit(hvp_fn(f))` traces once.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -154,8 +176,7 @@ where
     F: Function<(Tracer,), Output = Tracer>,
     C: CallArgs<(Tracer,)>,
 {
-    let g = grad(ByRef(f));
-    let both = |x: Tracer, v: Tracer| Function::apply(&jvp_fn(ByRef(&g)), (x, v));
+    let both = hvp_fn(ByRef(f));
     let (x, v) = (x.flatten_args(), v.flatten_args());
     let one = |t: Vec<Vec<Tensor>>| t.into_iter().flatten().next();
     let (Some(x), Some(v)) = (one(x.0), one(v.0)) else {
