@@ -123,6 +123,16 @@ impl Tracer {
     pub fn tanh(&self) -> Result<Tracer> {
         self.unary(Unary::Tanh)
     }
+    /// The error function.
+    pub fn erf(&self) -> Result<Tracer> {
+        self.unary(Unary::Erf)
+    }
+    /// GELU in its exact form, `x / 2 * (1 + erf(x / sqrt 2))` (PyTorch's
+    /// default `gelu`).
+    pub fn gelu(&self) -> Result<Tracer> {
+        let e = self.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?;
+        self.mul(&e.affine(0.5, 0.5)?)
+    }
     /// Logistic sigmoid `1 / (1 + e^-x)`.
     pub fn sigmoid(&self) -> Result<Tracer> {
         self.unary(Unary::Sigmoid)

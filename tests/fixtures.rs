@@ -12,7 +12,9 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use candle_func::nn::{functional_call, stack_params, Module};
-use candle_func::{value_and_grad, vmap, ConvRoute, Schedule, Tracer};
+use candle_func::{
+    hessian, hvp, jacfwd, jacrev, jit, value_and_grad, vmap, ConvRoute, Function, Operand, Schedule, Tracer,
+};
 use common::arch::{build_nn, cross_entropy, parse};
 use common::max_diff;
 use std::collections::{BTreeMap, HashMap};
@@ -142,6 +144,134 @@ fn run_ensemble(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
         &f.tensors["logits"],
     );
     format!("ensemble logits max diff {d:.2e}")
+}
+
+/// The parameters as one flat vector (in name order), and back.
+fn flat(p: &BTreeMap<String, Tensor>) -> Tensor {
+    let parts: Vec<Tensor> = p.values().map(|t| t.flatten_all().unwrap()).collect();
+    Tensor::cat(&parts, 0).unwrap()
+}
+
+fn unflat(theta: &Tracer, like: &BTreeMap<String, Tensor>) -> candle_func::Result<BTreeMap<String, Tracer>> {
+    let mut at = 0;
+    let mut out = BTreeMap::new();
+    for (k, t) in like {
+        let n = t.elem_count();
+        out.insert(k.clone(), theta.narrow(0, at, n)?.reshape(t.dims())?);
+        at += n;
+    }
+    Ok(out)
+}
+
+/// `jacobian` cases: each example's Jacobian of its logits w.r.t. its
+/// input (`vmap(jacrev)` and `vmap(jacfwd)`), each example's Hessian of its
+/// loss w.r.t. its input, and the Hessian of the batch-mean loss w.r.t. all
+/// parameters jointly applied to `v`.
+fn run_jacobian(f: &Fixture, route: ConvRoute) -> String {
+    let (x, y) = (&f.tensors["x"], &f.tensors["y"]);
+    let p = params(f);
+    let net = model(f, &p);
+    let logits = |x: Tracer| net.forward(&x.unsqueeze(0)?)?.squeeze(0);
+    let name = |what: &str| format!("{} {route:?} {what}", f.name);
+    let jr = vmap(jacrev(logits))
+        .conv_route(route)
+        .call(x)
+        .unwrap_or_else(|e| panic!("{}: {e}", name("jacrev")));
+    let jf = vmap(jacfwd(logits))
+        .conv_route(route)
+        .call(x)
+        .unwrap_or_else(|e| panic!("{}: {e}", name("jacfwd")));
+    let dj = check(&name("jac.input (jacrev)"), &jr, &f.tensors["jac.input"]);
+    check(&name("jac.input (jacfwd)"), &jf, &f.tensors["jac.input"]);
+    let per_hessian = |x: Tracer, y: Tracer| {
+        let loss = move |x: Tracer| cross_entropy(&logits(x)?, &y);
+        Function::apply(&hessian(loss), (x,))
+    };
+    let h = vmap(per_hessian)
+        .conv_route(route)
+        .call((x, y))
+        .unwrap_or_else(|e| panic!("{}: {e}", name("hessian")));
+    let dh = check(&name("hessian.input"), &h, &f.tensors["hessian.input"]);
+    // the batch-mean loss as a function of all parameters, flattened
+    let v: BTreeMap<String, Tensor> = p
+        .keys()
+        .map(|k| (k.clone(), f.tensors[&format!("v.{k}")].clone()))
+        .collect();
+    let loss = |theta: Tracer| -> candle_func::Result<Tracer> {
+        let q = unflat(&theta, &p)?;
+        let out = functional_call(&net, &q, &x.to_tracer(&theta)?)?;
+        let lp = out.log_softmax(1)?;
+        lp.gather(&y.unsqueeze(1).unwrap().to_tracer(&theta)?, 1)?
+            .neg()?
+            .mean_all()
+    };
+    let (_, hv) = hvp(&loss, &flat(&p), &flat(&v)).unwrap_or_else(|e| panic!("{}: {e}", name("hvp")));
+    let want = flat(
+        &p.keys()
+            .map(|k| (k.clone(), f.tensors[&format!("hvp.{k}")].clone()))
+            .collect(),
+    );
+    let dv = check(&name("hvp"), &hv, &want);
+    format!("jacobian max diff {dj:.2e}, hessian {dh:.2e}, hvp {dv:.2e}")
+}
+
+/// `ntk` cases: the empirical NTK of the logits, contracting per-example
+/// Jacobians w.r.t. all parameters (torch.func's `compute='full'`).
+fn run_ntk(f: &Fixture, route: ConvRoute) -> String {
+    let (x1, x2) = (&f.tensors["x1"], &f.tensors["x2"]);
+    let p = params(f);
+    let net = model(f, &p);
+    let theta = flat(&p);
+    // [N, classes, P]: each example's Jacobian w.r.t. the parameters
+    let jac = |xs: &Tensor| {
+        let one = |x: Tracer, th: Tracer| {
+            let (p, net) = (&p, &net);
+            let logits = move |th: Tracer| -> candle_func::Result<Tracer> {
+                let q = unflat(&th, p)?;
+                functional_call(net, &q, &x.unsqueeze(0)?)?.squeeze(0)
+            };
+            Function::apply(&jacrev(logits), (th,))
+        };
+        vmap(one)
+            .in_dims([Some(0), None])
+            .conv_route(route)
+            .call((xs, &theta))
+            .unwrap_or_else(|e| panic!("{} {route:?} ntk: {e}", f.name))
+    };
+    let (j1, j2) = (jac(x1), jac(x2));
+    let (n1, c, np) = j1.dims3().unwrap();
+    let n2 = j2.dims()[0];
+    let k = jit(|a: Tracer, b: Tracer| a.reshape((n1 * c, np))?.matmul(&b.reshape((n2 * c, np))?.t()?))
+        .call((&j1, &j2))
+        .unwrap();
+    let ntk = k.reshape((n1, c, n2, c)).unwrap().permute((0, 2, 1, 3)).unwrap();
+    let d = check(&format!("{} {route:?} ntk", f.name), &ntk, &f.tensors["ntk"]);
+    format!("ntk max diff {d:.2e}")
+}
+
+/// The `higher_order/` cases (Jacobians, Hessians, hvp, NTK), through every
+/// conv route.
+#[test]
+fn higher_order_fixtures_match_pytorch() {
+    let dir = fixture_dir().join("higher_order");
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    paths.sort();
+    assert!(!paths.is_empty(), "no fixtures in {}", dir.display());
+    for path in &paths {
+        let f = load(path);
+        for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
+            let line = match f.meta.get("kind").map(String::as_str) {
+                Some("jacobian") => run_jacobian(&f, route),
+                Some("ntk") => run_ntk(&f, route),
+                other => panic!("{}: unknown fixture kind {other:?}", f.name),
+            };
+            println!("fixture {} route {route:?}: {line}", f.name);
+        }
+    }
 }
 
 #[test]

@@ -28,6 +28,8 @@ pub(crate) enum Unary {
     Relu,
     /// hyperbolic tangent
     Tanh,
+    /// the error function (GELU's exact form is built on it)
+    Erf,
     /// logistic sigmoid
     Sigmoid,
     /// `x^e` for a constant exponent
@@ -50,6 +52,7 @@ impl Unary {
             Unary::Abs => "abs".into(),
             Unary::Relu => "relu".into(),
             Unary::Tanh => "tanh".into(),
+            Unary::Erf => "erf".into(),
             Unary::Sigmoid => "sigmoid".into(),
             Unary::Powf(e) => format!("powf[{e}]"),
             Unary::Affine(m, a) => format!("affine[mul={m},add={a}]"),

@@ -247,6 +247,8 @@ pub enum Activation {
     Tanh,
     /// logistic sigmoid
     Sigmoid,
+    /// GELU, exact (erf) form
+    Gelu,
 }
 
 impl Module for Activation {
@@ -255,6 +257,7 @@ impl Module for Activation {
             Activation::Relu => x.relu(),
             Activation::Tanh => x.tanh(),
             Activation::Sigmoid => x.sigmoid(),
+            Activation::Gelu => x.gelu(),
         }
     }
     fn params(&self) -> BTreeMap<String, Tensor> {

@@ -57,6 +57,7 @@ impl Rule for Unary {
                 }
             },
             Unary::Tanh => x.tanh(),
+            Unary::Erf => x.erf(),
             Unary::Sigmoid => candle_nn::ops::sigmoid(x),
             Unary::Powf(e) => x.powf(*e),
             Unary::Affine(m, a) => x.affine(*m, *a),
@@ -121,6 +122,14 @@ fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Res
         Unary::Tanh => {
             let sq = b.un(Unary::Sqr, out)?;
             let d = b.un(Unary::Affine(-1.0, 1.0), sq)?;
+            b.bin(Mul, ct, d)?
+        }
+        // 2 / sqrt(pi) * exp(-x^2)
+        Unary::Erf => {
+            let sq = b.un(Unary::Sqr, x)?;
+            let e = b.un(Unary::Neg, sq)?;
+            let e = b.un(Unary::Exp, e)?;
+            let d = b.un(Unary::Affine(std::f64::consts::FRAC_2_SQRT_PI, 0.0), e)?;
             b.bin(Mul, ct, d)?
         }
         Unary::Sigmoid => {

@@ -27,6 +27,7 @@ pub enum Layer {
     },
     Relu,
     Tanh,
+    Gelu,
     MaxPool {
         k: usize,
         s: usize,
@@ -97,6 +98,7 @@ pub fn parse(arch: &str) -> Vec<Layer> {
                 },
                 "relu" => Layer::Relu,
                 "tanh" => Layer::Tanh,
+                "gelu" => Layer::Gelu,
                 "maxpool2d" => Layer::MaxPool {
                     k: num(&kw, "k", 1),
                     s: num(&kw, "s", num(&kw, "k", 1)),
@@ -157,6 +159,7 @@ pub fn forward(layers: &[Layer], p: &BTreeMap<String, Tracer>, x: &Tracer) -> Re
             }
             Layer::Relu => h.relu()?,
             Layer::Tanh => h.tanh()?,
+            Layer::Gelu => h.gelu()?,
             Layer::MaxPool { k, s } => h.max_pool2d_with_stride(*k, *s)?,
             Layer::AvgPool { k, s } => h.avg_pool2d_with_stride(*k, *s)?,
             Layer::Flatten => h.flatten_from(1)?,
@@ -218,6 +221,7 @@ pub fn forward_eager(
             }
             Layer::Relu => h.relu()?,
             Layer::Tanh => h.tanh()?,
+            Layer::Gelu => h.gelu()?,
             Layer::MaxPool { k, s } => h.max_pool2d_with_stride(*k, *s)?,
             Layer::AvgPool { k, s } => h.avg_pool2d_with_stride(*k, *s)?,
             Layer::Flatten => h.flatten_from(1)?,
@@ -268,6 +272,7 @@ pub fn build_nn(layers: &[Layer], vb: &candle_nn::VarBuilder) -> candle_func::Re
             }),
             Layer::Relu => m.add(nn::Activation::Relu),
             Layer::Tanh => m.add(nn::Activation::Tanh),
+            Layer::Gelu => m.add(nn::Activation::Gelu),
             Layer::MaxPool { k, s } => m.add(nn::MaxPool2d { kernel: *k, stride: *s }),
             Layer::AvgPool { k, s } => m.add(nn::AvgPool2d { kernel: *k, stride: *s }),
             Layer::Flatten => m.add(nn::Flatten),

@@ -21,6 +21,8 @@ pub fn unary_maps() -> Vec<(&'static str, Un)> {
         ("abs", |x| x.abs()),
         ("relu", |x| x.relu()),
         ("tanh", |x| x.tanh()),
+        ("erf", |x| x.erf()),
+        ("gelu", |x| x.gelu()),
         ("sigmoid", |x| x.sigmoid()),
         ("affine", |x| x.affine(2.0, -1.0)),
         ("softmax", |x| x.softmax(-1)),
