@@ -123,3 +123,34 @@ fn no_dead_forward_work() {
         "only log_softmax's gradient needs an exp: {g}"
     );
 }
+
+/// A flat vector cut by `narrow` into pieces: the gradient places the
+/// pieces' cotangents side by side in one concatenation, with no full-size
+/// zero pads added together.
+#[test]
+fn narrowed_pieces_share_one_concatenation() {
+    let theta = rand(&[10], 1);
+    let loss = |t: Tracer| {
+        let (a, b, c) = (t.narrow(0, 0, 3)?, t.narrow(0, 3, 4)?, t.narrow(0, 8, 2)?);
+        a.sqr()?
+            .sum_all()?
+            .add(&b.tanh()?.sum_all()?)?
+            .add(&c.exp()?.sum_all()?)
+    };
+    let g = make_graph(&grad(loss), &theta).unwrap();
+    let concats = count(&g, |n| n.name().starts_with("concat"));
+    let full_adds = count(&g, |n| n.name() == "add" && n.ty().shape == vec![10]);
+    assert_eq!((concats, full_adds), (1, 0), "{g}");
+    // and the values: 2a, 1 - tanh^2 b, 0 at index 7, exp c
+    let got = grad(loss).call(&theta).unwrap().to_vec1::<f32>().unwrap();
+    let t = theta.to_vec1::<f32>().unwrap();
+    for (i, (&gi, &ti)) in got.iter().zip(&t).enumerate() {
+        let want = match i {
+            0..=2 => 2.0 * ti,
+            3..=6 => 1.0 - ti.tanh().powi(2),
+            7 => 0.0,
+            _ => ti.exp(),
+        };
+        assert!((gi - want).abs() < 1e-5, "{i}: {gi} vs {want}");
+    }
+}

@@ -90,6 +90,40 @@ fn infer_concat(axis: usize, args: &[&TensorType]) -> Result<TensorType> {
     Ok(TensorType::new(out, dt))
 }
 
+/// A value of shape `shape` holding each `(start, len, piece)` at
+/// `start..start + len` along `axis` and zeros elsewhere, as one
+/// concatenation (the pieces sorted and disjoint): the cotangent of the
+/// `narrow`s that read those ranges.
+pub(crate) fn embed_slices(
+    b: &mut Builder,
+    shape: &[usize],
+    axis: usize,
+    pieces: &[(usize, usize, VarId)],
+) -> Result<VarId> {
+    let dt = b.ty(pieces[0].2).dtype;
+    let mut parts = Vec::with_capacity(2 * pieces.len() + 1);
+    let mut at = 0;
+    let gap = |b: &mut Builder, n: usize| {
+        let mut s = shape.to_vec();
+        s[axis] = n;
+        b.zeros(s, dt)
+    };
+    for &(start, len, piece) in pieces {
+        if start > at {
+            parts.push(gap(b, start - at)?);
+        }
+        parts.push(piece);
+        at = start + len;
+    }
+    if shape[axis] > at {
+        parts.push(gap(b, shape[axis] - at)?);
+    }
+    match parts.as_slice() {
+        [one] => Ok(*one),
+        _ => b.concat(&parts, axis),
+    }
+}
+
 impl Rule for ShapeOp {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         match self {
@@ -160,21 +194,7 @@ impl Rule for ShapeOp {
             }
             ShapeOp::Broadcast(_) => vec![Some(b.sum_to(ct, &xs)?)],
             // Zeros around the narrowed range.
-            ShapeOp::Narrow { axis, start, len } => {
-                let dt = b.ty(ct).dtype;
-                let mut parts = Vec::new();
-                for (from, n) in [(0, *start), (start + len, xs[*axis] - start - len)] {
-                    if n > 0 {
-                        let mut s = xs.clone();
-                        s[*axis] = n;
-                        parts.push((from, b.zeros(s, dt)?));
-                    }
-                }
-                parts.push((*start, ct));
-                parts.sort_by_key(|p| p.0);
-                let ids: Vec<VarId> = parts.into_iter().map(|p| p.1).collect();
-                vec![Some(b.concat(&ids, *axis)?)]
-            }
+            ShapeOp::Narrow { axis, start, len } => vec![Some(embed_slices(b, &xs, *axis, &[(*start, *len, ct)])?)],
             ShapeOp::Concat(axis) => {
                 let mut start = 0;
                 let mut gs = Vec::with_capacity(args.len());
