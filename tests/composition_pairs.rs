@@ -1,5 +1,5 @@
 //! Every ordered pair of transforms among vmap, grad, jvp, jacrev, jacfwd
-//! and vjp (vjp outermost: its pullback is not yet a `Function`) applied to
+//! and vjp (inside as `vjp_fn`, outermost as the concrete `vjp`) applied to
 //! one function, each checked against the closed-form gradient and Hessian
 //! of `f(x) = sum(tanh(x) x) + (sum x)^2 / n` in f64 (Autodidax's test,
 //! across the Jacobian family).
@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_func::{grad, jacfwd, jacrev, jit, jvp, jvp_fn, vjp, vmap, Function, Tracer};
+use candle_func::{grad, jacfwd, jacrev, jit, jvp, jvp_fn, vjp, vjp_fn, vmap, Function, Operand, Tracer};
 use common::{assert_close, rand};
 
 const N: usize = 4;
@@ -126,6 +126,34 @@ fn every_pair_agrees_with_the_closed_forms() {
             &format!("grad({name})"),
         );
     }
+    // vjp inside (vjp_fn): the gradient as a VJP with cotangent 1, then
+    // every transform around it; and vmap over cotangents (Jacobian rows)
+    let vg = |x: Tracer| {
+        let one = Tensor::new(1f64, &candle_core::Device::Cpu).unwrap().to_tracer(&x)?;
+        Function::apply(&vjp_fn(f), (x, one))
+    };
+    close(jit(jacrev(vg)).call(&x).unwrap(), &h, "jacrev(vjp)");
+    close(jit(jacfwd(vg)).call(&x).unwrap(), &h, "jacfwd(vjp)");
+    close(jvp_at(&vg, &x), &hu, "jvp(vjp)");
+    close(
+        grad(|x: Tracer| vg(x)?.sum_all()).call(&x).unwrap(),
+        &h.sum(0).unwrap(),
+        "grad(vjp)",
+    );
+    let (_, pb) = vjp(&vg, &x).unwrap();
+    close(pb.call(&u).unwrap().0, &hu, "vjp(vjp)");
+    let eye = Tensor::eye(N, DType::F64, x.device()).unwrap();
+    let rows = vmap(vjp_fn(|x: Tracer| Function::apply(&grad(f), (x,))))
+        .in_dims([None, Some(0)])
+        .call((&x, &eye))
+        .unwrap();
+    close(rows, &h, "vmap(vjp)");
+    let per = vmap(vjp_fn(f))
+        .in_dims([Some(0), None])
+        .call((&xs, &Tensor::new(1f64, x.device()).unwrap()))
+        .unwrap();
+    let want = Tensor::stack(&(0..3).map(|i| gradient(&xs.get(i).unwrap())).collect::<Vec<_>>(), 0).unwrap();
+    close(per, &want, "vmap(vjp) over points");
     // derivatives of a jvp, u(x) = tanh(x / 2 + 1/4) depending on x too:
     // d/dx <g(x), u(x)> = H u + J_u^T g
     let du = {

@@ -162,3 +162,80 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
         Ok((value, tangent))
     }
 }
+
+/// `f` in reverse mode as a function of `(primals, cotangents)` giving the
+/// cotangent of the primals (a tree like them): a [`Function`], so a
+/// `vmap` over cotangents is JAX's `vmap(vjp_fun)` (the rows of a
+/// Jacobian) and it nests under other transforms. Made by [`vjp_fn`];
+/// [`vjp`](crate::vjp) is the concrete counterpart that keeps the forward
+/// values for repeated pullbacks.
+pub struct VjpFn<F> {
+    f: F,
+}
+
+/// `f` in reverse mode as a composable function (see [`VjpFn`]).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{vjp_fn, vmap, Tracer};
+/// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
+/// let basis = Tensor::eye(2, candle_core::DType::F32, &Device::Cpu)?;
+/// // the Jacobian's rows, one cotangent each
+/// let rows = vmap(vjp_fn(|x: Tracer| x.sqr())).in_dims([None, Some(0)]).call((&x, &basis))?;
+/// assert_eq!(rows.to_vec2::<f32>()?, vec![vec![2., 0.], vec![0., 4.]]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn vjp_fn<F>(f: F) -> VjpFn<F> {
+    VjpFn { f }
+}
+
+impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
+    type Output = A;
+
+    fn apply(&self, (primals, cts): (A, F::Output)) -> Result<A> {
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let pd = primals.flatten_into(&mut p);
+        let cd = cts.flatten_into(&mut c);
+        let outer = super::innermost(&[p.clone(), c.clone()]).ok_or_else(|| Error::Tree {
+            msg: "vjp: the function has no tensor arguments".into(),
+        })?;
+        let types: Vec<TensorType> = p.iter().map(|x| x.ty.clone()).collect();
+        let given = self.f.own_options().inherit(&outer.borrow().given);
+        let (g, captures, out_def) = super::trace_inner(&self.f, &outer, (given, true), &[pd.clone()], &[types])?;
+        let ct_types: Vec<TensorType> = c.iter().map(|x| x.ty.clone()).collect();
+        if cd != out_def || ct_types != g.output_types() {
+            return Err(Error::Tree {
+                msg: format!(
+                    "vjp: cotangents {ct_types:?} do not match the outputs {:?}",
+                    g.output_types()
+                ),
+            });
+        }
+        let grads = {
+            let mut ob = outer.borrow_mut();
+            let mut ins = Vec::with_capacity(p.len() + captures.len());
+            for x in &p {
+                ins.push(ob.lift(&x.outer())?);
+            }
+            for cap in &captures {
+                ins.push(ob.lift(cap)?);
+            }
+            let mut seeds = Vec::with_capacity(c.len());
+            for (i, x) in c.iter().enumerate() {
+                seeds.push((i, ob.lift(&x.outer())?));
+            }
+            let wrt: Vec<bool> = (0..ins.len()).map(|k| k < p.len()).collect();
+            let (_, cts) = crate::rules::walk::vjp_graph(&g, &mut ob, &ins, &wrt, &seeds)?;
+            let mut grads = Vec::with_capacity(p.len());
+            for (x, ct) in p.iter().zip(cts) {
+                grads.push(match ct {
+                    Some(ct) => ct,
+                    None => ob.zeros(x.ty.shape.clone(), x.ty.dtype)?,
+                });
+            }
+            grads
+        };
+        let leaves: Vec<Tracer> = grads.into_iter().map(|id| Tracer::new(&outer, id)).collect();
+        A::unflatten_from(&pd, &mut leaves.into_iter())
+    }
+}
