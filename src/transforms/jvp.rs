@@ -201,7 +201,8 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
         })?;
         let types: Vec<TensorType> = p.iter().map(|x| x.ty.clone()).collect();
         let given = self.f.own_options().inherit(&outer.borrow().given);
-        let (g, captures, out_def) = super::trace_inner(&self.f, &outer, (given, true), &[pd.clone()], &[types])?;
+        let (g, captures, out_def) =
+            super::trace_inner(&self.f, &outer, (given, true), std::slice::from_ref(&pd), &[types])?;
         let ct_types: Vec<TensorType> = c.iter().map(|x| x.ty.clone()).collect();
         if cd != out_def || ct_types != g.output_types() {
             return Err(Error::Tree {
