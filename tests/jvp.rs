@@ -279,3 +279,27 @@ fn jacobians_hessians_and_hvps_agree() {
     let g2 = candle_func::grad(loss).call(&x).unwrap();
     assert_close(&g, &g2, 1e-12, "hvp's gradient");
 }
+
+#[test]
+fn linearize_gives_jvps_without_rerunning_the_forward() {
+    use candle_func::linearize;
+    let x = f64s(&[2, 3, 6, 6], 100);
+    let w = f64s(&[4, 3, 3, 3], 101);
+    let f = move |x: Tracer| x.conv2d(&w.to_tracer(&x)?, 1, 1, 1, 1)?.tanh()?.max_pool2d(2)?.sqr();
+    let (y, lin) = linearize(&f, &x).unwrap();
+    for seed in [102, 103, 104] {
+        let u = f64s(x.dims(), seed);
+        let (y2, ju) = jvp(&f, &x, &u).unwrap();
+        assert_close(&y, &y2, 0.0, "the value");
+        assert_close(&lin.call(&u).unwrap(), &ju, 1e-12, "linearized = jvp");
+    }
+    // linear: J(2u + v) = 2 Ju + Jv
+    let (u, v) = (f64s(x.dims(), 105), f64s(x.dims(), 106));
+    let lhs = lin.call(&((&u * 2.0).unwrap() + &v).unwrap()).unwrap();
+    let rhs = ((lin.call(&u).unwrap() * 2.0).unwrap() + lin.call(&v).unwrap()).unwrap();
+    assert_close(&lhs, &rhs, 1e-12, "linear");
+    assert!(matches!(
+        lin.call(&f64s(&[2, 3, 6, 5], 107)),
+        Err(candle_func::Error::Tree { .. })
+    ));
+}

@@ -458,7 +458,7 @@ impl<S: ArgList> Pullback<S> {
 /// gradients, out) into a forward graph (primals in; outputs, then the
 /// residuals the reverse pass reads, out) and a backward graph (residuals,
 /// then cotangents, in; gradients out).
-fn partition(j: &Graph, n_primals: usize, n_out: usize) -> (Graph, Graph) {
+pub(crate) fn partition(j: &Graph, n_primals: usize, n_out: usize) -> (Graph, Graph) {
     let mut dep = vec![false; j.nodes.len()];
     for &v in &j.inputs[n_primals..] {
         dep[v] = true;

@@ -240,3 +240,108 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
         A::unflatten_from(&pd, &mut leaves.into_iter())
     }
 }
+
+/// The linear map `u -> J(primals) u` of [`linearize`]: the forward values
+/// it needs were kept when `linearize` ran, so each call runs only the
+/// tangent computation, as JAX's `linearize`.
+pub struct Linearized<S: ArgList, O: SymTree> {
+    residuals: Vec<Tensor>,
+    tangent: crate::ir::Graph,
+    in_types: Vec<TensorType>,
+    in_defs: Vec<super::tree::TreeDef>,
+    out_def: super::tree::TreeDef,
+    _s: std::marker::PhantomData<fn() -> (S, O)>,
+}
+
+/// `f(primals)` and the linear map `u -> J u` at `primals`, evaluated
+/// once: calling the map runs only the tangent half of a `jvp` (no
+/// forward pass), for many tangents at one point.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{linearize, Tracer};
+/// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
+/// let (y, lin) = linearize(&|x: Tracer| x.sqr(), &x)?;
+/// assert_eq!(y.to_vec1::<f32>()?, vec![1., 4.]);
+/// let du = lin.call(&Tensor::new(&[1f32, 1.], &Device::Cpu)?)?;
+/// assert_eq!(du.to_vec1::<f32>()?, vec![2., 4.]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn linearize<S, F, C>(f: &F, primals: C) -> Result<(<F::Output as SymTree>::Concrete, Linearized<S, F::Output>)>
+where
+    S: ArgList,
+    F: Function<S>,
+    C: CallArgs<S>,
+{
+    let (leaves, defs, device) = flatten_call(&primals)?;
+    let compiled = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
+    let g = &compiled.graph;
+    let n_out = g.outputs.len();
+    let in_types = g.input_types();
+    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
+    let joint = {
+        let mut bb = b.borrow_mut();
+        let ins: Vec<_> = in_types.iter().map(|t| bb.input(t.clone())).collect();
+        let tans: Vec<_> = in_types
+            .iter()
+            .map(|t| {
+                let u = bb.input(t.clone());
+                t.dtype.is_float().then_some(u)
+            })
+            .collect();
+        let (outs, out_tans) = jvp_graph(g, &mut bb, &ins, &tans)?;
+        let mut results = outs.clone();
+        for (o, t) in outs.iter().zip(out_tans) {
+            let ty = bb.ty(*o).clone();
+            results.push(match t {
+                Some(t) => t,
+                None => bb.zeros(ty.shape, ty.dtype)?,
+            });
+        }
+        bb.finish(results).0.eliminate_dead_code()
+    };
+    let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
+    let (fwd, tangent) = (fwd.simplify().fuse_epilogues(), tangent.simplify().fuse_epilogues());
+    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
+    interp::check_memory(&fwd, f.own_options().get_memory_limit())?;
+    let mut outs = interp::run(
+        &fwd,
+        &flat,
+        settings::run_seed(&fwd, compiled.seed, &Default::default()),
+    )?;
+    let residuals = outs.split_off(n_out);
+    let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
+    let lin = Linearized {
+        residuals,
+        tangent,
+        in_types,
+        in_defs: defs,
+        out_def: compiled.out_def,
+        _s: std::marker::PhantomData,
+    };
+    Ok((value, lin))
+}
+
+impl<S: ArgList, O: SymTree> Linearized<S, O> {
+    /// `J u` for tangents `u` shaped like the primals.
+    pub fn call<C: CallArgs<S>>(&self, tangents: C) -> Result<O::Concrete> {
+        let (leaves, defs, _) = flatten_call(&tangents)?;
+        let types: Vec<TensorType> = leaves.iter().flatten().map(TensorType::of).collect();
+        if defs != self.in_defs || types != self.in_types {
+            return Err(Error::Tree {
+                msg: format!(
+                    "linearize: tangents {types:?} do not match the primals {:?}",
+                    self.in_types
+                ),
+            });
+        }
+        let inputs: Vec<Tensor> = self
+            .residuals
+            .iter()
+            .cloned()
+            .chain(leaves.into_iter().flatten())
+            .collect();
+        let outs = interp::run(&self.tangent, &inputs, 0)?;
+        O::concrete_from(&self.out_def, &mut outs.into_iter())
+    }
+}
