@@ -87,7 +87,7 @@ pub use transforms::grad::{
     grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,
 };
 pub use transforms::jacobian::{hessian, hvp, hvp_fn, jacfwd, jacrev, HvpFn, Jacfwd, Jacrev};
-pub use transforms::jvp::{jvp, jvp_fn, linearize, vjp_fn, JvpFn, Linearized, ValueAndTangent, VjpFn};
+pub use transforms::jvp::{jvp, jvp_fn, linearize, vjp_fn, JvpFn, Linearized, ValueAndLinear, ValueAndTangent, VjpFn};
 pub use transforms::planner::{
     auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
 };

@@ -253,6 +253,9 @@ pub struct Linearized<S: ArgList, O: SymTree> {
     _s: std::marker::PhantomData<fn() -> (S, O)>,
 }
 
+/// What [`linearize`] returns: the value and the linear map.
+pub type ValueAndLinear<S, O> = (<O as SymTree>::Concrete, Linearized<S, O>);
+
 /// `f(primals)` and the linear map `u -> J u` at `primals`, evaluated
 /// once: calling the map runs only the tangent half of a `jvp` (no
 /// forward pass), for many tangents at one point.
@@ -267,7 +270,7 @@ pub struct Linearized<S: ArgList, O: SymTree> {
 /// assert_eq!(du.to_vec1::<f32>()?, vec![2., 4.]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn linearize<S, F, C>(f: &F, primals: C) -> Result<(<F::Output as SymTree>::Concrete, Linearized<S, F::Output>)>
+pub fn linearize<S, F, C>(f: &F, primals: C) -> Result<ValueAndLinear<S, F::Output>>
 where
     S: ArgList,
     F: Function<S>,
