@@ -295,11 +295,11 @@ fn linearize_gives_jvps_without_rerunning_the_forward() {
     }
     // linear: J(2u + v) = 2 Ju + Jv
     let (u, v) = (f64s(x.dims(), 105), f64s(x.dims(), 106));
-    let lhs = lin.call(&((&u * 2.0).unwrap() + &v).unwrap()).unwrap();
+    let lhs = lin.call(((&u * 2.0).unwrap() + &v).unwrap()).unwrap();
     let rhs = ((lin.call(&u).unwrap() * 2.0).unwrap() + lin.call(&v).unwrap()).unwrap();
     assert_close(&lhs, &rhs, 1e-12, "linear");
     assert!(matches!(
-        lin.call(&f64s(&[2, 3, 6, 5], 107)),
+        lin.call(f64s(&[2, 3, 6, 5], 107)),
         Err(candle_func::Error::Tree { .. })
     ));
 }
