@@ -81,7 +81,7 @@ mod transforms;
 pub use error::{Error, Result};
 pub use interp::{NodeTimes, RunStats};
 pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Randomness, Schedule, TensorType};
-pub use ops::{custom_op, Axes, Axis};
+pub use ops::{custom_op, custom_op_with_rules, Axes, Axis, CustomRules};
 pub use trace::{Operand, Tracer};
 pub use transforms::grad::{
     grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,

@@ -19,7 +19,7 @@ mod simplify;
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};
 pub use prim::CustomKernel;
-pub(crate) use prim::{CustomOp, Fused, Map, Prim};
+pub(crate) use prim::{CustomGraphs, CustomOp, Fused, Map, Prim};
 
 use candle_core::{DType, Tensor};
 

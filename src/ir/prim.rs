@@ -173,6 +173,23 @@ pub(crate) struct CustomOp {
     pub(crate) f: Arc<CustomKernel>,
     pub(crate) ins: Vec<TensorType>,
     pub(crate) out: TensorType,
+    /// The user's derivative and batching rules, traced (none by default).
+    pub(crate) rules: CustomGraphs,
+}
+
+/// Makes the graph of a user's batching rule for operands of these types
+/// (batch axis first).
+pub(crate) type BatchGraphFn = dyn Fn(&[TensorType]) -> crate::error::Result<Graph> + Send + Sync;
+
+/// A custom op's rules as graphs: `vjp` maps `(args.., out, ct)` to one
+/// cotangent per operand, `jvp` maps `(args.., tangents..)` to the result's
+/// tangent, and `batch` makes, per batch size, the graph from the batched
+/// operands (batch axis first) to the batched result (batch axis first).
+#[derive(Clone, Default)]
+pub(crate) struct CustomGraphs {
+    pub(crate) vjp: Option<Arc<Graph>>,
+    pub(crate) jvp: Option<Arc<Graph>>,
+    pub(crate) batch: Option<Arc<BatchGraphFn>>,
 }
 
 impl fmt::Debug for CustomOp {

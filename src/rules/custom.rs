@@ -1,12 +1,20 @@
 //! User-supplied candle functions as primitives (JAX's `pure_callback`): an
-//! escape hatch for operations the crate lacks. They have no batching rule,
-//! so `vmap` maps them over the examples, and no VJP rule, so `grad`
-//! reports them by name.
+//! escape hatch for operations the crate lacks. Without rules of the
+//! user's, `vmap` maps them over the examples and `grad` / `jvp` report
+//! them by name; with them (`custom_op_with_rules`, like JAX's
+//! `custom_vjp` / `custom_jvp` / `custom_vmap`), the rules' traced graphs
+//! are inlined where the transforms need them.
 
-use super::{BVal, BatchCx, Rule, RunCx};
+use super::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{CustomOp, TensorType};
+use crate::ir::{CustomOp, Graph, TensorType, VarId};
 use candle_core::Tensor;
+
+/// `g` inlined into `b` on `inputs`; its outputs.
+fn inline(g: &Graph, b: &mut Builder, inputs: &[VarId]) -> Result<Vec<VarId>> {
+    let env = walk::forward(g, b, inputs)?;
+    Ok(g.outputs.iter().map(|&o| env[o]).collect())
+}
 
 impl Rule for CustomOp {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
@@ -35,7 +43,47 @@ impl Rule for CustomOp {
         Ok(y)
     }
 
-    fn batch(&self, _cx: &mut BatchCx, _args: &[BVal]) -> Result<Option<BVal>> {
-        Ok(None)
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        let Some(make) = &self.rules.batch else { return Ok(None) };
+        // every operand batched, batch axis first, as the rule was promised
+        let mut ins = Vec::with_capacity(args.len());
+        for &a in args {
+            ins.push(cx.materialize(a)?);
+        }
+        let types: Vec<TensorType> = ins.iter().map(|&v| cx.b.ty(v).clone()).collect();
+        let g = make(&types)?;
+        let mut want = self.out.shape.clone();
+        want.insert(0, cx.size);
+        let out = inline(&g, cx.b, &ins)?;
+        match out.as_slice() {
+            [y] if cx.b.dims(*y) == want && cx.b.ty(*y).dtype == self.out.dtype => Ok(Some((*y, Some(0)))),
+            _ => Err(Error::shape(
+                "custom",
+                &[&want],
+                format!(
+                    "{}: the batching rule must return one tensor of this shape and {:?}",
+                    self.name, self.out.dtype
+                ),
+            )),
+        }
+    }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let Some(g) = &self.rules.vjp else { return Ok(None) };
+        let mut ins = args.to_vec();
+        ins.extend([out, ct]);
+        Ok(Some(inline(g, b, &ins)?.into_iter().map(Some).collect()))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        let Some(g) = &self.rules.jvp else { return Ok(None) };
+        let mut ins = args.to_vec();
+        for (&a, t) in args.iter().zip(tans) {
+            ins.push(match t {
+                Some(t) => *t,
+                None => b.zeros(b.dims(a), b.ty(a).dtype)?,
+            });
+        }
+        Ok(Some(inline(g, b, &ins)?.first().copied()))
     }
 }

@@ -313,6 +313,7 @@ mod tests {
             f: Arc::new(|xs: &[Tensor]| xs[0].exp()),
             ins: vec![TensorType::new(vec![2], DType::F32)],
             out: TensorType::new(vec![2], DType::F32),
+            rules: Default::default(),
         })
     }
 
