@@ -84,7 +84,7 @@ pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Random
 pub use ops::{custom_op, custom_op_with_rules, Axes, Axis, CustomRules};
 pub use trace::{Operand, Tracer};
 pub use transforms::grad::{
-    grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2,
+    grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2, Wrt3, Wrt4,
 };
 pub use transforms::jacobian::{hessian, hvp, hvp_fn, jacfwd, jacrev, HvpFn, Jacfwd, Jacrev};
 pub use transforms::jvp::{jvp, jvp_fn, linearize, vjp_fn, JvpFn, Linearized, ValueAndLinear, ValueAndTangent, VjpFn};

@@ -241,3 +241,36 @@ fn graphs_are_simplified() {
         "simplified",
     );
 }
+
+/// `argnums` over three and four arguments give each argument's gradient
+/// as `argnum` alone does.
+#[test]
+fn argnums_over_three_and_four_arguments() {
+    let (a, b, c, d) = (
+        common::rand(&[3], 1),
+        common::rand(&[3], 2),
+        common::rand(&[2, 3], 3),
+        common::rand(&[3], 4),
+    );
+    let f = |a: Tracer, b: Tracer, c: Tracer, d: Tracer| a.mul(&b)?.tanh()?.add(&c)?.mul(&d.exp()?)?.sum_all();
+    let (ga, gb, gc, gd) = candle_func::grad(f)
+        .argnums4::<0, 1, 2, 3>()
+        .call((&a, &b, &c, &d))
+        .unwrap();
+    let one = |i: usize| match i {
+        0 => candle_func::grad(f).argnum::<0>().call((&a, &b, &c, &d)).unwrap(),
+        1 => candle_func::grad(f).argnum::<1>().call((&a, &b, &c, &d)).unwrap(),
+        2 => candle_func::grad(f).argnum::<2>().call((&a, &b, &c, &d)).unwrap(),
+        _ => candle_func::grad(f).argnum::<3>().call((&a, &b, &c, &d)).unwrap(),
+    };
+    for (i, g) in [ga, gb, gc, gd].iter().enumerate() {
+        common::assert_close(g, &one(i), 1e-6, &format!("argument {i}"));
+    }
+    let (g2, g0, g3) = candle_func::grad(f)
+        .argnums3::<2, 0, 3>()
+        .call((&a, &b, &c, &d))
+        .unwrap();
+    common::assert_close(&g2, &one(2), 1e-6, "argnums3 first");
+    common::assert_close(&g0, &one(0), 1e-6, "argnums3 second");
+    common::assert_close(&g3, &one(3), 1e-6, "argnums3 third");
+}

@@ -85,6 +85,53 @@ impl<S: Nth<I> + Nth<J>, const I: usize, const J: usize> Argnums<S> for Wrt2<I, 
     }
 }
 
+/// Differentiate with respect to arguments `I`, `J` and `K`; the
+/// gradients come as a triple.
+pub struct Wrt3<const I: usize, const J: usize, const K: usize>;
+
+/// Differentiate with respect to arguments `I`, `J`, `K` and `L` (every
+/// argument of a four-argument function); the gradients come as a 4-tuple.
+pub struct Wrt4<const I: usize, const J: usize, const K: usize, const L: usize>;
+
+/// The selected arguments' gradients, one tree each, in `argnums` order.
+fn unflatten_each<T: SymTree>(def: &TreeDef, grads: &mut std::vec::IntoIter<Vec<Tracer>>) -> Result<T> {
+    T::unflatten_from(def, &mut grads.next().unwrap_or_default().into_iter())
+}
+
+impl<S: Nth<I> + Nth<J> + Nth<K>, const I: usize, const J: usize, const K: usize> Argnums<S> for Wrt3<I, J, K> {
+    type Grads = (<S as Nth<I>>::T, <S as Nth<J>>::T, <S as Nth<K>>::T);
+    fn indices() -> Vec<usize> {
+        vec![I, J, K]
+    }
+    fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads> {
+        let mut g = grads.into_iter();
+        Ok((
+            unflatten_each(&defs[I], &mut g)?,
+            unflatten_each(&defs[J], &mut g)?,
+            unflatten_each(&defs[K], &mut g)?,
+        ))
+    }
+}
+
+impl<S, const I: usize, const J: usize, const K: usize, const L: usize> Argnums<S> for Wrt4<I, J, K, L>
+where
+    S: Nth<I> + Nth<J> + Nth<K> + Nth<L>,
+{
+    type Grads = (<S as Nth<I>>::T, <S as Nth<J>>::T, <S as Nth<K>>::T, <S as Nth<L>>::T);
+    fn indices() -> Vec<usize> {
+        vec![I, J, K, L]
+    }
+    fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads> {
+        let mut g = grads.into_iter();
+        Ok((
+            unflatten_each(&defs[I], &mut g)?,
+            unflatten_each(&defs[J], &mut g)?,
+            unflatten_each(&defs[K], &mut g)?,
+            unflatten_each(&defs[L], &mut g)?,
+        ))
+    }
+}
+
 /// Mode marker: the gradients only.
 pub struct Plain;
 /// Mode marker: the function returns `(loss, aux)`; the result is `(grads, aux)`.
@@ -167,6 +214,20 @@ impl<F, W, M> Grad<F, W, M> {
     /// Differentiate with respect to arguments `I` and `J`; the gradients
     /// come as a pair.
     pub fn argnums<const I: usize, const J: usize>(self) -> Grad<F, Wrt2<I, J>, M> {
+        self.with()
+    }
+
+    /// Differentiate with respect to arguments `I`, `J` and `K`; the
+    /// gradients come as a triple.
+    pub fn argnums3<const I: usize, const J: usize, const K: usize>(self) -> Grad<F, Wrt3<I, J, K>, M> {
+        self.with()
+    }
+
+    /// Differentiate with respect to arguments `I`, `J`, `K` and `L`; the
+    /// gradients come as a 4-tuple.
+    pub fn argnums4<const I: usize, const J: usize, const K: usize, const L: usize>(
+        self,
+    ) -> Grad<F, Wrt4<I, J, K, L>, M> {
         self.with()
     }
 
