@@ -224,6 +224,22 @@ impl Graph {
         g
     }
 
+    /// Which values depend on a flagged input (`flagged[k]` for the k-th
+    /// input; missing flags are false): the batched values of a `vmap`,
+    /// the values a gradient flows through.
+    pub(crate) fn downstream_of(&self, flagged: &[bool]) -> Vec<bool> {
+        let mut dep = vec![false; self.nodes.len()];
+        for (k, &v) in self.inputs.iter().enumerate() {
+            dep[v] = flagged.get(k).copied().unwrap_or(false);
+        }
+        for (v, n) in self.nodes.iter().enumerate() {
+            if !n.prim.is_leaf() {
+                dep[v] = n.args.iter().any(|&a| dep[a]);
+            }
+        }
+        dep
+    }
+
     /// For each value, the index of the last node that reads it (outputs
     /// count as read at the very end): the interpreter frees a value there.
     pub(crate) fn last_uses(&self) -> Vec<usize> {

@@ -111,6 +111,17 @@ fn check_batched(prim: &Prim, cx: &BatchCx, (v, bdim): BVal, per: &TensorType) -
 /// Re-emits `g` into `b` with its inputs bound to `inputs`; returns the id
 /// of every node.
 pub(crate) fn forward(g: &Graph, b: &mut Builder, inputs: &[VarId]) -> Result<Vec<VarId>> {
+    forward_with(g, b, inputs, |_, _, _, _| Ok(()))
+}
+
+/// [`forward`], calling `each(b, v, args, out)` after re-emitting each
+/// computed node `v` (its operands' and its own ids in `b`).
+fn forward_with(
+    g: &Graph,
+    b: &mut Builder,
+    inputs: &[VarId],
+    mut each: impl FnMut(&mut Builder, usize, &[VarId], VarId) -> Result<()>,
+) -> Result<Vec<VarId>> {
     if inputs.len() != g.inputs.len() {
         return Err(Error::internal(
             "grad",
@@ -128,7 +139,9 @@ pub(crate) fn forward(g: &Graph, b: &mut Builder, inputs: &[VarId]) -> Result<Ve
             Prim::Scalar(x) => b.scalar(*x, node.ty.dtype),
             prim => {
                 let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
-                b.emit(prim.clone(), &args)?
+                let out = b.emit(prim.clone(), &args)?;
+                each(b, v, &args, out)?;
+                out
             }
         };
     }
@@ -148,15 +161,7 @@ pub(crate) fn vjp_graph(
 ) -> Result<(Vec<VarId>, Vec<Option<VarId>>)> {
     let env = forward(g, b, inputs)?;
     // Only nodes downstream of a differentiated input carry cotangents.
-    let mut needs = vec![false; g.nodes.len()];
-    for (k, &v) in g.inputs.iter().enumerate() {
-        needs[v] = wrt.get(k).copied().unwrap_or(false);
-    }
-    for (v, node) in g.nodes.iter().enumerate() {
-        if !node.prim.is_leaf() {
-            needs[v] = node.args.iter().any(|&a| needs[a]);
-        }
-    }
+    let needs = g.downstream_of(wrt);
     let mut cts: Vec<Option<VarId>> = vec![None; g.nodes.len()];
     for &(o, seed) in seeds {
         accumulate(b, &mut cts, g.outputs[o], seed)?;
@@ -200,33 +205,23 @@ pub(crate) fn vjp_graph(
 /// the inputs bound to `inputs`, their tangents to `tans` (`None`: zero).
 /// Returns the outputs and each output's tangent (`None` where zero).
 pub(crate) fn jvp_graph(g: &Graph, b: &mut Builder, inputs: &[VarId], tans: &[Tan]) -> Result<(Vec<VarId>, Vec<Tan>)> {
-    if inputs.len() != g.inputs.len() || tans.len() != g.inputs.len() {
-        return Err(Error::internal("jvp", "inputs or tangents do not match the graph"));
+    if tans.len() != g.inputs.len() {
+        return Err(Error::internal("jvp", "tangents do not match the graph"));
     }
-    let mut env = vec![usize::MAX; g.nodes.len()];
     let mut tan: Vec<Tan> = vec![None; g.nodes.len()];
     for (k, &v) in g.inputs.iter().enumerate() {
-        env[v] = inputs[k];
         tan[v] = tans[k];
     }
-    for (v, node) in g.nodes.iter().enumerate() {
-        env[v] = match &node.prim {
-            Prim::Input(_) => env[v],
-            Prim::Const(k) => b.constant(&g.consts[*k]),
-            Prim::Scalar(x) => b.scalar(*x, node.ty.dtype),
-            prim => {
-                let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
-                let out = b.emit(prim.clone(), &args)?;
-                let arg_tans: Vec<Tan> = node.args.iter().map(|&a| tan[a]).collect();
-                if arg_tans.iter().any(Option::is_some) {
-                    tan[v] = rule(prim)?.jvp(b, &args, &arg_tans, out)?.ok_or_else(|| {
-                        Error::unsupported(prim.kind(), "jvp", format!("{} has no JVP rule", prim.name()))
-                    })?;
-                }
-                out
-            }
-        };
-    }
+    let env = forward_with(g, b, inputs, |b, v, args, out| {
+        let node = &g.nodes[v];
+        let arg_tans: Vec<Tan> = node.args.iter().map(|&a| tan[a]).collect();
+        if arg_tans.iter().any(Option::is_some) {
+            tan[v] = rule(&node.prim)?.jvp(b, args, &arg_tans, out)?.ok_or_else(|| {
+                Error::unsupported(node.prim.kind(), "jvp", format!("{} has no JVP rule", node.prim.name()))
+            })?;
+        }
+        Ok(())
+    })?;
     Ok((
         g.outputs.iter().map(|&o| env[o]).collect(),
         g.outputs.iter().map(|&o| tan[o]).collect(),

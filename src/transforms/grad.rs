@@ -520,15 +520,8 @@ impl<S: ArgList> Pullback<S> {
 /// residuals the reverse pass reads, out) and a backward graph (residuals,
 /// then cotangents, in; gradients out).
 pub(crate) fn partition(j: &Graph, n_primals: usize, n_out: usize) -> (Graph, Graph) {
-    let mut dep = vec![false; j.nodes.len()];
-    for &v in &j.inputs[n_primals..] {
-        dep[v] = true;
-    }
-    for (v, node) in j.nodes.iter().enumerate() {
-        if !node.prim.is_leaf() {
-            dep[v] = node.args.iter().any(|&a| dep[a]);
-        }
-    }
+    let flagged: Vec<bool> = (0..j.inputs.len()).map(|k| k >= n_primals).collect();
+    let dep = j.downstream_of(&flagged);
     // Residuals: forward values read by the reverse pass or returned as
     // gradients.
     let mut residual = vec![false; j.nodes.len()];

@@ -8,7 +8,7 @@
 //! next power of two) and device.
 
 use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Measured};
-use super::segments::{batched_values, split_after_convs, Front};
+use super::segments::{split_after_convs, Front};
 use crate::error::{Error, Result};
 use crate::ir::ops::Binary;
 use crate::ir::options::{Opts, Schedule};
@@ -89,7 +89,7 @@ fn per_example_applies(g: &Graph, vals: &[BVal]) -> bool {
     if g.has_random() {
         return false;
     }
-    let batched = batched_values(g, &batched_inputs(vals));
+    let batched = g.downstream_of(&batched_inputs(vals));
     g.outputs.iter().all(|&o| batched[o])
 }
 
@@ -99,7 +99,7 @@ fn batched_inputs(vals: &[BVal]) -> Vec<bool> {
 
 /// `g` cut after its convolutions (see `segments`), where it has any.
 fn split(g: &Graph, vals: &[BVal]) -> Front {
-    split_after_convs(g, &batched_values(g, &batched_inputs(vals)))
+    split_after_convs(g, &g.downstream_of(&batched_inputs(vals)))
 }
 
 /// The batch as maps of `g` (one per output dtype, see

@@ -31,21 +31,6 @@ pub(crate) struct Split {
     pub(crate) head: Graph,
 }
 
-/// Which values of `g` depend on a batched input (`batched_inputs[k]` for
-/// the k-th input).
-pub(crate) fn batched_values(g: &Graph, batched_inputs: &[bool]) -> Vec<bool> {
-    let mut batched = vec![false; g.nodes.len()];
-    for (k, &v) in g.inputs.iter().enumerate() {
-        batched[v] = batched_inputs.get(k).copied().unwrap_or(false);
-    }
-    for (v, n) in g.nodes.iter().enumerate() {
-        if !n.prim.is_leaf() {
-            batched[v] = n.args.iter().any(|&a| batched[a]);
-        }
-    }
-    batched
-}
-
 /// `g` cut after its last batched convolution.
 pub(crate) fn split_after_convs(g: &Graph, batched: &[bool]) -> Front {
     let n = g.nodes.len();
