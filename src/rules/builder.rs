@@ -290,6 +290,18 @@ impl Builder {
     }
 
     /// Zeros of a shape and dtype (a broadcast literal).
+    /// `v`, or where it is `None` (a zero tangent or cotangent), zeros of
+    /// `like`'s type.
+    pub(crate) fn or_zeros(&mut self, v: Option<VarId>, like: VarId) -> Result<VarId> {
+        match v {
+            Some(v) => Ok(v),
+            None => {
+                let ty = self.ty(like).clone();
+                self.zeros(ty.shape, ty.dtype)
+            }
+        }
+    }
+
     pub(crate) fn zeros(&mut self, shape: Vec<usize>, dtype: candle_core::DType) -> Result<VarId> {
         let z = self.scalar(0.0, dtype);
         self.broadcast(z, shape)

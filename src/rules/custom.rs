@@ -78,11 +78,8 @@ impl Rule for CustomOp {
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
         let Some(g) = &self.rules.jvp else { return Ok(None) };
         let mut ins = args.to_vec();
-        for (&a, t) in args.iter().zip(tans) {
-            ins.push(match t {
-                Some(t) => *t,
-                None => b.zeros(b.dims(a), b.ty(a).dtype)?,
-            });
+        for (&a, &t) in args.iter().zip(tans) {
+            ins.push(b.or_zeros(t, a)?);
         }
         Ok(Some(inline(g, b, &ins)?.first().copied()))
     }

@@ -217,11 +217,8 @@ impl Rule for ShapeOp {
                 return Ok(Some(None));
             }
             let mut ts = Vec::with_capacity(args.len());
-            for (&a, t) in args.iter().zip(tans) {
-                ts.push(match t {
-                    Some(t) => *t,
-                    None => b.zeros(b.dims(a), b.ty(a).dtype)?,
-                });
+            for (&a, &t) in args.iter().zip(tans) {
+                ts.push(b.or_zeros(t, a)?);
             }
             return Ok(Some(Some(b.emit(Prim::Shape(self.clone()), &ts)?)));
         }

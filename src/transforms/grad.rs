@@ -340,11 +340,8 @@ where
         for &arg in &sel {
             let start: usize = leaves[..arg].iter().map(Vec::len).sum();
             let mut arg_grads = Vec::new();
-            for (k, t) in leaves[arg].iter().enumerate() {
-                arg_grads.push(match cts[start + k] {
-                    Some(ct) => ct,
-                    None => ob.zeros(t.ty.shape.clone(), t.ty.dtype)?,
-                });
+            for k in 0..leaves[arg].len() {
+                arg_grads.push(ob.or_zeros(cts[start + k], inputs[start + k])?);
             }
             grads.push(arg_grads);
         }
@@ -455,11 +452,7 @@ where
         let (outs, cts) = vjp_graph(&fwd_graph, &mut bb, &primals, &wrt, &seeds)?;
         let mut results = outs;
         for (&p, ct) in primals.iter().zip(cts) {
-            let ty = bb.ty(p).clone();
-            results.push(match ct {
-                Some(c) => c,
-                None => bb.zeros(ty.shape, ty.dtype)?,
-            });
+            results.push(bb.or_zeros(ct, p)?);
         }
         bb.finish(results).0.eliminate_dead_code()
     };

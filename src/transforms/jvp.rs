@@ -13,6 +13,27 @@ use crate::rules::{Builder, TraceCtx};
 use crate::trace::Tracer;
 use candle_core::Tensor;
 
+/// `g`'s JVP as one graph: `g`'s inputs, then a tangent input for each
+/// (ignored for integer ones), in; `g`'s outputs, then their tangents
+/// (zeros where none), out.
+fn joint_graph(g: &crate::ir::Graph, device: candle_core::Device) -> Result<crate::ir::Graph> {
+    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
+    let mut bb = b.borrow_mut();
+    let types = g.input_types();
+    let ins: Vec<_> = types.iter().map(|t| bb.input(t.clone())).collect();
+    let mut tans = Vec::with_capacity(ins.len());
+    for t in &types {
+        let u = bb.input(t.clone());
+        tans.push(t.dtype.is_float().then_some(u));
+    }
+    let (outs, out_tans) = jvp_graph(g, &mut bb, &ins, &tans)?;
+    let mut results = outs.clone();
+    for (&o, t) in outs.iter().zip(out_tans) {
+        results.push(bb.or_zeros(t, o)?);
+    }
+    Ok(bb.finish(results).0.eliminate_dead_code())
+}
+
 /// What [`jvp`] returns: the value and its tangent, each a concrete tree
 /// shaped like the function's result.
 pub type ValueAndTangent<O> = (<O as SymTree>::Concrete, <O as SymTree>::Concrete);
@@ -53,28 +74,7 @@ where
     let compiled = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
     let g = &compiled.graph;
     let n_out = g.outputs.len();
-    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
-    let joint = {
-        let mut bb = b.borrow_mut();
-        let ins: Vec<_> = g.input_types().into_iter().map(|t| bb.input(t)).collect();
-        // a tangent input for every primal; float ones carry a tangent
-        let mut tans = Vec::with_capacity(ins.len());
-        for &i in &ins {
-            let ty = bb.ty(i).clone();
-            let t = bb.input(ty.clone());
-            tans.push(ty.dtype.is_float().then_some(t));
-        }
-        let (outs, out_tans) = jvp_graph(g, &mut bb, &ins, &tans)?;
-        let mut results = outs.clone();
-        for (o, t) in outs.iter().zip(out_tans) {
-            let ty = bb.ty(*o).clone();
-            results.push(match t {
-                Some(t) => t,
-                None => bb.zeros(ty.shape, ty.dtype)?,
-            });
-        }
-        bb.finish(results).0.simplify().fuse_epilogues()
-    };
+    let joint = joint_graph(g, device)?.simplify().fuse_epilogues();
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
     interp::check_memory(&joint, f.own_options().get_memory_limit())?;
     let mut outs = interp::run(
@@ -147,12 +147,8 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
             }
             let (outs, out_tans) = jvp_graph(&g, &mut ob, &ins, &tin)?;
             let mut tans = Vec::with_capacity(outs.len());
-            for (o, t) in outs.iter().zip(out_tans) {
-                let ty = ob.ty(*o).clone();
-                tans.push(match t {
-                    Some(t) => t,
-                    None => ob.zeros(ty.shape, ty.dtype)?,
-                });
+            for (&o, t) in outs.iter().zip(out_tans) {
+                tans.push(ob.or_zeros(t, o)?);
             }
             (outs, tans)
         };
@@ -228,11 +224,8 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
             let wrt: Vec<bool> = (0..ins.len()).map(|k| k < p.len()).collect();
             let (_, cts) = crate::rules::walk::vjp_graph(&g, &mut ob, &ins, &wrt, &seeds)?;
             let mut grads = Vec::with_capacity(p.len());
-            for (x, ct) in p.iter().zip(cts) {
-                grads.push(match ct {
-                    Some(ct) => ct,
-                    None => ob.zeros(x.ty.shape.clone(), x.ty.dtype)?,
-                });
+            for (&x, ct) in ins.iter().zip(cts).take(p.len()) {
+                grads.push(ob.or_zeros(ct, x)?);
             }
             grads
         };
@@ -281,28 +274,7 @@ where
     let g = &compiled.graph;
     let n_out = g.outputs.len();
     let in_types = g.input_types();
-    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
-    let joint = {
-        let mut bb = b.borrow_mut();
-        let ins: Vec<_> = in_types.iter().map(|t| bb.input(t.clone())).collect();
-        let tans: Vec<_> = in_types
-            .iter()
-            .map(|t| {
-                let u = bb.input(t.clone());
-                t.dtype.is_float().then_some(u)
-            })
-            .collect();
-        let (outs, out_tans) = jvp_graph(g, &mut bb, &ins, &tans)?;
-        let mut results = outs.clone();
-        for (o, t) in outs.iter().zip(out_tans) {
-            let ty = bb.ty(*o).clone();
-            results.push(match t {
-                Some(t) => t,
-                None => bb.zeros(ty.shape, ty.dtype)?,
-            });
-        }
-        bb.finish(results).0.eliminate_dead_code()
-    };
+    let joint = joint_graph(g, device)?;
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
     let (fwd, tangent) = (fwd.simplify().fuse_epilogues(), tangent.simplify().fuse_epilogues());
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
