@@ -103,7 +103,11 @@ pub(crate) fn planned_peak(g: &Graph) -> usize {
 /// machine's available memory, read only for a plan above
 /// `UNCHECKED_BYTES`).
 pub(crate) fn check_memory(g: &Graph, limit: Option<usize>) -> Result<()> {
-    let needed = planned_peak(g);
+    check_peak(planned_peak(g), limit)
+}
+
+/// [`check_memory`] for a plan whose peak, `needed` bytes, is known.
+pub(crate) fn check_peak(needed: usize, limit: Option<usize>) -> Result<()> {
     let limit = match limit {
         Some(l) => l,
         None if needed < UNCHECKED_BYTES => return Ok(()),

@@ -90,6 +90,9 @@ pub(crate) struct Compiled {
     mode_deps: Vec<(Arc<AtomicBool>, bool)>,
     /// The seed of the outermost transform that has one, if any.
     pub(crate) seed: Option<u64>,
+    /// The bytes `graph` holds at its peak by its plan
+    /// (`interp::planned_peak`), worked out once rather than per call.
+    peak: usize,
 }
 
 impl Compiled {
@@ -97,8 +100,10 @@ impl Compiled {
     /// running: only once no transform will rewrite it, since fused nodes
     /// have no transform rules.
     fn fused(self) -> Self {
+        let graph = self.graph.fuse_epilogues();
         Compiled {
-            graph: self.graph.fuse_epilogues(),
+            peak: interp::planned_peak(&graph),
+            graph,
             ..self
         }
     }
@@ -260,8 +265,10 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
         );
     }
     let mode_deps = ctx.mode_deps.borrow().clone();
+    let graph = graph.simplify();
     Ok(Compiled {
-        graph: graph.simplify(),
+        peak: interp::planned_peak(&graph),
+        graph,
         out_def,
         mode_deps,
         seed: ctx.seed.get(),
@@ -297,7 +304,7 @@ where
         }
     };
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    interp::check_memory(&compiled.graph, given.get_memory_limit())?;
+    interp::check_peak(compiled.peak, given.get_memory_limit())?;
     let seed = settings::run_seed(&compiled.graph, compiled.seed, &cache.calls);
     let outs = interp::run(&compiled.graph, &flat, seed)?;
     F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
