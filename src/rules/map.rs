@@ -112,6 +112,18 @@ fn emit_body(b: &mut Builder, body: Graph, args: &[BVal], size: usize, opts: cra
     Ok((b.emit(Prim::Map(Box::new(m)), &ids)?, Some(0)))
 }
 
+impl Map {
+    /// Fresh inputs of the body's input types in `sb`, where a rule
+    /// re-traces the body's derivative.
+    fn body_inputs(&self, sb: &mut Builder) -> Vec<VarId> {
+        self.body
+            .inputs
+            .iter()
+            .map(|&i| sb.input(self.body.ty(i).clone()))
+            .collect()
+    }
+}
+
 impl Rule for Map {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
@@ -218,12 +230,7 @@ impl Rule for Map {
         let scratch = Builder::scratch(b.given, b.ctx.clone());
         let (graph, has) = {
             let mut sb = scratch.borrow_mut();
-            let ids: Vec<VarId> = self
-                .body
-                .inputs
-                .iter()
-                .map(|&i| sb.input(self.body.ty(i).clone()))
-                .collect();
+            let ids = self.body_inputs(&mut sb);
             let c = sb.input(unbatched(b.ty(ct), Some(0)));
             let wrt = vec![true; ids.len()];
             let (_, cts) = walk::vjp_graph(&self.body, &mut sb, &ids, &wrt, &[(0, c)])?;
@@ -259,12 +266,7 @@ impl Rule for Map {
         let scratch = Builder::scratch(b.given, b.ctx.clone());
         let graph = {
             let mut sb = scratch.borrow_mut();
-            let ids: Vec<VarId> = self
-                .body
-                .inputs
-                .iter()
-                .map(|&i| sb.input(self.body.ty(i).clone()))
-                .collect();
+            let ids = self.body_inputs(&mut sb);
             let mut body_tans = Vec::with_capacity(ids.len());
             for (k, &i) in self.body.inputs.iter().enumerate() {
                 let ty = self.body.ty(i).clone();

@@ -53,6 +53,28 @@ fn reduced_shape(shape: &[usize], axes: &[usize], keepdim: bool) -> Vec<usize> {
 /// 0.5 ms). So runs of adjacent reduced (R) or kept (K) axes are merged, a
 /// trailing R run is a last-axis sum, and an R run before a K run is a
 /// product with a row of ones, which GEMM does at full speed.
+/// Where `x` attains its maximum `out` over `axes` (1 there, else 0, in
+/// `x`'s dtype) and how many positions do, per reduced window (kept axes):
+/// a max's derivative shares its (co)tangent evenly among them.
+fn attained(b: &mut Builder, x: VarId, out: VarId, axes: &[usize]) -> Result<(VarId, VarId)> {
+    let xs = b.dims(x);
+    let o = b.reshape(out, reduced_shape(&xs, axes, true))?;
+    let o = b.broadcast(o, xs)?;
+    let hit = b.cmp(Compare::Eq, x, o)?;
+    let hit = b.un(Unary::Cast(b.ty(x).dtype), hit)?;
+    let count = b.sum_axes(hit, axes.to_vec(), true)?;
+    Ok((hit, count))
+}
+
+/// `s * (v - sum(s * v))` along `axis` for the softmax `s`: its Jacobian
+/// (symmetric) times `v`, so both its VJP and its JVP.
+fn softmax_product(b: &mut Builder, s: VarId, v: VarId, axis: usize) -> Result<VarId> {
+    let sv = b.bin(Binary::Mul, s, v)?;
+    let sum = b.sum_axes(sv, vec![axis], true)?;
+    let d = b.bin(Binary::Sub, v, sum)?;
+    b.bin(Binary::Mul, s, d)
+}
+
 /// `y` (the maximum of `x` over `axes`, kept) with NaN where the reduced
 /// values hold one, as PyTorch's `amax` (candle's skips NaN).
 fn nan_where_any(x: &Tensor, y: Tensor, axes: &[usize]) -> candle_core::Result<Tensor> {
@@ -204,23 +226,12 @@ impl Rule for Reduce {
             }
             // ...of a max, evenly over the positions that attain it.
             Reduce::Max { axes, .. } => {
-                let kept = reduced_shape(&xs, axes, true);
-                let o = b.reshape(out, kept.clone())?;
-                let o = b.broadcast(o, xs.clone())?;
-                let hit = b.cmp(Compare::Eq, x, o)?;
-                let hit = b.un(Unary::Cast(b.ty(x).dtype), hit)?;
-                let count = b.sum_axes(hit, axes.clone(), true)?;
-                let c = b.reshape(ct, kept)?;
+                let (hit, count) = attained(b, x, out, axes)?;
+                let c = b.reshape(ct, reduced_shape(&xs, axes, true))?;
                 let share = b.bin(Binary::Div, c, count)?;
                 b.bin(Binary::Mul, hit, share)?
             }
-            // s * (ct - sum(ct * s))
-            Reduce::Softmax(a) => {
-                let p = b.bin(Binary::Mul, ct, out)?;
-                let sp = b.sum_axes(p, vec![*a], true)?;
-                let d = b.bin(Binary::Sub, ct, sp)?;
-                b.bin(Binary::Mul, out, d)?
-            }
+            Reduce::Softmax(a) => softmax_product(b, out, ct, *a)?,
             // ct - exp(out) * sum(ct)
             Reduce::LogSoftmax(a) => {
                 let s = b.sum_axes(ct, vec![*a], true)?;
@@ -235,30 +246,19 @@ impl Rule for Reduce {
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
         let Some(t) = tans[0] else { return Ok(Some(None)) };
         let x = args[0];
-        let xs = b.dims(x);
         let tan = match self {
             // linear
             Reduce::Sum { .. } => return multilinear_jvp(b, &Prim::Reduce(self.clone()), args, tans, &[0]).map(Some),
             // the tangent at the positions that attain the max, shared evenly
             Reduce::Max { axes, .. } => {
-                let kept = reduced_shape(&xs, axes, true);
-                let o = b.reshape(out, kept)?;
-                let o = b.broadcast(o, xs)?;
-                let hit = b.cmp(Compare::Eq, x, o)?;
-                let hit = b.un(Unary::Cast(b.ty(x).dtype), hit)?;
-                let count = b.sum_axes(hit, axes.clone(), true)?;
+                let (hit, count) = attained(b, x, out, axes)?;
                 let ht = b.bin(Binary::Mul, hit, t)?;
                 let num = b.sum_axes(ht, axes.clone(), true)?;
                 let share = b.bin(Binary::Div, num, count)?;
                 b.reshape(share, b.dims(out))?
             }
-            // s * (t - sum(s * t))
-            Reduce::Softmax(a) => {
-                let st = b.bin(Binary::Mul, out, t)?;
-                let s = b.sum_axes(st, vec![*a], true)?;
-                let d = b.bin(Binary::Sub, t, s)?;
-                b.bin(Binary::Mul, out, d)?
-            }
+            // softmax's Jacobian is symmetric: the VJP's product
+            Reduce::Softmax(a) => softmax_product(b, out, t, *a)?,
             // t - sum(exp(out) * t)
             Reduce::LogSoftmax(a) => {
                 let e = b.un(Unary::Exp, out)?;
