@@ -12,13 +12,7 @@ use common::{assert_close, rand};
 
 const N: usize = 4;
 
-fn f(x: Tracer) -> candle_func::Result<Tracer> {
-    let n = x.elem_count() as f64;
-    x.tanh()?
-        .mul(&x)?
-        .sum_all()?
-        .add(&x.sum_all()?.sqr()?.affine(1.0 / n, 0.0)?)
-}
+use common::tanh_dot_square as f;
 
 fn f64t(shape: &[usize], seed: u64) -> Tensor {
     rand(shape, seed).to_dtype(DType::F64).unwrap()

@@ -13,14 +13,7 @@ fn f64t(shape: &[usize], seed: u64) -> Tensor {
     rand(shape, seed).to_dtype(DType::F64).unwrap()
 }
 
-/// f(x) = sum(tanh(x) * x) + (sum x)^2 / n, per example.
-fn f(x: Tracer) -> candle_func::Result<Tracer> {
-    let n = x.elem_count() as f64;
-    x.tanh()?
-        .mul(&x)?
-        .sum_all()?
-        .add(&x.sum_all()?.sqr()?.affine(1.0 / n, 0.0)?)
-}
+use common::tanh_dot_square as f;
 
 /// Central differences of a scalar function of one tensor, per element.
 fn numeric_grad(g: &dyn Fn(&Tensor) -> f64, x: &Tensor) -> Tensor {

@@ -47,6 +47,18 @@ fn fixture_dir() -> PathBuf {
     }
 }
 
+/// The `*.safetensors` cases in `dir`, sorted; none is a failure.
+fn cases(dir: &Path) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    paths.sort();
+    assert!(!paths.is_empty(), "no fixtures in {}", dir.display());
+    paths
+}
+
 fn params(f: &Fixture) -> BTreeMap<String, Tensor> {
     f.tensors
         .iter()
@@ -254,13 +266,7 @@ fn run_ntk(f: &Fixture, route: ConvRoute) -> String {
 #[test]
 fn higher_order_fixtures_match_pytorch() {
     let dir = fixture_dir().join("higher_order");
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    paths.sort();
-    assert!(!paths.is_empty(), "no fixtures in {}", dir.display());
+    let paths = cases(&dir);
     for path in &paths {
         let f = load(path);
         for route in [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop] {
@@ -277,13 +283,7 @@ fn higher_order_fixtures_match_pytorch() {
 #[test]
 fn fixtures_match_pytorch() {
     let dir = fixture_dir();
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    paths.sort();
-    assert!(!paths.is_empty(), "no fixtures in {}", dir.display());
+    let paths = cases(&dir);
     let mut lines = 0;
     for path in &paths {
         let f = load(path);

@@ -76,12 +76,7 @@ impl<S: Nth<I> + Nth<J>, const I: usize, const J: usize> Argnums<S> for Wrt2<I, 
     }
     fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads> {
         let mut g = grads.into_iter();
-        let mut a = g.next().unwrap_or_default().into_iter();
-        let mut b = g.next().unwrap_or_default().into_iter();
-        Ok((
-            <S as Nth<I>>::T::unflatten_from(&defs[I], &mut a)?,
-            <S as Nth<J>>::T::unflatten_from(&defs[J], &mut b)?,
-        ))
+        Ok((unflatten_each(&defs[I], &mut g)?, unflatten_each(&defs[J], &mut g)?))
     }
 }
 

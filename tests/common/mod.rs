@@ -9,6 +9,16 @@ pub type Un = fn(Tracer) -> Result<Tracer>;
 /// A binary test function.
 pub type Bin = fn(Tracer, Tracer) -> Result<Tracer>;
 
+/// `f(x) = sum(tanh(x) x) + (sum x)^2 / n`: the scalar function the
+/// composition tests differentiate every way (smooth, with a full Hessian).
+pub fn tanh_dot_square(x: Tracer) -> Result<Tracer> {
+    let n = x.elem_count() as f64;
+    x.tanh()?
+        .mul(&x)?
+        .sum_all()?
+        .add(&x.sum_all()?.sqr()?.affine(1.0 / n, 0.0)?)
+}
+
 /// Unary maps defined on all reals (log and recip moved away from zero),
 /// shared by the loop-oracle and finite-difference tests.
 pub fn unary_maps() -> Vec<(&'static str, Un)> {
