@@ -303,3 +303,31 @@ fn linearize_gives_jvps_without_rerunning_the_forward() {
         Err(candle_func::Error::Tree { .. })
     ));
 }
+
+/// Bad input to the forward-mode and Jacobian functions is an error, and
+/// NaN propagates through them as through the functions themselves.
+#[test]
+fn bad_input_to_the_new_transforms_is_an_error() {
+    use candle_func::{hvp, jacfwd, jacrev, jit, vjp_fn, Error};
+    let x = f64s(&[3], 110);
+    let ints = Tensor::new(&[1u32, 2, 3], x.device()).unwrap();
+    let sq = |x: Tracer| x.sqr();
+    // Jacobians of an integer input: no derivative to take
+    assert!(matches!(jit(jacrev(sq)).call(&ints), Err(Error::DType { .. })));
+    assert!(matches!(jit(jacfwd(sq)).call(&ints), Err(Error::DType { .. })));
+    // a direction or cotangent of another shape
+    let loss = |x: Tracer| x.sqr()?.sum_all();
+    assert!(matches!(hvp(&loss, &x, &f64s(&[4], 111)), Err(Error::Tree { .. })));
+    let r = jit(vjp_fn(sq)).call((&x, &f64s(&[2], 112)));
+    assert!(matches!(r, Err(Error::Tree { .. })), "{r:?}");
+    // erf and gelu are float-only
+    for f in [|x: Tracer| x.erf(), |x: Tracer| x.gelu()] {
+        assert!(matches!(jit(f).call(&ints), Err(Error::DType { .. })));
+    }
+    // NaN in, NaN out
+    let nan = Tensor::new(&[1f64, f64::NAN, 2.], x.device()).unwrap();
+    let (_, t) = jvp(&|x: Tracer| x.exp(), &nan, &x).unwrap();
+    assert!(t.to_vec1::<f64>().unwrap()[1].is_nan());
+    let j = jit(jacrev(|x: Tracer| x.tanh())).call(&nan).unwrap();
+    assert!(j.get(1).unwrap().to_vec1::<f64>().unwrap()[1].is_nan());
+}

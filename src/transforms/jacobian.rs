@@ -71,6 +71,14 @@ pub fn jacfwd<F>(f: F) -> Jacfwd<F> {
 impl<F: Function<(Tracer,), Output = Tracer>> Function<(Tracer,)> for Jacfwd<F> {
     type Output = Tracer;
     fn apply(&self, (x,): (Tracer,)) -> Result<Tracer> {
+        // as jacrev (through grad) and JAX: no Jacobian of an integer input
+        if !x.dtype().is_float() {
+            return Err(crate::error::Error::DType {
+                op: "jacfwd",
+                dtypes: vec![x.dtype()],
+                msg: "the Jacobian is taken with respect to a floating-point tensor only".into(),
+            });
+        }
         let shape = x.dims().to_vec();
         let e = basis(&x, &shape)?;
         let f = ByRef(&self.f);
