@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // the Hessian of the loss [8, 8], and H u without forming it
     let h = jit(hessian(loss)).call(&x)?;
-    let (_, hu) = hvp(&loss, &x, &u)?;
+    let hu = hvp(&loss, &x, &u)?;
     let want = h.matmul(&u.unsqueeze(1)?)?.squeeze(1)?;
     println!(
         "Hessian {:?}: symmetric to {:.1e}; hvp vs H u: {:.1e}",

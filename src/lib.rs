@@ -59,8 +59,44 @@
 //!   [`manual_seed`] are process-wide defaults only.
 //! * [`ConvRoute`]: how a convolution with batched input and weight is
 //!   lowered (grouped convolution, unfold + batched matmul, or a loop).
+//! * Forward mode and the Jacobian family: [`jvp`], [`jvp_fn`],
+//!   [`linearize`], [`vjp_fn`], [`jacfwd`], [`jacrev`] (with `argnums`,
+//!   `has_aux`, `chunk_size`), [`hessian`], [`hvp`] and [`vhp`]; custom
+//!   derivative and batching rules for an opaque kernel with
+//!   [`custom_op_with_rules`].
 //! * Arguments and results are trees: a tensor, tuples, `Vec`s and
-//!   `String`-keyed maps of trees ([`TensorTree`], [`SymTree`]).
+//!   `String`-keyed maps of trees ([`TensorTree`], [`SymTree`]);
+//!   `in_dims`/`out_dims` may be a [`DimTree`] per argument.
+//!
+//! ## Transforms inside a traced function
+//!
+//! Every transform is a [`Function`]: `.call` runs it on tensors, and
+//! [`Function::apply`] calls it on the symbolic tensors of an enclosing
+//! trace, so a transform can be used in the middle of a traced closure
+//! (here a gradient step inside a function that `vmap` batches, and a
+//! Jacobian inside a loss). The arguments go as a tuple, one element per
+//! parameter of the function.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use candle_func::{grad, jacrev, jit, vmap, Function, Tracer};
+//! let dev = Device::Cpu;
+//! let loss = |w: Tracer, x: Tracer| w.mul(&x)?.sum_all()?.sqr();
+//! // one SGD step per example, batched: w - 0.25 * grad(loss)(w, x)
+//! let step = |w: Tracer, x: Tracer| {
+//!     let g = Function::apply(&grad(loss), (w.clone(), x))?;
+//!     w.sub(&g.affine(0.25, 0.)?)
+//! };
+//! let w = Tensor::new(&[1f32, 1.], &dev)?;
+//! let xs = Tensor::new(&[[1f32, 0.], [0., 2.]], &dev)?;
+//! let ws = vmap(step).in_dims([None, Some(0)]).call((&w, &xs))?;
+//! assert_eq!(ws.to_vec2::<f32>()?, vec![vec![0.5, 1.], vec![1., -1.]]);
+//! // a penalty on the Jacobian's norm, itself differentiable
+//! let penalty = |x: Tracer| Function::apply(&jacrev(|x: Tracer| x.tanh()), (x,))?.sqr()?.sum_all();
+//! let g = jit(grad(penalty)).call(&Tensor::new(&[0f32, 1.], &dev)?)?;
+//! assert_eq!(g.dims(), &[2]);
+//! # Ok::<(), candle_func::Error>(())
+//! ```
 
 #![warn(missing_docs)]
 #![warn(unnameable_types)]
@@ -83,10 +119,13 @@ pub use interp::{NodeTimes, RunStats};
 pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Randomness, Schedule, TensorType};
 pub use ops::{custom_op, custom_op_with_rules, Axes, Axis, CustomRules};
 pub use trace::{Operand, Tracer};
+pub use transforms::dims::{DimTree, Dims};
 pub use transforms::grad::{
     grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2, Wrt3, Wrt4,
 };
-pub use transforms::jacobian::{hessian, hvp, hvp_fn, jacfwd, jacrev, HvpFn, Jacfwd, Jacrev};
+pub use transforms::jacobian::{
+    hessian, hvp, hvp_fn, jacfwd, jacrev, vhp, vhp_fn, Hessian, HvpFn, JacMode, Jacfwd, Jacrev, VhpFn,
+};
 pub use transforms::jvp::{jvp, jvp_fn, linearize, vjp_fn, JvpFn, Linearized, ValueAndLinear, ValueAndTangent, VjpFn};
 pub use transforms::planner::{
     auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
@@ -98,5 +137,5 @@ pub use transforms::settings::{
     set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, ROUTE_ENV,
 };
 pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
-pub use transforms::vmap::{vmap, Dims, Vmap};
+pub use transforms::vmap::{vmap, Vmap};
 pub use transforms::{jit, make_graph, Function, Jit};

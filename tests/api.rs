@@ -274,3 +274,74 @@ fn argnums_over_three_and_four_arguments() {
     common::assert_close(&g0, &one(0), 1e-6, "argnums3 second");
     common::assert_close(&g3, &one(3), 1e-6, "argnums3 third");
 }
+
+/// `in_dims` and `out_dims` as prefix trees (JAX's and torch.func's rule):
+/// an axis per leaf of a map or tuple, an axis for a whole subtree, and an
+/// error naming the argument and the structure on a mismatch.
+#[test]
+fn in_dims_and_out_dims_as_prefix_trees() {
+    use candle_func::DimTree;
+    let xs = rand(&[4, 3], 20);
+    let mut p = BTreeMap::new();
+    p.insert("w".to_string(), rand(&[3], 21)); // shared
+    p.insert("b".to_string(), rand(&[3, 4], 22)); // one column per example
+    let f = |p: BTreeMap<String, Tracer>, (x, s): (Tracer, Tracer)| -> candle_func::Result<_> {
+        let y = x.mul(&p["w"])?.add(&p["b"])?.mul(&s)?;
+        Ok((y.clone(), (y.sum_all()?, p["w"].clone())))
+    };
+    let scale = rand(&[3], 23); // shared, inside the batched tuple
+    let dims = [
+        DimTree::map([("b", Some(1)), ("w", None)]),
+        DimTree::seq([Some(0), None]),
+    ];
+    let out_dims = [DimTree::from(1), DimTree::seq([Some(0), None])];
+    let (y, (total, w)) = vmap(f)
+        .in_dims(dims.clone())
+        .out_dims(out_dims)
+        .call((&p, (&xs, &scale)))
+        .unwrap();
+    for i in 0..4 {
+        let x = xs.get(i).unwrap();
+        let b = p["b"].narrow(1, i, 1).unwrap().squeeze(1).unwrap();
+        let want = ((x * &p["w"]).unwrap() + b).unwrap().mul(&scale).unwrap();
+        assert_close(
+            &y.narrow(1, i, 1).unwrap().squeeze(1).unwrap(),
+            &want,
+            1e-6,
+            "y, batch axis 1",
+        );
+        assert_close(&total.get(i).unwrap(), &want.sum_all().unwrap(), 1e-5, "total");
+    }
+    assert_close(&w, &p["w"], 0.0, "an unbatched output leaf");
+    // a bare axis covers the whole subtree: the same as per leaf
+    let whole = vmap(f)
+        .in_dims([DimTree::map([("b", Some(1)), ("w", None)]), DimTree::from(0)])
+        .call((&p, (&xs, &rand(&[4, 3], 24))));
+    assert!(whole.is_ok(), "{:?}", whole.map(|_| ()));
+    // mismatches name the argument and the structure
+    let bad = [
+        (DimTree::map([("b", Some(1))]), "keys"),
+        (DimTree::seq([Some(0), None]), "a map"),
+        (DimTree::map([("b", Some(1)), ("w", Some(5))]), "`w`"),
+    ];
+    for (d, says) in bad {
+        let r = vmap(f).in_dims([d, DimTree::from(0)]).call((&p, (&xs, &scale)));
+        match r {
+            Err(Error::InDims { arg: 0, msg }) => assert!(msg.contains(says), "{msg}"),
+            other => panic!("expected an in_dims error, got {:?}", other.map(|_| ())),
+        }
+    }
+    let r = vmap(f)
+        .in_dims([DimTree::from(0), DimTree::seq([Some(0)])])
+        .call((&p, (&xs, &scale)));
+    assert!(matches!(r, Err(Error::InDims { arg: 1, .. })), "{:?}", r.map(|_| ()));
+    let r = vmap(f)
+        .in_dims(dims)
+        .out_dims([DimTree::from(0), DimTree::seq([Some(0)])])
+        .call((&p, (&xs, &scale)));
+    assert!(
+        matches!(r, Err(Error::OutDims { output: 1, .. })),
+        "{:?}",
+        r.map(|_| ())
+    );
+}

@@ -158,21 +158,10 @@ fn run_ensemble(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
     format!("ensemble logits max diff {d:.2e}")
 }
 
-/// The parameters as one flat vector (in name order), and back.
+/// The parameters as one flat vector (in name order).
 fn flat(p: &BTreeMap<String, Tensor>) -> Tensor {
     let parts: Vec<Tensor> = p.values().map(|t| t.flatten_all().unwrap()).collect();
     Tensor::cat(&parts, 0).unwrap()
-}
-
-fn unflat(theta: &Tracer, like: &BTreeMap<String, Tensor>) -> candle_func::Result<BTreeMap<String, Tracer>> {
-    let mut at = 0;
-    let mut out = BTreeMap::new();
-    for (k, t) in like {
-        let n = t.elem_count();
-        out.insert(k.clone(), theta.narrow(0, at, n)?.reshape(t.dims())?);
-        at += n;
-    }
-    Ok(out)
 }
 
 /// `jacobian` cases: each example's Jacobian of its logits w.r.t. its
@@ -204,25 +193,26 @@ fn run_jacobian(f: &Fixture, route: ConvRoute) -> String {
         .call((x, y))
         .unwrap_or_else(|e| panic!("{}: {e}", name("hessian")));
     let dh = check(&name("hessian.input"), &h, &f.tensors["hessian.input"]);
-    // the batch-mean loss as a function of all parameters, flattened
+    // the batch-mean loss as a function of the parameter map
     let v: BTreeMap<String, Tensor> = p
         .keys()
         .map(|k| (k.clone(), f.tensors[&format!("v.{k}")].clone()))
         .collect();
-    let loss = |theta: Tracer| -> candle_func::Result<Tracer> {
-        let q = unflat(&theta, &p)?;
-        let out = functional_call(&net, &q, &x.to_tracer(&theta)?)?;
+    let loss = |q: BTreeMap<String, Tracer>| -> candle_func::Result<Tracer> {
+        let like = &q[p.keys().next().expect("parameters")];
+        let out = functional_call(&net, &q, &x.to_tracer(like)?)?;
         let lp = out.log_softmax(1)?;
-        lp.gather(&y.unsqueeze(1).unwrap().to_tracer(&theta)?, 1)?
+        lp.gather(&y.unsqueeze(1).unwrap().to_tracer(like)?, 1)?
             .neg()?
             .mean_all()
     };
-    let (_, hv) = hvp(&loss, &flat(&p), &flat(&v)).unwrap_or_else(|e| panic!("{}: {e}", name("hvp")));
+    let hv = hvp(&loss, &p, &v).unwrap_or_else(|e| panic!("{}: {e}", name("hvp")));
     let want = flat(
         &p.keys()
             .map(|k| (k.clone(), f.tensors[&format!("hvp.{k}")].clone()))
             .collect(),
     );
+    let hv = flat(&hv);
     let dv = check(&name("hvp"), &hv, &want);
     format!("jacobian max diff {dj:.2e}, hessian {dh:.2e}, hvp {dv:.2e}")
 }
@@ -233,30 +223,38 @@ fn run_ntk(f: &Fixture, route: ConvRoute) -> String {
     let (x1, x2) = (&f.tensors["x1"], &f.tensors["x2"]);
     let p = params(f);
     let net = model(f, &p);
-    let theta = flat(&p);
-    // [N, classes, P]: each example's Jacobian w.r.t. the parameters
+    // per parameter [N, classes, *shape]: each example's Jacobian w.r.t.
+    // the parameter map, as the torch.func tutorial's
+    // vmap(jacrev(fnet_single), (None, 0))
     let jac = |xs: &Tensor| {
-        let one = |x: Tracer, th: Tracer| {
-            let (p, net) = (&p, &net);
-            let logits = move |th: Tracer| -> candle_func::Result<Tracer> {
-                let q = unflat(&th, p)?;
-                functional_call(net, &q, &x.unsqueeze(0)?)?.squeeze(0)
-            };
-            Function::apply(&jacrev(logits), (th,))
-        };
-        vmap(one)
-            .in_dims([Some(0), None])
+        let logits = |q: BTreeMap<String, Tracer>, x: Tracer| functional_call(&net, &q, &x.unsqueeze(0)?)?.squeeze(0);
+        vmap(jacrev(logits))
+            .in_dims([None, Some(0)])
             .conv_route(route)
-            .call((xs, &theta))
+            .call((&p, xs))
             .unwrap_or_else(|e| panic!("{} {route:?} ntk: {e}", f.name))
     };
     let (j1, j2) = (jac(x1), jac(x2));
-    let (n1, c, np) = j1.dims3().unwrap();
-    let n2 = j2.dims()[0];
-    let k = jit(|a: Tracer, b: Tracer| a.reshape((n1 * c, np))?.matmul(&b.reshape((n2 * c, np))?.t()?))
-        .call((&j1, &j2))
+    // contract each parameter's block over its elements, then sum
+    let mut k: Option<Tensor> = None;
+    for name in p.keys() {
+        let (a, b) = (&j1[name], &j2[name]);
+        let (n1, c) = (a.dims()[0], a.dims()[1]);
+        let n2 = b.dims()[0];
+        let part = jit(|a: Tracer, b: Tracer| {
+            a.reshape((n1 * c, ()))?
+                .matmul(&b.reshape((n2 * c, ()))?.t()?)?
+                .reshape((n1, c, n2, c))
+        })
+        .call((a, b))
         .unwrap();
-    let ntk = k.reshape((n1, c, n2, c)).unwrap().permute((0, 2, 1, 3)).unwrap();
+        k = Some(match k {
+            Some(k) => (k + part).unwrap(),
+            None => part,
+        });
+    }
+    let k = k.expect("parameters");
+    let ntk = k.permute((0, 2, 1, 3)).unwrap();
     let d = check(&format!("{} {route:?} ntk", f.name), &ntk, &f.tensors["ntk"]);
     format!("ntk max diff {d:.2e}")
 }

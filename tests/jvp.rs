@@ -221,7 +221,7 @@ fn through_vmap_maps_and_every_conv_route() {
 
 #[test]
 fn jacobians_hessians_and_hvps_agree() {
-    use candle_func::{hessian, hvp, jacfwd, jacrev, jit, vmap};
+    use candle_func::{grad, hessian, hvp, jacfwd, jacrev, jit, jvp_fn, vhp, vmap};
     let w1 = f64s(&[5, 4], 90);
     let w2 = f64s(&[3, 5], 91);
     let mlp = move |x: Tracer| -> candle_func::Result<Tracer> {
@@ -273,11 +273,13 @@ fn jacobians_hessians_and_hvps_agree() {
     let hm = h.reshape((8, 8)).unwrap();
     assert_close(&hm, &hm.t().unwrap(), 1e-10, "symmetric");
     let v = f64s(&[2, 4], 95);
-    let (g, hv) = hvp(&loss, &x, &v).unwrap();
+    let hv = hvp(&loss, &x, &v).unwrap();
     let want = hm.matmul(&v.reshape((8, 1)).unwrap()).unwrap().reshape((2, 4)).unwrap();
     assert_close(&hv, &want, 1e-10, "hvp = H v");
-    let g2 = candle_func::grad(loss).call(&x).unwrap();
-    assert_close(&g, &g2, 1e-12, "hvp's gradient");
+    assert_close(&vhp(&loss, &x, &v).unwrap(), &want, 1e-10, "vhp = v^T H (H symmetric)");
+    let (g, hv2) = jit(jvp_fn(grad(loss.clone()))).call((&x, &v)).unwrap();
+    assert_close(&hv2, &hv, 0.0, "jvp_fn(grad) is hvp");
+    assert_close(&g, &grad(loss).call(&x).unwrap(), 1e-12, "with the gradient");
 }
 
 #[test]

@@ -47,6 +47,13 @@ pub trait Argnums<S> {
     type Grads: SymTree;
     /// The argument positions.
     fn indices() -> Vec<usize>;
+    /// The gradients' structure, from each argument's.
+    fn def(defs: &[TreeDef]) -> TreeDef {
+        match Self::indices()[..] {
+            [i] => defs[i].clone(),
+            ref many => TreeDef::Tuple(many.iter().map(|&i| defs[i].clone()).collect()),
+        }
+    }
     /// Builds the gradients from each selected argument's structure and leaves.
     fn build(defs: &[TreeDef], grads: Vec<Vec<Tracer>>) -> Result<Self::Grads>;
 }

@@ -1,22 +1,25 @@
 //! The Jacobian family, as `torch.func` has it: `jacfwd` (a `vmap` of
 //! forward mode over the input basis), `jacrev` (a `vmap` of reverse mode
-//! over the output basis), `hessian` (`jacfwd` of `jacrev`) and `hvp`
-//! (forward over reverse). Each Jacobian is shaped `[*out, *in]`. They are
-//! [`Function`]s of one tensor to one tensor, so they nest under `vmap`
-//! (per-example Jacobians) and each other.
+//! over the output basis), `hessian` (`jacfwd` of `jacrev`), and the
+//! Hessian-vector products `hvp` (forward over reverse) and `vhp` (reverse
+//! over reverse). Arguments and results are trees; a Jacobian has, for
+//! each output leaf, a tree like the differentiated arguments whose leaves
+//! are `[*out, *in]` ([`SymTree::Nest`]). All are [`Function`]s, so they
+//! nest under `vmap` (per-example Jacobians) and each other.
 
-use super::grad::grad;
-use super::jvp::jvp_fn;
-use super::tree::{ArgList, CallArgs};
-use super::vmap::vmap;
+use super::grad::{grad, Argnums, Aux, Plain, Wrt, Wrt2, Wrt3, Wrt4};
+use super::jvp::{jvp_fn, vjp_fn};
+use super::tree::{ArgList, SymTree, TensorTree};
+use super::vmap::{vmap, Vmap};
 use super::{jit, Function};
-use crate::error::{CandleContext, Result};
+use crate::error::{CandleContext, Error, Result};
 use crate::ir::options::Options;
 use crate::trace::{Operand, Tracer};
 use candle_core::Tensor;
+use std::marker::PhantomData;
 
 /// Borrows a function as a function (transforms take theirs by value).
-struct ByRef<'a, F>(&'a F);
+pub(crate) struct ByRef<'a, F>(pub(crate) &'a F);
 
 impl<S: ArgList, F: Function<S>> Function<S> for ByRef<'_, F> {
     type Output = F::Output;
@@ -28,17 +31,204 @@ impl<S: ArgList, F: Function<S>> Function<S> for ByRef<'_, F> {
     }
 }
 
-/// `n` one-hot rows shaped `[n, *shape]`: the basis a Jacobian maps over.
-fn basis(like: &Tracer, shape: &[usize]) -> Result<Tracer> {
-    let n: usize = shape.iter().product();
-    let eye = Tensor::eye(n, like.dtype(), &like.device())
-        .and_then(|e| e.reshape([&[n], shape].concat()))
-        .op("jacobian basis")?;
-    eye.to_tracer(like)
+/// Whether a Jacobian's function returns its value alone ([`Plain`]) or
+/// `(value, aux)` ([`Aux`], after `.has_aux()`), and how the result
+/// carries the aux: `jacobian` or `(jacobian, aux)`, as `torch.func`.
+pub trait JacMode<T> {
+    /// The differentiated part of the function's result.
+    type Main: SymTree;
+    /// The auxiliary part (`()` for [`Plain`]).
+    type Aux;
+    /// The transform's result for a Jacobian of type `J`.
+    type With<J: SymTree>: SymTree;
+    /// Splits the function's result.
+    fn split(t: T) -> (Self::Main, Self::Aux);
+    /// Joins the Jacobian and the aux.
+    fn join<J: SymTree>(j: J, aux: Self::Aux) -> Self::With<J>;
 }
 
-/// `[n, *out]` with the basis axis first, as `[*out, *in]` (`n` = the
-/// input's size) or `[*in, ...]`: moves axis 0 to the end and splits it.
+impl<T: SymTree> JacMode<T> for Plain {
+    type Main = T;
+    type Aux = ();
+    type With<J: SymTree> = J;
+    fn split(t: T) -> (T, ()) {
+        (t, ())
+    }
+    fn join<J: SymTree>(j: J, _: ()) -> J {
+        j
+    }
+}
+
+impl<O: SymTree, A: SymTree> JacMode<(O, A)> for Aux {
+    type Main = O;
+    type Aux = A;
+    type With<J: SymTree> = (J, A);
+    fn split(t: (O, A)) -> (O, A) {
+        t
+    }
+    fn join<J: SymTree>(j: J, aux: A) -> (J, A) {
+        (j, aux)
+    }
+}
+
+/// The arguments split into the differentiated leaves (in `argnums`
+/// order) and the rest, and put back together.
+struct Split {
+    counts: Vec<usize>,
+    sel: Vec<usize>,
+}
+
+impl Split {
+    fn new(op: &'static str, leaves: &[Vec<Tracer>], sel: Vec<usize>) -> Result<Split> {
+        if (1..sel.len()).any(|i| sel[..i].contains(&sel[i])) {
+            return Err(Error::Tree {
+                msg: format!("{op}: argnums {sel:?} name an argument twice"),
+            });
+        }
+        let split = Split {
+            counts: leaves.iter().map(Vec::len).collect(),
+            sel,
+        };
+        for t in split.take(leaves.to_vec()).0 {
+            if !t.dtype().is_float() {
+                return Err(Error::DType {
+                    op,
+                    dtypes: vec![t.dtype()],
+                    msg:
+                        "the Jacobian is taken with respect to floating-point tensors only (choose others with argnums)"
+                            .into(),
+                });
+            }
+        }
+        Ok(split)
+    }
+
+    /// The selected arguments' leaves, then the others'.
+    fn take(&self, leaves: Vec<Vec<Tracer>>) -> (Vec<Tracer>, Vec<Tracer>) {
+        let sel = self.sel.iter().flat_map(|&i| leaves[i].clone()).collect();
+        let rest = leaves
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !self.sel.contains(i))
+            .flat_map(|(_, l)| l)
+            .collect();
+        (sel, rest)
+    }
+
+    /// The inverse of `take`.
+    fn merge(&self, sel: Vec<Tracer>, rest: Vec<Tracer>) -> Vec<Vec<Tracer>> {
+        let mut args: Vec<Vec<Tracer>> = vec![Vec::new(); self.counts.len()];
+        let mut sel = sel.into_iter();
+        for &i in &self.sel {
+            args[i] = (&mut sel).take(self.counts[i]).collect();
+        }
+        let mut rest = rest.into_iter();
+        for (i, arg) in args.iter_mut().enumerate() {
+            if !self.sel.contains(&i) {
+                *arg = (&mut rest).take(self.counts[i]).collect();
+            }
+        }
+        args
+    }
+}
+
+/// A tree's leaves and structure.
+fn leaves_of<T: SymTree>(t: &T) -> (Vec<Tracer>, super::tree::TreeDef) {
+    let mut l = Vec::new();
+    let def = t.flatten_into(&mut l);
+    (l, def)
+}
+
+/// A Jacobian's function evaluated once at its arguments: the
+/// differentiated leaves and the rest, the outputs and their structure,
+/// and the aux; and the function again at other leaves.
+struct Prepared<'a, S, F: Function<S>, M: JacMode<F::Output>>
+where
+    S: ArgList,
+{
+    f: &'a F,
+    defs: Vec<super::tree::TreeDef>,
+    split: Split,
+    sel: Vec<Tracer>,
+    rest: Vec<Tracer>,
+    outs: Vec<Tracer>,
+    out_def: super::tree::TreeDef,
+    aux: M::Aux,
+}
+
+impl<'a, S: ArgList, F: Function<S>, M: JacMode<F::Output>> Prepared<'a, S, F, M> {
+    fn new(op: &'static str, f: &'a F, args: S, argnums: Vec<usize>) -> Result<Self> {
+        let (leaves, defs) = args.flatten_args();
+        let split = Split::new(op, &leaves, argnums)?;
+        let (sel, rest) = split.take(leaves);
+        let (main, aux) = M::split(f.apply(S::unflatten_args(&defs, split.merge(sel.clone(), rest.clone()))?)?);
+        let (outs, out_def) = leaves_of(&main);
+        float_outputs(op, &outs)?;
+        Ok(Prepared {
+            f,
+            defs,
+            split,
+            sel,
+            rest,
+            outs,
+            out_def,
+            aux,
+        })
+    }
+
+    /// The output leaves at other argument leaves.
+    fn outs_at(&self, sel: Vec<Tracer>, rest: Vec<Tracer>) -> Result<Vec<Tracer>> {
+        let out = self
+            .f
+            .apply(S::unflatten_args(&self.defs, self.split.merge(sel, rest))?)?;
+        Ok(leaves_of(&M::split(out).0).0)
+    }
+}
+
+fn float_outputs(op: &'static str, outs: &[Tracer]) -> Result<()> {
+    match outs.iter().find(|t| !t.dtype().is_float()) {
+        Some(t) => Err(Error::DType {
+            op,
+            dtypes: vec![t.dtype()],
+            msg: format!(
+                "the function returns a {:?} tensor of shape {:?}: Jacobians of floating-point results only",
+                t.dtype(),
+                t.dims()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn numel(t: &Tracer) -> usize {
+    t.dims().iter().product()
+}
+
+/// The standard basis over all of `leaves`' elements, one block per leaf:
+/// leaf `k` gets `[n, *dims_k]`, row `i` one-hot where element `i` of the
+/// concatenated leaves falls in leaf `k` (`n` the total element count).
+fn basis(leaves: &[Tracer]) -> Result<Vec<Tracer>> {
+    let n: usize = leaves.iter().map(numel).sum();
+    let mut at = 0;
+    let mut blocks = Vec::with_capacity(leaves.len());
+    for t in leaves {
+        let k = numel(t);
+        let block = Tensor::eye(n, t.dtype(), &t.device())
+            .and_then(|e| e.narrow(1, at, k)?.reshape([&[n], t.dims()].concat()))
+            .op("jacobian basis")?;
+        blocks.push(block.to_tracer(t)?);
+        at += k;
+    }
+    Ok(blocks)
+}
+
+/// Block `j` of axis 0 of `t` (`[n, ...]`): rows `at .. at + len`.
+fn rows(t: &Tracer, at: usize, len: usize) -> Result<Tracer> {
+    t.narrow(0, at, len)
+}
+
+/// `[n, *out]` with the basis axis first, as `[*out, *in]` (`n` the
+/// input's size): moves axis 0 to the end and splits it.
 fn basis_last(t: Tracer, split: &[usize]) -> Result<Tracer> {
     let r = t.rank();
     let perm: Vec<usize> = (1..r).chain(std::iter::once(0)).collect();
@@ -47,14 +237,90 @@ fn basis_last(t: Tracer, split: &[usize]) -> Result<Tracer> {
     moved.reshape([&lead[..], split].concat())
 }
 
-/// The Jacobian of `f` (one tensor to one tensor) by forward mode, shaped
-/// `[*out, *in]`: one JVP per input element, batched by `vmap`. The cheaper
-/// direction where inputs are fewer than outputs.
-pub struct Jacfwd<F> {
-    f: F,
+/// Zeros `[*out, *in]`: the Jacobian where either side has no elements
+/// (a `vmap` over an empty basis has nothing to batch).
+fn empty_block(out: &Tracer, inp: &Tracer) -> Result<Tracer> {
+    Tensor::zeros([out.dims(), inp.dims()].concat(), out.dtype(), &out.device())
+        .op("jacobian")?
+        .to_tracer(out)
 }
 
-/// See [`Jacfwd`]; like `torch.func.jacfwd`.
+/// A `vmap` over the basis (the last argument), the rest unbatched.
+fn over_basis<G>(g: G, n_args: usize, chunk: Option<usize>) -> Vmap<G> {
+    let mut dims = vec![None; n_args];
+    dims.push(Some(0usize));
+    let v = vmap(g).in_dims(dims);
+    match chunk {
+        Some(k) => v.chunk_size(k),
+        None => v,
+    }
+}
+
+macro_rules! argnum_methods {
+    ($ty:ident) => {
+        impl<F, W, M> $ty<F, W, M> {
+            fn with<W2, M2>(self) -> $ty<F, W2, M2> {
+                $ty {
+                    f: self.f,
+                    chunk: self.chunk,
+                    _sel: PhantomData,
+                }
+            }
+
+            /// Differentiate with respect to argument `I` (default 0).
+            pub fn argnum<const I: usize>(self) -> $ty<F, Wrt<I>, M> {
+                self.with()
+            }
+
+            /// Differentiate with respect to arguments `I` and `J`: each
+            /// output leaf's Jacobian is a pair.
+            pub fn argnums<const I: usize, const J: usize>(self) -> $ty<F, Wrt2<I, J>, M> {
+                self.with()
+            }
+
+            /// Differentiate with respect to arguments `I`, `J` and `K`.
+            pub fn argnums3<const I: usize, const J: usize, const K: usize>(self) -> $ty<F, Wrt3<I, J, K>, M> {
+                self.with()
+            }
+
+            /// Differentiate with respect to arguments `I`, `J`, `K`, `L`.
+            pub fn argnums4<const I: usize, const J: usize, const K: usize, const L: usize>(
+                self,
+            ) -> $ty<F, Wrt4<I, J, K, L>, M> {
+                self.with()
+            }
+
+            /// Computes the Jacobian's rows (or columns) `k` at a time, as
+            /// `vmap`'s `chunk_size`, bounding memory (`torch.func`'s
+            /// `chunk_size`; `k > 0`).
+            pub fn chunk_size(mut self, k: usize) -> Self {
+                self.chunk = Some(k);
+                self
+            }
+        }
+
+        impl<F, W> $ty<F, W, Plain> {
+            /// The function returns `(value, aux)`: the Jacobian is of
+            /// the value, and the result becomes `(jacobian, aux)`.
+            pub fn has_aux(self) -> $ty<F, W, Aux> {
+                self.with()
+            }
+        }
+    };
+}
+
+/// The Jacobian of `f` by forward mode, like `torch.func.jacfwd`: one JVP
+/// per input element, batched by `vmap`; the cheaper direction where
+/// inputs are fewer than outputs. Made by [`jacfwd`].
+pub struct Jacfwd<F, W = Wrt<0>, M = Plain> {
+    f: F,
+    chunk: Option<usize>,
+    _sel: PhantomData<fn() -> (W, M)>,
+}
+
+/// See [`Jacfwd`]. With respect to argument 0 by default (choose others
+/// with `argnum`/`argnums`); for each output leaf a tree like the
+/// differentiated arguments, with leaves `[*out, *in]`.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -62,74 +328,164 @@ pub struct Jacfwd<F> {
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
 /// let j = jit(jacfwd(|x: Tracer| x.sqr())).call(&x)?;
 /// assert_eq!(j.to_vec2::<f32>()?, vec![vec![2., 0.], vec![0., 4.]]);
+/// // with respect to both arguments: a pair of Jacobians
+/// let (ja, jb) = jit(jacfwd(|a: Tracer, b: Tracer| a.mul(&b)).argnums::<0, 1>()).call((&x, &x))?;
+/// assert_eq!(jb.to_vec2::<f32>()?, vec![vec![1., 0.], vec![0., 2.]]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn jacfwd<F>(f: F) -> Jacfwd<F> {
-    Jacfwd { f }
-}
-
-impl<F: Function<(Tracer,), Output = Tracer>> Function<(Tracer,)> for Jacfwd<F> {
-    type Output = Tracer;
-    fn apply(&self, (x,): (Tracer,)) -> Result<Tracer> {
-        // as jacrev (through grad) and JAX: no Jacobian of an integer input
-        if !x.dtype().is_float() {
-            return Err(crate::error::Error::DType {
-                op: "jacfwd",
-                dtypes: vec![x.dtype()],
-                msg: "the Jacobian is taken with respect to a floating-point tensor only".into(),
-            });
-        }
-        let shape = x.dims().to_vec();
-        let e = basis(&x, &shape)?;
-        let f = ByRef(&self.f);
-        let one = |x: Tracer, u: Tracer| Function::apply(&jvp_fn(ByRef(&f)), (x, u)).map(|(_, t)| t);
-        // [n, *out], then [*out, *in]
-        let t = Function::apply(&vmap(one).in_dims([None, Some(0)]), (x, e))?;
-        basis_last(t, &shape)
+    Jacfwd {
+        f,
+        chunk: None,
+        _sel: PhantomData,
     }
 }
 
-/// The Jacobian of `f` (one tensor to one tensor) by reverse mode, shaped
-/// `[*out, *in]`: one VJP per output element, batched by `vmap` (the
-/// forward pass, not batched, runs once). The cheaper direction where
-/// outputs are fewer than inputs.
-pub struct Jacrev<F> {
-    f: F,
+argnum_methods!(Jacfwd);
+
+impl<S, F, W, M> Function<S> for Jacfwd<F, W, M>
+where
+    S: ArgList,
+    F: Function<S>,
+    W: Argnums<S>,
+    M: JacMode<F::Output>,
+{
+    type Output = M::With<<M::Main as SymTree>::Nest<W::Grads>>;
+
+    fn apply(&self, args: S) -> Result<Self::Output> {
+        let p = Prepared::<S, F, M>::new("jacfwd", &self.f, args, W::indices())?;
+        let (sel, outs) = (&p.sel, &p.outs);
+        // the outputs of f as a function of the selected leaves alone
+        let g = |s: Vec<Tracer>| p.outs_at(s, p.rest.clone());
+        let one = |s: Vec<Tracer>, u: Vec<Tracer>| Function::apply(&jvp_fn(ByRef(&g)), (s, u)).map(|(_, t)| t);
+        let n: usize = sel.iter().map(numel).sum();
+        // cols[k]: [n, *out_k], one JVP per input element
+        let cols: Vec<Tracer> = if n == 0 || outs.is_empty() {
+            Vec::new()
+        } else {
+            Function::apply(&over_basis(one, 1, self.chunk), (sel.clone(), basis(sel)?))?
+        };
+        let mut jac = Vec::with_capacity(outs.len() * sel.len());
+        for (k, o) in outs.iter().enumerate() {
+            let mut at = 0;
+            for s in sel {
+                jac.push(match cols.get(k) {
+                    // [n_j, *out_k] -> [*out_k, *in_j]
+                    Some(c) if numel(s) > 0 => basis_last(rows(c, at, numel(s))?, s.dims())?,
+                    _ => empty_block(o, s)?,
+                });
+                at += numel(s);
+            }
+        }
+        let def = p.out_def.graft(&W::def(&p.defs));
+        let j = <M::Main as SymTree>::Nest::<W::Grads>::unflatten_from(&def, &mut jac.into_iter())?;
+        Ok(M::join(j, p.aux))
+    }
 }
 
-/// See [`Jacrev`]; like `torch.func.jacrev`.
+/// The Jacobian of `f` by reverse mode, like `torch.func.jacrev`: one VJP
+/// per output element, batched by `vmap` (the forward pass, unbatched,
+/// runs once); the cheaper direction where outputs are fewer than inputs.
+/// Made by [`jacrev`].
+pub struct Jacrev<F, W = Wrt<0>, M = Plain> {
+    f: F,
+    chunk: Option<usize>,
+    _sel: PhantomData<fn() -> (W, M)>,
+}
+
+/// See [`Jacrev`]; shaped as [`jacfwd`]'s result.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
 /// use candle_func::{jacrev, jit, Tracer};
+/// use std::collections::BTreeMap;
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
 /// let j = jit(jacrev(|x: Tracer| x.sqr()?.sum_all())).call(&x)?;
 /// assert_eq!(j.to_vec1::<f32>()?, vec![2., 4.]);
+/// // a map of parameters in, a tensor out: a map of Jacobians
+/// let p = BTreeMap::from([("w".to_string(), x.clone())]);
+/// let f = |p: BTreeMap<String, Tracer>| p["w"].exp();
+/// let j = jit(jacrev(f).chunk_size(1)).call(&p)?;
+/// assert_eq!(j["w"].dims(), &[2, 2]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn jacrev<F>(f: F) -> Jacrev<F> {
-    Jacrev { f }
-}
-
-impl<F: Function<(Tracer,), Output = Tracer>> Function<(Tracer,)> for Jacrev<F> {
-    type Output = Tracer;
-    fn apply(&self, (x,): (Tracer,)) -> Result<Tracer> {
-        let out = self.f.apply((x.clone(),))?.dims().to_vec();
-        let e = basis(&x, &out)?;
-        let f = ByRef(&self.f);
-        // row i: the gradient of <f(x), e_i>
-        let row = |x: Tracer, e: Tracer| {
-            let dot = |x: Tracer| f.apply((x,))?.mul(&e)?.sum_all();
-            Function::apply(&grad(dot), (x,))
-        };
-        // [m, *in], then [*out, *in]
-        let rows = Function::apply(&vmap(row).in_dims([None, Some(0)]), (x.clone(), e))?;
-        rows.reshape([&out[..], x.dims()].concat())
+    Jacrev {
+        f,
+        chunk: None,
+        _sel: PhantomData,
     }
 }
 
-/// The Hessian of a scalar `f`, `[*in, *in]`: `jacfwd(jacrev(f))`, as
-/// `torch.func.hessian`.
+argnum_methods!(Jacrev);
+
+/// `sum_k <outs_k, cts_k>`: the scalar whose gradient is one VJP.
+fn pairing(outs: &[Tracer], cts: &[Tracer]) -> Result<Tracer> {
+    let mut total: Option<Tracer> = None;
+    for (o, c) in outs.iter().zip(cts) {
+        let d = o.mul(c)?.sum_all()?;
+        total = Some(match total {
+            Some(t) => t.add(&d.to_dtype(t.dtype())?)?,
+            None => d,
+        });
+    }
+    total.ok_or_else(|| Error::Tree {
+        msg: "jacrev: the function returns no tensors".into(),
+    })
+}
+
+impl<S, F, W, M> Function<S> for Jacrev<F, W, M>
+where
+    S: ArgList,
+    F: Function<S>,
+    W: Argnums<S>,
+    M: JacMode<F::Output>,
+{
+    type Output = M::With<<M::Main as SymTree>::Nest<W::Grads>>;
+
+    fn apply(&self, args: S) -> Result<Self::Output> {
+        let p = Prepared::<S, F, M>::new("jacrev", &self.f, args, W::indices())?;
+        let (sel, outs) = (&p.sel, &p.outs);
+        // row i: the gradient of <f(x), e_i>, one per output element
+        let row = |s: Vec<Tracer>, r: Vec<Tracer>, e: Vec<Tracer>| pairing(&p.outs_at(s, r)?, &e);
+        let m: usize = outs.iter().map(numel).sum();
+        // rows_j: [m, *in_j]
+        let rows_j: Vec<Tracer> = if m == 0 || sel.is_empty() {
+            Vec::new()
+        } else {
+            Function::apply(
+                &over_basis(grad(row), 2, self.chunk),
+                (sel.clone(), p.rest.clone(), basis(outs)?),
+            )?
+        };
+        let mut jac = Vec::with_capacity(outs.len() * sel.len());
+        let mut at = 0;
+        for o in outs {
+            for (j, s) in sel.iter().enumerate() {
+                jac.push(match rows_j.get(j) {
+                    // [m_k, *in_j] -> [*out_k, *in_j]
+                    Some(r) if numel(o) > 0 => rows(r, at, numel(o))?.reshape([o.dims(), s.dims()].concat())?,
+                    _ => empty_block(o, s)?,
+                });
+            }
+            at += numel(o);
+        }
+        let def = p.out_def.graft(&W::def(&p.defs));
+        let j = <M::Main as SymTree>::Nest::<W::Grads>::unflatten_from(&def, &mut jac.into_iter())?;
+        Ok(M::join(j, p.aux))
+    }
+}
+
+/// The Hessian of `f`: `jacfwd(jacrev(f))` with respect to the same
+/// arguments, as `torch.func.hessian`; for a scalar `f` of a tensor,
+/// `[*in, *in]`; of a map of parameters, a map of maps. Made by
+/// [`hessian`].
+pub struct Hessian<F, W = Wrt<0>> {
+    f: F,
+    _sel: PhantomData<fn() -> W>,
+}
+
+/// See [`Hessian`].
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -139,14 +495,60 @@ impl<F: Function<(Tracer,), Output = Tracer>> Function<(Tracer,)> for Jacrev<F> 
 /// assert_eq!(h.to_vec2::<f32>()?, vec![vec![2., 0.], vec![0., 2.]]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn hessian<F>(f: F) -> Jacfwd<Jacrev<F>> {
-    jacfwd(jacrev(f))
+pub fn hessian<F>(f: F) -> Hessian<F> {
+    Hessian { f, _sel: PhantomData }
 }
 
-/// The Hessian-vector product of a scalar `f` as a [`Function`] of
-/// `(x, v)` giving `(grad f(x), H v)`, by forward over reverse (one JVP of
-/// the gradient; no Hessian is formed). Made by [`hvp_fn`]; wrap it in
-/// [`jit`] to trace once and call it repeatedly.
+impl<F, W> Hessian<F, W> {
+    /// With respect to argument `I` (default 0).
+    pub fn argnum<const I: usize>(self) -> Hessian<F, Wrt<I>> {
+        Hessian {
+            f: self.f,
+            _sel: PhantomData,
+        }
+    }
+
+    /// With respect to arguments `I` and `J`: blocks `((H_ii, H_ij),
+    /// (H_ji, H_jj))` per output leaf.
+    pub fn argnums<const I: usize, const J: usize>(self) -> Hessian<F, Wrt2<I, J>> {
+        Hessian {
+            f: self.f,
+            _sel: PhantomData,
+        }
+    }
+}
+
+/// The type of a Hessian: the Jacobian of a Jacobian.
+type HessianOf<O, G> = <<O as SymTree>::Nest<G> as SymTree>::Nest<G>;
+
+impl<S, F, W> Function<S> for Hessian<F, W>
+where
+    S: ArgList,
+    F: Function<S>,
+    W: Argnums<S>,
+{
+    type Output = HessianOf<F::Output, W::Grads>;
+
+    fn apply(&self, args: S) -> Result<Self::Output> {
+        let inner = Jacrev::<_, W, Plain> {
+            f: ByRef(&self.f),
+            chunk: None,
+            _sel: PhantomData,
+        };
+        let outer = Jacfwd::<_, W, Plain> {
+            f: inner,
+            chunk: None,
+            _sel: PhantomData,
+        };
+        outer.apply(args)
+    }
+}
+
+/// The Hessian-vector product `H v` of a scalar `f` of one tree, by
+/// forward over reverse (one JVP of the gradient; no Hessian is formed), as
+/// a [`Function`] of `(x, v)`: the JAX cookbook's `hvp`. For the gradient
+/// too, use `jvp_fn(grad(f))`. Made by [`hvp_fn`]; wrap it in [`jit`] to
+/// trace once and call it repeatedly.
 pub struct HvpFn<F> {
     f: F,
 }
@@ -156,41 +558,72 @@ pub fn hvp_fn<F>(f: F) -> HvpFn<F> {
     HvpFn { f }
 }
 
-impl<F: Function<(Tracer,), Output = Tracer>> Function<(Tracer, Tracer)> for HvpFn<F> {
-    type Output = (Tracer, Tracer);
-    fn apply(&self, (x, v): (Tracer, Tracer)) -> Result<(Tracer, Tracer)> {
-        let g = grad(ByRef(&self.f));
-        Function::apply(&jvp_fn(g), (x, v))
+impl<A: SymTree, F: Function<(A,), Output = Tracer>> Function<(A, A)> for HvpFn<F> {
+    type Output = A;
+    fn apply(&self, (x, v): (A, A)) -> Result<A> {
+        // only the tangent: the gradient's last products are dead code
+        Function::apply(&jvp_fn(grad(ByRef(&self.f))), (x, v)).map(|(_, hv)| hv)
     }
 }
 
-/// The Hessian of a scalar `f` at `x` times `v`, by forward over reverse
-/// (one JVP of the gradient: no Hessian is formed), with `f`'s gradient:
-/// `(grad f(x), H v)`, as `torch.func`'s `jvp(grad(f), ..)` recipe. It
-/// traces `f` on every call; `jit(hvp_fn(f))` traces once.
+/// The vector-Hessian product `v^T H` of a scalar `f` of one tree, by
+/// reverse over reverse (one VJP of the gradient), as a [`Function`] of
+/// `(x, v)`: `torch.autograd.functional.vhp`'s product. Equal to
+/// [`HvpFn`]'s where the Hessian is symmetric (`f` twice continuously
+/// differentiable); which is faster depends on the function. Made by
+/// [`vhp_fn`].
+pub struct VhpFn<F> {
+    f: F,
+}
+
+/// See [`VhpFn`].
+pub fn vhp_fn<F>(f: F) -> VhpFn<F> {
+    VhpFn { f }
+}
+
+impl<A: SymTree, F: Function<(A,), Output = Tracer>> Function<(A, A)> for VhpFn<F> {
+    type Output = A;
+    fn apply(&self, (x, v): (A, A)) -> Result<A> {
+        Function::apply(&vjp_fn(grad(ByRef(&self.f))), (x, v))
+    }
+}
+
+/// `H v`, the Hessian of a scalar `f` at `x` times `v` (trees of one
+/// structure), by forward over reverse; see [`HvpFn`]. It traces `f` on
+/// every call; `jit(hvp_fn(f))` traces once.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
 /// use candle_func::{hvp, Tracer};
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
 /// let v = Tensor::new(&[1f32, 0.], &Device::Cpu)?;
-/// let (g, hv) = hvp(&|x: Tracer| x.powf(3.)?.sum_all(), &x, &v)?;
-/// assert_eq!(g.to_vec1::<f32>()?, vec![3., 12.]);
+/// let hv = hvp(&|x: Tracer| x.powf(3.)?.sum_all(), &x, &v)?;
 /// assert_eq!(hv.to_vec1::<f32>()?, vec![6., 0.]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn hvp<F, C>(f: &F, x: C, v: C) -> Result<(Tensor, Tensor)>
+pub fn hvp<F, T>(f: &F, x: &T, v: &T) -> Result<<T::Sym as SymTree>::Concrete>
 where
-    F: Function<(Tracer,), Output = Tracer>,
-    C: CallArgs<(Tracer,)>,
+    T: TensorTree + ?Sized,
+    F: Function<(T::Sym,), Output = Tracer>,
 {
-    let both = hvp_fn(ByRef(f));
-    let (x, v) = (x.flatten_args(), v.flatten_args());
-    let one = |t: Vec<Vec<Tensor>>| t.into_iter().flatten().next();
-    let (Some(x), Some(v)) = (one(x.0), one(v.0)) else {
-        return Err(crate::error::Error::Tree {
-            msg: "hvp: one tensor each for the point and the direction".into(),
-        });
-    };
-    jit(both).call((&x, &v))
+    jit(hvp_fn(ByRef(f))).call((x, v))
+}
+
+/// `v^T H` by reverse over reverse; see [`VhpFn`] and [`hvp`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{vhp, Tracer};
+/// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
+/// let v = Tensor::new(&[0f32, 1.], &Device::Cpu)?;
+/// let vh = vhp(&|x: Tracer| x.powf(3.)?.sum_all(), &x, &v)?;
+/// assert_eq!(vh.to_vec1::<f32>()?, vec![0., 12.]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn vhp<F, T>(f: &F, x: &T, v: &T) -> Result<<T::Sym as SymTree>::Concrete>
+where
+    T: TensorTree + ?Sized,
+    F: Function<(T::Sym,), Output = Tracer>,
+{
+    jit(vhp_fn(ByRef(f))).call((x, v))
 }

@@ -2,6 +2,7 @@
 //! function: a closure or another transform), the per-signature graph cache,
 //! and calling a traced function on concrete tensors.
 
+pub(crate) mod dims;
 pub(crate) mod grad;
 pub(crate) mod jacobian;
 pub(crate) mod jvp;

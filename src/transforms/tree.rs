@@ -57,6 +57,17 @@ impl TreeDef {
             TreeDef::Map(c) => c.iter().flat_map(|(k, d)| join(k.clone(), d.leaf_paths())).collect(),
         }
     }
+
+    /// This structure with every leaf replaced by `inner`: the structure of
+    /// [`SymTree::Nest`] (a Jacobian's, one `inner`-shaped block per leaf).
+    pub(crate) fn graft(&self, inner: &TreeDef) -> TreeDef {
+        match self {
+            TreeDef::Leaf => inner.clone(),
+            TreeDef::Tuple(c) => TreeDef::Tuple(c.iter().map(|d| d.graft(inner)).collect()),
+            TreeDef::List(c) => TreeDef::List(c.iter().map(|d| d.graft(inner)).collect()),
+            TreeDef::Map(c) => TreeDef::Map(c.iter().map(|(k, d)| (k.clone(), d.graft(inner))).collect()),
+        }
+    }
 }
 
 fn mismatch(want: &str, def: &TreeDef) -> Error {
@@ -75,6 +86,10 @@ fn next_leaf<L>(it: &mut IntoIter<L>) -> Result<L> {
 pub trait SymTree: Sized {
     /// The same structure with candle tensors as leaves.
     type Concrete;
+    /// This structure with every leaf replaced by a tree of type `L`: how
+    /// a Jacobian is shaped, as in `torch.func` (for each output leaf, a
+    /// tree like the inputs whose leaves are `[*out, *in]`).
+    type Nest<L: SymTree>: SymTree;
     /// Appends the leaves in order and returns the structure.
     fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef;
     /// Rebuilds a tree of this type from a structure and leaves.
@@ -93,6 +108,7 @@ pub trait TensorTree {
 
 impl SymTree for Tracer {
     type Concrete = Tensor;
+    type Nest<L: SymTree> = L;
     fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
         out.push(self.clone());
         TreeDef::Leaf
@@ -130,6 +146,7 @@ macro_rules! tuple_trees {
     ($($t:ident $i:tt),+) => {
         impl<$($t: SymTree),+> SymTree for ($($t,)+) {
             type Concrete = ($($t::Concrete,)+);
+            type Nest<L: SymTree> = ($($t::Nest<L>,)+);
             fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
                 TreeDef::Tuple(vec![$(self.$i.flatten_into(out)),+])
             }
@@ -162,6 +179,7 @@ tuple_trees!(A 0, B 1, C 2, D 3);
 
 impl<A: SymTree> SymTree for Vec<A> {
     type Concrete = Vec<A::Concrete>;
+    type Nest<L: SymTree> = Vec<A::Nest<L>>;
     fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
         TreeDef::List(self.iter().map(|a| a.flatten_into(out)).collect())
     }
@@ -206,6 +224,7 @@ fn map_from<A, L>(
 
 impl<A: SymTree> SymTree for BTreeMap<String, A> {
     type Concrete = BTreeMap<String, A::Concrete>;
+    type Nest<L: SymTree> = BTreeMap<String, A::Nest<L>>;
     fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
         TreeDef::Map(self.iter().map(|(k, a)| (k.clone(), a.flatten_into(out))).collect())
     }
@@ -219,6 +238,7 @@ impl<A: SymTree> SymTree for BTreeMap<String, A> {
 
 impl<A: SymTree> SymTree for HashMap<String, A> {
     type Concrete = HashMap<String, A::Concrete>;
+    type Nest<L: SymTree> = HashMap<String, A::Nest<L>>;
     fn flatten_into(&self, out: &mut Vec<Tracer>) -> TreeDef {
         let mut keys: Vec<&String> = self.keys().collect();
         keys.sort();

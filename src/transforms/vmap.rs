@@ -1,6 +1,7 @@
 //! `vmap`: traces the function on per-example shapes, then re-emits every
 //! node through its primitive's batching rule into the enclosing trace.
 
+use super::dims::Dims;
 use super::schedule::run_batch;
 use super::settings;
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
@@ -10,55 +11,6 @@ use crate::ir::options::{ConvRoute, Options, Randomness, Schedule};
 use crate::ir::TensorType;
 use crate::rules::{BVal, BuilderRef};
 use crate::trace::Tracer;
-
-/// Batch axes, one entry per top-level argument (or output); `None` means
-/// not batched, negative axes count from the end. Built from a single
-/// integer (the same axis everywhere) or a list: `vmap(f).in_dims([None,
-/// Some(0)])`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Dims {
-    /// The same axis for every argument.
-    All(Option<isize>),
-    /// One entry per top-level argument.
-    Each(Vec<Option<isize>>),
-}
-
-impl Dims {
-    fn for_count(&self, n: usize, what: &str) -> std::result::Result<Vec<Option<isize>>, String> {
-        match self {
-            Dims::All(d) => Ok(vec![*d; n]),
-            Dims::Each(v) if v.len() == n => Ok(v.clone()),
-            Dims::Each(v) => Err(format!("{} entries given for {n} {what}", v.len())),
-        }
-    }
-}
-
-/// An axis as `isize`; one beyond `isize` (a `usize` above `isize::MAX`)
-/// becomes `isize::MAX`, out of range for every tensor, rather than
-/// wrapping to a negative axis that counts from the end.
-fn wide<T: TryInto<isize>>(d: T) -> isize {
-    d.try_into().unwrap_or(isize::MAX)
-}
-
-macro_rules! dims_from_int {
-    ($($t:ty),+) => {$(
-        impl From<$t> for Dims {
-            fn from(d: $t) -> Dims { Dims::All(Some(wide(d))) }
-        }
-        impl<const N: usize> From<[Option<$t>; N]> for Dims {
-            fn from(d: [Option<$t>; N]) -> Dims { Dims::Each(d.iter().map(|x| x.map(wide)).collect()) }
-        }
-        impl<const N: usize> From<[$t; N]> for Dims {
-            fn from(d: [$t; N]) -> Dims { Dims::Each(d.iter().map(|&v| Some(wide(v))).collect()) }
-        }
-        impl From<Vec<Option<$t>>> for Dims {
-            fn from(d: Vec<Option<$t>>) -> Dims { Dims::Each(d.iter().map(|x| x.map(wide)).collect()) }
-        }
-    )+};
-}
-
-dims_from_int!(i32, i64, isize, usize);
 
 /// The vectorising map of `f` (see [`vmap`]).
 pub struct Vmap<F> {
@@ -194,14 +146,14 @@ struct Inputs {
 fn batched_inputs(
     outer: &BuilderRef,
     (leaves, defs): (&[Vec<Tracer>], &[TreeDef]),
-    dims: &[Option<isize>],
+    dims: &[Vec<Option<isize>>],
 ) -> Result<Inputs> {
     let mut ob = outer.borrow_mut();
     let (mut vals, mut types, mut sizes, mut names) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (arg, (arg_leaves, dim)) in leaves.iter().zip(dims).enumerate() {
+    for (arg, (arg_leaves, arg_dims)) in leaves.iter().zip(dims).enumerate() {
         let mut arg_types = Vec::new();
         let paths = defs.get(arg).map(TreeDef::leaf_paths).unwrap_or_default();
-        for (k, t) in arg_leaves.iter().enumerate() {
+        for (k, (t, dim)) in arg_leaves.iter().zip(arg_dims).enumerate() {
             let id = ob.lift(&t.outer())?;
             let mut ty = t.ty.clone();
             let bdim = match *dim {
@@ -210,9 +162,13 @@ fn batched_inputs(
                     let r = ty.rank() as isize;
                     let a = if d < 0 { d + r } else { d };
                     if a < 0 || a >= r {
+                        let at = match paths.get(k) {
+                            Some(p) if !p.is_empty() => format!(" `{p}`"),
+                            _ => String::new(),
+                        };
                         return Err(Error::InDims {
                             arg,
-                            msg: format!("axis {d} is out of range for a leaf of shape {:?}", ty.shape),
+                            msg: format!("axis {d} is out of range for the leaf{at} of shape {:?}", ty.shape),
                         });
                     }
                     let a = a as usize;
@@ -249,13 +205,9 @@ fn leaf_out_dims(dims: &Dims, def: &TreeDef) -> Result<Vec<Option<isize>>> {
         d => vec![d],
     };
     let per_top = dims
-        .for_count(tops.len(), "outputs")
-        .map_err(|msg| Error::OutDims { output: 0, msg })?;
-    Ok(tops
-        .iter()
-        .zip(per_top)
-        .flat_map(|(t, d)| std::iter::repeat_n(d, t.leaf_count()))
-        .collect())
+        .per_leaf(&tops, "outputs")
+        .map_err(|(output, msg)| Error::OutDims { output, msg })?;
+    Ok(per_top.into_iter().flatten().collect())
 }
 
 impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
@@ -265,8 +217,8 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
         let (leaves, defs) = args.flatten_args();
         let dims = self
             .in_dims
-            .for_count(defs.len(), "arguments")
-            .map_err(|msg| Error::InDims { arg: 0, msg })?;
+            .per_leaf(&defs.iter().collect::<Vec<_>>(), "arguments")
+            .map_err(|(arg, msg)| Error::InDims { arg, msg })?;
         let outer = innermost(&leaves).ok_or_else(|| Error::InDims {
             arg: 0,
             msg: "vmap needs at least one tensor argument".into(),
