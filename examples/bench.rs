@@ -7,7 +7,7 @@
 //!     cargo run --release --example bench                 # everything
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
-//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, SWEEP
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, NTK, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 
 mod common;
@@ -534,6 +534,31 @@ fn higher_order(o: &Opts) -> Res<()> {
     Ok(())
 }
 
+/// The torch.func NTK tutorial's two methods (`examples/common/ntk.rs`) on
+/// the shapes of `benches/peers/bench_higher_order.py`.
+fn ntk(o: &Opts) -> Res<()> {
+    let dev = Device::Cpu;
+    let (_vm, model) = build(common::ntk::cnn)?;
+    let p = model.params();
+    let (x1, x2) = (
+        Tensor::randn(0f32, 1., (20, 3, 16, 16), &dev)?,
+        Tensor::randn(0f32, 1., (5, 3, 16, 16), &dev)?,
+    );
+    let (full, vps) = (common::ntk::by_contraction(&model), common::ntk::by_products(&model));
+    let mut jobs: Vec<Job> = vec![
+        Box::new(|| Ok(full(&p, &x1, &x2).map(|_| ())?)),
+        Box::new(|| Ok(vps(&p, &x1, &x2).map(|_| ())?)),
+    ];
+    let ms = interleaved(o.reps, &mut jobs)?;
+    let rows = [("Jacobian contraction", ms[0]), ("NTK-vector products", ms[1])].map(|(v, ms)| Row {
+        variant: v.into(),
+        ms,
+        peak_mib: None,
+    });
+    report(o, "empirical NTK, CNN, 20 x 5 images", &rows, &[]);
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -612,6 +637,9 @@ fn main() -> Res<()> {
     }
     if want("HO") {
         higher_order(&o)?;
+    }
+    if want("NTK") {
+        ntk(&o)?;
     }
     if want("SWEEP") {
         sweep(&o)?;

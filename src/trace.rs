@@ -45,8 +45,9 @@ impl Tracer {
         }
     }
 
-    /// The device of the trace this value belongs to.
-    pub(crate) fn device(&self) -> candle_core::Device {
+    /// The device of the trace this value belongs to (where the traced
+    /// function runs): the device to make constants on inside a trace.
+    pub fn device(&self) -> candle_core::Device {
         self.b.borrow().ctx.device.clone()
     }
 

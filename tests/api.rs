@@ -345,3 +345,39 @@ fn in_dims_and_out_dims_as_prefix_trees() {
         r.map(|_| ())
     );
 }
+
+/// A value computed twice is computed once (a transform re-emits the
+/// forward pass; JVP and VJP rules take the same `exp`), but two random
+/// draws stay two samples and two calls of a user's kernel stay two calls.
+#[test]
+fn common_subexpressions_are_computed_once_but_draws_are_not_merged() {
+    let x = rand(&[4, 3], 30);
+    let twice = |x: Tracer| x.exp()?.sum(0)?.add(&x.exp()?.sum(0)?);
+    let g = make_graph(&twice, &x).unwrap();
+    assert_eq!(g.nodes().filter(|n| n.name() == "exp").count(), 1, "{g}");
+    let want = (x.exp().unwrap().sum(0).unwrap() * 2.0).unwrap();
+    assert_close(&jit(twice).call(&x).unwrap(), &want, 1e-6, "value");
+    let draws = |x: Tracer| Ok((x.rand_uniform_like()?, x.rand_uniform_like()?));
+    let g = make_graph(&draws, &x).unwrap();
+    assert_eq!(g.nodes().filter(|n| n.name().starts_with("uniform")).count(), 2, "{g}");
+    let (a, b) = jit(draws).call(&x).unwrap();
+    assert!(max_diff(&a, &b) > 0.0, "two draws, two samples");
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = {
+        let calls = calls.clone();
+        move |x: Tracer| {
+            let ty = x.tensor_type().clone();
+            let k = |c: std::sync::Arc<std::sync::atomic::AtomicUsize>| {
+                move |t: &[Tensor]| {
+                    c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    t[0].exp()
+                }
+            };
+            let a = custom_op("counted", &[&x], ty.clone(), k(calls.clone()))?;
+            let b = custom_op("counted", &[&x], ty, k(calls.clone()))?;
+            a.add(&b)
+        }
+    };
+    jit(counted).call(&x).unwrap();
+    assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 2);
+}

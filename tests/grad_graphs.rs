@@ -154,3 +154,41 @@ fn narrowed_pieces_share_one_concatenation() {
         assert!((gi - want).abs() < 1e-5, "{i}: {gi} vs {want}");
     }
 }
+
+/// Per-example Jacobians of a linear layer w.r.t. its weight
+/// (`vmap(jacrev)`, torch.func's NTK recipe): the batching rule folds
+/// examples and basis rows into one outer product `[(B in), 1] @ [1, (C
+/// C)]`, whose result is read split and transposed; it is computed as a
+/// batch of products in the layout it is read in (`[B, (C C), in]`), not
+/// written `[B, in, (C C)]` and copied by a permute.
+#[test]
+fn per_example_jacobians_are_written_in_their_own_layout() {
+    use candle_func::jacrev;
+    let (b, fin, c) = (6, 40, 5);
+    let w = rand(&[c, fin], 3);
+    let xs = rand(&[b, fin], 4);
+    // a last (linear) layer: the cotangents are the basis, shared by all
+    // examples, the inputs are the examples'
+    let f = |w: Tracer, x: Tracer| x.unsqueeze(0)?.matmul(&w.t()?)?.squeeze(0);
+    let jac = vmap(jacrev(f)).in_dims([None, Some(0)]);
+    let g = make_graph(&jac, (&w, &xs)).unwrap();
+    let big = b * c * c * fin;
+    let outer: Vec<_> = g
+        .nodes()
+        .filter(|n| n.name() == "matmul" && n.ty().elem_count() == big)
+        .collect();
+    assert_eq!(outer.len(), 1, "{g}");
+    assert_eq!(outer[0].ty().shape, vec![b, c * c, fin], "{g}");
+    assert_eq!(
+        count(&g, |n| n.name().starts_with("permute") && n.ty().elem_count() == big),
+        0,
+        "{g}"
+    );
+    let per = jac.call((&w, &xs)).unwrap();
+    assert_eq!(per.dims(), &[b, c, c, fin]);
+    assert!(per.is_contiguous());
+    for i in 0..b {
+        let one = candle_func::jit(jacrev(f)).call((&w, &xs.get(i).unwrap())).unwrap();
+        common::assert_close(&per.get(i).unwrap(), &one, 1e-6, &format!("example {i}"));
+    }
+}

@@ -3,6 +3,7 @@
 
 pub mod digits;
 pub mod models;
+pub mod ntk;
 
 /// Every example runs under mimalloc, as the README recommends for
 /// batched graphs; `--features system-alloc` keeps the system allocator.

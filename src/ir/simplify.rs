@@ -1,11 +1,14 @@
 //! Local simplifications the transforms leave room for: reshapes of
 //! reshapes, permutes of permutes, multiplications by broadcast ones or
 //! additions of broadcast zeros (the seed of a gradient, an unused bias),
-//! and transposed products computed in the layout they are read in. Run
+//! transposed products computed in the layout they are read in, and a
+//! node computed twice (common subexpressions: a transform re-emits the
+//! forward pass, JVP and VJP rules each take an `exp` of one value). Run
 //! before dead-code removal, on every graph a call runs.
 
 use super::ops::{Binary, ShapeOp, Unary};
 use super::{Graph, Node, Prim};
+use std::collections::HashMap;
 
 /// Inner dimensions up to this make a product bound by writing its output
 /// (about `k / 2` flops per byte written, where this machine's balance is
@@ -26,6 +29,34 @@ fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
         Prim::Scalar(x) => *x == value,
         Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Broadcast(_)) => is_literal(g, g.nodes[v].args[0], value),
         _ => false,
+    }
+}
+
+/// The nodes met so far, by primitive name and arguments: where an equal
+/// node (same primitive, arguments and type) was computed before.
+#[derive(Default)]
+struct Seen {
+    by_key: HashMap<(String, Vec<usize>), Vec<usize>>,
+}
+
+impl Seen {
+    /// An earlier node equal to `v`, else `None` (and `v` is remembered).
+    /// Inputs, random draws (each is a fresh sample) and user kernels
+    /// (which may not be pure) are never merged.
+    fn first_equal(&mut self, g: &Graph, v: usize) -> Option<usize> {
+        let n = &g.nodes[v];
+        if matches!(n.prim, Prim::Input(_) | Prim::Random(_) | Prim::Custom(_)) {
+            return None;
+        }
+        let same = self.by_key.entry((n.prim.name(), n.args.clone())).or_default();
+        let found = same
+            .iter()
+            .copied()
+            .find(|&u| g.nodes[u].prim == n.prim && g.nodes[u].ty == n.ty);
+        if found.is_none() {
+            same.push(v);
+        }
+        found
     }
 }
 
@@ -50,7 +81,17 @@ impl Graph {
         }
         let swapped = |n: &Node| match &n.prim {
             Prim::Shape(ShapeOp::Permute(p)) if swaps_last_two(p) => {
-                let m = n.args[0];
+                let (mut m, mut split) = (n.args[0], None);
+                if let Prim::Shape(ShapeOp::Reshape(_)) = self.nodes[m].prim {
+                    // `[M, N] -> [*lead, M2, N]`: a batching rule's folded
+                    // rows split back out, the columns kept
+                    let src = self.nodes[m].args[0];
+                    let (from, to) = (&self.nodes[src].ty.shape, &self.nodes[m].ty.shape);
+                    if readers[m] != 1 || from.len() != 2 || to.len() < 3 || to.last() != from.last() {
+                        return None;
+                    }
+                    (m, split) = (src, Some(m));
+                }
                 if self.nodes[m].prim != Prim::Matmul || readers[m] != 1 {
                     return None;
                 }
@@ -60,11 +101,22 @@ impl Graph {
                 );
                 // Equal ranks: `[.., m, k] @ [k, n]` runs as one GEMM over
                 // the folded leading axes, which the swapped form would not.
-                (a.rank() == b.rank() && a.shape[a.rank() - 1] <= MAX_WRITE_BOUND_K).then_some(m)
+                // Split rows make the swapped form a batch of products, each
+                // as bound by its writes as the whole.
+                let ranks = match split {
+                    Some(_) => a.rank() == 2 && b.rank() == 2,
+                    None => a.rank() == b.rank(),
+                };
+                (ranks && a.shape[a.rank() - 1] <= MAX_WRITE_BOUND_K).then_some((m, split))
             }
             _ => None,
         };
-        let deferred: std::collections::HashSet<usize> = self.nodes.iter().filter_map(swapped).collect();
+        let deferred: std::collections::HashSet<usize> = self
+            .nodes
+            .iter()
+            .filter_map(swapped)
+            .flat_map(|(m, split)| std::iter::once(m).chain(split))
+            .collect();
         if deferred.is_empty() {
             return self.clone();
         }
@@ -91,8 +143,20 @@ impl Graph {
                 continue;
             }
             let node = match swapped(n) {
-                Some(m) => {
-                    let (a, b) = (remap[self.nodes[m].args[0]], remap[self.nodes[m].args[1]]);
+                Some((m, split)) => {
+                    let (mut a, b) = (remap[self.nodes[m].args[0]], remap[self.nodes[m].args[1]]);
+                    if let Some(r) = split {
+                        // a: [M, K] -> [*lead, M2, K], its rows split as the product's were
+                        let mut shape = self.nodes[r].ty.shape.clone();
+                        *shape.last_mut().expect("rank 3 or more") = g.nodes[a].ty.shape[1];
+                        g.nodes.push(Node {
+                            prim: Prim::Shape(ShapeOp::Reshape(shape.clone())),
+                            args: vec![a],
+                            ty: g.nodes[a].ty.with_shape(shape),
+                        });
+                        a = g.nodes.len() - 1;
+                    }
+                    // b^T [N, K] @ a^T [*lead, K, M2] = [*lead, N, M2]
                     let args = vec![transposed(&mut g, b), transposed(&mut g, a)];
                     Node {
                         prim: Prim::Matmul,
@@ -117,6 +181,7 @@ impl Graph {
     pub(crate) fn simplify(&self) -> Graph {
         let mut g = self.transpose_products();
         let mut same: Vec<usize> = (0..g.nodes.len()).collect();
+        let mut seen = Seen::default();
         for v in 0..g.nodes.len() {
             let args: Vec<usize> = g.nodes[v].args.iter().map(|&a| same[a]).collect();
             g.nodes[v].args = args.clone();
@@ -171,6 +236,8 @@ impl Graph {
             };
             if let Some(r) = replacement {
                 same[v] = r;
+            } else if let Some(u) = seen.first_equal(&g, v) {
+                same[v] = u;
             }
         }
         g.outputs = g.outputs.iter().map(|&o| same[o]).collect();

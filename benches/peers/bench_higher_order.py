@@ -1,11 +1,14 @@
-"""The torch.func NTK tutorial's two methods on the CNN of `examples/ntk.rs`
-(conv 3->16 k3, relu, conv 16->16 k3, relu, flatten, linear 2304->10; inputs
-20 and 5 images of 3x16x16), timed as that example times them (medians of 5
-after a warm-up, 2 threads).
+"""torch.func's higher-order transforms on the workloads of `bench --only
+NTK,HO`: the NTK tutorial's two methods on the CNN of `examples/ntk.rs`
+(conv 3->16 k3, relu, conv 16->16 k3, relu, flatten, linear 2304->10;
+inputs 20 and 5 images of 3x16x16), and a Hessian-vector product by
+forward over reverse (`jvp(grad(f))`, the tangent only) against one
+gradient of an MLP loss (784-128-10, tanh, B=64, with respect to the
+inputs). Medians of REPS (default 5) after a warm-up, 2 threads.
 
-    $HOME/peers/bin/python benches/peers/bench_ntk.py
+    $HOME/peers/bin/python benches/peers/bench_higher_order.py [REPS]
 """
-import statistics, time
+import statistics, sys, time
 import torch
 import torch.nn as nn
 from torch.func import functional_call, jacrev, jvp, vjp, vmap
@@ -65,7 +68,10 @@ def ntk_vps(params, x1, x2):
     return vmap(vmap(get_ntk, (None, 0)), (0, None))(x1, x2)
 
 
-def median_ms(f, reps=5):
+REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+
+
+def median_ms(f, reps=REPS):
     f()
     ts = []
     for _ in range(reps):
@@ -80,3 +86,18 @@ with torch.no_grad():
     print(f"torch.func NTK {tuple(a.shape)}: the two methods differ by {(a - b).abs().max().item():.2e}")
     print(f"RESULT NTK jacobian contraction median {median_ms(lambda: ntk_jacobian_contraction(params, x1, x2)):.3f} ms")
     print(f"RESULT NTK ntk-vector products median {median_ms(lambda: ntk_vps(params, x1, x2)):.3f} ms")
+
+# the MLP loss of `bench --only HO`, as a function of the inputs
+w1, w2 = torch.randn(128, 784) * 0.05, torch.randn(10, 128) * 0.1
+x, v = torch.randn(64, 784), torch.randn(64, 784)
+
+
+def loss(x):
+    h = torch.tanh(x @ w1.t())
+    return torch.log_softmax(h @ w2.t(), 1).sum()
+
+
+g = torch.func.grad(loss)
+hvp = lambda x, v: torch.func.jvp(g, (x,), (v,))[1]
+print(f"RESULT HO MLP grad median {median_ms(lambda: g(x)):.3f} ms")
+print(f"RESULT HO MLP hvp median {median_ms(lambda: hvp(x, v)):.3f} ms")
