@@ -200,6 +200,27 @@ fn empty_and_bad_input() {
         "{:?}",
         r.map(|_| ())
     );
+    // a direction of another structure or shape; a Hessian of integers
+    let loss = |x: Tracer| x.sqr()?.sum_all();
+    let r = vhp(&loss, &x, &f64s(&[4], 13));
+    assert!(matches!(r, Err(Error::Tree { .. })), "{:?}", r.map(|_| ()));
+    let (p, q) = (vec![x.clone()], vec![x.clone(), x.clone()]);
+    let r = hvp(&|v: Vec<Tracer>| v[0].sqr()?.sum_all(), &p, &q);
+    assert!(matches!(r, Err(Error::Tree { .. })), "{:?}", r.map(|_| ()));
+    let ints = Tensor::new(&[1u32, 2], x.device()).unwrap();
+    let r = jit(hessian(|x: Tracer| x.sum_all())).call(&ints);
+    assert!(matches!(r, Err(Error::DType { .. })), "{:?}", r.map(|_| ()));
+    // a basis of 2^20 x 2^20 elements (4 TiB) is refused before it is made
+    let big = Tensor::zeros(1 << 20, DType::F32, x.device()).unwrap();
+    let r = jit(jacfwd(|x: Tracer| x.exp())).call(&big);
+    match r {
+        Err(Error::Unsupported {
+            transform: "jacfwd",
+            msg,
+            ..
+        }) => assert!(msg.contains("1048576 x 1048576"), "{msg}"),
+        other => panic!("expected an error, got {:?}", other.map(|_| ())),
+    }
     // an integer argument that is not differentiated is fine
     let j = jit(jacrev(pick)).call((&x, &labels)).unwrap();
     assert_eq!(

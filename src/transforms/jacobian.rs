@@ -207,14 +207,32 @@ fn numel(t: &Tracer) -> usize {
 /// The standard basis over all of `leaves`' elements, one block per leaf:
 /// leaf `k` gets `[n, *dims_k]`, row `i` one-hot where element `i` of the
 /// concatenated leaves falls in leaf `k` (`n` the total element count).
-fn basis(leaves: &[Tracer]) -> Result<Vec<Tracer>> {
+/// The `n x n` values are checked against the memory there is first (a
+/// Jacobian with respect to a million parameters by `jacfwd` needs 4 TB).
+fn basis(op: &'static str, leaves: &[Tracer]) -> Result<Vec<Tracer>> {
     let n: usize = leaves.iter().map(numel).sum();
+    let bytes = leaves.iter().try_fold(0usize, |acc, t| {
+        n.checked_mul(numel(t))?
+            .checked_mul(t.dtype().size_in_bytes())?
+            .checked_add(acc)
+    });
+    if let Err(Error::Memory { needed, limit }) = crate::interp::check_peak(bytes.unwrap_or(usize::MAX), None) {
+        let msg = format!(
+            "the standard basis of {n} x {n} elements needs {needed} bytes, more than the {limit} available; differentiate with respect to fewer elements (argnums), or use the other mode"
+        );
+        return Err(Error::unsupported("jacobian basis", op, msg));
+    }
     let mut at = 0;
     let mut blocks = Vec::with_capacity(leaves.len());
     for t in leaves {
-        let k = numel(t);
-        let block = Tensor::eye(n, t.dtype(), &t.device())
-            .and_then(|e| e.narrow(1, at, k)?.reshape([&[n], t.dims()].concat()))
+        let (k, dev) = (numel(t), t.device());
+        // [n, k]: zeros above and below the identity of this leaf's rows
+        let block = Tensor::zeros((at, k), t.dtype(), &dev)
+            .and_then(|above| {
+                let eye = Tensor::eye(k, t.dtype(), &dev)?;
+                let below = Tensor::zeros((n - at - k, k), t.dtype(), &dev)?;
+                Tensor::cat(&[&above, &eye, &below], 0)?.reshape([&[n], t.dims()].concat())
+            })
             .op("jacobian basis")?;
         blocks.push(block.to_tracer(t)?);
         at += k;
@@ -363,7 +381,7 @@ where
         let cols: Vec<Tracer> = if n == 0 || outs.is_empty() {
             Vec::new()
         } else {
-            Function::apply(&over_basis(one, 1, self.chunk), (sel.clone(), basis(sel)?))?
+            Function::apply(&over_basis(one, 1, self.chunk), (sel.clone(), basis("jacfwd", sel)?))?
         };
         let mut jac = Vec::with_capacity(outs.len() * sel.len());
         for (k, o) in outs.iter().enumerate() {
@@ -455,7 +473,7 @@ where
         } else {
             Function::apply(
                 &over_basis(grad(row), 2, self.chunk),
-                (sel.clone(), p.rest.clone(), basis(outs)?),
+                (sel.clone(), p.rest.clone(), basis("jacrev", outs)?),
             )?
         };
         let mut jac = Vec::with_capacity(outs.len() * sel.len());
