@@ -32,6 +32,10 @@ pub(crate) enum Unary {
     Erf,
     /// logistic sigmoid
     Sigmoid,
+    /// sine
+    Sin,
+    /// cosine
+    Cos,
     /// `x^e` for a constant exponent
     Powf(f64),
     /// `x * mul + add`
@@ -54,6 +58,8 @@ impl Unary {
             Unary::Tanh => "tanh".into(),
             Unary::Erf => "erf".into(),
             Unary::Sigmoid => "sigmoid".into(),
+            Unary::Sin => "sin".into(),
+            Unary::Cos => "cos".into(),
             Unary::Powf(e) => format!("powf[{e}]"),
             Unary::Affine(m, a) => format!("affine[mul={m},add={a}]"),
             Unary::Cast(dt) => format!("cast[{}]", format!("{dt:?}").to_lowercase()),
@@ -149,6 +155,17 @@ pub(crate) enum Reduce {
     Softmax(usize),
     /// Log-softmax along one axis.
     LogSoftmax(usize),
+    /// The index (`u32`) of the maximum, or with `min` the minimum, along
+    /// one axis: the first where several tie, a NaN's where there is one
+    /// (as PyTorch).
+    Arg {
+        /// The reduced axis.
+        axis: usize,
+        /// Keep it with size 1.
+        keepdim: bool,
+        /// `argmin` rather than `argmax`.
+        min: bool,
+    },
 }
 
 pub(crate) fn kd(keepdim: bool) -> &'static str {
@@ -166,6 +183,13 @@ impl Reduce {
             Reduce::Max { axes, keepdim } => format!("max[axes={axes:?}{}]", kd(*keepdim)),
             Reduce::Softmax(a) => format!("softmax[axis={a}]"),
             Reduce::LogSoftmax(a) => format!("log_softmax[axis={a}]"),
+            Reduce::Arg { axis, keepdim, min } => {
+                format!(
+                    "{}[axis={axis}{}]",
+                    if *min { "argmin" } else { "argmax" },
+                    kd(*keepdim)
+                )
+            }
         }
     }
 }

@@ -59,6 +59,8 @@ impl Rule for Unary {
             Unary::Tanh => x.tanh(),
             Unary::Erf => x.erf(),
             Unary::Sigmoid => candle_nn::ops::sigmoid(x),
+            Unary::Sin => x.sin(),
+            Unary::Cos => x.cos(),
             Unary::Powf(e) => x.powf(*e),
             Unary::Affine(m, a) => x.affine(*m, *a),
             Unary::Cast(dt) => x.to_dtype(*dt),
@@ -136,6 +138,15 @@ fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Res
             let one_minus = b.un(Unary::Affine(-1.0, 1.0), out)?;
             let d = b.bin(Mul, out, one_minus)?;
             b.bin(Mul, ct, d)?
+        }
+        Unary::Sin => {
+            let d = b.un(Unary::Cos, x)?;
+            b.bin(Mul, ct, d)?
+        }
+        Unary::Cos => {
+            let d = b.un(Unary::Sin, x)?;
+            let g = b.bin(Mul, ct, d)?;
+            b.un(Unary::Neg, g)?
         }
         Unary::Powf(e) => {
             let p = b.un(Unary::Powf(e - 1.0), x)?;

@@ -21,6 +21,11 @@ impl Reduce {
             },
             Reduce::Softmax(a) => Reduce::Softmax(a + n),
             Reduce::LogSoftmax(a) => Reduce::LogSoftmax(a + n),
+            Reduce::Arg { axis, keepdim, min } => Reduce::Arg {
+                axis: axis + n,
+                keepdim: *keepdim,
+                min: *min,
+            },
         }
     }
 }
@@ -151,6 +156,28 @@ pub(crate) fn sum_axes(x: &Tensor, axes: &[usize]) -> candle_core::Result<Tensor
     }
 }
 
+/// The first index of the maximum (or minimum) along `axis`, kept with
+/// size 1; where the values hold a NaN, the first NaN's (PyTorch's rule;
+/// candle's comparisons pass NaN over).
+fn arg_extreme(x: &Tensor, axis: usize, min: bool) -> Result<Tensor> {
+    let op = if min { "argmin" } else { "argmax" };
+    let idx = if min {
+        x.argmin_keepdim(axis)
+    } else {
+        x.argmax_keepdim(axis)
+    }
+    .op(op)?;
+    if !x.dtype().is_float() {
+        return Ok(idx);
+    }
+    let nan = x.ne(x).and_then(|m| m.to_dtype(DType::F32)).op(op)?;
+    let any = nan.max_keepdim(axis).op(op)?;
+    let first = nan.argmax_keepdim(axis).op(op)?;
+    any.gt(&any.zeros_like().op(op)?)
+        .and_then(|has| has.where_cond(&first, &idx))
+        .op(op)
+}
+
 impl Rule for Reduce {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         arity("reduce", args, 1)?;
@@ -179,6 +206,17 @@ impl Rule for Reduce {
                 }
                 Ok(x.clone())
             }
+            Reduce::Arg { axis, keepdim, .. } => {
+                check_axes("argmax", &x.shape, &[*axis])?;
+                if x.shape[*axis] == 0 {
+                    return Err(Error::shape(
+                        "argmax",
+                        &[&x.shape],
+                        format!("no index of an extreme along the empty axis {axis}"),
+                    ));
+                }
+                Ok(TensorType::new(reduced_shape(&x.shape, &[*axis], *keepdim), DType::U32))
+            }
         }
     }
 
@@ -206,6 +244,7 @@ impl Rule for Reduce {
             }
             Reduce::Softmax(a) => candle_nn::ops::softmax(x, *a).op(&op),
             Reduce::LogSoftmax(a) => candle_nn::ops::log_softmax(x, *a).op(&op),
+            Reduce::Arg { axis, min, .. } => arg_extreme(x, *axis, *min)?.reshape(out.shape.as_slice()).op(&op),
         }
     }
 
@@ -232,6 +271,15 @@ impl Rule for Reduce {
                 b.bin(Binary::Mul, hit, share)?
             }
             Reduce::Softmax(a) => softmax_product(b, out, ct, *a)?,
+            // no cotangent reaches an integer result (a cast of it passes
+            // none back); reaching here is a transform's bug
+            Reduce::Arg { .. } => {
+                return Err(Error::unsupported(
+                    self.name(),
+                    "grad",
+                    "an index has no derivative (its result is an integer)",
+                ))
+            }
             // ct - exp(out) * sum(ct)
             Reduce::LogSoftmax(a) => {
                 let s = b.sum_axes(ct, vec![*a], true)?;
@@ -247,6 +295,8 @@ impl Rule for Reduce {
         let Some(t) = tans[0] else { return Ok(Some(None)) };
         let x = args[0];
         let tan = match self {
+            // an integer result: no tangent
+            Reduce::Arg { .. } => return Ok(Some(None)),
             // linear
             Reduce::Sum { .. } => return multilinear_jvp(b, &Prim::Reduce(self.clone()), args, tans, &[0]).map(Some),
             // the tangent at the positions that attain the max, shared evenly

@@ -37,6 +37,16 @@ pub fn unary_maps() -> Vec<(&'static str, Un)> {
         ("affine", |x| x.affine(2.0, -1.0)),
         ("softmax", |x| x.softmax(-1)),
         ("log_softmax", |x| x.log_softmax(0)),
+        ("sin", |x| x.affine(3.0, 0.0)?.sin()),
+        ("cos", |x| x.affine(3.0, 0.0)?.cos()),
+        ("silu", |x| x.affine(3.0, 0.0)?.silu()),
+        ("gelu_tanh", |x| x.affine(3.0, 0.0)?.gelu_tanh()),
+        ("leaky_relu", |x| x.leaky_relu(0.1)),
+        ("elu", |x| x.affine(3.0, 0.0)?.elu(1.5)),
+        ("softplus", |x| x.affine(3.0, 0.0)?.softplus()),
+        ("clamp", |x| x.clamp(-0.5, 0.5)),
+        ("cumsum", |x| x.cumsum(-1)),
+        ("log1p", |x| x.affine(0.9, 0.0)?.log1p()),
     ]
 }
 
