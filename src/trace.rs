@@ -67,6 +67,11 @@ impl Tracer {
         ctx.read_mode(flag)
     }
 
+    /// Whether this value is traced as one example of a `vmap`'s batch.
+    pub(crate) fn in_vmap(&self) -> bool {
+        self.b.borrow().batched
+    }
+
     /// The dimensions.
     pub fn dims(&self) -> &[usize] {
         &self.ty.shape

@@ -278,6 +278,103 @@ fn higher_order_fixtures_match_pytorch() {
     }
 }
 
+/// The `tiny_lm(...)` architecture's settings.
+fn lm_config(arch: &str) -> (usize, usize, usize, candle_func::nn::BlockConfig) {
+    use candle_func::nn::{Activation, BlockConfig, NormKind};
+    let inner = arch
+        .strip_prefix("tiny_lm(")
+        .and_then(|a| a.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("not a tiny_lm: {arch}"));
+    let kw: HashMap<&str, &str> = inner.split(',').filter_map(|a| a.split_once('=')).collect();
+    let n = |k: &str| -> usize { kw[k].parse().unwrap_or_else(|_| panic!("{k} in {arch}")) };
+    let block = BlockConfig {
+        dim: n("dim"),
+        heads: n("heads"),
+        ff: n("ff"),
+        causal: kw["causal"] == "true",
+        norm: match kw["norm"] {
+            "layernorm" => NormKind::LayerNorm,
+            "rmsnorm" => NormKind::RmsNorm,
+            other => panic!("unknown norm {other} in {arch}"),
+        },
+        act: match kw["act"] {
+            "gelu" => Activation::Gelu,
+            "gelu_tanh" => Activation::GeluTanh,
+            "silu" => Activation::Silu,
+            other => panic!("unknown activation {other} in {arch}"),
+        },
+    };
+    (n("vocab"), n("seq"), n("layers"), block)
+}
+
+/// `tiny_lm` cases: each sequence's per-sample gradients of its mean
+/// next-token cross-entropy, its logits `[T, V]` and its loss.
+fn run_lm(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
+    use candle_func::nn::{cross_entropy_with, gpt, CrossEntropy};
+    let (x, y) = (&f.tensors["x"], &f.tensors["y"]);
+    let p = params(f);
+    let (vocab, seq, layers, block) = lm_config(&f.meta["arch"]);
+    let vb =
+        candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &Device::Cpu);
+    let net = gpt(vocab, seq, layers, block, vb).unwrap_or_else(|e| panic!("{}: {e}", f.name));
+    assert_eq!(
+        net.params().keys().collect::<Vec<_>>(),
+        p.keys().collect::<Vec<_>>(),
+        "{}: names",
+        f.name
+    );
+    let loss_fn = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
+        let logits = functional_call(&net, &p, &x.unsqueeze(0)?)?.squeeze(0)?; // [T, V]
+        Ok((cross_entropy_with(&logits, &y, CrossEntropy::default())?, logits))
+    };
+    let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
+        .in_dims([None, Some(0), Some(0)])
+        .conv_route(route)
+        .schedule(schedule)
+        .call((&p, x, y))
+        .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
+    let dl = check(&format!("{} {route:?} logits", f.name), &logits, &f.tensors["logits"]);
+    let dx = check(&format!("{} {route:?} loss", f.name), &loss, &f.tensors["loss"]);
+    let mut dg: f64 = 0.0;
+    assert_eq!(grads.len(), p.len(), "{}: one gradient per parameter", f.name);
+    for (name, g) in &grads {
+        dg = dg.max(check(
+            &format!("{} {route:?} grad.{name}", f.name),
+            g,
+            &f.tensors[&format!("grad.{name}")],
+        ));
+    }
+    format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}")
+}
+
+/// The `layers/` cases (a GPT-style language model, GroupNorm and
+/// LayerNorm models), through every conv route and the per-example
+/// schedule.
+#[test]
+fn layers_fixtures_match_pytorch() {
+    let dir = fixture_dir().join("layers");
+    for path in &cases(&dir) {
+        let f = load(path);
+        let runs = [
+            (ConvRoute::Grouped, Schedule::Batched),
+            (ConvRoute::Unfold, Schedule::Batched),
+            (ConvRoute::Loop, Schedule::Batched),
+            (ConvRoute::Unfold, Schedule::PerExample),
+        ];
+        for (route, schedule) in runs {
+            let line = match (
+                f.meta.get("kind").map(String::as_str),
+                f.meta.get("loss").map(String::as_str),
+            ) {
+                (Some("per_sample_grad"), Some("lm_cross_entropy")) => run_lm(&f, route, schedule),
+                (Some("per_sample_grad"), _) => run_per_sample(&f, route, schedule),
+                other => panic!("{}: unknown fixture kind {other:?}", f.name),
+            };
+            println!("fixture {} route {route:?} {schedule:?}: {line}", f.name);
+        }
+    }
+}
+
 #[test]
 fn fixtures_match_pytorch() {
     let dir = fixture_dir();

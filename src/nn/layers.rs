@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-fn full_name(prefix: &str, leaf: &str) -> String {
+pub(super) fn full_name(prefix: &str, leaf: &str) -> String {
     if prefix.is_empty() {
         leaf.to_string()
     } else {
@@ -21,12 +21,15 @@ fn full_name(prefix: &str, leaf: &str) -> String {
 
 /// Adds `weight` (and `bias`) under the layer's prefix.
 fn collect(prefix: &str, weight: &Tensor, bias: &Option<Tensor>) -> BTreeMap<String, Tensor> {
-    let mut m = BTreeMap::new();
-    m.insert(full_name(prefix, "weight"), weight.clone());
-    if let Some(b) = bias {
-        m.insert(full_name(prefix, "bias"), b.clone());
-    }
-    m
+    param_map(prefix, &[("weight", Some(weight)), ("bias", bias.as_ref())])
+}
+
+/// The named tensors that are present, under the layer's prefix.
+pub(super) fn param_map(prefix: &str, named: &[(&str, Option<&Tensor>)]) -> BTreeMap<String, Tensor> {
+    named
+        .iter()
+        .filter_map(|(n, t)| t.map(|t| (full_name(prefix, n), t.clone())))
+        .collect()
 }
 
 /// candle_nn's bias initialisation: uniform in `±1/sqrt(fan_in)`.
@@ -238,7 +241,7 @@ impl Module for Flatten {
 }
 
 /// Elementwise activations.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum Activation {
     /// `max(x, 0)`
@@ -249,6 +252,16 @@ pub enum Activation {
     Sigmoid,
     /// GELU, exact (erf) form
     Gelu,
+    /// GELU, tanh approximation (candle_nn's `Activation::NewGelu`)
+    GeluTanh,
+    /// SiLU (swish), `x * sigmoid(x)`
+    Silu,
+    /// `x` for `x >= 0`, else `slope * x`
+    LeakyRelu(f64),
+    /// `x` for `x > 0`, else `alpha (e^x - 1)`
+    Elu(f64),
+    /// `log(1 + e^x)`
+    Softplus,
 }
 
 impl Module for Activation {
@@ -258,6 +271,11 @@ impl Module for Activation {
             Activation::Tanh => x.tanh(),
             Activation::Sigmoid => x.sigmoid(),
             Activation::Gelu => x.gelu(),
+            Activation::GeluTanh => x.gelu_tanh(),
+            Activation::Silu => x.silu(),
+            Activation::LeakyRelu(s) => x.leaky_relu(*s),
+            Activation::Elu(a) => x.elu(*a),
+            Activation::Softplus => x.softplus(),
         }
     }
     fn params(&self) -> BTreeMap<String, Tensor> {

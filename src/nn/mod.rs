@@ -30,12 +30,21 @@
 
 mod layers;
 pub mod loss;
+mod norm;
+mod transformer;
 
 pub use layers::{
     conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_no_bias, seq, Activation,
     AvgPool2d, Conv, ConvConfig, Dropout, Flatten, Linear, MaxPool2d, Sequential,
 };
-pub use loss::{cross_entropy, mse, nll, Reduction};
+pub use loss::{bce_with_logits, cross_entropy, cross_entropy_with, huber, l1, mse, nll, CrossEntropy, Reduction};
+pub use norm::{
+    batch_norm, group_norm, layer_norm, layer_norm_no_bias, rms_norm, BatchNorm, GroupNorm, LayerNorm, RmsNorm,
+};
+pub use transformer::{
+    embedding, gpt, multi_head_attention, norm, rope, rope_i, rotary_tables, transformer_block, BlockConfig, Embedding,
+    Gpt, MultiHeadAttention, Norm, NormKind, TransformerBlock,
+};
 
 use crate::error::{Error, Result};
 use crate::trace::Tracer;

@@ -35,6 +35,10 @@ pub(crate) struct Builder {
     /// Whether what is traced here will be differentiated (a trace made by
     /// `grad` or `vjp`, or nested in one).
     pub(crate) differentiated: bool,
+    /// Whether what is traced here is one example of a batch (a trace made
+    /// by `vmap`, or nested in one): a layer whose output would depend on
+    /// the other examples (batch norm in training) refuses to run.
+    pub(crate) batched: bool,
 }
 
 /// A value of an enclosing trace: its builder's id, the value's id there
@@ -108,6 +112,7 @@ impl Builder {
         ancestors.push(p.id);
         let b = Self::with_ancestors(id, ancestors, given, p.ctx.clone());
         b.borrow_mut().differentiated = p.differentiated;
+        b.borrow_mut().batched = p.batched;
         b
     }
 
@@ -132,6 +137,7 @@ impl Builder {
             given,
             ctx,
             differentiated: false,
+            batched: false,
         }))
     }
 

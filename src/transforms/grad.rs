@@ -288,7 +288,7 @@ where
     options.check_not_vmap("grad")?;
     let given = options.inherit(&outer.borrow().given);
     outer.borrow().ctx.offer_seed(options.get_seed());
-    let (g, captures, out_def) = trace_inner(f, &outer, (given, true), &defs, &types)?;
+    let (g, captures, out_def) = trace_inner(f, &outer, (given, true, false), &defs, &types)?;
     let loss = g
         .outputs
         .first()

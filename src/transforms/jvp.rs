@@ -131,7 +131,7 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
             msg: "jvp: the function has no tensor arguments".into(),
         })?;
         let given = self.f.own_options().inherit(&outer.borrow().given);
-        let (g, captures, out_def) = super::trace_inner(&self.f, &outer, (given, true), &[pd], &[pt])?;
+        let (g, captures, out_def) = super::trace_inner(&self.f, &outer, (given, true, false), &[pd], &[pt])?;
         let (outs, tans) = {
             let mut ob = outer.borrow_mut();
             let mut ins = Vec::with_capacity(p.len() + captures.len());
@@ -197,8 +197,13 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
         })?;
         let types: Vec<TensorType> = p.iter().map(|x| x.ty.clone()).collect();
         let given = self.f.own_options().inherit(&outer.borrow().given);
-        let (g, captures, out_def) =
-            super::trace_inner(&self.f, &outer, (given, true), std::slice::from_ref(&pd), &[types])?;
+        let (g, captures, out_def) = super::trace_inner(
+            &self.f,
+            &outer,
+            (given, true, false),
+            std::slice::from_ref(&pd),
+            &[types],
+        )?;
         let ct_types: Vec<TensorType> = c.iter().map(|x| x.ty.clone()).collect();
         if cd != out_def || ct_types != g.output_types() {
             return Err(Error::Tree {

@@ -209,12 +209,13 @@ where
 }
 
 /// Traces `f` on symbolic inputs of the given types in a trace nested in
-/// `outer`, by a transform with the options `given`: the graph, the outer
-/// values it captured, and the result's structure.
+/// `outer`, by a transform with the options `given` (and whether it
+/// differentiates or batches what it traces): the graph, the outer values
+/// it captured, and the result's structure.
 pub(crate) fn trace_inner<S, F>(
     f: &F,
     outer: &BuilderRef,
-    (given, differentiated): (Options, bool),
+    (given, differentiated, batched): (Options, bool, bool),
     defs: &[TreeDef],
     types: &[Vec<TensorType>],
 ) -> Result<(Graph, Vec<Outer>, TreeDef)>
@@ -224,6 +225,7 @@ where
 {
     let b = Builder::child(outer, next_builder_id(), given);
     b.borrow_mut().differentiated |= differentiated;
+    b.borrow_mut().batched |= batched;
     trace_into(f, &b, defs, types)
 }
 

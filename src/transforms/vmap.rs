@@ -227,7 +227,7 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
         let given = self.options.inherit(&outer.borrow().given);
         let opts = settings::resolve(&given)?;
         outer.borrow().ctx.offer_seed(self.options.get_seed());
-        let (g, captures, out_def) = trace_inner(&self.f, &outer, (given, false), &defs, &ins.types)?;
+        let (g, captures, out_def) = trace_inner(&self.f, &outer, (given, false, true), &defs, &ins.types)?;
         // Prune first, so dead work (an unused input gradient) is neither
         // batched nor timed by the Auto route.
         let g = g.eliminate_dead_code();

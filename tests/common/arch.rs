@@ -25,9 +25,20 @@ pub enum Layer {
         fout: usize,
         bias: bool,
     },
+    GroupNorm {
+        name: String,
+        g: usize,
+        c: usize,
+    },
+    Ln {
+        name: String,
+        d: usize,
+    },
     Relu,
     Tanh,
     Gelu,
+    GeluTanh,
+    Silu,
     MaxPool {
         k: usize,
         s: usize,
@@ -96,9 +107,17 @@ pub fn parse(arch: &str) -> Vec<Layer> {
                     fout: positional(1),
                     bias,
                 },
+                "groupnorm" => Layer::GroupNorm {
+                    name,
+                    g: positional(0),
+                    c: positional(1),
+                },
+                "layernorm" => Layer::Ln { name, d: positional(0) },
                 "relu" => Layer::Relu,
                 "tanh" => Layer::Tanh,
                 "gelu" => Layer::Gelu,
+                "gelu_tanh" => Layer::GeluTanh,
+                "silu" => Layer::Silu,
                 "maxpool2d" => Layer::MaxPool {
                     k: num(&kw, "k", 1),
                     s: num(&kw, "s", num(&kw, "k", 1)),
@@ -157,9 +176,31 @@ pub fn forward(layers: &[Layer], p: &BTreeMap<String, Tracer>, x: &Tracer) -> Re
                     y
                 }
             }
+            Layer::GroupNorm { name, g, c } => {
+                // N C .. -> N G (C/G ..), standardised, back, then per channel
+                let n = h.dims()[0];
+                let grouped = h.reshape((n, *g, ()))?;
+                let centred = grouped.sub(&grouped.mean_keepdim(2)?)?;
+                let var = centred.sqr()?.mean_keepdim(2)?;
+                let y = centred.div(&var.affine(1.0, 1e-5)?.sqrt()?)?.reshape(h.dims())?;
+                let mut shape = vec![*c];
+                shape.extend(vec![1; h.rank() - 2]);
+                let w = param(p, &format!("{name}.weight")).reshape(shape.clone())?;
+                y.mul(&w)?.add(&param(p, &format!("{name}.bias")).reshape(shape)?)?
+            }
+            Layer::Ln { name, .. } => {
+                let last = h.rank() - 1;
+                let centred = h.sub(&h.mean_keepdim(last)?)?;
+                let var = centred.sqr()?.mean_keepdim(last)?;
+                let y = centred.div(&var.affine(1.0, 1e-5)?.sqrt()?)?;
+                y.mul(param(p, &format!("{name}.weight")))?
+                    .add(param(p, &format!("{name}.bias")))?
+            }
             Layer::Relu => h.relu()?,
             Layer::Tanh => h.tanh()?,
             Layer::Gelu => h.gelu()?,
+            Layer::GeluTanh => h.gelu_tanh()?,
+            Layer::Silu => h.silu()?,
             Layer::MaxPool { k, s } => h.max_pool2d_with_stride(*k, *s)?,
             Layer::AvgPool { k, s } => h.avg_pool2d_with_stride(*k, *s)?,
             Layer::Flatten => h.flatten_from(1)?,
@@ -219,9 +260,22 @@ pub fn forward_eager(
                     y
                 }
             }
+            Layer::GroupNorm { name, g, c } => {
+                use candle_core::Module;
+                let (w, b) = (&p[&format!("{name}.weight")], &p[&format!("{name}.bias")]);
+                candle_nn::GroupNorm::new(w.clone(), b.clone(), *c, *g, 1e-5)?.forward(&h)?
+            }
+            Layer::Ln { name, .. } => {
+                use candle_core::Module;
+                let (w, b) = (&p[&format!("{name}.weight")], &p[&format!("{name}.bias")]);
+                candle_nn::LayerNorm::new(w.clone(), b.clone(), 1e-5).forward(&h)?
+            }
             Layer::Relu => h.relu()?,
             Layer::Tanh => h.tanh()?,
-            Layer::Gelu => h.gelu()?,
+            // candle's `gelu` is the tanh approximation, `gelu_erf` the exact
+            Layer::Gelu => h.gelu_erf()?,
+            Layer::GeluTanh => h.gelu()?,
+            Layer::Silu => candle_nn::ops::silu(&h)?,
             Layer::MaxPool { k, s } => h.max_pool2d_with_stride(*k, *s)?,
             Layer::AvgPool { k, s } => h.avg_pool2d_with_stride(*k, *s)?,
             Layer::Flatten => h.flatten_from(1)?,
@@ -270,9 +324,13 @@ pub fn build_nn(layers: &[Layer], vb: &candle_nn::VarBuilder) -> candle_func::Re
             } else {
                 nn::linear_no_bias(*fin, *fout, vb.pp(name))?
             }),
+            Layer::GroupNorm { name, g, c } => m.add(nn::group_norm(*g, *c, 1e-5, vb.pp(name))?),
+            Layer::Ln { name, d } => m.add(nn::layer_norm(*d, 1e-5, vb.pp(name))?),
             Layer::Relu => m.add(nn::Activation::Relu),
             Layer::Tanh => m.add(nn::Activation::Tanh),
             Layer::Gelu => m.add(nn::Activation::Gelu),
+            Layer::GeluTanh => m.add(nn::Activation::GeluTanh),
+            Layer::Silu => m.add(nn::Activation::Silu),
             Layer::MaxPool { k, s } => m.add(nn::MaxPool2d { kernel: *k, stride: *s }),
             Layer::AvgPool { k, s } => m.add(nn::AvgPool2d { kernel: *k, stride: *s }),
             Layer::Flatten => m.add(nn::Flatten),
