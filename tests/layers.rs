@@ -51,10 +51,26 @@ fn norms_and_embedding_match_candle_nn_on_one_varmap() {
     let img = rand(&[3, 4, 5, 5], 11);
     let ids = Tensor::new(&[[1u32, 9, 0], [4, 4, 7]], &Device::Cpu).unwrap();
     let close = |a: &Tensor, b: &Tensor, what: &str| assert_close(a, b, 1e-5, what);
-    close(&ours_ln.forward_eager(&x).unwrap(), &theirs_ln.forward(&x).unwrap(), "layer_norm");
-    close(&ours_rms.forward_eager(&x).unwrap(), &theirs_rms.forward(&x).unwrap(), "rms_norm");
-    close(&ours_gn.forward_eager(&img).unwrap(), &theirs_gn.forward(&img).unwrap(), "group_norm");
-    close(&ours_emb.forward_eager(&ids).unwrap(), &theirs_emb.forward(&ids).unwrap(), "embedding");
+    close(
+        &ours_ln.forward_eager(&x).unwrap(),
+        &theirs_ln.forward(&x).unwrap(),
+        "layer_norm",
+    );
+    close(
+        &ours_rms.forward_eager(&x).unwrap(),
+        &theirs_rms.forward(&x).unwrap(),
+        "rms_norm",
+    );
+    close(
+        &ours_gn.forward_eager(&img).unwrap(),
+        &theirs_gn.forward(&img).unwrap(),
+        "group_norm",
+    );
+    close(
+        &ours_emb.forward_eager(&ids).unwrap(),
+        &theirs_emb.forward(&ids).unwrap(),
+        "embedding",
+    );
     close(
         &ours_bn.forward_eager(&img).unwrap(),
         &theirs_bn.forward_t(&img, false).unwrap(),
@@ -81,7 +97,11 @@ fn norms_and_embedding_match_candle_nn_on_one_varmap() {
     assert_eq!(ours_bn.params().len(), 2, "running statistics are not parameters");
     // bad input names the layer
     let r = ours_ln.forward_eager(&rand(&[2, 5], 12));
-    assert!(matches!(r, Err(Error::Shape { op: "layer_norm", .. })), "{:?}", r.map(|_| ()));
+    assert!(
+        matches!(r, Err(Error::Shape { op: "layer_norm", .. })),
+        "{:?}",
+        r.map(|_| ())
+    );
     assert!(nn::group_norm(3, 4, 1e-5, vb(&vm).pp("bad")).is_err());
 }
 
@@ -134,8 +154,12 @@ fn rope_matches_candle_nn() {
     let want = candle_nn::rotary_emb::rope(&x, &c5, &s5).unwrap();
     let want_i = candle_nn::rotary_emb::rope_i(&x, &c5, &s5).unwrap();
     let (cos2, sin2) = (cos.clone(), sin.clone());
-    let got = jit(move |x: Tracer| nn::rope(&x, &cos2.to_tracer(&x)?, &sin2.to_tracer(&x)?)).call(&x).unwrap();
-    let got_i = jit(move |x: Tracer| nn::rope_i(&x, &cos.to_tracer(&x)?, &sin.to_tracer(&x)?)).call(&x).unwrap();
+    let got = jit(move |x: Tracer| nn::rope(&x, &cos2.to_tracer(&x)?, &sin2.to_tracer(&x)?))
+        .call(&x)
+        .unwrap();
+    let got_i = jit(move |x: Tracer| nn::rope_i(&x, &cos.to_tracer(&x)?, &sin.to_tracer(&x)?))
+        .call(&x)
+        .unwrap();
     assert_close(&got, &want, 1e-5, "rope");
     assert_close(&got_i, &want_i, 1e-5, "rope_i");
     let bad = jit(move |x: Tracer| nn::rope(&x, &x, &x)).call(&x);
@@ -154,7 +178,12 @@ fn attention_masks_hide_what_they_should() {
     v[0][4] = vec![3.0; 8];
     let x2 = Tensor::new(v, &Device::Cpu).unwrap();
     let y2 = jit(|x: Tracer| attn.forward(&x)).call(&x2).unwrap();
-    assert_close(&y.narrow(1, 0, 4).unwrap(), &y2.narrow(1, 0, 4).unwrap(), 1e-6, "causal");
+    assert_close(
+        &y.narrow(1, 0, 4).unwrap(),
+        &y2.narrow(1, 0, 4).unwrap(),
+        1e-6,
+        "causal",
+    );
     assert!(common::max_diff(&y.narrow(1, 4, 1).unwrap(), &y2.narrow(1, 4, 1).unwrap()) > 1e-3);
     // key padding: a padded key changes no other position's output
     let open = nn::multi_head_attention(8, 2, false, vb(&vm).pp("open")).unwrap();
@@ -165,7 +194,12 @@ fn attention_masks_hide_what_they_should() {
     let x3 = Tensor::new(v, &Device::Cpu).unwrap();
     let (a, b) = (jit(f).call((&x, &pad)).unwrap(), jit(f).call((&x3, &pad)).unwrap());
     for t in [0, 1, 3, 4] {
-        assert_close(&a.narrow(1, t, 1).unwrap(), &b.narrow(1, t, 1).unwrap(), 1e-6, "key padding");
+        assert_close(
+            &a.narrow(1, t, 1).unwrap(),
+            &b.narrow(1, t, 1).unwrap(),
+            1e-6,
+            "key padding",
+        );
     }
     let r = jit(f).call((&x, &Tensor::zeros((1, 4), DType::U8, &Device::Cpu).unwrap()));
     assert!(matches!(r, Err(Error::Shape { op: "attention", .. })));
@@ -178,7 +212,14 @@ fn attention_masks_hide_what_they_should() {
             .broadcast_add(&p[&format!("open.{n}.bias")])
             .unwrap()
     };
-    let heads = |t: Tensor| t.reshape((1, 5, 2, 4)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+    let heads = |t: Tensor| {
+        t.reshape((1, 5, 2, 4))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
     let (q, k, vv) = (heads(lin("q", &x)), heads(lin("k", &x)), heads(lin("v", &x)));
     let s = (q.matmul(&k.t().unwrap()).unwrap() / 2.0).unwrap();
     let o = candle_nn::ops::softmax_last_dim(&s).unwrap().matmul(&vv).unwrap();
@@ -202,13 +243,24 @@ fn gpt_per_sample_gradients_equal_a_loop() {
     let m = nn::gpt(11, 6, 2, block, vb(&vm)).unwrap();
     let p = m.params();
     assert!(p.contains_key("blocks.1.ff2.bias") && p.contains_key("head.weight") && !p.contains_key("head.bias"));
-    let xs = Tensor::new(&[[1u32, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1], [0, 0, 10, 10, 3, 3]], &Device::Cpu).unwrap();
-    let ys = Tensor::new(&[[2u32, 3, 4, 5, 6, 0], [5, 4, 3, 2, 1, 0], [0, 10, 10, 3, 3, 1]], &Device::Cpu).unwrap();
+    let xs = Tensor::new(
+        &[[1u32, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1], [0, 0, 10, 10, 3, 3]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ys = Tensor::new(
+        &[[2u32, 3, 4, 5, 6, 0], [5, 4, 3, 2, 1, 0], [0, 10, 10, 3, 3, 1]],
+        &Device::Cpu,
+    )
+    .unwrap();
     let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         let logits = nn::functional_call(&m, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
         nn::cross_entropy_with(&logits, &y, CrossEntropy::default())
     };
-    let per = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).call((&p, &xs, &ys)).unwrap();
+    let per = vmap(grad(loss))
+        .in_dims([None, Some(0), Some(0)])
+        .call((&p, &xs, &ys))
+        .unwrap();
     for i in 0..3 {
         let one = grad(loss).call((&p, &xs.get(i).unwrap(), &ys.get(i).unwrap())).unwrap();
         for (name, g) in &one {
@@ -231,7 +283,10 @@ fn losses_match_their_definitions() {
             .to_scalar::<f32>()
             .unwrap()
     };
-    let lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
+    let lp = candle_nn::ops::log_softmax(&logits, 1)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     let kept = [0usize, 1, 2, 4, 5];
     let labels = [0usize, 4, 2, 0, 1, 3];
     let nll: f32 = kept.iter().map(|&i| -lp[i][labels[i]]).sum::<f32>() / 5.0;
@@ -252,9 +307,11 @@ fn losses_match_their_definitions() {
     };
     assert!((ce(o) - smooth).abs() < 1e-5, "label smoothing: {} vs {smooth}", ce(o));
     // an out-of-range label that is not ignored is an error, as in PyTorch
-    assert!(jit(|l: Tracer, y: Tracer| nn::cross_entropy_with(&l, &y, Default::default()))
-        .call((&logits, &y))
-        .is_err());
+    assert!(
+        jit(|l: Tracer, y: Tracer| nn::cross_entropy_with(&l, &y, Default::default()))
+            .call((&logits, &y))
+            .is_err()
+    );
     // sequences [N, T, C], against candle_nn's on the flattened positions
     let seq = rand(&[2, 3, 5], 61);
     let t = Tensor::new(&[[1u32, 0, 4], [2, 2, 3]], &Device::Cpu).unwrap();
@@ -265,20 +322,175 @@ fn losses_match_their_definitions() {
     assert_close(&got, &want, 1e-6, "sequence cross-entropy");
     // bce, l1, huber
     let (a, b) = (rand(&[4, 3], 62), rand(&[4, 3], 63).affine(0.5, 0.5).unwrap());
-    let bce = jit(|a: Tracer, b: Tracer| nn::bce_with_logits(&a, &b, nn::Reduction::Mean)).call((&a, &b)).unwrap();
-    assert_close(&bce, &candle_nn::loss::binary_cross_entropy_with_logit(&a, &b).unwrap(), 1e-6, "bce");
-    let l1 = jit(|a: Tracer, b: Tracer| nn::l1(&a, &b, nn::Reduction::Sum)).call((&a, &b)).unwrap();
+    let bce = jit(|a: Tracer, b: Tracer| nn::bce_with_logits(&a, &b, nn::Reduction::Mean))
+        .call((&a, &b))
+        .unwrap();
+    assert_close(
+        &bce,
+        &candle_nn::loss::binary_cross_entropy_with_logit(&a, &b).unwrap(),
+        1e-6,
+        "bce",
+    );
+    let l1 = jit(|a: Tracer, b: Tracer| nn::l1(&a, &b, nn::Reduction::Sum))
+        .call((&a, &b))
+        .unwrap();
     assert_close(&l1, &(&a - &b).unwrap().abs().unwrap().sum_all().unwrap(), 1e-6, "l1");
-    let hub = jit(|a: Tracer, b: Tracer| nn::huber(&a, &b, 0.3, nn::Reduction::None)).call((&a, &b)).unwrap();
+    let hub = jit(|a: Tracer, b: Tracer| nn::huber(&a, &b, 0.3, nn::Reduction::None))
+        .call((&a, &b))
+        .unwrap();
     let d = (&a - &b).unwrap().to_vec2::<f32>().unwrap();
     let want: Vec<Vec<f32>> = d
         .iter()
         .map(|r| {
             r.iter()
-                .map(|&d| if d.abs() < 0.3 { 0.5 * d * d } else { 0.3 * (d.abs() - 0.15) })
+                .map(|&d| {
+                    if d.abs() < 0.3 {
+                        0.5 * d * d
+                    } else {
+                        0.3 * (d.abs() - 0.15)
+                    }
+                })
                 .collect()
         })
         .collect();
     assert_close(&hub, &Tensor::new(want, &Device::Cpu).unwrap(), 1e-6, "huber");
-    assert!(jit(|a: Tracer, b: Tracer| nn::huber(&a, &b, 0.0, nn::Reduction::Mean)).call((&a, &b)).is_err());
+    assert!(jit(|a: Tracer, b: Tracer| nn::huber(&a, &b, 0.0, nn::Reduction::Mean))
+        .call((&a, &b))
+        .is_err());
+}
+
+#[test]
+fn candle_nn_layers_convert_sharing_their_tensors() {
+    use candle_core::{Module as _, ModuleT as _};
+    let vm = VarMap::new();
+    let v = vb(&vm);
+    let lin = candle_nn::linear(6, 4, v.pp("lin")).unwrap();
+    let c1cfg = candle_nn::Conv1dConfig {
+        padding: 1,
+        stride: 2,
+        groups: 2,
+        ..Default::default()
+    };
+    let c1 = candle_nn::conv1d(4, 6, 3, c1cfg, v.pp("c1")).unwrap();
+    let c2cfg = candle_nn::Conv2dConfig {
+        padding: 1,
+        dilation: 2,
+        ..Default::default()
+    };
+    let c2 = candle_nn::conv2d(3, 5, 3, c2cfg, v.pp("c2")).unwrap();
+    let t1cfg = candle_nn::ConvTranspose1dConfig {
+        padding: 1,
+        output_padding: 1,
+        stride: 2,
+        dilation: 1,
+        groups: 2,
+    };
+    let t1 = candle_nn::conv_transpose1d(4, 6, 3, t1cfg, v.pp("t1")).unwrap();
+    let t2cfg = candle_nn::ConvTranspose2dConfig {
+        padding: 1,
+        output_padding: 1,
+        stride: 2,
+        dilation: 1,
+    };
+    let t2 = candle_nn::conv_transpose2d(3, 5, 3, t2cfg, v.pp("t2")).unwrap();
+    let emb = candle_nn::embedding(9, 6, v.pp("emb")).unwrap();
+    let ln = candle_nn::layer_norm(6, 1e-5, v.pp("ln")).unwrap();
+    let rms = candle_nn::rms_norm(6, 1e-5, v.pp("rms")).unwrap();
+    let bn = candle_nn::batch_norm(3, 1e-5, v.pp("bn")).unwrap();
+    // a same-named layer of ours from the VarMap is the same variables
+    let ours_t2 = nn::conv_transpose2d(
+        3,
+        5,
+        3,
+        nn::ConvConfig {
+            padding: 1,
+            stride: 2,
+            ..Default::default()
+        },
+        1,
+        v.pp("t2"),
+    )
+    .unwrap();
+    randomise(&vm, 70);
+    let (x6, s4, img) = (rand(&[2, 3, 6], 71), rand(&[2, 4, 9], 72), rand(&[2, 3, 7, 7], 73));
+    let ids = Tensor::new(&[[0u32, 8, 3]], &Device::Cpu).unwrap();
+    let eq = |a: Tensor, b: Tensor, what: &str| assert_close(&a, &b, 1e-5, what);
+    eq(
+        nn::Linear::from_candle(&lin, "lin").forward_eager(&x6).unwrap(),
+        lin.forward(&x6).unwrap(),
+        "Linear",
+    );
+    eq(
+        nn::Conv::from_candle_conv1d(&c1, "c1").forward_eager(&s4).unwrap(),
+        c1.forward(&s4).unwrap(),
+        "Conv1d",
+    );
+    eq(
+        nn::Conv::from_candle_conv2d(&c2, "c2").forward_eager(&img).unwrap(),
+        c2.forward(&img).unwrap(),
+        "Conv2d",
+    );
+    eq(
+        nn::ConvTranspose::from_candle_1d(&t1, "t1").forward_eager(&s4).unwrap(),
+        t1.forward(&s4).unwrap(),
+        "ConvTranspose1d",
+    );
+    let twin_t2 = nn::ConvTranspose::from_candle_2d(&t2, "t2");
+    eq(
+        twin_t2.forward_eager(&img).unwrap(),
+        t2.forward(&img).unwrap(),
+        "ConvTranspose2d",
+    );
+    eq(
+        ours_t2.forward_eager(&img).unwrap(),
+        t2.forward(&img).unwrap(),
+        "conv_transpose2d from one VarMap",
+    );
+    eq(
+        nn::Embedding::from_candle(&emb, "emb").forward_eager(&ids).unwrap(),
+        emb.forward(&ids).unwrap(),
+        "Embedding",
+    );
+    let ln_twin = nn::Norm::from_candle(&ln, "ln").unwrap();
+    assert!(matches!(ln_twin, nn::Norm::Layer(_)));
+    eq(
+        ln_twin.forward_eager(&x6).unwrap(),
+        ln.forward(&x6).unwrap(),
+        "LayerNorm",
+    );
+    eq(
+        nn::RmsNorm::from_candle(&rms, "rms").forward_eager(&x6).unwrap(),
+        rms.forward(&x6).unwrap(),
+        "RmsNorm",
+    );
+    // candle_nn's LayerNorm built as an RMS norm is recognised as one
+    let as_rms = candle_nn::LayerNorm::rms_norm(rms.weight().clone(), 1e-5);
+    let twin = nn::Norm::from_candle(&as_rms, "rms").unwrap();
+    assert!(matches!(twin, nn::Norm::Rms(_)));
+    eq(
+        twin.forward_eager(&x6).unwrap(),
+        as_rms.forward(&x6).unwrap(),
+        "LayerNorm::rms_norm",
+    );
+    eq(
+        nn::BatchNorm::from_candle(&bn, "bn").forward_eager(&img).unwrap(),
+        bn.forward_t(&img, false).unwrap(),
+        "BatchNorm",
+    );
+    // shared, not copied: a change to the variable shows in the twin
+    let twin = nn::Linear::from_candle(&lin, "lin");
+    assert_eq!(twin.params().keys().collect::<Vec<_>>(), vec!["lin.bias", "lin.weight"]);
+    vm.data().lock().unwrap()["lin.weight"]
+        .set(&Tensor::zeros((4, 6), DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+    let b = lin
+        .bias()
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .broadcast_as((2, 3, 4))
+        .unwrap();
+    eq(twin.forward_eager(&x6).unwrap(), b, "shared weight");
 }

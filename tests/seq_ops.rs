@@ -252,3 +252,51 @@ fn broadcast_matmul_takes_vectors_and_broadcasts() {
     let want = m.broadcast_sub(&mean).unwrap().sqr().unwrap().mean_keepdim(1).unwrap();
     assert_close(&var, &want, 1e-12, "biased variance");
 }
+
+#[test]
+fn transposed_convolutions_match_candle() {
+    let x = f64s(&[2, 4, 5, 6], 20);
+    let w = f64s(&[4, 3, 3, 2], 21);
+    for (p, op, s, d) in [(0, 0, 1, 1), (1, 1, 2, 1), (0, 0, 2, 2), (2, 0, 3, 1)] {
+        let got = jit(move |x: Tracer, w: Tracer| x.conv_transpose2d(&w, p, op, s, d, 1)).call((&x, &w));
+        let want = x.conv_transpose2d(&w, p, op, s, d);
+        match (got, want) {
+            (Ok(g), Ok(want)) => assert_close(&g, &want, 1e-10, &format!("conv_transpose2d p{p} op{op} s{s} d{d}")),
+            (g, want) => panic!(
+                "p{p} op{op} s{s} d{d}: {:?} vs {:?}",
+                g.map(|t| t.dims().to_vec()),
+                want.map(|t| t.dims().to_vec())
+            ),
+        }
+    }
+    let (x1, w1) = (f64s(&[2, 4, 7], 22), f64s(&[4, 6, 3], 23));
+    let got = jit(|x: Tracer, w: Tracer| x.conv_transpose1d(&w, 1, 1, 2, 1, 2))
+        .call((&x1, &w1))
+        .unwrap();
+    let want = x1.conv_transpose1d(&w1, 1, 1, 2, 1, 2).unwrap();
+    assert_close(&got, &want, 1e-10, "conv_transpose1d, 2 groups");
+    // per-sample gradients of the weight against a loop
+    let xs = f64s(&[3, 1, 4, 5, 6], 24);
+    let loss = |w: Tracer, x: Tracer| x.conv_transpose2d(&w, 1, 1, 2, 1, 1)?.tanh()?.sum_all();
+    let per = vmap(grad(loss)).in_dims([None, Some(0)]).call((&w, &xs)).unwrap();
+    for i in 0..3 {
+        let one = grad(loss).call((&w, &xs.get(i).unwrap())).unwrap();
+        assert_close(&per.get(i).unwrap(), &one, 1e-10, &format!("example {i}"));
+    }
+    let bad = jit(|x: Tracer, w: Tracer| x.conv_transpose2d(&w, 0, 2, 2, 1, 1)).call((&x, &w));
+    assert!(matches!(
+        bad,
+        Err(Error::Shape {
+            op: "conv_transpose",
+            ..
+        })
+    ));
+    let bad = jit(|x: Tracer, w: Tracer| x.conv_transpose2d(&w, 9, 0, 1, 1, 1)).call((&x, &w));
+    assert!(matches!(
+        bad,
+        Err(Error::Shape {
+            op: "conv_transpose",
+            ..
+        })
+    ));
+}

@@ -69,6 +69,19 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
     })
 }
 
+impl Linear {
+    /// A linear layer over existing tensors (`weight` `[out, in]`,
+    /// `bias` `[out]`), sharing them, named `prefix`.
+    pub fn from_tensors(weight: Tensor, bias: Option<Tensor>, prefix: &str) -> Linear {
+        Linear {
+            weight,
+            bias,
+            prefix: prefix.to_string(),
+            cache: EagerCache::default(),
+        }
+    }
+}
+
 impl Module for Linear {
     fn eager_cache(&self) -> Option<&EagerCache> {
         Some(&self.cache)
@@ -164,6 +177,21 @@ pub fn conv3d(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder
 /// A 3D convolution without bias.
 pub fn conv3d_no_bias(cin: usize, cout: usize, k: usize, cfg: ConvConfig, vb: VarBuilder) -> Result<Conv> {
     conv(3, cin, cout, k, cfg, false, vb)
+}
+
+impl Conv {
+    /// An `nd`-dimensional convolution over existing tensors (`weight`
+    /// `[Cout, Cin/groups, *k]`, `bias` `[Cout]`), sharing them.
+    pub fn from_tensors(nd: usize, weight: Tensor, bias: Option<Tensor>, cfg: ConvConfig, prefix: &str) -> Conv {
+        Conv {
+            nd,
+            weight,
+            bias,
+            cfg,
+            prefix: prefix.to_string(),
+            cache: EagerCache::default(),
+        }
+    }
 }
 
 impl Module for Conv {

@@ -10,6 +10,7 @@ use crate::ir::{ConvGeom, Prim};
 use crate::rules::norm_axis;
 use crate::trace::{Operand, Tracer};
 
+mod conv_t;
 mod custom;
 mod seq;
 
