@@ -7,7 +7,7 @@
 //!     cargo run --release --example bench                 # everything
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
-//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, NTK, SWEEP
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, NTK, LM, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 
 mod common;
@@ -534,6 +534,69 @@ fn higher_order(o: &Opts) -> Res<()> {
     Ok(())
 }
 
+/// Per-sample gradients of `tiny_lm` (a GPT of `nn::gpt`) at the size of
+/// `benches/peers/bench_lm.py`: V=64, D=64, H=4, L=2, F=256, T=64, B=32.
+fn lm(o: &Opts) -> Res<()> {
+    use candle_func::nn::{BlockConfig, CrossEntropy, NormKind};
+    let dev = Device::Cpu;
+    let (v, t, b) = (64, 64, 32);
+    let block = BlockConfig {
+        dim: 64,
+        heads: 4,
+        ff: 256,
+        causal: true,
+        norm: NormKind::LayerNorm,
+        act: nn::Activation::Gelu,
+    };
+    let (_vm, m) = build(|vb| nn::gpt(v, t, 2, block, vb))?;
+    let p = m.params();
+    let ids = |k: u32| Tensor::from_vec((0..(b * t) as u32).map(|i| (i * k + 3) % v as u32).collect(), (b, t), &dev);
+    let (xs, ys) = (ids(7)?, ids(13)?);
+    let ce = CrossEntropy::default();
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy_with(&functional_call(&m, &p, &x.unsqueeze(0)?)?.squeeze(0)?, &y, ce)
+    };
+    let all = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| nn::cross_entropy_with(&functional_call(&m, &p, &x)?, &y, ce);
+    let (step, per) = (grad(all), vmap(grad(one)).in_dims([None, Some(0), Some(0)]));
+    let mut jobs: Vec<Job> = vec![
+        Box::new(|| Ok(step.call((&p, &xs, &ys)).map(|_| ())?)),
+        Box::new(|| Ok(per.call((&p, &xs, &ys)).map(|_| ())?)),
+    ];
+    let ms = interleaved(o.reps, &mut jobs)?;
+    drop(jobs);
+    let inputs = flat_inputs(&p, &[&xs, &ys]);
+    let mut rows = vec![
+        Row {
+            variant: "batched gradient step".into(),
+            ms: ms[0],
+            peak_mib: Some(peak_mib(&make_graph(&step, (&p, &xs, &ys))?, &inputs)?),
+        },
+        Row {
+            variant: "vmap(grad)".into(),
+            ms: ms[1],
+            peak_mib: Some(peak_mib(&make_graph(&per, (&p, &xs, &ys))?, &inputs)?),
+        },
+    ];
+    let mut notes = vec![format!("vmap(grad) / batched step: {:.2}", ms[1] / ms[0])];
+    if !o.quick {
+        let g = jit(grad(one));
+        let ms_loop = median_ms(o.reps.min(3), || -> candle_func::Result<()> {
+            for i in 0..b {
+                g.call((&p, xs.get(i)?, ys.get(i)?))?;
+            }
+            Ok(())
+        })?;
+        rows.push(Row {
+            variant: "per-example loop".into(),
+            ms: ms_loop,
+            peak_mib: None,
+        });
+        notes.push(format!("loop / vmap(grad): {:.2}", ms_loop / ms[1]));
+    }
+    report(o, "tiny_lm (V=64, D=64, H=4, L=2, T=64), B=32: per-sample gradients", &rows, &notes);
+    Ok(())
+}
+
 /// The torch.func NTK tutorial's two methods (`examples/common/ntk.rs`) on
 /// the shapes of `benches/peers/bench_higher_order.py`.
 fn ntk(o: &Opts) -> Res<()> {
@@ -640,6 +703,9 @@ fn main() -> Res<()> {
     }
     if want("NTK") {
         ntk(&o)?;
+    }
+    if want("LM") {
+        lm(&o)?;
     }
     if want("SWEEP") {
         sweep(&o)?;

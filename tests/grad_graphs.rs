@@ -192,3 +192,48 @@ fn per_example_jacobians_are_written_in_their_own_layout() {
         common::assert_close(&per.get(i).unwrap(), &one, 1e-6, &format!("example {i}"));
     }
 }
+
+/// Per-sample gradients of sequence layers scale: a linear layer on `[T,
+/// D]` inputs makes one `[B, out, in]` product (no `[B, T, out, in]`), an
+/// embedding's gradient is an index-add of rows (no one-hot `[B, T, V]`),
+/// and attention runs as batched products (no per-example map).
+#[test]
+fn sequence_layers_per_sample_gradients_scale() {
+    use candle_func::nn::{self, BlockConfig, CrossEntropy, Module, NormKind};
+    let dev = candle_core::Device::Cpu;
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, candle_core::DType::F32, &dev);
+    let (v, d, t, b) = (50, 16, 12, 5);
+    let block = BlockConfig {
+        dim: d,
+        heads: 2,
+        ff: 32,
+        causal: true,
+        norm: NormKind::LayerNorm,
+        act: nn::Activation::Gelu,
+    };
+    let m = nn::gpt(v, t, 1, block, vb).unwrap();
+    let p = m.params();
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % v) as u32).collect();
+    let xs = candle_core::Tensor::from_vec(ids, (b, t), &dev).unwrap();
+    let ys = xs.clone();
+    let loss = |p: std::collections::BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        let logits = nn::functional_call(&m, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
+        nn::cross_entropy_with(&logits, &y, CrossEntropy::default())
+    };
+    let g = make_graph(&vmap(grad(loss)).in_dims([None, Some(0), Some(0)]), (&p, &xs, &ys)).unwrap();
+    // the largest value is a per-sample gradient itself ([B, V, D] for the
+    // token table and the head, [B, ff, D] for the MLP), never T times one
+    let biggest = g.nodes().map(|n| n.ty().elem_count()).max().unwrap();
+    assert_eq!(biggest, b * v * d, "{g}");
+    assert!(!has(&g, "map"), "no per-example loop: {g}");
+    // no value has a [.., T, .., V, .., D] layout of T x V x D elements
+    assert_eq!(count(&g, |n| n.ty().elem_count() >= b * t * v * d / 2), 0, "{g}");
+    let per = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).call((&p, &xs, &ys)).unwrap();
+    for i in [0, 4] {
+        let one = grad(loss).call((&p, &xs.get(i).unwrap(), &ys.get(i).unwrap())).unwrap();
+        for (name, g) in &one {
+            common::assert_close(&per[name].get(i).unwrap(), g, 1e-5, &format!("example {i} {name}"));
+        }
+    }
+}

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod digits;
+pub mod fortunes;
 pub mod models;
 pub mod ntk;
 

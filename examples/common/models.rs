@@ -69,7 +69,7 @@ pub fn mlp(vb: VarBuilder) -> candle_func::Result<Sequential> {
 }
 
 /// A model with fresh weights in its own `VarMap`.
-pub fn build(f: fn(VarBuilder) -> candle_func::Result<Sequential>) -> candle_func::Result<(VarMap, Sequential)> {
+pub fn build<M>(f: impl FnOnce(VarBuilder) -> candle_func::Result<M>) -> candle_func::Result<(VarMap, M)> {
     let vm = VarMap::new();
     let m = f(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
     Ok((vm, m))

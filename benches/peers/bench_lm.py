@@ -1,0 +1,109 @@
+"""Per-sample gradients of `tiny_lm` (the model of `tests/fixtures/README.md`)
+at the size of `bench --only LM`: V=64, D=64, H=4, L=2, F=256, T=64, B=32,
+LayerNorm, GELU, causal. Times (i) one ordinary batched gradient step,
+(ii) torch.func `vmap(grad)` and (iii) Opacus's `GradSampleModule` hooks,
+as `../shared/peers/bench_torch.py` times its workloads (3 warm-ups, then
+REPS repetitions, medians; 2 threads), and prints the peak memory the
+process's allocator reports beside time (CPU: the growth of the resident
+set while the variant runs, from /proc).
+
+    $HOME/peers/bin/python benches/peers/bench_lm.py [REPS]
+"""
+import copy, math, statistics, sys, time, warnings
+
+warnings.filterwarnings("ignore")
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+from opacus import GradSampleModule
+
+torch.set_num_threads(2)
+torch.manual_seed(0)
+REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+V, D, H, L, FF, T, B = 64, 64, 4, 2, 256, 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.ff1, self.ff2 = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        h = self.ln1(x)
+        split = lambda z: z.view(n, t, H, D // H).transpose(1, 2)
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        s = q @ k.transpose(-1, -2) / math.sqrt(D // H)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        a = s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(n, t, D))
+        return x + self.ff2(F.gelu(self.ff1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(L))
+        self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+
+    def forward(self, x):
+        n, t = x.shape
+        # positions with a batch axis, as Opacus's embedding hook needs
+        h = self.tok(x) + self.pos(torch.arange(t).expand(n, t))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln_f(h))
+
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bench(name, f, reps=REPS, warm=3):
+    for _ in range(warm):
+        f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append((time.perf_counter() - t) * 1e3)
+    print(f"RESULT {name:<45} median {statistics.median(ts):10.3f} ms  min {min(ts):10.3f}  max {max(ts):10.3f}  (n={reps})  process peak RSS {rss_mib():.0f} MiB", flush=True)
+
+
+model = TinyLM()
+x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+lm_loss = lambda logits, y: F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+
+
+def std():
+    model.zero_grad(set_to_none=True)
+    lm_loss(model(x), y).backward()
+
+
+params = {k: v.detach() for k, v in model.named_parameters()}
+per_example = vmap(grad(lambda p, xi, yi: lm_loss(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))), in_dims=(None, 0, 0))
+gm = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
+
+
+def opacus_hooks():
+    gm.zero_grad(set_to_none=True)
+    logits = gm(x)
+    # each example's loss is its mean over positions; summed over the batch
+    F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), reduction="sum").div(T).backward()
+    return [p.grad_sample for p in gm.parameters()]
+
+
+bench(f"LM B={B} (i) standard fwd+bwd", std)
+bench(f"LM B={B} (ii) torch.func vmap(grad)", lambda: per_example(params, x, y))
+bench(f"LM B={B} (iii) Opacus GradSampleModule hooks", opacus_hooks)
+a = per_example(params, x, y)
+b = dict(zip([k.removeprefix("_module.") for k, _ in gm.named_parameters()], opacus_hooks()))
+print(f"CHECK LM maxabs opacus-vs-func {max((a[k] - b[k]).abs().max().item() for k in a):.3e}")
