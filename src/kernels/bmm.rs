@@ -74,14 +74,29 @@ fn bmm_cpu<T: Elem>(
         let work = (nb * m * n).saturating_mul(k) / 16;
         par_blocks_mut(&mut dst, m * n, work, |i, d| gemm_one(i, d, gemm::Parallelism::None));
     } else {
-        // Few large products: each split over all threads, as candle does,
-        // but written into `output`'s huge pages.
-        let par = gemm::Parallelism::Rayon(max_threads());
+        // Few products: each split over all threads, as candle does, but
+        // written into `output`'s huge pages; a small one on one thread.
+        let par = match one_thread(m, n, k) {
+            true => gemm::Parallelism::None,
+            false => gemm::Parallelism::Rayon(max_threads()),
+        };
         for (i, d) in dst.chunks_exact_mut(m * n).enumerate() {
             gemm_one(i, d, par);
         }
     }
     Ok(dst)
+}
+
+/// Products of fewer multiply-adds than this run on one thread: gemm
+/// splitting one over two threads made it slower, and more so for a
+/// column-major operand (`[64, 784] @ [784, 128]` from a transposed
+/// weight: 157 µs on two threads, 64 on one; `[64, 128] @ [128, 784]`:
+/// 85 against 58), while at 33 M (`[2048, 256] @ [256, 64]`) two threads
+/// took 155 µs to one's 263.
+const ONE_THREAD_MACS: usize = 1 << 24;
+
+fn one_thread(m: usize, n: usize, k: usize) -> bool {
+    m.saturating_mul(n).saturating_mul(k) < ONE_THREAD_MACS
 }
 
 /// Outputs at most this large with an inner dimension of at least
@@ -201,7 +216,9 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let spread = a.dims()[0] >= 2 * max_threads() && b.stride()[0] != 0;
         let (ad, bd) = (a.dims(), b.dims());
         let split = split_k((ad[0], ad[1], bd[2], ad[2])) > 1;
-        if column_major(b) && !spread && !split {
+        // one thread packs a column-major `b` itself, faster than a copy
+        let alone = one_thread(ad[1], bd[2], ad[2]);
+        if column_major(b) && !spread && !split && !alone {
             return by_row_major_rhs(a, b);
         }
         return a.apply_op2_no_bwd(b, &BmmOp);

@@ -26,6 +26,7 @@ pub mod bmm;
 pub mod compare;
 pub(crate) mod copies;
 pub mod epilogue;
+pub mod fastmath;
 pub mod outer;
 pub mod pool;
 pub(crate) mod rng;

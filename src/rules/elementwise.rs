@@ -5,7 +5,7 @@ use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Ru
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::compare;
+use crate::kernels::{compare, fastmath};
 use candle_core::{DType, Tensor};
 
 fn is_float(dt: DType) -> bool {
@@ -40,6 +40,17 @@ impl Rule for Unary {
                 int_map(x, |v| v.wrapping_mul(v), |v| v.wrapping_mul(v), |v| v.wrapping_mul(v))
             }
             Unary::Neg => x.neg(),
+            // f32 on the CPU: one vectorised pass instead of libm per element
+            Unary::Exp | Unary::Tanh | Unary::Erf if x.dtype() == DType::F32 && x.device().is_cpu() => {
+                let m = match self {
+                    Unary::Exp => fastmath::Math::Exp,
+                    Unary::Tanh => fastmath::Math::Tanh,
+                    _ => fastmath::Math::Erf,
+                };
+                return fastmath::apply(x, m)
+                    .op(&self.name())?
+                    .ok_or_else(|| Error::unsupported(self.name(), "run", "no fast kernel"));
+            }
             Unary::Exp => x.exp(),
             Unary::Log => x.log(),
             Unary::Sqrt => x.sqrt(),
