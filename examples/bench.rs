@@ -550,13 +550,21 @@ fn lm(o: &Opts) -> Res<()> {
     };
     let (_vm, m) = build(|vb| nn::gpt(v, t, 2, block, vb))?;
     let p = m.params();
-    let ids = |k: u32| Tensor::from_vec((0..(b * t) as u32).map(|i| (i * k + 3) % v as u32).collect(), (b, t), &dev);
+    let ids = |k: u32| {
+        Tensor::from_vec(
+            (0..(b * t) as u32).map(|i| (i * k + 3) % v as u32).collect(),
+            (b, t),
+            &dev,
+        )
+    };
     let (xs, ys) = (ids(7)?, ids(13)?);
     let ce = CrossEntropy::default();
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         nn::cross_entropy_with(&functional_call(&m, &p, &x.unsqueeze(0)?)?.squeeze(0)?, &y, ce)
     };
-    let all = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| nn::cross_entropy_with(&functional_call(&m, &p, &x)?, &y, ce);
+    let all = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy_with(&functional_call(&m, &p, &x)?, &y, ce)
+    };
     let (step, per) = (grad(all), vmap(grad(one)).in_dims([None, Some(0), Some(0)]));
     let mut jobs: Vec<Job> = vec![
         Box::new(|| Ok(step.call((&p, &xs, &ys)).map(|_| ())?)),
@@ -593,7 +601,12 @@ fn lm(o: &Opts) -> Res<()> {
         });
         notes.push(format!("loop / vmap(grad): {:.2}", ms_loop / ms[1]));
     }
-    report(o, "tiny_lm (V=64, D=64, H=4, L=2, T=64), B=32: per-sample gradients", &rows, &notes);
+    report(
+        o,
+        "tiny_lm (V=64, D=64, H=4, L=2, T=64), B=32: per-sample gradients",
+        &rows,
+        &notes,
+    );
     Ok(())
 }
 

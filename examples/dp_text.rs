@@ -62,7 +62,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let q = batch / n as f64;
     let steps_per_epoch = (1.0 / q).round() as usize;
     let steps = epochs * steps_per_epoch;
-    let sigma = dp::accountant::noise_multiplier_for(target_eps, delta, q, steps).ok_or("no noise reaches that epsilon")?;
+    let sigma =
+        dp::accountant::noise_multiplier_for(target_eps, delta, q, steps).ok_or("no noise reaches that epsilon")?;
     println!("DP-SGD on {n} fortune texts ({n_val} held out), characters {t} per record, vocabulary {VOCAB}");
     println!(
         "sample rate {q:.4} (expected batch {batch}), {epochs} epochs x {steps_per_epoch} steps = {steps} steps; \
@@ -79,11 +80,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         act: nn::Activation::Gelu,
     };
     let (vm_dp, vm_plain) = (candle_nn::VarMap::new(), candle_nn::VarMap::new());
-    let make = |vm: &candle_nn::VarMap| nn::gpt(VOCAB, t, layers, block, candle_nn::VarBuilder::from_varmap(vm, DType::F32, &dev));
+    let make = |vm: &candle_nn::VarMap| {
+        nn::gpt(
+            VOCAB,
+            t,
+            layers,
+            block,
+            candle_nn::VarBuilder::from_varmap(vm, DType::F32, &dev),
+        )
+    };
     let (private, plain) = (make(&vm_dp)?, make(&vm_plain)?);
     // the same initial weights for both
     nn::load_params(&vm_plain, &private.params())?;
-    println!("model: {} parameters", private.params().values().map(|p| p.elem_count()).sum::<usize>());
+    println!(
+        "model: {} parameters",
+        private.params().values().map(|p| p.elem_count()).sum::<usize>()
+    );
 
     // One record's loss (its mean over its characters); vmap(grad(..))
     // gives per-record gradients.

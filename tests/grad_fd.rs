@@ -247,3 +247,46 @@ fn relu_gradient_differentiated_again() {
     .unwrap();
     assert_eq!(by_x.to_vec1::<f64>().unwrap(), vec![0.; 4]);
 }
+
+/// GELU's gradient primitive differentiated again, in both operands,
+/// against finite differences (`grad(grad)` and the Hessian), in f64 and
+/// in f32 (the CPU's one-pass kernels).
+#[test]
+fn gelu_gradient_differentiated_again() {
+    let x = f64t(&[3, 5], 40).affine(3.0, 0.0).unwrap();
+    let c = f64t(&[3, 5], 41);
+    fd2(
+        "gelu grad",
+        |x: Tracer, c: Tracer| {
+            use candle_func::Function;
+            grad(|x: Tracer, c: Tracer| x.gelu()?.mul(&c)?.sum_all()).apply((x, c))
+        },
+        &x,
+        &c,
+        42,
+    );
+    for dt in [DType::F64, DType::F32] {
+        let x = x.to_dtype(dt).unwrap();
+        let h = jit(candle_func::hessian(|x: Tracer| x.gelu()?.sum_all()))
+            .call(x.flatten_all().unwrap())
+            .unwrap();
+        // diagonal: gelu''(x) = φ(x) (2 - x^2)
+        let v = x
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let hd = h.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+        for (i, &x) in v.iter().enumerate() {
+            let want = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt() * (2.0 - x * x);
+            let tol = if dt == DType::F64 { 1e-12 } else { 1e-6 };
+            assert!(
+                (hd[i][i] - want).abs() <= tol,
+                "{dt:?} gelu''({x}) = {} vs {want}",
+                hd[i][i]
+            );
+        }
+    }
+}

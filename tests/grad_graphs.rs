@@ -229,7 +229,10 @@ fn sequence_layers_per_sample_gradients_scale() {
     assert!(!has(&g, "map"), "no per-example loop: {g}");
     // no value has a [.., T, .., V, .., D] layout of T x V x D elements
     assert_eq!(count(&g, |n| n.ty().elem_count() >= b * t * v * d / 2), 0, "{g}");
-    let per = vmap(grad(loss)).in_dims([None, Some(0), Some(0)]).call((&p, &xs, &ys)).unwrap();
+    let per = vmap(grad(loss))
+        .in_dims([None, Some(0), Some(0)])
+        .call((&p, &xs, &ys))
+        .unwrap();
     for i in [0, 4] {
         let one = grad(loss).call((&p, &xs.get(i).unwrap(), &ys.get(i).unwrap())).unwrap();
         for (name, g) in &one {

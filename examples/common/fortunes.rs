@@ -57,5 +57,8 @@ pub fn windows(texts: &[&str], t: usize, dev: &Device) -> candle_core::Result<(T
         xs.extend(&y[..t - 1]);
         ys.extend(y);
     }
-    Ok((Tensor::from_vec(xs, (texts.len(), t), dev)?, Tensor::from_vec(ys, (texts.len(), t), dev)?))
+    Ok((
+        Tensor::from_vec(xs, (texts.len(), t), dev)?,
+        Tensor::from_vec(ys, (texts.len(), t), dev)?,
+    ))
 }

@@ -180,7 +180,11 @@ fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g:
         msg: format!("{op}: no variable named {name:?}"),
     })?;
     if var.dims() != g.dims() {
-        return Err(Error::shape(op, &[var.dims(), g.dims()], format!("gradient of {name:?}")));
+        return Err(Error::shape(
+            op,
+            &[var.dims(), g.dims()],
+            format!("gradient of {name:?}"),
+        ));
     }
     Ok((var, g.to_dtype(var.dtype())?))
 }
@@ -231,7 +235,10 @@ impl Adam {
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "adam", name, g)?;
             let (m, v) = match self.moments.remove(name) {
-                Some((m, v)) => (((m * b1)? + (&g * (1.0 - b1))?)?, ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?),
+                Some((m, v)) => (
+                    ((m * b1)? + (&g * (1.0 - b1))?)?,
+                    ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
+                ),
                 None => ((&g * (1.0 - b1))?, (g.sqr()? * (1.0 - b2))?),
             };
             let denom = ((&v / c2)?.sqrt()? + self.eps)?;

@@ -32,6 +32,8 @@ pub(crate) enum Unary {
     Erf,
     /// logistic sigmoid
     Sigmoid,
+    /// GELU in its exact form, `x Φ(x)` (`x / 2 (1 + erf(x / sqrt 2))`)
+    Gelu,
     /// sine
     Sin,
     /// cosine
@@ -58,6 +60,7 @@ impl Unary {
             Unary::Tanh => "tanh".into(),
             Unary::Erf => "erf".into(),
             Unary::Sigmoid => "sigmoid".into(),
+            Unary::Gelu => "gelu".into(),
             Unary::Sin => "sin".into(),
             Unary::Cos => "cos".into(),
             Unary::Powf(e) => format!("powf[{e}]"),
@@ -86,6 +89,9 @@ pub(crate) enum Binary {
     /// PyTorch's), else 0 (`(x, ct) -> dx`; one pass instead of a
     /// comparison and a select)
     ReluGrad,
+    /// GELU's gradient: `b gelu'(a)`, `gelu'(x) = Φ(x) + x φ(x)` (`(x,
+    /// ct) -> dx`; one pass instead of the composition's eight)
+    GeluGrad,
 }
 
 impl Binary {
@@ -98,6 +104,7 @@ impl Binary {
             Binary::Maximum => "maximum",
             Binary::Minimum => "minimum",
             Binary::ReluGrad => "relu_grad",
+            Binary::GeluGrad => "gelu_grad",
         }
     }
 }

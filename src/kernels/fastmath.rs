@@ -8,7 +8,7 @@
 
 use super::compare::by_blocks;
 use super::contiguous_slice;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// Which function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +19,8 @@ pub enum Math {
     Tanh,
     /// the error function
     Erf,
+    /// GELU, exact form: `x / 2 (1 + erf(x / sqrt 2))`
+    Gelu,
 }
 
 /// `x` rounded to the nearest integer, for `|x| < 2^22`: adding and
@@ -45,7 +47,7 @@ fn exp_core(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 5e-1;
     let e = p * r * r + r + 1.0;
     // n is in [-126, 128]: a normal power of two, or 2^128 = inf
     // 2^23 + 127 + n holds n + 127 in its low mantissa bits: shifted into
@@ -81,10 +83,10 @@ pub(crate) fn tanh(x: f32) -> f32 {
     let a = x.abs();
     let z = x * x;
     let mut p = -5.704_988_7e-3_f32;
-    p = p * z + 2.063_908_9e-2;
+    p = p * z + 2.063_909e-2;
     p = p * z - 5.373_971_6e-2;
     p = p * z + 1.333_144_2e-1;
-    p = p * z - 3.333_328_2e-1;
+    p = p * z - 3.333_328e-1;
     let small = x * (1.0 + p * z); // keeps the sign of a zero
     let big = (1.0 - 2.0 / (exp(2.0 * a) + 1.0)).copysign(x);
     let y = if a < 0.625 { small } else { big };
@@ -95,12 +97,44 @@ pub(crate) fn tanh(x: f32) -> f32 {
     }
 }
 
-/// `erf x`: Cephes' `erff` polynomial for `|x| <= 1`; above, `1 - erfc`
-/// with the Chebyshev fit of Numerical Recipes' `erfcc` (fractional error
-/// under 1.2e-7, so at most 2e-8 in `erf` there), with the sign.
+/// `erfc a` for `a >= 0` (meant for `a > 1`): the Chebyshev fit of
+/// Numerical Recipes' `erfcc`, fractional error under 1.2e-7.
 #[inline(always)]
-pub(crate) fn erf(x: f32) -> f32 {
-    let a = x.abs();
+fn erfc_tail(a: f32) -> f32 {
+    let t = 1.0 / (1.0 + 0.5 * a);
+    let mut q = 0.170_872_77_f32;
+    q = q * t - 0.822_152_23;
+    q = q * t + 1.488_515_9;
+    q = q * t - 1.135_204;
+    q = q * t + 0.278_868_07;
+    q = q * t - 0.186_288_06;
+    q = q * t + 0.096_784_18;
+    q = q * t + 0.374_091_96;
+    q = q * t + 1.000_023_7;
+    t * exp(-a * a - 1.265_512_2 + t * q)
+}
+
+/// The normal CDF `Φ(x) = (1 + erf(x / sqrt 2)) / 2`; below `x = -sqrt 2`
+/// as `erfc(|x| / sqrt 2) / 2`, which keeps its relative accuracy where
+/// `1 + erf` would cancel (GELU of a negative input).
+#[inline(always)]
+fn normal_cdf(x: f32) -> f32 {
+    let u = x * std::f32::consts::FRAC_1_SQRT_2;
+    let a = u.abs();
+    // erf's own two pieces, computed once each
+    let small = 0.5 + 0.5 * erf_poly(u);
+    let e = 0.5 * erfc_tail(a);
+    let big = if u < 0.0 { e } else { 1.0 - e };
+    if a <= 1.0 {
+        small
+    } else {
+        big
+    }
+}
+
+/// Cephes' `erff` polynomial, accurate for `|x| <= 1`.
+#[inline(always)]
+fn erf_poly(x: f32) -> f32 {
     let z = x * x;
     let mut p = 7.853_861_4e-5_f32;
     p = p * z - 8.010_193_6e-4;
@@ -108,20 +142,17 @@ pub(crate) fn erf(x: f32) -> f32 {
     p = p * z - 2.685_381_2e-2;
     p = p * z + 1.128_358_5e-1;
     p = p * z - 3.761_262_6e-1;
-    p = p * z + 1.128_379_2;
-    let small = x * p;
-    let t = 1.0 / (1.0 + 0.5 * a);
-    let mut q = 0.170_872_77_f32;
-    q = q * t - 0.822_152_23;
-    q = q * t + 1.488_515_9;
-    q = q * t - 1.135_203_98;
-    q = q * t + 0.278_868_07;
-    q = q * t - 0.186_288_06;
-    q = q * t + 0.096_784_18;
-    q = q * t + 0.374_091_96;
-    q = q * t + 1.000_023_7;
-    let erfc = t * exp(-z - 1.265_512_2 + t * q);
-    let big = (1.0 - erfc).copysign(x);
+    p = p * z + std::f32::consts::FRAC_2_SQRT_PI;
+    x * p
+}
+
+/// `erf x`: Cephes' `erff` polynomial for `|x| <= 1`; above, `1 - erfc`
+/// ([`erfc_tail`], so at most 2e-8 off in `erf` there), with the sign.
+#[inline(always)]
+pub(crate) fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let small = erf_poly(x);
+    let big = (1.0 - erfc_tail(a)).copysign(x);
     let y = if a <= 1.0 { small } else { big };
     if x.is_nan() {
         x
@@ -144,11 +175,31 @@ fn map(x: &[f32], m: Math) -> Result<Vec<f32>> {
 /// larger `erf` stayed a call per element).
 #[inline(always)]
 fn fill_any(d: &mut [f32], x: &[f32], m: Math) {
-    let pairs = d.iter_mut().zip(x);
+    // plain indexed loops over equal lengths (an iterator's `fold` for the
+    // larger `erf` was left a separate function, compiled without AVX2)
+    let n = d.len().min(x.len());
+    let (d, x) = (&mut d[..n], &x[..n]);
     match m {
-        Math::Exp => pairs.for_each(|(o, v)| *o = exp(*v)),
-        Math::Tanh => pairs.for_each(|(o, v)| *o = tanh(*v)),
-        Math::Erf => pairs.for_each(|(o, v)| *o = erf(*v)),
+        Math::Exp => {
+            for i in 0..n {
+                d[i] = exp(x[i]);
+            }
+        }
+        Math::Tanh => {
+            for i in 0..n {
+                d[i] = tanh(x[i]);
+            }
+        }
+        Math::Erf => {
+            for i in 0..n {
+                d[i] = erf(x[i]);
+            }
+        }
+        Math::Gelu => {
+            for i in 0..n {
+                d[i] = gelu(x[i]);
+            }
+        }
     }
 }
 
@@ -174,6 +225,20 @@ fn fill(d: &mut [f32], x: &[f32], m: Math) {
     fill_any(d, x, m)
 }
 
+/// `x / 2 (1 + erf(x / sqrt 2))`.
+#[inline(always)]
+pub(crate) fn gelu(x: f32) -> f32 {
+    x * normal_cdf(x)
+}
+
+/// `ct (Φ(x) + x φ(x))`: GELU's derivative times the cotangent.
+#[inline(always)]
+pub(crate) fn gelu_grad(x: f32, ct: f32) -> f32 {
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    let pdf = INV_SQRT_2PI * exp(-0.5 * x * x);
+    ct * (normal_cdf(x) + x * pdf)
+}
+
 struct MathOp(Math);
 
 impl CustomOp1 for MathOp {
@@ -182,6 +247,7 @@ impl CustomOp1 for MathOp {
             Math::Exp => "exp",
             Math::Tanh => "tanh",
             Math::Erf => "erf",
+            Math::Gelu => "gelu",
         }
     }
 
@@ -193,6 +259,63 @@ impl CustomOp1 for MathOp {
         let dst = map(x, self.0)?;
         Ok((CpuStorage::F32(dst), l.shape().clone()))
     }
+}
+
+/// `gelu_grad` of every pair, as [`fill`] with the widest vectors.
+#[inline(always)]
+fn fill2_any(d: &mut [f32], x: &[f32], c: &[f32]) {
+    let n = d.len().min(x.len()).min(c.len());
+    let (d, x, c) = (&mut d[..n], &x[..n], &c[..n]);
+    for i in 0..n {
+        d[i] = gelu_grad(x[i], c[i]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fill2_avx2(d: &mut [f32], x: &[f32], c: &[f32]) {
+    fill2_any(d, x, c)
+}
+
+fn fill2(d: &mut [f32], x: &[f32], c: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: as in `fill`: the features were just detected.
+        return unsafe { fill2_avx2(d, x, c) };
+    }
+    fill2_any(d, x, c)
+}
+
+struct GeluGradOp;
+
+impl CustomOp2 for GeluGradOp {
+    fn name(&self) -> &'static str {
+        "gelu_grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(x), CpuStorage::F32(c)) = (s1, s2) else {
+            bail!("gelu_grad: no fast kernel for these dtypes")
+        };
+        if l1.dims() != l2.dims() {
+            bail!("gelu_grad: shapes {:?} and {:?} differ", l1.dims(), l2.dims())
+        }
+        let (x, c) = (
+            contiguous_slice("gelu_grad", x, l1)?,
+            contiguous_slice("gelu_grad", c, l2)?,
+        );
+        let mut dst = super::output::<f32>(x.len())?;
+        by_blocks(&mut dst, 10, |start, d| fill2(d, &x[start..], &c[start..]));
+        Ok((CpuStorage::F32(dst), l1.shape().clone()))
+    }
+}
+
+/// `ct gelu'(x)` for CPU f32 tensors of one shape; `None` otherwise.
+pub fn gelu_grad_of(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 || ct.dtype() != DType::F32 || x.dims() != ct.dims() {
+        return Ok(None);
+    }
+    Ok(Some(x.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &GeluGradOp)?))
 }
 
 /// `f(x)` for a CPU f32 tensor; `None` otherwise (the caller uses
@@ -234,6 +357,26 @@ mod tests {
         assert!(t0 <= 2.0, "tanh near 0: {t0} ulps");
         let r = worst_ulps(erf, candle_core::cpu::erf::erf_f64, -6.0, 6.0);
         assert!(r <= 4.0, "erf: {r} ulps");
+        let exact_gelu = |x: f64| 0.5 * x * (1.0 + candle_core::cpu::erf::erf_f64(x / 2f64.sqrt()));
+        // GELU's left tail is erfc(|x| / sqrt 2) of a rounded argument: the
+        // rounding, times the exponent's x^2 / 2, costs tens of ulps near x
+        // = -6 (a relative 4e-6 of a value of 6e-9; `(1 + erf) x / 2` in
+        // f32, PyTorch's formula, gives 0 there)
+        let g = worst_ulps(gelu, exact_gelu, -6.0, 6.0);
+        assert!(g <= 96.0, "gelu: {g} ulps");
+        let g = worst_ulps(gelu, exact_gelu, -1.0, 6.0);
+        assert!(g <= 4.0, "gelu right of -1: {g} ulps");
+        let exact_grad = |x: f64| {
+            0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x / 2f64.sqrt()))
+                + x * (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+        };
+        // gelu' crosses zero near x = -0.75, where no relative bound holds:
+        // absolute error against its scale (about 1)
+        let worst = (0..=200_000)
+            .map(|i| -6.0 + 12.0 * i as f32 / 200_000.0)
+            .map(|x| (gelu_grad(x, 1.0) as f64 - exact_grad(x as f64)).abs())
+            .fold(0.0, f64::max);
+        assert!(worst <= 4e-7, "gelu_grad: absolute error {worst}");
         let r0 = worst_ulps(erf, candle_core::cpu::erf::erf_f64, -1e-3, 1e-3);
         assert!(r0 <= 3.0, "erf near 0: {r0} ulps");
     }
@@ -260,7 +403,9 @@ mod tests {
         let x = (Tensor::randn(0f32, 3., 3 * (1 << 14) + 5, &candle_core::Device::Cpu)? * 1.0)?;
         for (m, want) in [(Math::Exp, x.exp()?), (Math::Tanh, x.tanh()?), (Math::Erf, x.erf()?)] {
             let got = apply(&x, m)?.expect("f32 on the CPU");
-            let rel = ((&got - &want)?.abs()? / (want.abs()? + 1e-30)?)?.max_all()?.to_scalar::<f32>()?;
+            let rel = ((&got - &want)?.abs()? / (want.abs()? + 1e-30)?)?
+                .max_all()?
+                .to_scalar::<f32>()?;
             assert!(rel < 1e-6, "{m:?}: relative error {rel}");
         }
         assert!(apply(&x.to_dtype(DType::F64)?, Math::Exp)?.is_none());

@@ -135,8 +135,8 @@ impl Tracer {
     /// GELU in its exact form, `x / 2 * (1 + erf(x / sqrt 2))` (PyTorch's
     /// default `gelu`).
     pub fn gelu(&self) -> Result<Tracer> {
-        let e = self.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?;
-        self.mul(&e.affine(0.5, 0.5)?)
+        self.float_only("gelu")?;
+        self.unary(Unary::Gelu)
     }
     /// Logistic sigmoid `1 / (1 + e^-x)`.
     pub fn sigmoid(&self) -> Result<Tracer> {

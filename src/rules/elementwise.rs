@@ -41,10 +41,11 @@ impl Rule for Unary {
             }
             Unary::Neg => x.neg(),
             // f32 on the CPU: one vectorised pass instead of libm per element
-            Unary::Exp | Unary::Tanh | Unary::Erf if x.dtype() == DType::F32 && x.device().is_cpu() => {
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu if x.dtype() == DType::F32 && x.device().is_cpu() => {
                 let m = match self {
                     Unary::Exp => fastmath::Math::Exp,
                     Unary::Tanh => fastmath::Math::Tanh,
+                    Unary::Gelu => fastmath::Math::Gelu,
                     _ => fastmath::Math::Erf,
                 };
                 return fastmath::apply(x, m)
@@ -70,6 +71,7 @@ impl Rule for Unary {
             Unary::Tanh => x.tanh(),
             Unary::Erf => x.erf(),
             Unary::Sigmoid => candle_nn::ops::sigmoid(x),
+            Unary::Gelu => x.gelu_erf(),
             Unary::Sin => x.sin(),
             Unary::Cos => x.cos(),
             Unary::Powf(e) => x.powf(*e),
@@ -150,6 +152,7 @@ fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Res
             let d = b.bin(Mul, out, one_minus)?;
             b.bin(Mul, ct, d)?
         }
+        Unary::Gelu => b.bin(Binary::GeluGrad, x, ct)?,
         Unary::Sin => {
             let d = b.un(Unary::Cos, x)?;
             b.bin(Mul, ct, d)?
@@ -213,6 +216,7 @@ impl Rule for Binary {
             Binary::Maximum => return keep_nan(a.broadcast_maximum(b).op("maximum")?, a, b),
             Binary::Minimum => return keep_nan(a.broadcast_minimum(b).op("minimum")?, a, b),
             Binary::ReluGrad => return relu_grad(a, b, &_out.shape),
+            Binary::GeluGrad => return gelu_grad(a, b, &_out.shape),
         };
         r.op(self.name())
     }
@@ -367,6 +371,17 @@ fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: V
             extremum_share(b, Compare::Gt, x, y, ct)?,
             extremum_share(b, Compare::Gt, y, x, ct)?,
         ),
+        // ct gelu'(x): d/dx is ct gelu''(x) = ct φ(x) (2 - x^2); linear in ct
+        GeluGrad => {
+            let x2 = b.un(Unary::Sqr, x)?;
+            let e = b.un(Unary::Affine(-0.5, 0.0), x2)?;
+            let e = b.un(Unary::Exp, e)?;
+            let pdf = b.un(Unary::Affine(1.0 / (2.0 * std::f64::consts::PI).sqrt(), 0.0), e)?;
+            let two_minus = b.un(Unary::Affine(-1.0, 2.0), x2)?;
+            let g2 = b.bin(Mul, pdf, two_minus)?;
+            let cy = b.bin(Mul, ct, y)?;
+            (b.bin(Mul, cy, g2)?, b.bin(GeluGrad, x, ct)?)
+        }
         // Piecewise constant in x; linear in the cotangent it masks.
         ReluGrad => {
             let shape = b.dims(out);
@@ -387,6 +402,22 @@ fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let zero = Tensor::zeros(shape, ct.dtype(), ct.device()).op(op)?;
     let off = x.le(&Tensor::zeros(shape, x.dtype(), x.device()).op(op)?).op(op)?;
     off.where_cond(&zero, &ct).op(op)
+}
+
+/// `ct gelu'(x)` at the broadcast shape `shape`: one pass for CPU f32,
+/// candle's operations elsewhere (`Φ(x) + x φ(x)`).
+fn gelu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    let op = "gelu_grad";
+    let (x, ct) = (x.broadcast_as(shape).op(op)?, ct.broadcast_as(shape).op(op)?);
+    if let Some(t) = fastmath::gelu_grad_of(&x, &ct).op(op)? {
+        return Ok(t);
+    }
+    let slow = || -> candle_core::Result<Tensor> {
+        let cdf = ((x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()? + 1.0)? * 0.5)?;
+        let pdf = (x.sqr()?.affine(-0.5, 0.0)?.exp()? * (1.0 / (2.0 * std::f64::consts::PI).sqrt()))?;
+        (cdf + (x.mul(&pdf))?)?.mul(&ct)
+    };
+    slow().op(op)
 }
 
 /// `ct` unless `x` loses the comparison against `y` (then 0), `ct / 2`
