@@ -100,21 +100,27 @@ fn model(f: &Fixture, p: &BTreeMap<String, Tensor>) -> candle_func::nn::Sequenti
     m
 }
 
-fn run_per_sample(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
-    let x = &f.tensors["x"];
-    let y = &f.tensors["y"];
-    let p = params(f);
-    let net = model(f, &p);
-    // Each example's own loss, as PyTorch computed it on a batch of one.
+/// Each example's own loss (`loss(logits, y)` of the model's output for it,
+/// as PyTorch computed it on a batch of one) through `vmap(value_and_grad)`,
+/// its logits, loss and every parameter's per-sample gradient checked
+/// against the fixture's.
+fn per_sample_against<M: Module>(
+    f: &Fixture,
+    net: &M,
+    p: &BTreeMap<String, Tensor>,
+    loss: impl Fn(&Tracer, &Tracer) -> candle_func::Result<Tracer>,
+    (route, schedule): (ConvRoute, Schedule),
+) -> String {
+    let (x, y) = (&f.tensors["x"], &f.tensors["y"]);
     let loss_fn = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
-        let logits = functional_call(&net, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
-        Ok((cross_entropy(&logits, &y)?, logits))
+        let logits = functional_call(net, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
+        Ok((loss(&logits, &y)?, logits))
     };
     let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
         .in_dims([None, Some(0), Some(0)])
         .conv_route(route)
         .schedule(schedule)
-        .call((&p, x, y))
+        .call((p, x, y))
         .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
     let dl = check(&format!("{} {route:?} logits", f.name), &logits, &f.tensors["logits"]);
     let dx = check(&format!("{} {route:?} loss", f.name), &loss, &f.tensors["loss"]);
@@ -125,6 +131,12 @@ fn run_per_sample(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
         dg = dg.max(check(&format!("{} {route:?} grad.{name}", f.name), g, want));
     }
     format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}")
+}
+
+fn run_per_sample(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
+    let p = params(f);
+    let net = model(f, &p);
+    per_sample_against(f, &net, &p, cross_entropy, (route, schedule))
 }
 
 fn run_ensemble(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
@@ -311,7 +323,6 @@ fn lm_config(arch: &str) -> (usize, usize, usize, candle_func::nn::BlockConfig) 
 /// next-token cross-entropy, its logits `[T, V]` and its loss.
 fn run_lm(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
     use candle_func::nn::{cross_entropy_with, gpt, CrossEntropy};
-    let (x, y) = (&f.tensors["x"], &f.tensors["y"]);
     let p = params(f);
     let (vocab, seq, layers, block) = lm_config(&f.meta["arch"]);
     let vb =
@@ -323,28 +334,9 @@ fn run_lm(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
         "{}: names",
         f.name
     );
-    let loss_fn = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
-        let logits = functional_call(&net, &p, &x.unsqueeze(0)?)?.squeeze(0)?; // [T, V]
-        Ok((cross_entropy_with(&logits, &y, CrossEntropy::default())?, logits))
-    };
-    let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
-        .in_dims([None, Some(0), Some(0)])
-        .conv_route(route)
-        .schedule(schedule)
-        .call((&p, x, y))
-        .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
-    let dl = check(&format!("{} {route:?} logits", f.name), &logits, &f.tensors["logits"]);
-    let dx = check(&format!("{} {route:?} loss", f.name), &loss, &f.tensors["loss"]);
-    let mut dg: f64 = 0.0;
-    assert_eq!(grads.len(), p.len(), "{}: one gradient per parameter", f.name);
-    for (name, g) in &grads {
-        dg = dg.max(check(
-            &format!("{} {route:?} grad.{name}", f.name),
-            g,
-            &f.tensors[&format!("grad.{name}")],
-        ));
-    }
-    format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}")
+    // logits [T, V] against targets [T]: the mean over the positions
+    let loss = |logits: &Tracer, y: &Tracer| cross_entropy_with(logits, y, CrossEntropy::default());
+    per_sample_against(f, &net, &p, loss, (route, schedule))
 }
 
 /// The `layers/` cases (a GPT-style language model, GroupNorm and

@@ -176,6 +176,14 @@ impl<'a, S: ArgList, F: Function<S>, M: JacMode<F::Output>> Prepared<'a, S, F, M
         })
     }
 
+    /// The Jacobian from its blocks (for each output leaf, each selected
+    /// argument leaf's), with the aux.
+    fn finish<W: Argnums<S>>(self, blocks: Vec<Tracer>) -> Result<M::With<<M::Main as SymTree>::Nest<W::Grads>>> {
+        let def = self.out_def.graft(&W::def(&self.defs));
+        let j = <M::Main as SymTree>::Nest::<W::Grads>::unflatten_from(&def, &mut blocks.into_iter())?;
+        Ok(M::join(j, self.aux))
+    }
+
     /// The output leaves at other argument leaves.
     fn outs_at(&self, sel: Vec<Tracer>, rest: Vec<Tracer>) -> Result<Vec<Tracer>> {
         let out = self
@@ -395,9 +403,7 @@ where
                 at += numel(s);
             }
         }
-        let def = p.out_def.graft(&W::def(&p.defs));
-        let j = <M::Main as SymTree>::Nest::<W::Grads>::unflatten_from(&def, &mut jac.into_iter())?;
-        Ok(M::join(j, p.aux))
+        p.finish::<W>(jac)
     }
 }
 
@@ -488,9 +494,7 @@ where
             }
             at += numel(o);
         }
-        let def = p.out_def.graft(&W::def(&p.defs));
-        let j = <M::Main as SymTree>::Nest::<W::Grads>::unflatten_from(&def, &mut jac.into_iter())?;
-        Ok(M::join(j, p.aux))
+        p.finish::<W>(jac)
     }
 }
 
