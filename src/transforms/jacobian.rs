@@ -139,6 +139,11 @@ fn leaves_of<T: SymTree>(t: &T) -> (Vec<Tracer>, super::tree::TreeDef) {
     (l, def)
 }
 
+/// What a Jacobian transform of `F` (over `W`, in mode `M`) returns.
+type JacOf<S, F, W, M> = <M as JacMode<<F as Function<S>>::Output>>::With<
+    <<M as JacMode<<F as Function<S>>::Output>>::Main as SymTree>::Nest<<W as Argnums<S>>::Grads>,
+>;
+
 /// A Jacobian's function evaluated once at its arguments: the
 /// differentiated leaves and the rest, the outputs and their structure,
 /// and the aux; and the function again at other leaves.
@@ -178,7 +183,7 @@ impl<'a, S: ArgList, F: Function<S>, M: JacMode<F::Output>> Prepared<'a, S, F, M
 
     /// The Jacobian from its blocks (for each output leaf, each selected
     /// argument leaf's), with the aux.
-    fn finish<W: Argnums<S>>(self, blocks: Vec<Tracer>) -> Result<M::With<<M::Main as SymTree>::Nest<W::Grads>>> {
+    fn finish<W: Argnums<S>>(self, blocks: Vec<Tracer>) -> Result<JacOf<S, F, W, M>> {
         let def = self.out_def.graft(&W::def(&self.defs));
         let j = <M::Main as SymTree>::Nest::<W::Grads>::unflatten_from(&def, &mut blocks.into_iter())?;
         Ok(M::join(j, self.aux))
@@ -376,7 +381,7 @@ where
     W: Argnums<S>,
     M: JacMode<F::Output>,
 {
-    type Output = M::With<<M::Main as SymTree>::Nest<W::Grads>>;
+    type Output = JacOf<S, F, W, M>;
 
     fn apply(&self, args: S) -> Result<Self::Output> {
         let p = Prepared::<S, F, M>::new("jacfwd", &self.f, args, W::indices())?;
@@ -465,7 +470,7 @@ where
     W: Argnums<S>,
     M: JacMode<F::Output>,
 {
-    type Output = M::With<<M::Main as SymTree>::Nest<W::Grads>>;
+    type Output = JacOf<S, F, W, M>;
 
     fn apply(&self, args: S) -> Result<Self::Output> {
         let p = Prepared::<S, F, M>::new("jacrev", &self.f, args, W::indices())?;
