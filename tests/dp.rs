@@ -108,6 +108,42 @@ fn sgd_with_momentum_follows_pytorch() {
     assert!(opt.step(&bad).is_err());
 }
 
+/// Adam against PyTorch's update written out (bias-corrected moments,
+/// betas 0.9 and 0.999, eps 1e-8) over three steps of changing gradients,
+/// and a gradient of the wrong name or shape is an error.
+#[test]
+fn adam_follows_pytorch() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+    let w = vb.get_with_hints(2, "w", candle_nn::Init::Const(0.5)).unwrap();
+    let mut opt = dp::Adam::new(&vm, 0.01).unwrap();
+    let (mut m, mut v, mut want) = ([0f64; 2], [0f64; 2], [0.5f64; 2]);
+    for (t, g) in [[1.0f64, -2.0], [0.5, 3.0], [-1.0, 0.1]].iter().enumerate() {
+        let mut grads = BTreeMap::new();
+        grads.insert("w".to_string(), Tensor::new(g, &Device::Cpu).unwrap());
+        opt.step(&grads).unwrap();
+        let t = t as i32 + 1;
+        for i in 0..2 {
+            m[i] = 0.9 * m[i] + 0.1 * g[i];
+            v[i] = 0.999 * v[i] + 0.001 * g[i] * g[i];
+            let (mh, vh) = (m[i] / (1.0 - 0.9f64.powi(t)), v[i] / (1.0 - 0.999f64.powi(t)));
+            want[i] -= 0.01 * mh / (vh.sqrt() + 1e-8);
+        }
+        let got = w.to_vec1::<f64>().unwrap();
+        for (a, b) in got.iter().zip(want) {
+            assert!((a - b).abs() < 1e-12, "step {t}: {got:?} vs {want:?}");
+        }
+    }
+    opt.set_lr(0.0);
+    assert_eq!(opt.lr(), 0.0);
+    let mut bad = BTreeMap::new();
+    bad.insert("nope".to_string(), Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap());
+    assert!(opt.step(&bad).is_err());
+    bad.clear();
+    bad.insert("w".to_string(), Tensor::zeros(3, DType::F64, &Device::Cpu).unwrap());
+    assert!(opt.step(&bad).is_err());
+}
+
 #[test]
 fn a_short_dp_sgd_run_lowers_the_loss() {
     let dev = Device::Cpu;

@@ -270,6 +270,14 @@ fn gpt_per_sample_gradients_equal_a_loop() {
     // a sequence longer than the position table is an error naming the model
     let long = Tensor::zeros((1, 7), DType::U32, &Device::Cpu).unwrap();
     assert!(matches!(m.forward_eager(&long), Err(Error::Shape { op: "gpt", .. })));
+    // float ids, and ids beyond the vocabulary
+    let float_ids = Tensor::zeros((1, 3), DType::F32, &Device::Cpu).unwrap();
+    assert!(matches!(
+        m.forward_eager(&float_ids),
+        Err(Error::Shape { op: "gpt", .. })
+    ));
+    let far = Tensor::new(&[[3u32, 11, 0]], &Device::Cpu).unwrap();
+    assert!(m.forward_eager(&far).is_err(), "id 11 of a vocabulary of 11");
 }
 
 #[test]
