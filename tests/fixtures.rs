@@ -22,6 +22,15 @@ use std::path::{Path, PathBuf};
 
 const TOL: f64 = 1e-4;
 
+/// Every conv route batched, and the per-example schedule: how each
+/// per-sample and ensemble case runs.
+const RUNS: [(ConvRoute, Schedule); 4] = [
+    (ConvRoute::Grouped, Schedule::Batched),
+    (ConvRoute::Unfold, Schedule::Batched),
+    (ConvRoute::Loop, Schedule::Batched),
+    (ConvRoute::Unfold, Schedule::PerExample),
+];
+
 struct Fixture {
     name: String,
     meta: HashMap<String, String>,
@@ -347,13 +356,7 @@ fn layers_fixtures_match_pytorch() {
     let dir = fixture_dir().join("layers");
     for path in &cases(&dir) {
         let f = load(path);
-        let runs = [
-            (ConvRoute::Grouped, Schedule::Batched),
-            (ConvRoute::Unfold, Schedule::Batched),
-            (ConvRoute::Loop, Schedule::Batched),
-            (ConvRoute::Unfold, Schedule::PerExample),
-        ];
-        for (route, schedule) in runs {
+        for (route, schedule) in RUNS {
             let line = match (
                 f.meta.get("kind").map(String::as_str),
                 f.meta.get("loss").map(String::as_str),
@@ -374,14 +377,7 @@ fn fixtures_match_pytorch() {
     let mut lines = 0;
     for path in &paths {
         let f = load(path);
-        // every route batched, and the per-example schedule
-        let runs = [
-            (ConvRoute::Grouped, Schedule::Batched),
-            (ConvRoute::Unfold, Schedule::Batched),
-            (ConvRoute::Loop, Schedule::Batched),
-            (ConvRoute::Unfold, Schedule::PerExample),
-        ];
-        for (route, schedule) in runs {
+        for (route, schedule) in RUNS {
             let line = match f.meta.get("kind").map(String::as_str) {
                 Some("per_sample_grad") => run_per_sample(&f, route, schedule),
                 Some("ensemble") => run_ensemble(&f, route, schedule),

@@ -9,7 +9,7 @@
 //! is to convert each layer (or build this crate's from the same
 //! `VarBuilder`) and compose them as the candle model does.
 
-use super::layers::{full_name, param_map, Conv, ConvConfig, Linear};
+use super::layers::{add_channel_bias, collect, full_name, optional, Conv, ConvConfig, Linear};
 use super::norm::{BatchNorm, LayerNorm, RmsNorm};
 use super::transformer::{Embedding, Norm};
 use super::{EagerCache, Module, Params};
@@ -96,20 +96,10 @@ impl Module for ConvTranspose {
         let c = self.cfg;
         let geom = ConvGeom::uniform(self.nd, 0, c.padding, c.stride, c.dilation);
         let y = x.conv_transpose(&w, geom, self.output_padding, c.groups.max(1))?;
-        match &self.bias {
-            Some(b) => {
-                let b = p.get(&full_name(&self.prefix, "bias"), b, x)?;
-                let shape = [&[b.dims()[0]], &vec![1; self.nd][..]].concat();
-                y.add(&b.reshape(shape)?)
-            }
-            None => Ok(y),
-        }
+        add_channel_bias(y, optional(p, &self.prefix, "bias", self.bias.as_ref(), x)?, self.nd)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
-        param_map(
-            &self.prefix,
-            &[("weight", Some(&self.weight)), ("bias", self.bias.as_ref())],
-        )
+        collect(&self.prefix, &self.weight, &self.bias)
     }
     fn eager_cache(&self) -> Option<&EagerCache> {
         Some(&self.cache)

@@ -20,7 +20,7 @@ pub(super) fn full_name(prefix: &str, leaf: &str) -> String {
 }
 
 /// Adds `weight` (and `bias`) under the layer's prefix.
-fn collect(prefix: &str, weight: &Tensor, bias: &Option<Tensor>) -> BTreeMap<String, Tensor> {
+pub(super) fn collect(prefix: &str, weight: &Tensor, bias: &Option<Tensor>) -> BTreeMap<String, Tensor> {
     param_map(prefix, &[("weight", Some(weight)), ("bias", bias.as_ref())])
 }
 
@@ -30,6 +30,31 @@ pub(super) fn param_map(prefix: &str, named: &[(&str, Option<&Tensor>)]) -> BTre
         .iter()
         .filter_map(|(n, t)| t.map(|t| (full_name(prefix, n), t.clone())))
         .collect()
+}
+
+/// The layer's parameter `leaf` if it has one: its own tensor, or the
+/// replacement `p` gives by its full name.
+pub(super) fn optional(
+    p: &Params,
+    prefix: &str,
+    leaf: &str,
+    own: Option<&Tensor>,
+    like: &Tracer,
+) -> Result<Option<Tracer>> {
+    own.map(|t| p.get(&full_name(prefix, leaf), t, like)).transpose()
+}
+
+/// `y + bias` for a per-channel `bias` `[C]` of `y [N, C, *spatial]`
+/// (`nd` spatial axes): `C -> C 1..` so it broadcasts over them. `y` as it
+/// is without a bias.
+pub(super) fn add_channel_bias(y: Tracer, bias: Option<Tracer>, nd: usize) -> Result<Tracer> {
+    match bias {
+        Some(b) => {
+            let shape = [&[b.dims()[0]], &vec![1; nd][..]].concat();
+            y.add(&b.reshape(shape)?)
+        }
+        None => Ok(y),
+    }
 }
 
 /// candle_nn's bias initialisation: uniform in `±1/sqrt(fan_in)`.
@@ -203,15 +228,7 @@ impl Module for Conv {
         let c = self.cfg;
         let geom = ConvGeom::uniform(self.nd, 0, c.padding, c.stride, c.dilation);
         let y = x.conv(&w, geom, c.groups)?;
-        match &self.bias {
-            Some(b) => {
-                let b = p.get(&full_name(&self.prefix, "bias"), b, x)?;
-                // C -> C 1.. so it broadcasts over the spatial axes
-                let shape = [&[b.dims()[0]], &vec![1; self.nd][..]].concat();
-                y.add(&b.reshape(shape)?)
-            }
-            None => Ok(y),
-        }
+        add_channel_bias(y, optional(p, &self.prefix, "bias", self.bias.as_ref(), x)?, self.nd)
     }
 
     fn params(&self) -> BTreeMap<String, Tensor> {

@@ -3,7 +3,7 @@
 //! group norm and batch norm. Each normalises within one example, except
 //! batch norm in training mode, which refuses to run under `vmap`.
 
-use super::layers::{full_name, param_map};
+use super::layers::{collect, full_name, optional, param_map};
 use super::{EagerCache, Module, Params};
 use crate::error::{Error, Result};
 use crate::trace::Tracer;
@@ -109,17 +109,11 @@ impl Module for LayerNorm {
         check_last("layer_norm", x, self.weight.dims()[0])?;
         let last = x.rank() - 1;
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
-        let b = match &self.bias {
-            Some(b) => Some(p.get(&full_name(&self.prefix, "bias"), b, x)?),
-            None => None,
-        };
+        let b = optional(p, &self.prefix, "bias", self.bias.as_ref(), x)?;
         affine_along(&standardise(x, vec![last], self.eps)?, Some(w), b, last)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
-        param_map(
-            &self.prefix,
-            &[("weight", Some(&self.weight)), ("bias", self.bias.as_ref())],
-        )
+        collect(&self.prefix, &self.weight, &self.bias)
     }
     fn eager_cache(&self) -> Option<&EagerCache> {
         Some(&self.cache)
@@ -322,14 +316,8 @@ impl Module for BatchNorm {
                 format!("expected [N, {c}, ..]"),
             ));
         }
-        let w = match &self.weight {
-            Some(w) => Some(p.get(&full_name(&self.prefix, "weight"), w, x)?),
-            None => None,
-        };
-        let b = match &self.bias {
-            Some(b) => Some(p.get(&full_name(&self.prefix, "bias"), b, x)?),
-            None => None,
-        };
+        let w = optional(p, &self.prefix, "weight", self.weight.as_ref(), x)?;
+        let b = optional(p, &self.prefix, "bias", self.bias.as_ref(), x)?;
         if x.read_mode(&self.training) {
             if x.in_vmap() {
                 return Err(Error::unsupported(

@@ -89,7 +89,7 @@ impl Split {
             counts: leaves.iter().map(Vec::len).collect(),
             sel,
         };
-        for t in split.take(leaves.to_vec()).0 {
+        for t in split.sel.iter().flat_map(|&i| &leaves[i]) {
             if !t.dtype().is_float() {
                 return Err(Error::DType {
                     op,
@@ -253,11 +253,6 @@ fn basis(op: &'static str, leaves: &[Tracer]) -> Result<Vec<Tracer>> {
     Ok(blocks)
 }
 
-/// Block `j` of axis 0 of `t` (`[n, ...]`): rows `at .. at + len`.
-fn rows(t: &Tracer, at: usize, len: usize) -> Result<Tracer> {
-    t.narrow(0, at, len)
-}
-
 /// `[n, *out]` with the basis axis first, as `[*out, *in]` (`n` the
 /// input's size): moves axis 0 to the end and splits it.
 fn basis_last(t: Tracer, split: &[usize]) -> Result<Tracer> {
@@ -402,7 +397,7 @@ where
             for s in sel {
                 jac.push(match cols.get(k) {
                     // [n_j, *out_k] -> [*out_k, *in_j]
-                    Some(c) if numel(s) > 0 => basis_last(rows(c, at, numel(s))?, s.dims())?,
+                    Some(c) if numel(s) > 0 => basis_last(c.narrow(0, at, numel(s))?, s.dims())?,
                     _ => empty_block(o, s)?,
                 });
                 at += numel(s);
@@ -493,7 +488,7 @@ where
             for (j, s) in sel.iter().enumerate() {
                 jac.push(match rows_j.get(j) {
                     // [m_k, *in_j] -> [*out_k, *in_j]
-                    Some(r) if numel(o) > 0 => rows(r, at, numel(o))?.reshape([o.dims(), s.dims()].concat())?,
+                    Some(r) if numel(o) > 0 => r.narrow(0, at, numel(o))?.reshape([o.dims(), s.dims()].concat())?,
                     _ => empty_block(o, s)?,
                 });
             }
