@@ -1,4 +1,5 @@
-"""Paired rounds for the side-by-side scripts: each round runs a peer's
+"""Paired rounds for the side-by-side scripts (`side_by_side.py` and the
+others beside it): each round runs a peer's
 script and then the crate's `examples/bench.rs --json` on the same
 workloads, one after the other (never two at once on two cores), and takes
 the ratios within the round, so load during one round falls on both sides
@@ -10,10 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PY = os.environ.get("PY", "python3")
 
 
-def peer(script, *args):
+def results(out):
     """A peer script's `RESULT <name> median <ms> ms` lines, by name."""
-    out = subprocess.run([PY, os.path.join(ROOT, "benches", "peers", script), *args], capture_output=True, text=True, check=True).stdout
     return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"RESULT (.+?)\s+median\s+([0-9.]+) ms", out)}
+
+
+def peer(script, *args):
+    """The results of `benches/peers/SCRIPT ARGS`."""
+    out = subprocess.run([PY, os.path.join(ROOT, "benches", "peers", script), *args], capture_output=True, text=True, check=True).stdout
+    return results(out)
 
 
 def ours(only, reps):
@@ -24,21 +30,32 @@ def ours(only, reps):
     return {r["variant"]: (r["median_ms"], r["peak_mib"]) for r in rows}
 
 
-def rounds(n, run_peer, run_ours, ratios):
+def ms(o):
+    """`ours()`'s rows as variant -> milliseconds."""
+    return {k: v[0] for k, v in o.items()}
+
+
+def print_last(t, o):
+    """The peer's and our (`ours()`) milliseconds of one round."""
+    for k, v in t.items():
+        print(f"peer  {k}: {v:.3f}")
+    for k, (v, peak) in o.items():
+        print(f"ours  {k}: {v:.3f}" + (f"  (peak {peak:.1f} MiB)" if peak is not None else ""))
+
+
+def rounds(n, run_peer, run_ours, ratios, show=print_last, heading="ratio"):
+    """`n` paired rounds: `ratios(peer, ours)` of each round's results,
+    their median, min and max as a table, then `show` of the last round."""
     table, last = {}, None
     for r in range(n):
         t, o = run_peer(), run_ours()
-        for k, v in ratios(t, {k: v[0] for k, v in o.items()}).items():
+        for k, v in ratios(t, o).items():
             table.setdefault(k, []).append(v)
         last = (t, o)
         print(f"round {r + 1}/{n} done", file=sys.stderr, flush=True)
-    print(f"| ratio | median of {n} rounds | min | max |")
+    print(f"| {heading} | median of {n} rounds | min | max |")
     print("| --- | --- | --- | --- |")
     for k, v in table.items():
         print(f"| {k} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
-    t, o = last
     print("\nlast round, milliseconds:\n")
-    for k, v in t.items():
-        print(f"peer  {k}: {v:.3f}")
-    for k, (ms, peak) in o.items():
-        print(f"ours  {k}: {ms:.3f}" + (f"  (peak {peak:.1f} MiB)" if peak is not None else ""))
+    show(*last)

@@ -15,7 +15,8 @@ from the repository root; ROUNDS default 3, REPS (timed repetitions per
 run) default 5, FEATURES passed to cargo (for instance `mimalloc`).
 Ratios below 1 favour this crate.
 """
-import json, os, re, statistics, subprocess, sys
+import json, os, subprocess, sys
+from paired import results, rounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEERS = os.environ.get("PEERS", os.path.join(ROOT, "..", "shared", "peers"))
@@ -29,10 +30,6 @@ PER_SAMPLE = {"CNN-T B=64": "PyTorch-tutorial CNN, B=64", "CNN-O B=64": "Opacus 
               "CNN-O B=256": "Opacus MNIST CNN, B=256", "C3D B=16": "conv3d net, B=16"}
 # torch's ensemble tag -> the words our ensemble workload's name contains
 ENSEMBLES = {"CNN-T": "tutorial CNNs", "CNN-O": "Opacus MNIST CNNs", "MLP": "MLPs"}
-
-
-def results(out):
-    return {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"RESULT (.+?)\s+median\s+([0-9.]+) ms", out)}
 
 
 def torch_run():
@@ -87,21 +84,12 @@ def ratios(t, o):
     return rows
 
 
-table, last = {}, None
-for r in range(ROUNDS):
-    t, o = torch_run(), ours_run()
-    for k, v in ratios(t, o).items():
-        table.setdefault(k, []).append(v)
-    last = (t, o)
-    print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
-print(f"| ratio (below 1 favours candle-func) | median of {ROUNDS} rounds | min | max |")
-print("| --- | --- | --- | --- |")
-for k, v in table.items():
-    print(f"| {k} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
-t, o = last
-print("\nlast round, milliseconds:\n")
-for k, v in t.items():
-    print(f"torch  {k}: {v:.3f}")
-for wl, variants in o.items():
-    for k, v in variants.items():
-        print(f"ours   {wl} | {k}: {v:.3f}")
+def show(t, o):
+    for k, v in t.items():
+        print(f"torch  {k}: {v:.3f}")
+    for wl, variants in o.items():
+        for k, v in variants.items():
+            print(f"ours   {wl} | {k}: {v:.3f}")
+
+
+rounds(ROUNDS, torch_run, ours_run, ratios, show, heading="ratio (below 1 favours candle-func)")

@@ -9,13 +9,14 @@ from the repository root; ROUNDS default 5, REPS default 5. Ratios of ours
 to torch.func below 1 favour this crate.
 """
 import sys
-from paired import ours, peer, rounds
+from paired import ms, ours, peer, rounds
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 REPS = sys.argv[2] if len(sys.argv) > 2 else "5"
 
 
 def ratios(t, o):
+    o = ms(o)
     return {
         "NTK, Jacobian contraction: ours / torch.func": o["Jacobian contraction"] / t["NTK jacobian contraction"],
         "NTK, NTK-vector products: ours / torch.func": o["NTK-vector products"] / t["NTK ntk-vector products"],

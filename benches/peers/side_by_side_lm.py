@@ -9,13 +9,14 @@ from the repository root; ROUNDS default 5, REPS default 7. Below 1
 favours this crate.
 """
 import sys
-from paired import ours, peer, rounds
+from paired import ms, ours, peer, rounds
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 REPS = sys.argv[2] if len(sys.argv) > 2 else "7"
 
 
 def ratios(t, o):
+    o = ms(o)
     return {
         "tiny_lm vmap(grad): ours / torch.func": o["vmap(grad)"] / t["LM B=32 (ii) torch.func vmap(grad)"],
         "tiny_lm vmap(grad): ours / Opacus": o["vmap(grad)"] / t["LM B=32 (iii) Opacus GradSampleModule hooks"],
