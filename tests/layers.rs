@@ -502,3 +502,54 @@ fn candle_nn_layers_convert_sharing_their_tensors() {
         .unwrap();
     eq(twin.forward_eager(&x6).unwrap(), b, "shared weight");
 }
+
+/// Bad input to the sequence layers is an error naming the layer.
+#[test]
+fn bad_input_to_the_layers_is_an_error() {
+    let vm = VarMap::new();
+    let attn = nn::multi_head_attention(8, 2, true, vb(&vm).pp("a")).unwrap();
+    let r = attn.forward_eager(&rand(&[5, 8], 80));
+    assert!(
+        matches!(r, Err(Error::Shape { op: "attention", .. })),
+        "{:?}",
+        r.map(|_| ())
+    );
+    let rms = nn::rms_norm(6, 1e-5, vb(&vm).pp("r")).unwrap();
+    assert!(matches!(
+        rms.forward_eager(&rand(&[2, 5], 81)),
+        Err(Error::Shape { op: "rms_norm", .. })
+    ));
+    let bn = nn::batch_norm(3, 1e-5, vb(&vm).pp("b")).unwrap();
+    assert!(matches!(
+        bn.forward_eager(&rand(&[2, 4, 5, 5], 82)),
+        Err(Error::Shape { op: "batch_norm", .. })
+    ));
+    let gn = nn::group_norm(2, 4, 1e-5, vb(&vm).pp("g")).unwrap();
+    assert!(matches!(
+        gn.forward_eager(&rand(&[2, 3, 5, 5], 83)),
+        Err(Error::Shape { op: "group_norm", .. })
+    ));
+    let cfg = nn::ConvConfig {
+        groups: 2,
+        ..Default::default()
+    };
+    assert!(matches!(
+        nn::conv_transpose2d(3, 4, 3, cfg, 0, vb(&vm).pp("t")),
+        Err(Error::Config { .. })
+    ));
+    let emb = nn::embedding(5, 4, vb(&vm).pp("e")).unwrap();
+    assert!(emb.forward_eager(&rand(&[2, 3], 84)).is_err(), "float ids");
+    assert!(
+        emb.forward_eager(&Tensor::new(&[[1u32, 5]], &Device::Cpu).unwrap())
+            .is_err(),
+        "id 5 of 5"
+    );
+    let ints = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+    for f in [
+        |x: Tracer| x.var_keepdim(0),
+        |x: Tracer| x.leaky_relu(0.1),
+        |x: Tracer| x.elu(1.0),
+    ] {
+        assert!(matches!(jit(f).call(&ints), Err(Error::DType { .. })));
+    }
+}
