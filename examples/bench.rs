@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
 use candle_func::{grad, hvp_fn, jacfwd, jacrev, jit, make_graph, vmap, ConvRoute, Operand, Schedule, Tracer};
 use common::median_ms;
-use common::models::{build, c3d, cnn_o, cnn_t, mlp};
+use common::models::{build, c3d, cnn_o, cnn_t, mlp, tiny_lm};
 use std::collections::BTreeMap;
 
 type Params = BTreeMap<String, Tensor>;
@@ -537,27 +537,10 @@ fn higher_order(o: &Opts) -> Res<()> {
 /// Per-sample gradients of `tiny_lm` (a GPT of `nn::gpt`) at the size of
 /// `benches/peers/bench_lm.py`: V=64, D=64, H=4, L=2, F=256, T=64, B=32.
 fn lm(o: &Opts) -> Res<()> {
-    use candle_func::nn::{BlockConfig, CrossEntropy, NormKind};
-    let dev = Device::Cpu;
-    let (v, t, b) = (64, 64, 32);
-    let block = BlockConfig {
-        dim: 64,
-        heads: 4,
-        ff: 256,
-        causal: true,
-        norm: NormKind::LayerNorm,
-        act: nn::Activation::Gelu,
-    };
-    let (_vm, m) = build(|vb| nn::gpt(v, t, 2, block, vb))?;
+    use candle_func::nn::CrossEntropy;
+    let b = 32;
+    let (_vm, m, xs, ys) = tiny_lm(b)?;
     let p = m.params();
-    let ids = |k: u32| {
-        Tensor::from_vec(
-            (0..(b * t) as u32).map(|i| (i * k + 3) % v as u32).collect(),
-            (b, t),
-            &dev,
-        )
-    };
-    let (xs, ys) = (ids(7)?, ids(13)?);
     let ce = CrossEntropy::default();
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         nn::cross_entropy_with(&functional_call(&m, &p, &x.unsqueeze(0)?)?.squeeze(0)?, &y, ce)

@@ -1,13 +1,14 @@
 //! Where a graph spends its time: runs a workload's graph with per-node
 //! timings and prints the slowest nodes and the time per primitive.
 //!
-//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|forward [--batch B] [--route R]
+//!     cargo run --release --example profile_graph -- tutorial|opacus|c3d|lm|forward [--batch B] [--route R]
 //!     cargo run --release --example profile_graph -- ensemble [--model tutorial|opacus|mlp] [--own] [--route R]
 //!         [--schedule batched|per-example|convs]
 //!
 //! For `tutorial`, `opacus` and `c3d` it profiles both the ordinary batched
 //! gradient step and `vmap(grad)` (per-sample gradients) of the model;
-//! `forward` profiles the tutorial CNN's forward alone, `ensemble` the
+//! `lm` profiles the same two for `tiny_lm` (the bench's `LM` row, B=32 by
+//! default); `forward` profiles the tutorial CNN's forward alone, `ensemble` the
 //! batched forward of 10 stacked models, on one shared batch or (`--own`)
 //! a batch per model.
 
@@ -16,7 +17,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
 use candle_func::{grad, make_graph, set_conv_route, vmap, ConvRoute, Graph, Schedule, Tracer};
-use common::models::{build, c3d, cnn_o, cnn_t, mlp};
+use common::models::{build, c3d, cnn_o, cnn_t, mlp, tiny_lm};
 use std::collections::BTreeMap;
 
 fn report(title: &str, g: &Graph, inputs: &[Tensor]) -> candle_func::Result<()> {
@@ -98,6 +99,27 @@ fn per_sample(model: &Sequential, b: usize, input: &[usize]) -> Result<(), Box<d
     Ok(())
 }
 
+fn lm(b: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let (_vm, m, xs, ys) = tiny_lm(b)?;
+    let p = m.params();
+    let ce = nn::CrossEntropy::default();
+    let all = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy_with(&functional_call(&m, &p, &x)?, &y, ce)
+    };
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| all(p, x.unsqueeze(0)?, y.unsqueeze(0)?);
+    let mut inputs: Vec<Tensor> = p.values().cloned().collect();
+    inputs.extend([xs.clone(), ys.clone()]);
+    let step = make_graph(&grad(all), (&p, &xs, &ys))?;
+    report(&format!("tiny_lm batched gradient step, B={b}"), &step, &inputs)?;
+    let f = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
+    let g = make_graph(&f, (&p, &xs, &ys))?;
+    if std::env::var("PRINT_GRAPH").is_ok() {
+        println!("{g}");
+    }
+    report(&format!("tiny_lm vmap(grad), B={b}"), &g, &inputs)?;
+    Ok(())
+}
+
 fn forward(b: usize) -> Result<(), Box<dyn std::error::Error>> {
     let (_vm, model) = build(cnn_t)?;
     let x = Tensor::randn(0f32, 1., (b, 1, 28, 28), &Device::Cpu)?;
@@ -154,6 +176,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::env::args().any(|a| a == "--own"),
         ),
         "forward" => forward(b),
+        "lm" => lm(common::arg("--batch", 32)),
         "opacus" => per_sample(&build(cnn_o)?.1, b, &[1, 28, 28]),
         "c3d" => per_sample(&build(c3d)?.1, b, &[1, 16, 16, 16]),
         _ => per_sample(&build(cnn_t)?.1, b, &[1, 28, 28]),

@@ -2,7 +2,7 @@
 // Each example uses a few of them.
 #![allow(dead_code)]
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, Activation, ConvConfig, MaxPool2d, Sequential};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -66,6 +66,30 @@ pub fn mlp(vb: VarBuilder) -> candle_func::Result<Sequential> {
         .add(nn::linear(128, 128, vb.pp("fc2"))?)
         .add(Activation::Relu)
         .add(nn::linear(128, 10, vb.pp("fc3"))?))
+}
+
+/// `tiny_lm` at the size of `benches/peers/bench_lm.py` (V=64, D=64, H=4,
+/// L=2, F=256, T=64), a GPT of `nn::gpt` with LayerNorm and GELU, and a
+/// batch of `b` token sequences with their targets (`[b, 64]` each).
+pub fn tiny_lm(b: usize) -> candle_func::Result<(VarMap, nn::Gpt, Tensor, Tensor)> {
+    let (v, t) = (64, 64);
+    let block = nn::BlockConfig {
+        dim: 64,
+        heads: 4,
+        ff: 256,
+        causal: true,
+        norm: nn::NormKind::LayerNorm,
+        act: Activation::Gelu,
+    };
+    let (vm, m) = build(|vb| nn::gpt(v, t, 2, block, vb))?;
+    let ids = |k: u32| {
+        Tensor::from_vec(
+            (0..(b * t) as u32).map(|i| (i * k + 3) % v as u32).collect(),
+            (b, t),
+            &Device::Cpu,
+        )
+    };
+    Ok((vm, m, ids(7)?, ids(13)?))
 }
 
 /// A model with fresh weights in its own `VarMap`.

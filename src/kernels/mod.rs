@@ -32,6 +32,7 @@ pub mod pool;
 pub(crate) mod rng;
 pub mod rows;
 pub mod shift;
+pub mod softmax;
 pub mod transpose;
 pub mod unfold;
 

@@ -4,6 +4,7 @@ use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Ta
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Reduce, Unary};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::softmax;
 use candle_core::{DType, Tensor};
 
 impl Reduce {
@@ -239,9 +240,10 @@ impl Rule for Reduce {
             }
             // nothing to normalise (candle's softmax kernels panic on it)
             Reduce::Softmax(_) | Reduce::LogSoftmax(_) if x.elem_count() == 0 => Ok(x.clone()),
-            Reduce::Softmax(a) if *a + 1 == x.rank() => {
-                candle_nn::ops::softmax_last_dim(&x.contiguous().op(&op)?).op(&op)
-            }
+            Reduce::Softmax(a) if *a + 1 == x.rank() => match softmax::softmax_last_dim(x).op(&op)? {
+                Some(y) => Ok(y),
+                None => candle_nn::ops::softmax_last_dim(&x.contiguous().op(&op)?).op(&op),
+            },
             Reduce::Softmax(a) => candle_nn::ops::softmax(x, *a).op(&op),
             Reduce::LogSoftmax(a) => candle_nn::ops::log_softmax(x, *a).op(&op),
             Reduce::Arg { axis, min, .. } => arg_extreme(x, *axis, *min)?.reshape(out.shape.as_slice()).op(&op),
