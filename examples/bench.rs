@@ -7,7 +7,7 @@
 //!     cargo run --release --example bench                 # everything
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
-//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, NTK, LM, SWEEP
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, NTK, LM, DP, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 
 mod common;
@@ -593,6 +593,92 @@ fn lm(o: &Opts) -> Res<()> {
     Ok(())
 }
 
+/// The clipping step of DP-SGD (`dp::clipped_grad_sum`: per-example
+/// norms and the clipped sum) with ghost rules and with every per-sample
+/// gradient materialised, beside the ordinary batched gradient step of the
+/// same model and batch: the tutorial CNN at B=64, the Opacus CNN at B=256
+/// and `tiny_lm` at B=32.
+fn dp_steps(o: &Opts) -> Res<()> {
+    let dev = Device::Cpu;
+    let labels = |b: usize| Tensor::from_vec((0..b as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<u32>>(), b, &dev);
+    let (_t, cnn_tut) = build(cnn_t)?;
+    let (_o, cnn_op) = build(cnn_o)?;
+    let conv = |m: &Sequential, b: usize| -> Res<(Params, Tensor, Tensor)> {
+        Ok((m.params(), Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?, labels(b)?))
+    };
+    let ce = |logits: &Tracer, y: &Tracer| nn::cross_entropy(logits, y, Reduction::Mean);
+    dp_step(o, "PyTorch-tutorial CNN, B=64", &cnn_tut, conv(&cnn_tut, 64)?, ce)?;
+    dp_step(o, "Opacus MNIST CNN, B=256", &cnn_op, conv(&cnn_op, 256)?, ce)?;
+    let (_l, lm, xs, ys) = tiny_lm(32)?;
+    let seq = |logits: &Tracer, y: &Tracer| nn::cross_entropy_with(logits, y, nn::CrossEntropy::default());
+    dp_step(
+        o,
+        "tiny_lm (V=64, D=64, H=4, L=2, T=64), B=32",
+        &lm,
+        (lm.params(), xs, ys),
+        seq,
+    )?;
+    Ok(())
+}
+
+/// One `dp_steps` model: `loss(logits, y)` of a batch for the ordinary
+/// step, of a batch of one for the per-example losses.
+fn dp_step<M: Module>(
+    o: &Opts,
+    tag: &str,
+    m: &M,
+    (p, xs, ys): (Params, Tensor, Tensor),
+    loss: impl Fn(&Tracer, &Tracer) -> candle_func::Result<Tracer> + Copy,
+) -> Res<()> {
+    use candle_func::dp::clipped_grad_sum;
+    let step = grad(|p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| loss(&functional_call(m, &p, &x)?, &y));
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        loss(&functional_call(m, &p, &x.unsqueeze(0)?)?, &y.unsqueeze(0)?)
+    };
+    let (ghost, full) = (clipped_grad_sum(one, 1.0), clipped_grad_sum(one, 1.0).ghost(false));
+    let mut jobs: Vec<Job> = vec![
+        Box::new(|| Ok(step.call((&p, &xs, &ys)).map(|_| ())?)),
+        Box::new(|| Ok(ghost.call((&p, &xs, &ys)).map(|_| ())?)),
+        Box::new(|| Ok(full.call((&p, &xs, &ys)).map(|_| ())?)),
+    ];
+    let ms = interleaved(o.reps, &mut jobs)?;
+    drop(jobs);
+    let inputs = flat_inputs(&p, &[&xs, &ys]);
+    let peaks = [
+        peak_mib(&make_graph(&step, (&p, &xs, &ys))?, &inputs)?,
+        peak_mib(&make_graph(&ghost, (&p, &xs, &ys))?, &inputs)?,
+        peak_mib(&make_graph(&full, (&p, &xs, &ys))?, &inputs)?,
+    ];
+    let names = [
+        "batched gradient step",
+        "clipped sum, ghost",
+        "clipped sum, materialised",
+    ];
+    let rows: Vec<Row> = names
+        .iter()
+        .zip(ms.iter().zip(peaks))
+        .map(|(n, (&ms, peak))| Row {
+            variant: n.to_string(),
+            ms,
+            peak_mib: Some(peak),
+        })
+        .collect();
+    let notes = vec![
+        format!(
+            "ghost / batched step: {:.2} time, {:.2} peak memory",
+            ms[1] / ms[0],
+            peaks[1] / peaks[0]
+        ),
+        format!(
+            "materialised / batched step: {:.2} time, {:.2} peak memory",
+            ms[2] / ms[0],
+            peaks[2] / peaks[0]
+        ),
+    ];
+    report(o, &format!("{tag}: DP clipping step"), &rows, &notes);
+    Ok(())
+}
+
 /// The torch.func NTK tutorial's two methods (`examples/common/ntk.rs`) on
 /// the shapes of `benches/peers/bench_higher_order.py`.
 fn ntk(o: &Opts) -> Res<()> {
@@ -702,6 +788,9 @@ fn main() -> Res<()> {
     }
     if want("LM") {
         lm(&o)?;
+    }
+    if want("DP") {
+        dp_steps(&o)?;
     }
     if want("SWEEP") {
         sweep(&o)?;

@@ -5,8 +5,9 @@
 //!     cargo run --release --example profile_graph -- ensemble [--model tutorial|opacus|mlp] [--own] [--route R]
 //!         [--schedule batched|per-example|convs]
 //!
-//! For `tutorial`, `opacus` and `c3d` it profiles both the ordinary batched
-//! gradient step and `vmap(grad)` (per-sample gradients) of the model;
+//! For `tutorial`, `opacus` and `c3d` it profiles the ordinary batched
+//! gradient step, `vmap(grad)` (per-sample gradients) and the DP clipping
+//! step (`dp::clipped_grad_sum`) of the model;
 //! `lm` profiles the same two for `tiny_lm` (the bench's `LM` row, B=32 by
 //! default); `forward` profiles the tutorial CNN's forward alone, `ensemble` the
 //! batched forward of 10 stacked models, on one shared batch or (`--own`)
@@ -96,6 +97,9 @@ fn per_sample(model: &Sequential, b: usize, input: &[usize]) -> Result<(), Box<d
         println!("{g}");
     }
     report(&format!("vmap(grad), B={b}"), &g, &inputs)?;
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| loss(p, x.unsqueeze(0)?, y.unsqueeze(0)?);
+    let dp = make_graph(&candle_func::dp::clipped_grad_sum(one, 1.0), (&p, &xs, &ys))?;
+    report(&format!("DP clipping step, B={b}"), &dp, &inputs)?;
     Ok(())
 }
 
@@ -117,6 +121,8 @@ fn lm(b: usize) -> Result<(), Box<dyn std::error::Error>> {
         println!("{g}");
     }
     report(&format!("tiny_lm vmap(grad), B={b}"), &g, &inputs)?;
+    let dp = make_graph(&candle_func::dp::clipped_grad_sum(one, 1.0), (&p, &xs, &ys))?;
+    report(&format!("tiny_lm DP clipping step, B={b}"), &dp, &inputs)?;
     Ok(())
 }
 

@@ -6,6 +6,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Graph, Map, Prim, TensorType};
 use crate::rules::{rule, RunCx};
 use candle_core::{Device, Tensor};
+use std::collections::HashMap;
 
 /// What a run held at its peak: the number of values alive at once and
 /// their bytes (inputs and captured constants included).
@@ -13,8 +14,9 @@ use candle_core::{Device, Tensor};
 pub struct RunStats {
     /// Most values held at the same time.
     pub peak_values: usize,
-    /// Most bytes held at the same time (by size and dtype; views of one
-    /// buffer count once each, so this is an upper bound).
+    /// Most bytes held at the same time: the buffers behind the live
+    /// values, each counted once however many views of it are live (as
+    /// far as the furthest view reaches into it).
     pub peak_bytes: usize,
     /// Bytes copied to lay out the operands of matrix products and
     /// convolutions (a transposed operand made row-major, a strided one
@@ -149,7 +151,7 @@ fn run_inner(
     let device = run_device(g, inputs);
     let last = g.last_uses();
     let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
-    let (mut live, mut live_bytes, mut stats) = (0usize, 0usize, RunStats::default());
+    let (mut live, mut held, mut stats) = (0usize, Held::default(), RunStats::default());
     let copied_before = crate::kernels::copies::copied();
     for (v, node) in g.nodes.iter().enumerate() {
         let t = match &node.prim {
@@ -195,11 +197,11 @@ fn run_inner(
                 t
             }
         };
+        held.take(&t);
         vals[v] = Some(t);
         live += 1;
-        live_bytes += bytes(&node.ty);
         stats.peak_values = stats.peak_values.max(live);
-        stats.peak_bytes = stats.peak_bytes.max(live_bytes);
+        stats.peak_bytes = stats.peak_bytes.max(held.bytes);
         let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
         if last[v] == 0 {
             dead.push(v); // never read (an unused input)
@@ -207,9 +209,9 @@ fn run_inner(
         dead.sort_unstable();
         dead.dedup();
         for a in dead {
-            if vals[a].take().is_some() {
+            if let Some(t) = vals[a].take() {
                 live -= 1;
-                live_bytes -= bytes(&g.nodes[a].ty);
+                held.release(&t);
             }
         }
     }
@@ -221,6 +223,56 @@ fn run_inner(
         .ok_or_else(|| Error::internal("run", "an output was not computed"))?;
     stats.copied_bytes = crate::kernels::copies::copied() - copied_before;
     Ok((outs, stats))
+}
+
+/// The buffers behind the live values: for each, how many live values
+/// view it and the bytes the furthest of them reaches.
+#[derive(Default)]
+struct Held {
+    by_buffer: HashMap<usize, (usize, usize)>,
+    bytes: usize,
+}
+
+impl Held {
+    /// `t`'s buffer (its storage's address) and the bytes of it `t` spans.
+    fn buffer(t: &Tensor) -> (usize, usize) {
+        let (s, l) = t.storage_and_layout();
+        let id = &*s as *const _ as *const () as usize;
+        let extent = match l.dims().contains(&0) {
+            true => 0,
+            false => {
+                l.start_offset()
+                    + l.dims()
+                        .iter()
+                        .zip(l.stride())
+                        .map(|(&d, &s)| (d - 1) * s)
+                        .sum::<usize>()
+                    + 1
+            }
+        };
+        (id, extent.saturating_mul(t.dtype().size_in_bytes()))
+    }
+
+    fn take(&mut self, t: &Tensor) {
+        let (id, b) = Self::buffer(t);
+        let e = self.by_buffer.entry(id).or_insert((0, 0));
+        e.0 += 1;
+        if b > e.1 {
+            self.bytes += b - e.1;
+            e.1 = b;
+        }
+    }
+
+    fn release(&mut self, t: &Tensor) {
+        let (id, _) = Self::buffer(t);
+        if let Some(e) = self.by_buffer.get_mut(&id) {
+            e.0 -= 1;
+            if e.0 == 0 {
+                self.bytes -= e.1;
+                self.by_buffer.remove(&id);
+            }
+        }
+    }
 }
 
 fn constant(g: &Graph, k: usize, device: &Device) -> Result<Tensor> {

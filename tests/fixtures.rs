@@ -125,21 +125,93 @@ fn per_sample_against<M: Module>(
         let logits = functional_call(net, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
         Ok((loss(&logits, &y)?, logits))
     };
-    let ((loss, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
+    let ((losses, logits), grads) = vmap(value_and_grad(loss_fn).has_aux())
         .in_dims([None, Some(0), Some(0)])
         .conv_route(route)
         .schedule(schedule)
         .call((p, x, y))
         .unwrap_or_else(|e| panic!("{} {route:?}: {e}", f.name));
     let dl = check(&format!("{} {route:?} logits", f.name), &logits, &f.tensors["logits"]);
-    let dx = check(&format!("{} {route:?} loss", f.name), &loss, &f.tensors["loss"]);
+    let dx = check(&format!("{} {route:?} loss", f.name), &losses, &f.tensors["loss"]);
     let mut dg: f64 = 0.0;
     assert_eq!(grads.len(), p.len(), "{}: one gradient per parameter", f.name);
     for (name, g) in &grads {
         let want = &f.tensors[&format!("grad.{name}")];
         dg = dg.max(check(&format!("{} {route:?} grad.{name}", f.name), g, want));
     }
-    format!("logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}")
+    let dc = clipped_against(
+        f,
+        p,
+        |p, x, y| loss(&functional_call(net, &p, &x.unsqueeze(0)?)?.squeeze(0)?, &y),
+        route,
+    );
+    format!(
+        "logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}, clipped sum {dc:.2e}"
+    )
+}
+
+/// `dp::clipped_grad_sum` with ghost rules against the same step with
+/// every per-sample gradient materialised (to 1e-5 relative) and against
+/// the clipped sum of PyTorch's per-sample gradients (to `TOL`), at a
+/// bound that clips about half the examples; the worst relative
+/// difference to the materialised step.
+fn clipped_against(
+    f: &Fixture,
+    p: &BTreeMap<String, Tensor>,
+    loss: impl Fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> candle_func::Result<Tracer>,
+    route: ConvRoute,
+) -> f64 {
+    use candle_func::dp;
+    let (x, y) = (&f.tensors["x"], &f.tensors["y"]);
+    let want: BTreeMap<String, Tensor> = p
+        .keys()
+        .map(|k| (k.clone(), f.tensors[&format!("grad.{k}")].clone()))
+        .collect();
+    let norms = dp::per_sample_norms(&want).unwrap();
+    let mut sorted = norms.to_vec1::<f32>().unwrap();
+    sorted.sort_by(f32::total_cmp);
+    let c = sorted[sorted.len() / 2] as f64;
+    let step = |ghost: bool| {
+        dp::clipped_grad_sum(&loss, c)
+            .ghost(ghost)
+            .conv_route(route)
+            .call((p, x, y))
+            .unwrap_or_else(|e| panic!("{} {route:?} clipped_grad_sum: {e}", f.name))
+    };
+    let (ghost, ghost_norms, _) = step(true);
+    let (full, full_norms, _) = step(false);
+    let torch = dp::clip_per_sample(&want, c).unwrap();
+    check(&format!("{} {route:?} norms", f.name), &ghost_norms, &norms);
+    let mut worst = relative(&ghost_norms, &full_norms);
+    for (k, g) in &ghost {
+        let r = relative(g, &full[k]);
+        assert!(
+            r <= 1e-5,
+            "{} {route:?} {k}: ghost and materialised clipped sums differ by {r:e} relative",
+            f.name
+        );
+        check(
+            &format!("{} {route:?} clipped {k}", f.name),
+            g,
+            &torch[k].sum(0).unwrap(),
+        );
+        worst = worst.max(r);
+    }
+    worst
+}
+
+/// `max |a - b| / max |b|`.
+fn relative(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
+    max_diff(a, b) / scale.max(f64::MIN_POSITIVE)
 }
 
 fn run_per_sample(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {

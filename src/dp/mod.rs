@@ -1,5 +1,7 @@
-//! Differentially private training helpers: per-sample gradient norms and
-//! clipping, Gaussian noise from a seeded generator, Poisson sampling of
+//! Differentially private training helpers: the clipping step as one
+//! transform ([`clipped_grad_sum`], with ghost norms where they pay),
+//! per-sample gradient norms and clipping of materialised gradients,
+//! Gaussian noise from a seeded generator, Poisson sampling of
 //! batches, an SGD optimiser with momentum, and a Rényi-DP accountant
 //! (Opacus's `RDPAccountant`).
 //!
@@ -26,6 +28,8 @@
 //! ```
 
 pub mod accountant;
+mod clip;
+pub use clip::{clipped_grad_sum, ClippedGradSum};
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
 /// permutations).
 pub mod rng {

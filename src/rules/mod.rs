@@ -17,6 +17,7 @@ pub(crate) mod conv;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
 pub(crate) mod fused;
+pub(crate) mod ghost;
 pub(crate) mod index;
 pub(crate) mod map;
 pub(crate) mod matmul;

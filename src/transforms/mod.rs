@@ -62,6 +62,21 @@ macro_rules! closure_functions {
     };
 }
 
+/// A function borrowed: what a transform builds around a function it
+/// holds, when it builds anew at each trace.
+pub(crate) struct ByRef<'a, F>(pub(crate) &'a F);
+
+impl<S: ArgList, F: Function<S>> Function<S> for ByRef<'_, F> {
+    type Output = F::Output;
+    fn apply(&self, args: S) -> Result<F::Output> {
+        self.0.apply(args)
+    }
+
+    fn own_options(&self) -> Options {
+        self.0.own_options()
+    }
+}
+
 closure_functions!(A);
 closure_functions!(A, B);
 closure_functions!(A, B, C);

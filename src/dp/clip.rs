@@ -1,0 +1,236 @@
+//! The clipping step of DP-SGD as one transform over a per-example loss:
+//! each example's gradient norm, then the clipped sum `Σ_b min(1, C /
+//! (||g_b|| + 1e-6)) g_b`, with per-sample gradients materialised only
+//! where that is cheaper than the ghost form (`rules::ghost`).
+//!
+//! The clipped sum reuses the first pass ("book-keeping", Bu et al. 2022):
+//! backpropagation is linear in each example's output cotangent, so the
+//! reweighted backward's weight gradient is the first backward's output
+//! gradients scaled by the clip factors, contracted with the same
+//! activations: one product per layer, as in an ordinary training step.
+
+use crate::error::{Error, Result};
+use crate::ir::options::{ConvRoute, Options, Schedule};
+use crate::rules::ghost::{self, Plan, Viewed};
+use crate::trace::Tracer;
+use crate::transforms::dims::Dims;
+use crate::transforms::grad::{value_and_grad, Nth};
+use crate::transforms::tree::{ArgList, CallArgs, SymTree};
+use crate::transforms::vmap::vmap;
+use crate::transforms::{call_concrete, settings, ByRef, Function, GraphCache};
+
+/// The clipped gradient sum of a per-example loss (see [`clipped_grad_sum`]).
+pub struct ClippedGradSum<F> {
+    loss: F,
+    max_norm: f64,
+    ghost: bool,
+    in_dims: Option<Dims>,
+    options: Options,
+    cache: GraphCache,
+}
+
+/// The clipping step of DP-SGD for `loss(params, example..)`, a function of
+/// ONE example (as under `vmap(grad(loss))`): called on a batch it returns
+/// `(clipped, norms, losses)`:
+///
+/// * `clipped`: `Σ_b min(1, max_norm / (||g_b|| + 1e-6)) g_b`, shaped like
+///   the parameters (Opacus's clipping factor);
+/// * `norms`: `[B]`, each example's gradient norm over all parameters;
+/// * `losses`: `[B]`, each example's loss.
+///
+/// Per-sample gradients are not materialised where a layer's ghost rule is
+/// cheaper (linear layers on vectors and on sequences, see
+/// `rules::ghost`): for a linear layer the norms come from Gram matrices
+/// and the clipped sum from one product, as in an ordinary batched step.
+/// `.ghost(false)` materialises every per-sample gradient (the reference).
+/// The batch axis of each argument is given by [`ClippedGradSum::in_dims`]
+/// (default: none for the parameters, 0 for the rest).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{dp, Tracer};
+/// let w = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let xs = Tensor::new(&[[1f32, 0.], [0., 10.]], &Device::Cpu)?;
+/// // loss(w, x) = sum(w x): its gradient is [x, x] (rows), norm sqrt 2 |x|
+/// let loss = |w: Tracer, x: Tracer| w.matmul(&x.unsqueeze(1)?)?.sum_all();
+/// let (clipped, norms, _) = dp::clipped_grad_sum(loss, 1.0).call((&w, &xs))?;
+/// let n = norms.to_vec1::<f32>()?;
+/// assert!((n[0] - 2f32.sqrt()).abs() < 1e-5 && (n[1] - 200f32.sqrt()).abs() < 1e-4);
+/// // each example clipped to norm 1: [1, 0] / sqrt 2 + [0, 10] / sqrt 200
+/// let c = clipped.to_vec2::<f32>()?;
+/// assert!((c[0][0] - 0.5f32.sqrt()).abs() < 1e-5 && (c[0][1] - 0.5f32.sqrt()).abs() < 1e-5);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn clipped_grad_sum<F>(loss: F, max_norm: f64) -> ClippedGradSum<F> {
+    ClippedGradSum {
+        loss,
+        max_norm,
+        ghost: true,
+        in_dims: None,
+        options: Options::new(),
+        cache: GraphCache::default(),
+    }
+}
+
+impl<F> ClippedGradSum<F> {
+    /// The batch axis of each argument, as [`Vmap::in_dims`](crate::Vmap::in_dims) takes them
+    /// (default: `None` for the parameters, 0 for every other argument).
+    pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
+        self.cache = GraphCache::default(); // a changed transform traces anew
+        self.in_dims = Some(dims.into());
+        self
+    }
+
+    /// Whether layers with a ghost rule use it where it is cheaper
+    /// (default); `false` materialises every per-sample gradient.
+    pub fn ghost(mut self, on: bool) -> Self {
+        self.cache = GraphCache::default();
+        self.ghost = on;
+        self
+    }
+
+    /// The convolution route of the per-example gradients' trace.
+    pub fn conv_route(mut self, route: ConvRoute) -> Self {
+        self.cache = GraphCache::default();
+        self.options = self.options.conv_route(route);
+        self
+    }
+
+    /// Options inherited by the transforms inside (route, strict mode,
+    /// seed, memory limit); `vmap`'s own options are refused.
+    pub fn options(mut self, options: Options) -> Self {
+        self.cache = GraphCache::default();
+        self.options = options;
+        self
+    }
+
+    /// Calls the step on concrete tensors (traced once per signature).
+    pub fn call<S, C>(&self, args: C) -> Result<<<Self as Function<S>>::Output as SymTree>::Concrete>
+    where
+        S: ArgList,
+        Self: Function<S>,
+        C: CallArgs<S>,
+    {
+        call_concrete(self, &self.cache, &args)
+    }
+}
+
+impl<S, F> Function<S> for ClippedGradSum<F>
+where
+    S: ArgList + Nth<0>,
+    F: Function<S, Output = Tracer>,
+{
+    type Output = (<S as Nth<0>>::T, Tracer, Tracer);
+
+    fn apply(&self, args: S) -> Result<Self::Output> {
+        positive_norm(self.max_norm)?;
+        self.options.check_not_vmap("clipped_grad_sum")?;
+        let dims = match &self.in_dims {
+            Some(d) => d.clone(),
+            None => Dims::Each((0..args.flatten_args().1.len()).map(|i| (i > 0).then_some(0)).collect()),
+        };
+        // vmap(value_and_grad(loss)) batched whole: the ghost rules read
+        // the batched graph's products, which a per-example or chunked
+        // schedule would hide behind a loop
+        let per = vmap(value_and_grad(ByRef(&self.loss)))
+            .in_dims(dims)
+            .schedule(Schedule::Batched);
+        let (losses, grads) = per.apply(args)?;
+        let mut leaves = Vec::new();
+        let def = grads.flatten_into(&mut leaves);
+        let (sums, norms) = clip_leaves(&leaves, self.max_norm, self.ghost)?;
+        let clipped = <S as Nth<0>>::T::unflatten_from(&def, &mut sums.into_iter())?;
+        Ok((clipped, norms, losses))
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
+    }
+}
+
+/// An error unless the clipping bound is finite and positive.
+fn positive_norm(c: f64) -> Result<()> {
+    if c.is_finite() && c > 0.0 {
+        return Ok(());
+    }
+    Err(Error::Config {
+        msg: format!("clipped_grad_sum: max_norm must be finite and > 0, got {c}"),
+    })
+}
+
+/// How each per-example gradient is read: its ghost rule where it has one
+/// and it pays (and `ghost` allows), else materialised. A gradient with no
+/// rule at all warns once per primitive (an error in strict mode), as a
+/// `vmap` fallback does.
+fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
+    leaves
+        .iter()
+        .map(|g| {
+            let b = &mut *g.b.borrow_mut();
+            let strict = b.given.get_strict().unwrap_or_else(settings::strict);
+            if let Some(p) = ghost::product_of(b, g.id)? {
+                return Ok(if ghost && p.ghost_pays(b) {
+                    Plan::Ghost(p)
+                } else {
+                    Plan::Materialise(Viewed::of(b, g.id))
+                });
+            }
+            if let Some(kind) = ghost::no_rule(b, g.id) {
+                if strict {
+                    return Err(Error::unsupported(
+                        kind.clone(),
+                        "clipped_grad_sum",
+                        "no per-sample norm rule (strict mode)",
+                    ));
+                }
+                settings::warn_once(
+                    format!("ghost-{kind}"),
+                    format!("clipped_grad_sum: no ghost rule for {kind}; materialising its per-sample gradient"),
+                );
+            }
+            Ok(Plan::Materialise(Viewed::of(b, g.id)))
+        })
+        .collect()
+}
+
+/// The clipped sums of `leaves` (per-example gradients, batch axis 0) and
+/// the per-example norms over all of them.
+fn clip_leaves(leaves: &[Tracer], max_norm: f64, ghost: bool) -> Result<(Vec<Tracer>, Tracer)> {
+    let first = leaves.first().ok_or_else(|| Error::Tree {
+        msg: "clipped_grad_sum: the parameters have no tensors".into(),
+    })?;
+    let plans = plans(leaves, ghost)?;
+    let mut total: Option<Tracer> = None;
+    for (g, plan) in leaves.iter().zip(&plans) {
+        if g.ty.rank() == 0 {
+            return Err(Error::shape(
+                "clipped_grad_sum",
+                &[&g.ty.shape],
+                "a per-example gradient has no batch axis",
+            ));
+        }
+        let sq = ghost::sq_norm(&mut g.b.borrow_mut(), plan)?;
+        let sq = Tracer::new(&g.b, sq).to_dtype(first.ty.dtype)?;
+        total = Some(match total {
+            None => sq,
+            Some(t) => t.add(&sq)?,
+        });
+    }
+    let norms = total.expect("at least one leaf").sqrt()?;
+    // Opacus's factor: min(1, C / (norm + 1e-6))
+    let factor = norms
+        .affine(1.0, 1e-6)?
+        .recip()?
+        .affine(max_norm, 0.0)?
+        .clamp(0.0, 1.0)?;
+    let sums = leaves
+        .iter()
+        .zip(&plans)
+        .map(|(g, plan)| {
+            let w = factor.to_dtype(g.ty.dtype)?;
+            let s = ghost::weighted_sum(&mut g.b.borrow_mut(), w.id, plan)?;
+            Ok(Tracer::new(&g.b, s))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((sums, norms))
+}

@@ -1,0 +1,244 @@
+//! Per-sample gradient norms without per-sample gradients ("ghost
+//! clipping", Goodfellow 2015; Li et al. 2021; mixed per layer as in Bu et
+//! al. 2022), as rules over a batched graph under construction.
+//!
+//! A linear layer's per-example weight gradient is a product,
+//! `G_b = X_b Y_b` with `X_b = g_b^T: [m, K]` (output gradients) and `Y_b
+//! = a_b: [K, n]` (activations; `K` the positions, 1 for a vector input).
+//! Two identities avoid materialising `G: [B, m, n]`:
+//!
+//! * its squared norm is `||X Y||² = Σ_kl (X^T X)_kl (Y Y^T)_kl`: two Gram
+//!   matrices of `K x K` per example (the "ghost norm");
+//! * a weighted sum over the batch `Σ_b w_b X_b Y_b` is ONE product with
+//!   the batch folded into the inner axis: `[m, (B K)] @ [(B K), n]`, the
+//!   ordinary batched weight gradient with reweighted output gradients.
+//!
+//! The ghost norm costs `B K² (m + n)` multiply-adds where materialising
+//! costs `B K m n`, so it is chosen when `K (m + n) < m n` (long sequences
+//! on narrow layers materialise). Other per-example gradients (biases and
+//! norm scales, which are sums; convolutions; embeddings) are materialised
+//! here and their norms and weighted sums read them. These rules only
+//! emit: the DP transform in `dp` decides and warns.
+
+use super::Builder;
+use crate::error::Result;
+use crate::ir::ops::{Binary, Reduce, ShapeOp};
+use crate::ir::{Prim, VarId};
+
+/// A shape-only step from a product to the per-example gradient, batch
+/// axis kept first.
+#[derive(Clone, Debug)]
+enum View {
+    Reshape(Vec<usize>),
+    Permute(Vec<usize>),
+}
+
+/// A per-example gradient `G = views(P)`, `P_b = X_b Y_b` with `X: [B, m,
+/// K]`, `Y: [B, K, n]` (any extra leading axes of the traced product, summed
+/// over, already folded into `K`).
+#[derive(Clone, Debug)]
+pub(crate) struct Product {
+    x: VarId,
+    y: VarId,
+    /// `G` as views of the product (or of its sum over extra axes).
+    viewed: Viewed,
+}
+
+/// How a per-example gradient's norm and weighted sum are computed.
+#[derive(Clone, Debug)]
+pub(crate) enum Plan {
+    /// From the Gram matrices and one folded product.
+    Ghost(Product),
+    /// From the materialised per-example gradient, read before its views
+    /// (each example's entries are the same set, and the source is
+    /// laid out contiguously).
+    Materialise(Viewed),
+}
+
+/// A per-example gradient as views of a source value, the batch axis
+/// first throughout.
+#[derive(Clone, Debug)]
+pub(crate) struct Viewed {
+    src: VarId,
+    views: Vec<View>,
+}
+
+impl Viewed {
+    /// `g` as views of the value before them.
+    pub(crate) fn of(b: &Builder, g: VarId) -> Viewed {
+        let batch = b.dims(g).first().copied().unwrap_or(0);
+        let (src, views) = strip_views(b, g, batch);
+        Viewed { src, views }
+    }
+
+    /// `s` (one example's worth of the source, `[m, n]` or any shape with
+    /// as many entries) through the views, each with the batch axis
+    /// dropped.
+    fn apply(&self, b: &mut Builder, s: VarId, start: &[usize]) -> Result<VarId> {
+        let mut s = b.reshape(s, start[1..].to_vec())?;
+        for view in &self.views {
+            s = match view {
+                View::Reshape(shape) => b.reshape(s, shape[1..].to_vec())?,
+                View::Permute(perm) => b.permute(s, perm[1..].iter().map(|&a| a - 1).collect())?,
+            };
+        }
+        Ok(s)
+    }
+}
+
+impl Product {
+    /// `(B, m, K, n)`.
+    fn dims(&self, b: &Builder) -> (usize, usize, usize, usize) {
+        let (x, y) = (b.dims(self.x), b.dims(self.y));
+        (x[0], x[1], x[2], y[2])
+    }
+
+    /// Whether the Gram form is cheaper than materialising.
+    pub(crate) fn ghost_pays(&self, b: &Builder) -> bool {
+        let (_, m, k, n) = self.dims(b);
+        (k as u128) * (m as u128 + n as u128) < (m as u128) * (n as u128)
+    }
+}
+
+/// The view chain from `v` back to the node it views, while each step keeps
+/// axis 0 (of size `batch`) as the batch: `(source, views outermost first)`.
+fn strip_views(b: &Builder, mut v: VarId, batch: usize) -> (VarId, Vec<View>) {
+    let mut views = Vec::new();
+    loop {
+        let n = &b.nodes[v];
+        let src = match n.args.first() {
+            Some(&s) => s,
+            None => break,
+        };
+        let keeps = b.dims(src).first() == Some(&batch) && n.ty.shape.first() == Some(&batch);
+        let view = match &n.prim {
+            Prim::Shape(ShapeOp::Reshape(s)) if keeps => View::Reshape(s.clone()),
+            Prim::Shape(ShapeOp::Permute(p)) if keeps && p[0] == 0 => View::Permute(p.clone()),
+            _ => break,
+        };
+        views.push(view);
+        v = src;
+    }
+    views.reverse();
+    (v, views)
+}
+
+/// `G` (a per-example gradient, batch axis 0) as a product, if it is one:
+/// views of a matrix product over the batch whose extra leading axes, if
+/// any, are all summed.
+pub(crate) fn product_of(b: &mut Builder, g: VarId) -> Result<Option<Product>> {
+    let Some(&batch) = b.dims(g).first() else {
+        return Ok(None);
+    };
+    let viewed = Viewed::of(b, g);
+    let mut p = viewed.src;
+    // `Σ_e` over all extra leading axes of the product (keeping them or not)
+    let mut summed = false;
+    if let Prim::Reduce(Reduce::Sum { axes, .. }) = &b.nodes[p].prim {
+        let src = b.nodes[p].args[0];
+        let r = b.ty(src).rank();
+        if r < 4 || *axes != (1..r - 2).collect::<Vec<_>>() {
+            return Ok(None);
+        }
+        (p, summed) = (src, true);
+    }
+    if b.nodes[p].prim != Prim::Matmul {
+        return Ok(None);
+    }
+    let (x, y) = (b.nodes[p].args[0], b.nodes[p].args[1]);
+    let (xs, ys) = (b.dims(x), b.dims(y));
+    let r = xs.len();
+    if r < 3 || ys.len() != r || xs[..r - 2] != ys[..r - 2] || xs[0] != batch || (r > 3 && !summed) {
+        return Ok(None);
+    }
+    let (m, k, n) = (xs[r - 2], xs[r - 1], ys[r - 1]);
+    let e: usize = xs[1..r - 2].iter().product();
+    // X: B E.. m k -> B m E.. k -> B m (E k); Y: B E.. k n -> B (E k) n
+    let mut perm: Vec<usize> = vec![0, r - 2];
+    perm.extend(1..r - 2);
+    perm.push(r - 1);
+    let x = b.permute(x, perm)?;
+    let x = b.reshape(x, vec![batch, m, e * k])?;
+    let y = b.reshape(y, vec![batch, e * k, n])?;
+    Ok(Some(Product { x, y, viewed }))
+}
+
+/// Swaps the last two of three axes.
+fn swap(b: &mut Builder, v: VarId) -> Result<VarId> {
+    b.permute(v, vec![0, 2, 1])
+}
+
+/// Each example's squared gradient norm, `[B]`.
+pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
+    match plan {
+        // Σ_kl (X^T X)_kl (Y Y^T)_kl: B K K Gram matrices
+        Plan::Ghost(p) => {
+            let xt = swap(b, p.x)?;
+            let gx = b.emit(Prim::Matmul, &[xt, p.x])?;
+            let yt = swap(b, p.y)?;
+            let gy = b.emit(Prim::Matmul, &[p.y, yt])?;
+            let prod = b.bin(Binary::Mul, gx, gy)?;
+            b.sum_axes(prod, vec![1, 2], false)
+        }
+        // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no
+        // squared copy of the per-example gradients
+        Plan::Materialise(v) => {
+            let rows = flat_rows(b, v.src)?;
+            let (batch, r) = (b.dims(rows)[0], b.dims(rows)[1]);
+            let row = b.reshape(rows, vec![batch, 1, r])?;
+            // the same entries as a column: a reshape, so no copy is laid out
+            let col = b.reshape(rows, vec![batch, r, 1])?;
+            let dot = b.emit(Prim::Matmul, &[row, col])?;
+            b.reshape(dot, vec![batch])
+        }
+    }
+}
+
+/// `Σ_b w_b G_b` for weights `w: [B]`, shaped as one example's gradient.
+pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<VarId> {
+    let batch = b.dims(w)[0];
+    match plan {
+        Plan::Ghost(p) => {
+            let (_, m, k, n) = p.dims(b);
+            // (w X): B m K -> m B K -> m (B K); Y: B K n -> (B K) n
+            let w3 = b.reshape(w, vec![batch, 1, 1])?;
+            let wx = b.bin(Binary::Mul, p.x, w3)?;
+            let wx = b.permute(wx, vec![1, 0, 2])?;
+            let wx = b.reshape(wx, vec![m, batch * k])?;
+            let y = b.reshape(p.y, vec![batch * k, n])?;
+            let s = b.emit(Prim::Matmul, &[wx, y])?;
+            let start = b.dims(p.viewed.src);
+            p.viewed.apply(b, s, &start)
+        }
+        // [1, B] @ [B, R]: one pass over the per-example gradients
+        Plan::Materialise(v) => {
+            let rows = flat_rows(b, v.src)?;
+            let w = b.reshape(w, vec![1, batch])?;
+            let s = b.emit(Prim::Matmul, &[w, rows])?;
+            let start = b.dims(v.src);
+            v.apply(b, s, &start)
+        }
+    }
+}
+
+/// `v: B ..` as `[B, R]`.
+fn flat_rows(b: &mut Builder, v: VarId) -> Result<VarId> {
+    let d = b.dims(v);
+    let r = d[1..].iter().product();
+    b.reshape(v, vec![d[0], r])
+}
+
+/// The primitive making `g` (a per-example gradient), by name, when it is
+/// not one whose gradient is meant to be materialised (sums: biases and
+/// norm scales; convolutions' weight gradients; index additions:
+/// embeddings) nor a product.
+pub(crate) fn no_rule(b: &Builder, g: VarId) -> Option<String> {
+    let batch = *b.dims(g).first()?;
+    let (src, _) = strip_views(b, g, batch);
+    match &b.nodes[src].prim {
+        Prim::Matmul | Prim::Reduce(Reduce::Sum { .. }) | Prim::Conv(_) | Prim::Index(_) => None,
+        // a parameter the loss does not read, or reads as itself
+        p if p.is_leaf() => None,
+        p => Some(p.name()),
+    }
+}

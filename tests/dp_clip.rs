@@ -1,0 +1,174 @@
+//! `dp::clipped_grad_sum`: ghost norms and the folded clipped sum against
+//! every per-sample gradient materialised, the graphs they make (no
+//! per-sample weight gradient where the ghost form pays), the fallback's
+//! warning and strict mode, and bad input.
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::{dp, grad, make_graph, vmap, Error, Graph, Options, Tracer};
+use std::collections::BTreeMap;
+
+type Params = BTreeMap<String, Tensor>;
+
+fn randn(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+    // deterministic values without a global generator: a hash of the index
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n as u64)
+        .map(|i| {
+            let h = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((h >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// A two-layer network on one example `x: [T, D]` (or `[D]`), mean squared
+/// output as the loss.
+fn loss(p: BTreeMap<String, Tracer>, x: Tracer) -> candle_func::Result<Tracer> {
+    let h = x.broadcast_matmul(&p["w1"].t()?)?.tanh()?;
+    h.broadcast_matmul(&p["w2"].t()?)?.sqr()?.mean_all()
+}
+
+fn params(d: usize, h: usize, o: usize, dtype: DType) -> Params {
+    BTreeMap::from([
+        ("w1".to_string(), randn(&[h, d], 1, dtype)),
+        ("w2".to_string(), randn(&[o, h], 2, dtype)),
+    ])
+}
+
+/// The reference: per-sample gradients, Opacus's clipping, summed.
+fn reference(p: &Params, xs: &Tensor, c: f64) -> (Params, Tensor) {
+    let per = vmap(grad(loss)).in_dims([None, Some(0)]).call((p, xs)).unwrap();
+    let norms = dp::per_sample_norms(&per).unwrap();
+    let clipped = dp::clip_per_sample(&per, c).unwrap();
+    (
+        clipped.into_iter().map(|(k, g)| (k, g.sum(0).unwrap())).collect(),
+        norms,
+    )
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+    let m = |t: &Tensor| {
+        t.abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+    };
+    m(&d).to_scalar::<f64>().unwrap() / m(b).to_scalar::<f64>().unwrap().max(1e-300)
+}
+
+/// Whether `g` holds a value of `per` entries for each of `b` examples (a
+/// per-sample gradient, in whatever layout).
+fn has_per_sample(g: &Graph, b: usize, per: usize) -> bool {
+    g.nodes().any(|n| {
+        let s = &n.ty().shape;
+        s.len() >= 2 && s[0] == b && s[1..].iter().product::<usize>() == per
+    })
+}
+
+/// Ghost against materialised to `tol` relative; both against the
+/// reference (whose norms and factors `dp` computes in f32) to 1e-5.
+fn check_against_reference(p: &Params, xs: &Tensor, tol: f64) {
+    let norms_ref = reference(p, xs, 1.0).1;
+    let mut sorted = norms_ref.to_vec1::<f32>().unwrap();
+    sorted.sort_by(f32::total_cmp);
+    let c = sorted[sorted.len() / 2] as f64;
+    let (want, want_norms) = reference(p, xs, c);
+    let step = |ghost: bool| dp::clipped_grad_sum(loss, c).ghost(ghost).call((p, xs)).unwrap();
+    let ((ghost, gn, losses), (full, fnorms, _)) = (step(true), step(false));
+    assert_eq!(losses.dims(), &[xs.dims()[0]]);
+    assert!(rel(&gn, &fnorms) < tol, "norms: {}", rel(&gn, &fnorms));
+    assert!(
+        rel(&gn, &want_norms) < 1e-5,
+        "norms against the reference: {}",
+        rel(&gn, &want_norms)
+    );
+    for (k, g) in &ghost {
+        assert!(rel(g, &full[k]) < tol, "{k}: {}", rel(g, &full[k]));
+        assert!(
+            rel(g, &want[k]) < 1e-5,
+            "{k} against the reference: {}",
+            rel(g, &want[k])
+        );
+    }
+}
+
+#[test]
+fn vector_inputs_take_no_per_sample_weight_gradient() {
+    for dtype in [DType::F32, DType::F64] {
+        let p = params(20, 30, 5, dtype);
+        let xs = randn(&[8, 20], 3, dtype);
+        check_against_reference(&p, &xs, if dtype == DType::F32 { 1e-5 } else { 1e-12 });
+        let ghost = make_graph(&dp::clipped_grad_sum(loss, 1.0), (&p, &xs)).unwrap();
+        let full = make_graph(&dp::clipped_grad_sum(loss, 1.0).ghost(false), (&p, &xs)).unwrap();
+        for per in [30 * 20, 5 * 30] {
+            assert!(
+                !has_per_sample(&ghost, 8, per),
+                "a per-sample gradient of {per} in\n{ghost}"
+            );
+            assert!(has_per_sample(&full, 8, per), "materialised: none of {per} in\n{full}");
+        }
+    }
+}
+
+#[test]
+fn short_sequences_are_ghosted_and_long_ones_materialised() {
+    // K (m + n) < m n: T = 3 on 16 -> 16 -> 16 is ghosted, T = 40 is not
+    let p = params(16, 16, 16, DType::F32);
+    for (t, ghosted) in [(3, true), (40, false)] {
+        let xs = randn(&[4, t, 16], 4, DType::F32);
+        check_against_reference(&p, &xs, 1e-5);
+        let g = make_graph(&dp::clipped_grad_sum(loss, 1.0), (&p, &xs)).unwrap();
+        assert_eq!(!has_per_sample(&g, 4, 16 * 16), ghosted, "T = {t}:\n{g}");
+    }
+}
+
+#[test]
+fn a_gradient_without_a_rule_warns_or_fails_in_strict_mode() {
+    // a per-position scale: its per-example gradient is an elementwise product
+    let scaled = |p: BTreeMap<String, Tracer>, x: Tracer| x.mul(&p["s"])?.sqr()?.sum_all();
+    let p = BTreeMap::from([("s".to_string(), randn(&[6], 5, DType::F32))]);
+    let xs = randn(&[3, 6], 6, DType::F32);
+    let (got, _, _) = dp::clipped_grad_sum(scaled, 0.5).call((&p, &xs)).unwrap();
+    assert!(candle_func::warned("ghost-mul"));
+    let per = vmap(grad(scaled)).in_dims([None, Some(0)]).call((&p, &xs)).unwrap();
+    let want = dp::clip_per_sample(&per, 0.5).unwrap()["s"].sum(0).unwrap();
+    assert!(rel(&got["s"], &want) < 1e-6);
+    let strict = dp::clipped_grad_sum(scaled, 0.5).options(Options::new().strict(true));
+    match strict.call((&p, &xs)) {
+        Err(Error::Unsupported { .. }) => {}
+        other => panic!("strict mode: {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    let p = params(4, 3, 2, DType::F32);
+    let xs = randn(&[2, 4], 7, DType::F32);
+    for c in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = dp::clipped_grad_sum(loss, c).call((&p, &xs)).unwrap_err();
+        assert!(e.to_string().contains("max_norm"), "{e}");
+    }
+    let e = dp::clipped_grad_sum(loss, 1.0)
+        .options(Options::new().chunk_size(1))
+        .call((&p, &xs))
+        .unwrap_err();
+    assert!(e.to_string().contains("clipped_grad_sum"), "{e}");
+    // examples of different sizes, and parameters given a batch axis they lack
+    let e = dp::clipped_grad_sum(loss, 1.0)
+        .call((&p, &randn(&[2, 5], 8, DType::F32)))
+        .unwrap_err();
+    assert!(!e.to_string().is_empty());
+    let e = dp::clipped_grad_sum(loss, 1.0)
+        .in_dims([Some(0), Some(0)])
+        .call((&p, &xs))
+        .unwrap_err();
+    assert!(!e.to_string().is_empty());
+}
