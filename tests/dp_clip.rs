@@ -5,7 +5,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::{dp, grad, make_graph, vmap, Error, Graph, Options, Tracer};
+use common::{max_abs, max_diff};
 use std::collections::BTreeMap;
+
+mod common;
 
 type Params = BTreeMap<String, Tensor>;
 
@@ -50,18 +53,7 @@ fn reference(p: &Params, xs: &Tensor, c: f64) -> (Params, Tensor) {
 }
 
 fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
-    let m = |t: &Tensor| {
-        t.abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-    };
-    m(&d).to_scalar::<f64>().unwrap() / m(b).to_scalar::<f64>().unwrap().max(1e-300)
+    max_diff(a, b) / max_abs(b).max(1e-300)
 }
 
 /// Whether `g` holds a value of `per` entries for each of `b` examples (a

@@ -16,7 +16,7 @@ use candle_func::{
     hessian, hvp, jacfwd, jacrev, jit, value_and_grad, vmap, ConvRoute, Function, Operand, Schedule, Tracer,
 };
 use common::arch::{build_nn, cross_entropy, parse};
-use common::max_diff;
+use common::{max_abs, max_diff};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -78,16 +78,7 @@ fn params(f: &Fixture) -> BTreeMap<String, Tensor> {
 /// |a - b| <= TOL * max(1, |b|) elementwise, reported as the worst ratio.
 fn check(what: &str, got: &Tensor, want: &Tensor) -> f64 {
     let d = max_diff(got, want);
-    let scale = want
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        .max(1.0) as f64;
+    let scale = max_abs(want).max(1.0);
     assert!(
         d <= TOL * scale,
         "{what}: max difference {d:e} exceeds {TOL:e} (scale {scale})"
@@ -202,16 +193,7 @@ fn clipped_against(
 
 /// `max |a - b| / max |b|`.
 fn relative(a: &Tensor, b: &Tensor) -> f64 {
-    let scale = b
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64;
-    max_diff(a, b) / scale.max(f64::MIN_POSITIVE)
+    max_diff(a, b) / max_abs(b).max(f64::MIN_POSITIVE)
 }
 
 fn run_per_sample(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {

@@ -11,25 +11,11 @@ use super::grad::{grad, Argnums, Aux, Plain, Wrt, Wrt2, Wrt3, Wrt4};
 use super::jvp::{jvp_fn, vjp_fn};
 use super::tree::{ArgList, SymTree, TensorTree};
 use super::vmap::{vmap, Vmap};
-use super::{jit, Function};
+use super::{jit, ByRef, Function};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::options::Options;
 use crate::trace::{Operand, Tracer};
 use candle_core::Tensor;
 use std::marker::PhantomData;
-
-/// Borrows a function as a function (transforms take theirs by value).
-pub(crate) struct ByRef<'a, F>(pub(crate) &'a F);
-
-impl<S: ArgList, F: Function<S>> Function<S> for ByRef<'_, F> {
-    type Output = F::Output;
-    fn apply(&self, args: S) -> Result<F::Output> {
-        self.0.apply(args)
-    }
-    fn own_options(&self) -> Options {
-        self.0.own_options()
-    }
-}
 
 /// Whether a Jacobian's function returns its value alone ([`Plain`]) or
 /// `(value, aux)` ([`Aux`], after `.has_aux()`), and how the result

@@ -62,8 +62,8 @@ macro_rules! closure_functions {
     };
 }
 
-/// A function borrowed: what a transform builds around a function it
-/// holds, when it builds anew at each trace.
+/// Borrows a function as a function (transforms take theirs by value): what
+/// a transform builds around a function it holds, anew at each trace.
 pub(crate) struct ByRef<'a, F>(pub(crate) &'a F);
 
 impl<S: ArgList, F: Function<S>> Function<S> for ByRef<'_, F> {

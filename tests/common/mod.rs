@@ -88,6 +88,11 @@ pub fn rand_idx(shape: &[usize], bound: usize, seed: u64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
+/// `max |t|` in f64 (0 for an empty tensor).
+pub fn max_abs(t: &Tensor) -> f64 {
+    max_diff(t, &t.zeros_like().unwrap())
+}
+
 /// Largest absolute difference, after casting both to f64; panics on a
 /// shape mismatch.
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
