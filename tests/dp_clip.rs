@@ -56,10 +56,11 @@ fn rel(a: &Tensor, b: &Tensor) -> f64 {
     max_diff(a, b) / max_abs(b).max(1e-300)
 }
 
-/// Whether `g` holds a value of `per` entries for each of `b` examples (a
-/// per-sample gradient, in whatever layout).
+/// Whether `g` computes a value of `per` entries for each of `b` examples
+/// (a per-sample gradient, in whatever layout; a broadcast is a view, and
+/// the forward lookup's table broadcast over the batch is one).
 fn has_per_sample(g: &Graph, b: usize, per: usize) -> bool {
-    g.nodes().any(|n| {
+    g.nodes().filter(|n| !n.name().starts_with("broadcast")).any(|n| {
         let s = &n.ty().shape;
         s.len() >= 2 && s[0] == b && s[1..].iter().product::<usize>() == per
     })
@@ -163,4 +164,68 @@ fn bad_input_is_an_error() {
         .call((&p, &xs))
         .unwrap_err();
     assert!(!e.to_string().is_empty());
+}
+
+#[test]
+fn embeddings_and_attention_of_a_small_gpt() {
+    use candle_func::nn::{self, functional_call, Activation, BlockConfig, Module, NormKind};
+    // T = 5 positions of a 50-token vocabulary: the token embedding is
+    // ghosted (T² < V), the 5-row position table materialised, and the
+    // 16-wide linear layers ghosted (T (m + n) < m n)
+    let (v, t, d, b) = (50, 5, 16, 6);
+    let block = BlockConfig {
+        dim: d,
+        heads: 2,
+        ff: 32,
+        causal: true,
+        norm: NormKind::LayerNorm,
+        act: Activation::Gelu,
+    };
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    let m = nn::gpt(v, t, 1, block, vb).unwrap();
+    let p = m.params();
+    let ids = |k: u32| {
+        Tensor::from_vec(
+            (0..(b * t) as u32).map(|i| (i * k + 3) % v as u32).collect(),
+            (b, t),
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    let (xs, ys) = (ids(7), ids(13));
+    let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy_with(
+            &functional_call(&m, &p, &x.unsqueeze(0)?)?.squeeze(0)?,
+            &y,
+            Default::default(),
+        )
+    };
+    let per = vmap(grad(loss))
+        .in_dims([None, Some(0), Some(0)])
+        .call((&p, &xs, &ys))
+        .unwrap();
+    let norms = dp::per_sample_norms(&per).unwrap();
+    let mut sorted = norms.to_vec1::<f32>().unwrap();
+    sorted.sort_by(f32::total_cmp);
+    let c = sorted[b / 2] as f64;
+    let want = dp::clip_per_sample(&per, c).unwrap();
+    let step = |ghost: bool| dp::clipped_grad_sum(loss, c).ghost(ghost).call((&p, &xs, &ys)).unwrap();
+    let ((ghost, gn, _), (full, fnorms, _)) = (step(true), step(false));
+    assert!(rel(&gn, &fnorms) < 1e-5 && rel(&gn, &norms) < 1e-5, "norms");
+    for (k, g) in &ghost {
+        assert!(rel(g, &full[k]) < 1e-5, "{k}: {}", rel(g, &full[k]));
+        assert!(rel(g, &want[k].sum(0).unwrap()) < 1e-5, "{k} against the reference");
+    }
+    let g = make_graph(&dp::clipped_grad_sum(loss, c), (&p, &xs, &ys)).unwrap();
+    assert!(
+        !has_per_sample(&g, b, v * d),
+        "a per-sample token embedding gradient in\n{g}"
+    );
+    assert!(
+        !has_per_sample(&g, b, d * 32),
+        "a per-sample feed-forward gradient in\n{g}"
+    );
+    let full = make_graph(&dp::clipped_grad_sum(loss, c).ghost(false), (&p, &xs, &ys)).unwrap();
+    assert!(has_per_sample(&full, b, v * d));
 }

@@ -175,6 +175,13 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
                     Plan::Materialise(Viewed::of(b, g.id))
                 });
             }
+            if let Some(l) = ghost::lookup_of(b, g.id) {
+                return Ok(if ghost && l.ghost_pays(b) {
+                    Plan::GhostLookup(l)
+                } else {
+                    Plan::Materialise(Viewed::of(b, g.id))
+                });
+            }
             if let Some(kind) = ghost::no_rule(b, g.id) {
                 if strict {
                     return Err(Error::unsupported(

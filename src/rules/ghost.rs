@@ -15,14 +15,18 @@
 //!
 //! The ghost norm costs `B K² (m + n)` multiply-adds where materialising
 //! costs `B K m n`, so it is chosen when `K (m + n) < m n` (long sequences
-//! on narrow layers materialise). Other per-example gradients (biases and
-//! norm scales, which are sums; convolutions; embeddings) are materialised
-//! here and their norms and weighted sums read them. These rules only
+//! on narrow layers materialise). An embedding's per-example gradient adds
+//! rows `c_t` at ids: its squared norm is `Σ_ts [id_t = id_s] (c_t . c_s)`
+//! (Opacus counts repeated ids to the same end), chosen when `T² < V`, and
+//! its clipped sum is one index-add of the reweighted rows. Other
+//! per-example gradients (biases and norm scales, which are sums;
+//! convolutions) are materialised here and their norms and weighted sums
+//! read them. These rules only
 //! emit: the DP transform in `dp` decides and warns.
 
 use super::Builder;
 use crate::error::Result;
-use crate::ir::ops::{Binary, Reduce, ShapeOp};
+use crate::ir::ops::{Binary, Compare, IndexOp, Reduce, ShapeOp, Unary};
 use crate::ir::{Prim, VarId};
 
 /// A shape-only step from a product to the per-example gradient, batch
@@ -49,6 +53,8 @@ pub(crate) struct Product {
 pub(crate) enum Plan {
     /// From the Gram matrices and one folded product.
     Ghost(Product),
+    /// From the rows' Gram matrix masked by equal ids, and one index-add.
+    GhostLookup(Lookup),
     /// From the materialised per-example gradient, read before its views
     /// (each example's entries are the same set, and the source is
     /// laid out contiguously).
@@ -163,6 +169,64 @@ pub(crate) fn product_of(b: &mut Builder, g: VarId) -> Result<Option<Product>> {
     Ok(Some(Product { x, y, viewed }))
 }
 
+/// A per-example embedding gradient, `G_b[v] = Σ_t [id_bt = v] c_bt`:
+/// rows `c: [B, T, D]` added at ids `[B, T]` (or `[T]`, one list for every
+/// example) into `V` rows.
+#[derive(Clone, Debug)]
+pub(crate) struct Lookup {
+    rows: VarId,
+    ids: VarId,
+    size: usize,
+    viewed: Viewed,
+}
+
+impl Lookup {
+    /// Whether the masked `T x T` Gram matrix is cheaper than writing the
+    /// `V x D` gradient of each example: `T² < V` (the ghost norm costs
+    /// `T² D` an example, materialising `V D`).
+    pub(crate) fn ghost_pays(&self, b: &Builder) -> bool {
+        let t = b.dims(self.rows)[1] as u128;
+        t * t < self.size as u128
+    }
+}
+
+/// `G` as an embedding's per-example gradient, if it is one: an index-add
+/// of `[B, T, D]` rows along axis 1 at shared ids `[T]`, or a scatter-add
+/// at per-example ids `[B, T]` broadcast over `D` (what the batching rules
+/// make of an embedding's VJP).
+pub(crate) fn lookup_of(b: &Builder, g: VarId) -> Option<Lookup> {
+    let viewed = Viewed::of(b, g);
+    let n = &b.nodes[viewed.src];
+    let (rows, idx) = (*n.args.first()?, *n.args.get(1)?);
+    let rd = b.dims(rows);
+    if rd.len() != 3 {
+        return None;
+    }
+    let (ids, size) = match n.prim {
+        Prim::Index(IndexOp::IndexAdd { axis: 1, size }) if b.dims(idx) == [rd[1]] => (idx, size),
+        Prim::Index(IndexOp::ScatterAdd { axis: 1, size }) => {
+            // idx: ids [B, T] -> [B, T, 1] -> broadcast over D
+            let bc = &b.nodes[idx];
+            let Prim::Shape(ShapeOp::Broadcast(_)) = bc.prim else {
+                return None;
+            };
+            let r = &b.nodes[bc.args[0]];
+            let Prim::Shape(ShapeOp::Reshape(_)) = r.prim else {
+                return None;
+            };
+            let ids = r.args[0];
+            (b.dims(bc.args[0]) == [rd[0], rd[1], 1] && b.dims(ids) == rd[..2]).then_some((ids, size))?
+        }
+        _ => return None,
+    };
+    Some(Lookup {
+        rows,
+        ids,
+        size,
+        viewed,
+    })
+}
+
 /// Swaps the last two of three axes.
 fn swap(b: &mut Builder, v: VarId) -> Result<VarId> {
     b.permute(v, vec![0, 2, 1])
@@ -182,6 +246,20 @@ pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
         }
         // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no
         // squared copy of the per-example gradients
+        // Σ_ts [id_t = id_s] (c_t . c_s): B T T
+        Plan::GhostLookup(l) => {
+            let t = b.dims(l.rows)[1];
+            let ct = swap(b, l.rows)?;
+            let gram = b.emit(Prim::Matmul, &[l.rows, ct])?;
+            let lead = b.dims(l.ids)[..b.ty(l.ids).rank() - 1].to_vec();
+            let col = b.reshape(l.ids, [lead.as_slice(), &[t, 1]].concat())?;
+            let row = b.reshape(l.ids, [lead.as_slice(), &[1, t]].concat())?;
+            let same = b.cmp(Compare::Eq, col, row)?;
+            let dtype = b.ty(l.rows).dtype;
+            let same = b.un(Unary::Cast(dtype), same)?;
+            let masked = b.bin(Binary::Mul, gram, same)?;
+            b.sum_axes(masked, vec![1, 2], false)
+        }
         Plan::Materialise(v) => {
             let rows = flat_rows(b, v.src)?;
             let (batch, r) = (b.dims(rows)[0], b.dims(rows)[1]);
@@ -209,6 +287,19 @@ pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<Var
             let s = b.emit(Prim::Matmul, &[wx, y])?;
             let start = b.dims(p.viewed.src);
             p.viewed.apply(b, s, &start)
+        }
+        // (w c) rows added at the ids of every example: one index-add
+        Plan::GhostLookup(l) => {
+            let (t, d) = (b.dims(l.rows)[1], b.dims(l.rows)[2]);
+            let w3 = b.reshape(w, vec![batch, 1, 1])?;
+            let wc = b.bin(Binary::Mul, l.rows, w3)?;
+            let wc = b.reshape(wc, vec![batch * t, d])?;
+            let ids = b.broadcast(l.ids, vec![batch, t])?;
+            let ids = b.reshape(ids, vec![batch * t])?;
+            let op = IndexOp::IndexAdd { axis: 0, size: l.size };
+            let s = b.emit(Prim::Index(op), &[wc, ids])?;
+            let start = b.dims(l.viewed.src);
+            l.viewed.apply(b, s, &start)
         }
         // [1, B] @ [B, R]: one pass over the per-example gradients
         Plan::Materialise(v) => {
