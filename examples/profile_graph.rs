@@ -8,7 +8,7 @@
 //! For `tutorial`, `opacus` and `c3d` it profiles the ordinary batched
 //! gradient step, `vmap(grad)` (per-sample gradients) and the DP clipping
 //! step (`dp::clipped_grad_sum`) of the model;
-//! `lm` profiles the same two for `tiny_lm` (the bench's `LM` row, B=32 by
+//! `lm` profiles the same three for `tiny_lm` (the bench's `LM` row, B=32 by
 //! default); `forward` profiles the tutorial CNN's forward alone, `ensemble` the
 //! batched forward of 10 stacked models, on one shared batch or (`--own`)
 //! a batch per model.
@@ -74,55 +74,50 @@ fn labels(b: usize) -> candle_core::Result<Tensor> {
 }
 
 fn per_sample(model: &Sequential, b: usize, input: &[usize]) -> Result<(), Box<dyn std::error::Error>> {
-    let dev = Device::Cpu;
-    let p = model.params();
-    let xs = Tensor::randn(0f32, 1., [&[b], input].concat(), &dev)?;
-    let ys = labels(b)?;
-    let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
-        nn::cross_entropy(&functional_call(model, &p, &x)?, &y, Reduction::Mean)
-    };
-    let mut inputs: Vec<Tensor> = p.values().cloned().collect();
-    inputs.extend([xs.clone(), ys.clone()]);
-    let step = make_graph(&grad(loss), (&p, &xs, &ys))?;
-    if std::env::var("PRINT_GRAPH").is_ok() {
-        println!("{step}");
-    }
-    report(&format!("batched gradient step, B={b}"), &step, &inputs)?;
-    let f = vmap(grad(|p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
-        loss(p, x.unsqueeze(0)?, y.unsqueeze(0)?)
-    }))
-    .in_dims([None, Some(0), Some(0)]);
-    let g = make_graph(&f, (&p, &xs, &ys))?;
-    if std::env::var("PRINT_GRAPH").is_ok() {
-        println!("{g}");
-    }
-    report(&format!("vmap(grad), B={b}"), &g, &inputs)?;
-    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| loss(p, x.unsqueeze(0)?, y.unsqueeze(0)?);
-    let dp = make_graph(&candle_func::dp::clipped_grad_sum(one, 1.0), (&p, &xs, &ys))?;
-    report(&format!("DP clipping step, B={b}"), &dp, &inputs)?;
-    Ok(())
+    let xs = Tensor::randn(0f32, 1., [&[b], input].concat(), &Device::Cpu)?;
+    let ce = |logits: &Tracer, y: &Tracer| nn::cross_entropy(logits, y, Reduction::Mean);
+    steps("", model, &xs, &labels(b)?, ce)
 }
 
 fn lm(b: usize) -> Result<(), Box<dyn std::error::Error>> {
     let (_vm, m, xs, ys) = tiny_lm(b)?;
-    let p = m.params();
-    let ce = nn::CrossEntropy::default();
-    let all = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
-        nn::cross_entropy_with(&functional_call(&m, &p, &x)?, &y, ce)
-    };
+    let ce = |logits: &Tracer, y: &Tracer| nn::cross_entropy_with(logits, y, nn::CrossEntropy::default());
+    steps("tiny_lm ", &m, &xs, &ys, ce)
+}
+
+/// The batched gradient step of `loss(model(xs), ys)`, `vmap(grad)` of
+/// each example's loss and the DP clipping step, each profiled (and
+/// printed with `PRINT_GRAPH`).
+fn steps<M: Module>(
+    tag: &str,
+    model: &M,
+    xs: &Tensor,
+    ys: &Tensor,
+    loss: impl Fn(&Tracer, &Tracer) -> candle_func::Result<Tracer> + Copy,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let b = xs.dims()[0];
+    let p = model.params();
+    let all = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| loss(&functional_call(model, &p, &x)?, &y);
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| all(p, x.unsqueeze(0)?, y.unsqueeze(0)?);
     let mut inputs: Vec<Tensor> = p.values().cloned().collect();
     inputs.extend([xs.clone(), ys.clone()]);
-    let step = make_graph(&grad(all), (&p, &xs, &ys))?;
-    report(&format!("tiny_lm batched gradient step, B={b}"), &step, &inputs)?;
-    let f = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
-    let g = make_graph(&f, (&p, &xs, &ys))?;
-    if std::env::var("PRINT_GRAPH").is_ok() {
-        println!("{g}");
+    let graphs = [
+        ("batched gradient step", make_graph(&grad(all), (&p, xs, ys))?),
+        (
+            "vmap(grad)",
+            make_graph(&vmap(grad(one)).in_dims([None, Some(0), Some(0)]), (&p, xs, ys))?,
+        ),
+        (
+            "DP clipping step",
+            make_graph(&candle_func::dp::clipped_grad_sum(one, 1.0), (&p, xs, ys))?,
+        ),
+    ];
+    for (what, g) in &graphs {
+        if std::env::var("PRINT_GRAPH").is_ok() {
+            println!("{g}");
+        }
+        report(&format!("{tag}{what}, B={b}"), g, &inputs)?;
     }
-    report(&format!("tiny_lm vmap(grad), B={b}"), &g, &inputs)?;
-    let dp = make_graph(&candle_func::dp::clipped_grad_sum(one, 1.0), (&p, &xs, &ys))?;
-    report(&format!("tiny_lm DP clipping step, B={b}"), &dp, &inputs)?;
     Ok(())
 }
 

@@ -167,23 +167,17 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
         .iter()
         .map(|g| {
             let b = &mut *g.b.borrow_mut();
-            let strict = b.given.get_strict().unwrap_or_else(settings::strict);
-            if let Some(p) = ghost::product_of(b, g.id)? {
-                return Ok(if ghost && p.ghost_pays(b) {
-                    Plan::Ghost(p)
-                } else {
-                    Plan::Materialise(Viewed::of(b, g.id))
-                });
-            }
-            if let Some(l) = ghost::lookup_of(b, g.id) {
-                return Ok(if ghost && l.ghost_pays(b) {
-                    Plan::GhostLookup(l)
-                } else {
-                    Plan::Materialise(Viewed::of(b, g.id))
-                });
-            }
-            if let Some(kind) = ghost::no_rule(b, g.id) {
-                if strict {
+            let viewed = Viewed::of(b, g.id);
+            if let Some(p) = ghost::product_of(b, &viewed)? {
+                if ghost && p.ghost_pays(b) {
+                    return Ok(Plan::Ghost(p));
+                }
+            } else if let Some(l) = ghost::lookup_of(b, &viewed) {
+                if ghost && l.ghost_pays(b) {
+                    return Ok(Plan::GhostLookup(l));
+                }
+            } else if let Some(kind) = ghost::no_rule(b, &viewed) {
+                if b.given.get_strict().unwrap_or_else(settings::strict) {
                     return Err(Error::unsupported(
                         kind.clone(),
                         "clipped_grad_sum",
@@ -195,7 +189,7 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
                     format!("clipped_grad_sum: no ghost rule for {kind}; materialising its per-sample gradient"),
                 );
             }
-            Ok(Plan::Materialise(Viewed::of(b, g.id)))
+            Ok(Plan::Materialise(viewed))
         })
         .collect()
 }
@@ -203,27 +197,27 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
 /// The clipped sums of `leaves` (per-example gradients, batch axis 0) and
 /// the per-example norms over all of them.
 fn clip_leaves(leaves: &[Tracer], max_norm: f64, ghost: bool) -> Result<(Vec<Tracer>, Tracer)> {
-    let first = leaves.first().ok_or_else(|| Error::Tree {
-        msg: "clipped_grad_sum: the parameters have no tensors".into(),
-    })?;
+    if let Some(g) = leaves.iter().find(|g| g.ty.rank() == 0) {
+        return Err(Error::shape(
+            "clipped_grad_sum",
+            &[&g.ty.shape],
+            "a per-example gradient has no batch axis",
+        ));
+    }
     let plans = plans(leaves, ghost)?;
     let mut total: Option<Tracer> = None;
     for (g, plan) in leaves.iter().zip(&plans) {
-        if g.ty.rank() == 0 {
-            return Err(Error::shape(
-                "clipped_grad_sum",
-                &[&g.ty.shape],
-                "a per-example gradient has no batch axis",
-            ));
-        }
         let sq = ghost::sq_norm(&mut g.b.borrow_mut(), plan)?;
-        let sq = Tracer::new(&g.b, sq).to_dtype(first.ty.dtype)?;
+        let sq = Tracer::new(&g.b, sq);
         total = Some(match total {
             None => sq,
-            Some(t) => t.add(&sq)?,
+            Some(t) => t.add(&sq.to_dtype(t.ty.dtype)?)?,
         });
     }
-    let norms = total.expect("at least one leaf").sqrt()?;
+    let total = total.ok_or_else(|| Error::Tree {
+        msg: "clipped_grad_sum: the parameters have no tensors".into(),
+    })?;
+    let norms = total.sqrt()?;
     // Opacus's factor: min(1, C / (norm + 1e-6))
     let factor = norms
         .affine(1.0, 1e-6)?

@@ -31,7 +31,7 @@ fn epilogue_cpu<T: Elem>(y: &mut [T], bias: Option<(&[T], &[usize])>, dims: &[us
     // Branch-free, and NaN stays NaN (PyTorch's relu): `v` unless v <= 0.
     let act = |v: T| if relu { [v, zero][(v <= zero) as usize] } else { v };
     let Some((b, strides)) = bias else {
-        super::compare::by_blocks(y, 2, |_, d| d.iter_mut().for_each(|v| *v = act(*v)));
+        super::by_blocks(y, 2, |_, d| d.iter_mut().for_each(|v| *v = act(*v)));
         return;
     };
     let m = merged(dims, strides);

@@ -6,8 +6,7 @@
 //! `[64, 128]` 60 µs, 7 ns an element. Accuracy is within a few units in
 //! the last place of f32 (the tests measure it against f64); NaN stays NaN.
 
-use super::compare::by_blocks;
-use super::contiguous_slice;
+use super::{by_blocks, contiguous_slice};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// Which function.

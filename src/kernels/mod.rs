@@ -88,6 +88,31 @@ pub(crate) fn par_blocks_mut<T: Send>(dst: &mut [T], block: usize, work: usize, 
     run_jobs(jobs, |(j, d)| run(j * per, d));
 }
 
+/// Elements per task of [`by_blocks`].
+pub(crate) const BLOCK: usize = 1 << 14;
+
+/// Calls `pass(start, d)` for each piece `d` of `dst` that starts at
+/// element `start`: whole `BLOCK`s spread over threads when
+/// `work_per_elem` times their length pays for them, then the tail.
+pub(crate) fn by_blocks<O: Send>(dst: &mut [O], work_per_elem: usize, pass: impl Fn(usize, &mut [O]) + Sync) {
+    in_blocks(dst, BLOCK, work_per_elem, pass)
+}
+
+/// [`by_blocks`] with blocks of `block` elements (a whole number of rows,
+/// for a kernel that works row by row); `par_blocks_mut` takes whole
+/// blocks only, so the tail is a piece of its own.
+pub(crate) fn in_blocks<O: Send>(
+    dst: &mut [O],
+    block: usize,
+    work_per_elem: usize,
+    pass: impl Fn(usize, &mut [O]) + Sync,
+) {
+    let whole = dst.len() / block.max(1) * block;
+    let (head, tail) = dst.split_at_mut(whole);
+    par_blocks_mut(head, block, work_per_elem * whole, |i, d| pass(i * block, d));
+    pass(whole, tail);
+}
+
 /// Runs `job(x)` for every `x` of `jobs` on rayon's pool, which gemm's
 /// threads already are; the calling thread waits. A scoped thread spawned
 /// per call cost about 45 µs on this crate's 2-vCPU benchmark machine and

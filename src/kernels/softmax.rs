@@ -5,7 +5,7 @@
 //! a tenth of the model's per-sample gradients, where PyTorch's took 0.3.
 
 use super::fastmath::{exp, widest, Fused, Madd, Plain};
-use super::{contiguous_slice, output, par_blocks_mut};
+use super::{contiguous_slice, in_blocks, output};
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// Lanes of the partial maxima and sums: as wide as AVX-512's vectors, so
@@ -78,10 +78,7 @@ impl CustomOp1 for SoftmaxLast {
         // rows in blocks of about 4096 elements; threads pay for a pass that
         // costs about as much as `exp` (20 flops an element)
         let per = (4096 / n.max(1)).max(1) * n;
-        let whole = dst.len() / per * per;
-        let (head, tail) = dst.split_at_mut(whole);
-        par_blocks_mut(head, per, 8 * whole, |i, d| fill(d, &x[i * per..], n));
-        fill(tail, &x[whole..], n);
+        in_blocks(&mut dst, per, 8, |start, d| fill(d, &x[start..], n));
         Ok((CpuStorage::F32(dst), l.shape().clone()))
     }
 }

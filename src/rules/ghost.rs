@@ -21,8 +21,8 @@
 //! its clipped sum is one index-add of the reweighted rows. Other
 //! per-example gradients (biases and norm scales, which are sums;
 //! convolutions) are materialised here and their norms and weighted sums
-//! read them. These rules only
-//! emit: the DP transform in `dp` decides and warns.
+//! read them. These rules only emit: the DP transform in `dp` decides and
+//! warns.
 
 use super::Builder;
 use crate::error::Result;
@@ -80,7 +80,8 @@ impl Viewed {
     /// `s` (one example's worth of the source, `[m, n]` or any shape with
     /// as many entries) through the views, each with the batch axis
     /// dropped.
-    fn apply(&self, b: &mut Builder, s: VarId, start: &[usize]) -> Result<VarId> {
+    fn apply(&self, b: &mut Builder, s: VarId) -> Result<VarId> {
+        let start = b.dims(self.src);
         let mut s = b.reshape(s, start[1..].to_vec())?;
         for view in &self.views {
             s = match view {
@@ -129,14 +130,13 @@ fn strip_views(b: &Builder, mut v: VarId, batch: usize) -> (VarId, Vec<View>) {
     (v, views)
 }
 
-/// `G` (a per-example gradient, batch axis 0) as a product, if it is one:
-/// views of a matrix product over the batch whose extra leading axes, if
-/// any, are all summed.
-pub(crate) fn product_of(b: &mut Builder, g: VarId) -> Result<Option<Product>> {
-    let Some(&batch) = b.dims(g).first() else {
+/// A per-example gradient (batch axis 0, `viewed` from [`Viewed::of`]) as
+/// a product, if it is one: views of a matrix product over the batch whose
+/// extra leading axes, if any, are all summed.
+pub(crate) fn product_of(b: &mut Builder, viewed: &Viewed) -> Result<Option<Product>> {
+    let Some(&batch) = b.dims(viewed.src).first() else {
         return Ok(None);
     };
-    let viewed = Viewed::of(b, g);
     let mut p = viewed.src;
     // `Σ_e` over all extra leading axes of the product (keeping them or not)
     let mut summed = false;
@@ -166,7 +166,11 @@ pub(crate) fn product_of(b: &mut Builder, g: VarId) -> Result<Option<Product>> {
     let x = b.permute(x, perm)?;
     let x = b.reshape(x, vec![batch, m, e * k])?;
     let y = b.reshape(y, vec![batch, e * k, n])?;
-    Ok(Some(Product { x, y, viewed }))
+    Ok(Some(Product {
+        x,
+        y,
+        viewed: viewed.clone(),
+    }))
 }
 
 /// A per-example embedding gradient, `G_b[v] = Σ_t [id_bt = v] c_bt`:
@@ -190,12 +194,11 @@ impl Lookup {
     }
 }
 
-/// `G` as an embedding's per-example gradient, if it is one: an index-add
-/// of `[B, T, D]` rows along axis 1 at shared ids `[T]`, or a scatter-add
-/// at per-example ids `[B, T]` broadcast over `D` (what the batching rules
-/// make of an embedding's VJP).
-pub(crate) fn lookup_of(b: &Builder, g: VarId) -> Option<Lookup> {
-    let viewed = Viewed::of(b, g);
+/// A per-example gradient (`viewed`) as an embedding's, if it is one: an
+/// index-add of `[B, T, D]` rows along axis 1 at shared ids `[T]`, or a
+/// scatter-add at per-example ids `[B, T]` broadcast over `D` (what the
+/// batching rules make of an embedding's VJP).
+pub(crate) fn lookup_of(b: &Builder, viewed: &Viewed) -> Option<Lookup> {
     let n = &b.nodes[viewed.src];
     let (rows, idx) = (*n.args.first()?, *n.args.get(1)?);
     let rd = b.dims(rows);
@@ -223,7 +226,7 @@ pub(crate) fn lookup_of(b: &Builder, g: VarId) -> Option<Lookup> {
         rows,
         ids,
         size,
-        viewed,
+        viewed: viewed.clone(),
     })
 }
 
@@ -244,8 +247,6 @@ pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
             let prod = b.bin(Binary::Mul, gx, gy)?;
             b.sum_axes(prod, vec![1, 2], false)
         }
-        // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no
-        // squared copy of the per-example gradients
         // Σ_ts [id_t = id_s] (c_t . c_s): B T T
         Plan::GhostLookup(l) => {
             let t = b.dims(l.rows)[1];
@@ -260,6 +261,8 @@ pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
             let masked = b.bin(Binary::Mul, gram, same)?;
             b.sum_axes(masked, vec![1, 2], false)
         }
+        // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no
+        // squared copy of the per-example gradients
         Plan::Materialise(v) => {
             let rows = flat_rows(b, v.src)?;
             let (batch, r) = (b.dims(rows)[0], b.dims(rows)[1]);
@@ -285,8 +288,7 @@ pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<Var
             let wx = b.reshape(wx, vec![m, batch * k])?;
             let y = b.reshape(p.y, vec![batch * k, n])?;
             let s = b.emit(Prim::Matmul, &[wx, y])?;
-            let start = b.dims(p.viewed.src);
-            p.viewed.apply(b, s, &start)
+            p.viewed.apply(b, s)
         }
         // (w c) rows added at the ids of every example: one index-add
         Plan::GhostLookup(l) => {
@@ -298,16 +300,14 @@ pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<Var
             let ids = b.reshape(ids, vec![batch * t])?;
             let op = IndexOp::IndexAdd { axis: 0, size: l.size };
             let s = b.emit(Prim::Index(op), &[wc, ids])?;
-            let start = b.dims(l.viewed.src);
-            l.viewed.apply(b, s, &start)
+            l.viewed.apply(b, s)
         }
         // [1, B] @ [B, R]: one pass over the per-example gradients
         Plan::Materialise(v) => {
             let rows = flat_rows(b, v.src)?;
             let w = b.reshape(w, vec![1, batch])?;
             let s = b.emit(Prim::Matmul, &[w, rows])?;
-            let start = b.dims(v.src);
-            v.apply(b, s, &start)
+            v.apply(b, s)
         }
     }
 }
@@ -319,14 +319,12 @@ fn flat_rows(b: &mut Builder, v: VarId) -> Result<VarId> {
     b.reshape(v, vec![d[0], r])
 }
 
-/// The primitive making `g` (a per-example gradient), by name, when it is
-/// not one whose gradient is meant to be materialised (sums: biases and
-/// norm scales; convolutions' weight gradients; index additions:
+/// The primitive making a per-example gradient (`viewed`), by name, when
+/// it is not one whose gradient is meant to be materialised (sums: biases
+/// and norm scales; convolutions' weight gradients; index additions:
 /// embeddings) nor a product.
-pub(crate) fn no_rule(b: &Builder, g: VarId) -> Option<String> {
-    let batch = *b.dims(g).first()?;
-    let (src, _) = strip_views(b, g, batch);
-    match &b.nodes[src].prim {
+pub(crate) fn no_rule(b: &Builder, viewed: &Viewed) -> Option<String> {
+    match &b.nodes[viewed.src].prim {
         Prim::Matmul | Prim::Reduce(Reduce::Sum { .. }) | Prim::Conv(_) | Prim::Index(_) => None,
         // a parameter the loss does not read, or reads as itself
         p if p.is_leaf() => None,
