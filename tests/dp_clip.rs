@@ -142,6 +142,34 @@ fn a_gradient_without_a_rule_warns_or_fails_in_strict_mode() {
 }
 
 #[test]
+fn a_nan_example_makes_the_sum_nan_as_in_opacus() {
+    // Opacus: (C / (norm + 1e-6)).clamp(max=1) is NaN for a NaN norm, and
+    // so is the clipped sum; the other examples' norms stay finite
+    let p = params(4, 3, 2, DType::F32);
+    let mut v = randn(&[3, 4], 9, DType::F32).to_vec2::<f32>().unwrap();
+    v[1][2] = f32::NAN;
+    let xs = Tensor::new(v, &Device::Cpu).unwrap();
+    for ghost in [true, false] {
+        let (sum, norms, _) = dp::clipped_grad_sum(loss, 1.0).ghost(ghost).call((&p, &xs)).unwrap();
+        let n = norms.to_vec1::<f32>().unwrap();
+        assert!(
+            n[0].is_finite() && n[1].is_nan() && n[2].is_finite(),
+            "ghost {ghost}: {n:?}"
+        );
+        for (k, g) in &sum {
+            let all_nan = g
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .all(|x| x.is_nan());
+            assert!(all_nan, "ghost {ghost}: {k} is not NaN");
+        }
+    }
+}
+
+#[test]
 fn bad_input_is_an_error() {
     let p = params(4, 3, 2, DType::F32);
     let xs = randn(&[2, 4], 7, DType::F32);
