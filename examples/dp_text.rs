@@ -1,26 +1,29 @@
 //! Differentially private training of a tiny transformer language model on
 //! real text: the fortune-cookie texts shipped in `data/` (3,009 records,
 //! each one person's contribution). A character-level GPT (`nn::gpt`) is
-//! trained with DP-SGD: per-record gradients from `vmap(grad(loss))`, each
-//! clipped, the sum noised, batches drawn by Poisson sampling, ε from the
-//! Rényi-DP accountant with the noise chosen for a target ε. Beside it, the
-//! same model trained without privacy for the same steps and batches. Both
-//! report validation bits per character on held-out records.
+//! trained with DP-Adam through `dp::PrivacyEngine`: Poisson sampling,
+//! per-record clipping (ghost norms where they pay), noise from the secure
+//! sampler, and the noise multiplier chosen for a target ε by the PRV
+//! accountant (the RDP figure is printed beside it). Beside it, the same
+//! model trained without privacy for the same number of steps on Poisson
+//! batches of the same rate. Both report validation bits per character on
+//! held-out records.
 //!
 //!     cargo run --release --example dp_text
 //!
 //! Both use Adam (for the private run DP-Adam: the moments are
 //! post-processing of the privatized gradients).
 //!
-//! Options: --epochs N, --batch B (expected batch size), --lr, --lr-plain
-//! (the non-private run's),
-//! --clip C, --epsilon ε (target), --delta δ, --seq T, --dim D, --layers L,
-//! --seed S.
+//! Options: --epochs N, --batch B (expected batch size), --physical P, --lr,
+//! --lr-plain (the non-private run's), --clip C, --epsilon ε (target),
+//! --delta δ, --seq T, --dim D, --layers L, --seed S (reproducible noise,
+//! NOT private; without it the noise is keyed from the OS).
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, accountant::RdpAccountant, rng::Rng};
+use candle_func::dp::accountant::Mechanism;
+use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine};
 use candle_func::nn::{self, functional_call, BlockConfig, CrossEntropy, Module, NormKind, Reduction};
 use candle_func::{grad, vmap, Function, Tracer};
 use common::arg;
@@ -38,7 +41,8 @@ const CE: CrossEntropy = CrossEntropy {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::Cpu;
     let epochs: usize = arg("--epochs", 20);
-    let batch: f64 = arg("--batch", 256.0);
+    let batch: usize = arg("--batch", 256);
+    let physical: usize = arg("--physical", 64);
     let lr: f64 = arg("--lr", 1e-2);
     let lr_plain: f64 = arg("--lr-plain", 1e-2);
     let clip: f64 = arg("--clip", 1.0);
@@ -47,29 +51,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t: usize = arg("--seq", 64);
     let dim: usize = arg("--dim", 64);
     let layers: usize = arg("--layers", 2);
-    let seed: u64 = arg("--seed", 0);
+    let seed: Option<u64> = std::env::args().any(|a| a == "--seed").then(|| arg("--seed", 0));
 
-    // records, shuffled, a tenth held out
+    // records, shuffled (a fixed split), a tenth held out
     let all = fortunes::load()?;
-    let mut rng = Rng::new(seed);
-    let order = rng.permutation(all.len());
+    let order = Rng::seeded(0).permutation(all.len());
     let n_val = all.len() / 10;
     let texts: Vec<&str> = order.iter().map(|&i| all[i].1.as_str()).collect();
     let (val, train) = texts.split_at(n_val);
     let (xs, ys) = fortunes::windows(train, t, &dev)?;
     let (vx, vy) = fortunes::windows(val, t, &dev)?;
     let n = train.len();
-    let q = batch / n as f64;
-    let steps_per_epoch = (1.0 / q).round() as usize;
-    let steps = epochs * steps_per_epoch;
-    let sigma =
-        dp::accountant::noise_multiplier_for(target_eps, delta, q, steps).ok_or("no noise reaches that epsilon")?;
     println!("DP-SGD on {n} fortune texts ({n_val} held out), characters {t} per record, vocabulary {VOCAB}");
-    println!(
-        "sample rate {q:.4} (expected batch {batch}), {epochs} epochs x {steps_per_epoch} steps = {steps} steps; \
-         noise multiplier {sigma:.3} for epsilon {target_eps} at delta {delta:e}, clipping norm {clip}, \
-         Adam, lr {lr} (non-private {lr_plain}; cosine decay), seed {seed}"
-    );
 
     let block = BlockConfig {
         dim,
@@ -97,13 +90,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         private.params().values().map(|p| p.elem_count()).sum::<usize>()
     );
 
-    // One record's loss (its mean over its characters); vmap(grad(..))
-    // gives per-record gradients.
+    // One record's loss (its mean over its characters); the engine turns
+    // it into clipped per-record gradients.
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         let logits = functional_call(&private, &p, &x.unsqueeze(0)?)?.squeeze(0)?;
         nn::cross_entropy_with(&logits, &y, CE)
     };
-    let per_record = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
     // The non-private step: the mean of the same per-record losses.
     let mean = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         let each = |x: Tracer, y: Tracer| {
@@ -114,39 +106,69 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let batch_grad = grad(mean);
 
-    let (mut opt_dp, mut opt_plain) = (dp::Adam::new(&vm_dp, lr)?, dp::Adam::new(&vm_plain, lr_plain)?);
-    let mut accountant = RdpAccountant::new();
+    let rng = match seed {
+        Some(s) => Rng::seeded(s),
+        None => Rng::from_os()?,
+    };
+    let mut trainer = PrivacyEngine::new()
+        .accountant(Mechanism::Prv)
+        .rng(rng)
+        .physical_batch(physical)
+        .make_private_with_epsilon(
+            one,
+            &vm_dp,
+            dp::Adam::new(&vm_dp, lr)?,
+            (&xs, &ys),
+            DpConfig::new(batch, 0.0, clip),
+            (target_eps, delta, epochs as f64),
+        )?;
+    let (q, steps_per_epoch) = (trainer.sample_rate(), trainer.steps_per_epoch());
+    let steps = epochs * steps_per_epoch;
+    println!(
+        "sample rate {q:.4} (expected batch {batch}, physical {physical}), {epochs} epochs x {steps_per_epoch} steps \
+         = {steps} steps; noise multiplier {:.3} for epsilon {target_eps} at delta {delta:e} (PRV), clipping norm \
+         {clip}, Adam, lr {lr} (non-private {lr_plain}; cosine decay), {}",
+        trainer.noise_multiplier(),
+        match seed {
+            Some(s) => format!("seed {s} (reproducible: NOT private)"),
+            None => "noise keyed from the OS".into(),
+        }
+    );
+    let mut opt_plain = dp::Adam::new(&vm_plain, lr_plain)?;
+    // The non-private run's batches: Poisson at the same rate.
+    let mut batches = Rng::seeded(seed.unwrap_or(0).wrapping_add(1));
     let start = Instant::now();
     let mut step = 0usize;
+    let eps = |t: &dp::PrivateTrainer<_, _>, m| t.accountant().with_mechanism(m).epsilon(delta);
     for epoch in 1..=epochs {
         for _ in 0..steps_per_epoch {
             let decay = 0.5 * (1.0 + (std::f64::consts::PI * step as f64 / steps as f64).cos());
-            opt_dp.set_lr(lr * decay);
+            trainer.optimizer_mut().set_lr(lr * decay);
             opt_plain.set_lr(lr_plain * decay);
             step += 1;
-            let idx = rng.poisson_sample(n, q);
-            accountant.step(sigma, q);
+            trainer.step()?;
+            let idx = batches.poisson_sample(n, q);
             if idx.is_empty() {
                 continue;
             }
             let i = Tensor::from_vec(idx.iter().map(|&i| i as u32).collect::<Vec<_>>(), idx.len(), &dev)?;
             let (bx, by) = (xs.index_select(&i, 0)?, ys.index_select(&i, 0)?);
-            let grads = per_record.call((&private.params(), &bx, &by))?;
-            opt_dp.step(&dp::privatize(&grads, clip, sigma, batch, &mut rng)?)?;
             opt_plain.step(&batch_grad.call((&plain.params(), &bx, &by))?)?;
         }
         println!(
             "epoch {epoch:>3}  validation bits/char: private {:.3}, non-private {:.3}  epsilon {:.2}  time {:.0}s",
             bits_per_char(&private, &vx, &vy)?,
             bits_per_char(&plain, &vx, &vy)?,
-            accountant.epsilon(delta),
+            eps(&trainer, Mechanism::Prv)?,
             start.elapsed().as_secs_f64()
         );
     }
     let (bp, bn) = (bits_per_char(&private, &vx, &vy)?, bits_per_char(&plain, &vx, &vy)?);
     println!(
-        "validation bits per character: DP {bp:.3} at epsilon {:.2} (delta {delta:e}), non-private {bn:.3}: DP / non-private {:.3}",
-        accountant.epsilon(delta),
+        "validation bits per character: DP {bp:.3} at epsilon {:.2} by PRV ({:.2} by RDP; delta {delta:e}), \
+         non-private {bn:.3}: DP / non-private {:.3}",
+        eps(&trainer, Mechanism::Prv)?,
+        eps(&trainer, Mechanism::Rdp)?,
         bp / bn
     );
     Ok(())

@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let step_grads = vmap(grad(loss)); // every argument batched over the models
     let one_grad = grad(loss);
     let mut velocity: Option<Params> = None;
-    let mut rng = candle_func::dp::rng::Rng::new(7);
+    let mut rng = candle_func::dp::rng::Rng::seeded(7);
     let steps = train.len() / batch;
     let (mut t_vmap, mut t_loop, mut timed) = (0f64, 0f64, 0usize);
     for epoch in 1..=epochs {

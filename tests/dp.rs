@@ -9,7 +9,7 @@ mod common;
 mod digits;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, accountant::RdpAccountant, rng::Rng};
+use candle_func::dp::{self, accountant::Accountant, rng::Rng, Optimizer};
 use candle_func::nn::{self, functional_call, Module, Reduction};
 use candle_func::{grad, vmap, Tracer};
 use common::rand;
@@ -70,7 +70,7 @@ fn noise_has_the_promised_mean_and_variance() {
         Tensor::zeros((4, 50_000), DType::F32, &Device::Cpu).unwrap(),
     );
     let (c, sigma, b) = (2.0, 1.5, 10.0);
-    let mut rng = Rng::new(3);
+    let mut rng = Rng::seeded(3);
     let out = dp::privatize(&zero, c, sigma, b, &mut rng).unwrap();
     let v = out["w"].to_dtype(DType::F64).unwrap();
     let n = v.elem_count() as f64;
@@ -84,7 +84,7 @@ fn noise_has_the_promised_mean_and_variance() {
         var.sqrt()
     );
     // seeded: the same seed gives the same noise
-    let again = dp::privatize(&zero, c, sigma, b, &mut Rng::new(3)).unwrap();
+    let again = dp::privatize(&zero, c, sigma, b, &mut Rng::seeded(3)).unwrap();
     common::assert_close(&again["w"], &out["w"], 0.0, "seeded noise");
 }
 
@@ -170,9 +170,9 @@ fn a_short_dp_sgd_run_lowers_the_loss() {
     };
     let before = mean_loss();
     let (n, q, sigma, c) = (train.len(), 64.0 / train.len() as f64, 1.0, 1.0);
-    let mut rng = Rng::new(1);
+    let mut rng = Rng::seeded(1);
     let mut opt = dp::Sgd::new(&vm, 1.0, 0.5).unwrap();
-    let mut acct = RdpAccountant::new();
+    let mut acct = Accountant::default();
     for _ in 0..60 {
         let idx = rng.poisson_sample(n, q);
         if idx.is_empty() {
@@ -181,10 +181,10 @@ fn a_short_dp_sgd_run_lowers_the_loss() {
         let b = train.select(&idx).unwrap();
         let g = per_sample.call((&params, &b.images, &b.labels)).unwrap();
         opt.step(&dp::privatize(&g, c, sigma, 64.0, &mut rng).unwrap()).unwrap();
-        acct.step(sigma, q);
+        acct.step(sigma, q).unwrap();
     }
     let after = mean_loss();
     assert!(after < 0.8 * before, "loss {before} -> {after}");
-    let eps = acct.epsilon(1e-5);
+    let eps = acct.epsilon(1e-5).unwrap();
     assert!(eps.is_finite() && eps > 0.0, "epsilon {eps}");
 }

@@ -23,6 +23,10 @@ use crate::transforms::{call_concrete, settings, ByRef, Function, GraphCache};
 pub struct ClippedGradSum<F> {
     loss: F,
     max_norm: f64,
+    /// Per-layer clipping: the group of each gradient leaf (in the tree's
+    /// flattening order) and each group's bound; `None` clips the whole
+    /// gradient to `max_norm`.
+    groups: Option<(Vec<usize>, Vec<f64>)>,
     ghost: bool,
     in_dims: Option<Dims>,
     options: Options,
@@ -65,6 +69,7 @@ pub fn clipped_grad_sum<F>(loss: F, max_norm: f64) -> ClippedGradSum<F> {
     ClippedGradSum {
         loss,
         max_norm,
+        groups: None,
         ghost: true,
         in_dims: None,
         options: Options::new(),
@@ -78,6 +83,20 @@ impl<F> ClippedGradSum<F> {
     pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
         self.cache = GraphCache::default(); // a changed transform traces anew
         self.in_dims = Some(dims.into());
+        self
+    }
+
+    /// Per-layer clipping (Opacus's `clipping="per_layer"`, generalised to
+    /// groups): leaf `i` of the gradient tree (in its flattening order,
+    /// sorted by name for a map) belongs to group `of_leaf[i]`, and each
+    /// example's gradient restricted to group `k` is clipped to
+    /// `bounds[k]` on its own. One example then moves the sum by at most
+    /// `sqrt(Σ bounds²)`, the sensitivity the noise must be scaled to.
+    /// `max_norm` is unused; `norms` stays the norm over all leaves. The
+    /// lengths and bounds are checked when traced.
+    pub fn per_group(mut self, of_leaf: Vec<usize>, bounds: Vec<f64>) -> Self {
+        self.cache = GraphCache::default();
+        self.groups = Some((of_leaf, bounds));
         self
     }
 
@@ -102,6 +121,11 @@ impl<F> ClippedGradSum<F> {
         self.cache = GraphCache::default();
         self.options = options;
         self
+    }
+
+    /// How many input signatures have been traced (and are cached).
+    pub(crate) fn traced(&self) -> usize {
+        self.cache.len()
     }
 
     /// Calls the step on concrete tensors (traced once per signature).
@@ -138,7 +162,10 @@ where
         let (losses, grads) = per.apply(args)?;
         let mut leaves = Vec::new();
         let def = grads.flatten_into(&mut leaves);
-        let (sums, norms) = clip_leaves(&leaves, self.max_norm, self.ghost)?;
+        let flat = (vec![0; leaves.len()], vec![self.max_norm]);
+        let (of_leaf, bounds) = self.groups.as_ref().unwrap_or(&flat);
+        check_groups(of_leaf, bounds, leaves.len())?;
+        let (sums, norms) = clip_leaves(&leaves, (of_leaf, bounds), self.ghost)?;
         let clipped = <S as Nth<0>>::T::unflatten_from(&def, &mut sums.into_iter())?;
         Ok((clipped, norms, losses))
     }
@@ -146,6 +173,20 @@ where
     fn own_options(&self) -> Options {
         self.options
     }
+}
+
+/// An error unless every leaf has a group, every group a bound, and every
+/// bound is finite and positive.
+fn check_groups(of_leaf: &[usize], bounds: &[f64], leaves: usize) -> Result<()> {
+    if of_leaf.len() != leaves || of_leaf.iter().any(|&k| k >= bounds.len()) {
+        return Err(Error::Config {
+            msg: format!(
+                "clipped_grad_sum: groups {of_leaf:?} for {leaves} gradient tensors and {} bounds",
+                bounds.len()
+            ),
+        });
+    }
+    bounds.iter().try_for_each(|&c| positive_norm(c))
 }
 
 /// An error unless the clipping bound is finite and positive.
@@ -194,9 +235,15 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
         .collect()
 }
 
-/// The clipped sums of `leaves` (per-example gradients, batch axis 0) and
-/// the per-example norms over all of them.
-fn clip_leaves(leaves: &[Tracer], max_norm: f64, ghost: bool) -> Result<(Vec<Tracer>, Tracer)> {
+/// Opacus's clipping factor `min(1, C / (norm + 1e-6))`, per example.
+fn clip_factor(norms: &Tracer, c: f64) -> Result<Tracer> {
+    norms.affine(1.0, 1e-6)?.recip()?.affine(c, 0.0)?.clamp(0.0, 1.0)
+}
+
+/// The clipped sums of `leaves` (per-example gradients, batch axis 0), each
+/// group `(of_leaf, bounds)` clipped on its own, and the per-example norms
+/// over all leaves.
+fn clip_leaves(leaves: &[Tracer], (of_leaf, bounds): (&[usize], &[f64]), ghost: bool) -> Result<(Vec<Tracer>, Tracer)> {
     if let Some(g) = leaves.iter().find(|g| g.ty.rank() == 0) {
         return Err(Error::shape(
             "clipped_grad_sum",
@@ -205,12 +252,28 @@ fn clip_leaves(leaves: &[Tracer], max_norm: f64, ghost: bool) -> Result<(Vec<Tra
         ));
     }
     let plans = plans(leaves, ghost)?;
-    let mut total: Option<Tracer> = None;
-    for (g, plan) in leaves.iter().zip(&plans) {
+    // Each group's squared norms, summed in the first leaf's dtype.
+    let mut group_sq: Vec<Option<Tracer>> = vec![None; bounds.len()];
+    for ((g, plan), &k) in leaves.iter().zip(&plans).zip(of_leaf) {
+        // The borrow ends before Tracer::new borrows the builder again.
         let sq = ghost::sq_norm(&mut g.b.borrow_mut(), plan)?;
         let sq = Tracer::new(&g.b, sq);
-        total = Some(match total {
+        group_sq[k] = Some(match group_sq[k].take() {
             None => sq,
+            Some(t) => t.add(&sq.to_dtype(t.ty.dtype)?)?,
+        });
+    }
+    let mut total: Option<Tracer> = None;
+    let mut factors = Vec::with_capacity(bounds.len());
+    for (sq, &c) in group_sq.iter().zip(bounds) {
+        // A group without leaves clips nothing.
+        let Some(sq) = sq else {
+            factors.push(None);
+            continue;
+        };
+        factors.push(Some(clip_factor(&sq.sqrt()?, c)?));
+        total = Some(match total {
+            None => sq.clone(),
             Some(t) => t.add(&sq.to_dtype(t.ty.dtype)?)?,
         });
     }
@@ -218,16 +281,12 @@ fn clip_leaves(leaves: &[Tracer], max_norm: f64, ghost: bool) -> Result<(Vec<Tra
         msg: "clipped_grad_sum: the parameters have no tensors".into(),
     })?;
     let norms = total.sqrt()?;
-    // Opacus's factor: min(1, C / (norm + 1e-6))
-    let factor = norms
-        .affine(1.0, 1e-6)?
-        .recip()?
-        .affine(max_norm, 0.0)?
-        .clamp(0.0, 1.0)?;
     let sums = leaves
         .iter()
         .zip(&plans)
-        .map(|(g, plan)| {
+        .zip(of_leaf)
+        .map(|((g, plan), &k)| {
+            let factor = factors[k].as_ref().expect("the leaf's group has a norm");
             let w = factor.to_dtype(g.ty.dtype)?;
             let s = ghost::weighted_sum(&mut g.b.borrow_mut(), w.id, plan)?;
             Ok(Tracer::new(&g.b, s))

@@ -21,7 +21,7 @@
 //! let clipped = dp::clip_per_sample(&per_sample, 1.0)?;
 //! let n = dp::per_sample_norms(&clipped)?.to_vec1::<f32>()?;
 //! assert!((n[0] - 1.0).abs() < 1e-4 && (n[1] - 0.5).abs() < 1e-6);
-//! let mut rng = Rng::new(0);
+//! let mut rng = Rng::seeded(0); // reproducible for the example; train with Rng::from_os()
 //! let g = dp::privatize(&per_sample, 1.0, 1.1, 2.0, &mut rng)?; // noisy mean gradient
 //! assert_eq!(g["w"].dims(), &[2]);
 //! # Ok::<(), candle_func::Error>(())
@@ -29,7 +29,11 @@
 
 pub mod accountant;
 mod clip;
+mod engine;
+mod optim;
 pub use clip::{clipped_grad_sum, ClippedGradSum};
+pub use engine::{Clipping, DpConfig, PrivacyEngine, PrivateTrainer, StepInfo};
+pub use optim::{Adam, AdamW, Optimizer, Sgd};
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
 /// permutations).
 pub mod rng {
@@ -37,7 +41,7 @@ pub mod rng {
 }
 
 use crate::error::{Error, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor};
 use rng::Rng;
 use std::collections::BTreeMap;
 
@@ -120,136 +124,4 @@ pub fn privatize(
             Ok((k, ((sum + noise)? / expected_batch)?))
         })
         .collect()
-}
-
-/// Stochastic gradient descent with momentum (PyTorch's formulation:
-/// `v = momentum v + g; w -= lr v`), applied to named variables.
-#[derive(Debug)]
-pub struct Sgd {
-    vars: BTreeMap<String, Var>,
-    lr: f64,
-    momentum: f64,
-    velocity: BTreeMap<String, Tensor>,
-}
-
-impl Sgd {
-    /// An optimiser over the variables of `varmap` (by name).
-    pub fn new(varmap: &candle_nn::VarMap, lr: f64, momentum: f64) -> Result<Sgd> {
-        Ok(Sgd {
-            vars: vars_of(varmap, "Sgd")?,
-            lr,
-            momentum,
-            velocity: BTreeMap::new(),
-        })
-    }
-
-    /// The learning rate.
-    pub fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    /// Sets the learning rate.
-    pub fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-
-    /// One step with `grads` (name -> gradient, shaped like the variable).
-    /// Every gradient must name a variable; variables without a gradient
-    /// are left alone.
-    pub fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
-        for (name, g) in grads {
-            let (var, g) = checked(&self.vars, "sgd", name, g)?;
-            let v = match self.velocity.get(name) {
-                Some(prev) if self.momentum != 0.0 => ((prev * self.momentum)? + &g)?,
-                _ => g,
-            };
-            var.set(&(var.as_tensor() - (&v * self.lr)?)?)?;
-            self.velocity.insert(name.clone(), v);
-        }
-        Ok(())
-    }
-}
-
-/// The variables of `varmap` by name.
-fn vars_of(varmap: &candle_nn::VarMap, op: &str) -> Result<BTreeMap<String, Var>> {
-    let data = varmap.data().lock().map_err(|_| Error::Config {
-        msg: format!("{op}: the VarMap's lock is poisoned"),
-    })?;
-    Ok(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-}
-
-/// The variable a gradient is for, and the gradient in its dtype.
-fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g: &Tensor) -> Result<(&'a Var, Tensor)> {
-    let var = vars.get(name).ok_or_else(|| Error::Tree {
-        msg: format!("{op}: no variable named {name:?}"),
-    })?;
-    if var.dims() != g.dims() {
-        return Err(Error::shape(
-            op,
-            &[var.dims(), g.dims()],
-            format!("gradient of {name:?}"),
-        ));
-    }
-    Ok((var, g.to_dtype(var.dtype())?))
-}
-
-/// Adam (PyTorch's formulation with bias correction, no weight decay):
-/// `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, `w -= lr m^ /
-/// (sqrt(v^) + eps)`. With privatized gradients it is DP-Adam: the
-/// moments are post-processing of private values, at no privacy cost.
-#[derive(Debug)]
-pub struct Adam {
-    vars: BTreeMap<String, Var>,
-    lr: f64,
-    betas: (f64, f64),
-    eps: f64,
-    steps: i32,
-    moments: BTreeMap<String, (Tensor, Tensor)>,
-}
-
-impl Adam {
-    /// Adam over the variables of `varmap` with PyTorch's defaults (betas
-    /// 0.9 and 0.999, eps 1e-8).
-    pub fn new(varmap: &candle_nn::VarMap, lr: f64) -> Result<Adam> {
-        Ok(Adam {
-            vars: vars_of(varmap, "Adam")?,
-            lr,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            steps: 0,
-            moments: BTreeMap::new(),
-        })
-    }
-
-    /// The learning rate.
-    pub fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    /// Sets the learning rate.
-    pub fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-
-    /// One step with `grads` (as [`Sgd::step`]).
-    pub fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
-        self.steps = self.steps.saturating_add(1);
-        let (b1, b2) = self.betas;
-        let (c1, c2) = (1.0 - b1.powi(self.steps), 1.0 - b2.powi(self.steps));
-        for (name, g) in grads {
-            let (var, g) = checked(&self.vars, "adam", name, g)?;
-            let (m, v) = match self.moments.remove(name) {
-                Some((m, v)) => (
-                    ((m * b1)? + (&g * (1.0 - b1))?)?,
-                    ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
-                ),
-                None => ((&g * (1.0 - b1))?, (g.sqr()? * (1.0 - b2))?),
-            };
-            let denom = ((&v / c2)?.sqrt()? + self.eps)?;
-            let update = ((&m / c1)? / denom)?;
-            var.set(&(var.as_tensor() - (update * self.lr)?)?)?;
-            self.moments.insert(name.clone(), (m, v));
-        }
-        Ok(())
-    }
 }

@@ -26,7 +26,7 @@ impl Rule for Uniform {
     }
 
     fn run(&self, _args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-        let mut rng = Rng::new(cx.seed);
+        let mut rng = Rng::seeded(cx.seed);
         let v: Vec<f64> = (0..out.elem_count()).map(|_| rng.uniform()).collect();
         Tensor::from_vec(v, out.shape.as_slice(), &candle_core::Device::Cpu)
             .and_then(|t| t.to_dtype(out.dtype))

@@ -1,0 +1,454 @@
+//! DP-SGD training at Opacus's level: a [`PrivacyEngine`] turns a
+//! per-example loss, a `VarMap`, an optimiser and a data set into a
+//! [`PrivateTrainer`] whose `step` does everything one private step needs.
+//!
+//! One step, as Opacus takes it:
+//!
+//! 1. **Poisson sampling**: each example joins the logical batch with
+//!    probability `q = batch_size / N`, from the engine's generator.
+//! 2. **Virtual batches**: the logical batch runs in passes of a fixed
+//!    physical size (Opacus's `BatchMemoryManager`), the last one padded
+//!    with examples of weight 0, so that every pass has the same shapes: a
+//!    new Poisson size never traces or times anything again, and memory is
+//!    bounded by the physical size.
+//! 3. **Clipping** ([`clipped_grad_sum`](super::clipped_grad_sum)): each
+//!    example's gradient clipped to the bound (flat) or each group of
+//!    parameters to its own (per layer), with ghost norms where they pay.
+//! 4. **Noise**, once per logical step: `N(0, (σ S)²)` per coordinate with
+//!    `S` the sensitivity (the bound, or `sqrt(Σ bounds²)` per layer), from
+//!    the secure sampler; then division by the expected batch size `q N`.
+//! 5. **The update** by any [`Optimizer`] (DP-SGD, DP-Adam, DP-AdamW).
+//! 6. **Accounting**: the step is recorded with `(σ, q)`.
+
+use super::accountant::{noise_multiplier_for, Accountant, Mechanism};
+use super::clip::{clipped_grad_sum, ClippedGradSum};
+use super::optim::Optimizer;
+use super::rng::Rng;
+use crate::error::{Error, Result};
+use crate::ir::options::Options;
+use crate::trace::Tracer;
+use crate::transforms::Function;
+use candle_core::{DType, Tensor};
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+
+/// How per-example gradients are bounded.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Clipping {
+    /// The whole gradient to this L2 norm (Opacus's `"flat"`).
+    Flat(f64),
+    /// Each group of parameters to its own norm (Opacus's `"per_layer"`,
+    /// with groups): `(prefix, bound)` where a parameter belongs to the
+    /// first group whose prefix is its name or a `.`-separated head of it
+    /// (`"fc1"` holds `fc1.weight` and `fc1.bias`). Every parameter must
+    /// belong to a group.
+    PerLayer(Vec<(String, f64)>),
+}
+
+/// The privacy parameters of [`PrivacyEngine::make_private`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct DpConfig {
+    /// The expected logical batch size: the sample rate is `batch_size / N`.
+    pub batch_size: usize,
+    /// The noise's standard deviation over the sensitivity, `σ`.
+    pub noise_multiplier: f64,
+    /// The clipping of per-example gradients.
+    pub clipping: Clipping,
+}
+
+impl DpConfig {
+    /// Flat clipping to `max_grad_norm`.
+    pub fn new(batch_size: usize, noise_multiplier: f64, max_grad_norm: f64) -> DpConfig {
+        DpConfig {
+            batch_size,
+            noise_multiplier,
+            clipping: Clipping::Flat(max_grad_norm),
+        }
+    }
+}
+
+/// Builds private trainers (Opacus's `PrivacyEngine`): which accountant,
+/// which generator, ghost clipping or not, and the physical batch size.
+#[derive(Debug)]
+pub struct PrivacyEngine {
+    mechanism: Mechanism,
+    rng: Option<Rng>,
+    ghost: bool,
+    physical_batch: Option<usize>,
+    options: Options,
+}
+
+impl Default for PrivacyEngine {
+    fn default() -> PrivacyEngine {
+        PrivacyEngine::new()
+    }
+}
+
+impl PrivacyEngine {
+    /// The PRV accountant, a generator keyed from the operating system, and
+    /// ghost clipping.
+    pub fn new() -> PrivacyEngine {
+        PrivacyEngine {
+            mechanism: Mechanism::Prv,
+            rng: None,
+            ghost: true,
+            physical_batch: None,
+            options: Options::new(),
+        }
+    }
+
+    /// The analysis the trainer's accountant reports ε by.
+    pub fn accountant(mut self, mechanism: Mechanism) -> PrivacyEngine {
+        self.mechanism = mechanism;
+        self
+    }
+
+    /// The generator for sampling and noise; [`Rng::seeded`] makes a run
+    /// reproducible and **not private against anyone who knows the seed**.
+    pub fn rng(mut self, rng: Rng) -> PrivacyEngine {
+        self.rng = Some(rng);
+        self
+    }
+
+    /// Ghost clipping where it pays (default), or every per-sample gradient
+    /// materialised.
+    pub fn ghost(mut self, on: bool) -> PrivacyEngine {
+        self.ghost = on;
+        self
+    }
+
+    /// Examples per pass (Opacus's `max_physical_batch_size`). The default,
+    /// a quarter of the expected batch, pads at most a quarter of a batch
+    /// per step while keeping passes large.
+    pub fn physical_batch(mut self, n: usize) -> PrivacyEngine {
+        self.physical_batch = Some(n);
+        self
+    }
+
+    /// Options for the transforms inside (convolution route, strict mode).
+    pub fn options(mut self, options: Options) -> PrivacyEngine {
+        self.options = options;
+        self
+    }
+
+    /// A trainer for `loss(params, x, y)`, the loss of ONE example (`x` and
+    /// `y` without a batch axis), over the variables of `varmap`, stepping
+    /// `optimizer`, on the data set `(xs, ys)` (examples along axis 0).
+    pub fn make_private<F, O>(
+        self,
+        loss: F,
+        varmap: &VarMap,
+        optimizer: O,
+        (xs, ys): (&Tensor, &Tensor),
+        config: DpConfig,
+    ) -> Result<PrivateTrainer<F, O>>
+    where
+        F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
+        O: Optimizer,
+    {
+        let n = examples(xs, ys)?;
+        let q = sample_rate(config.batch_size, n)?;
+        check_sigma(config.noise_multiplier)?;
+        let names = super::optim::var_names(varmap)?;
+        let (of_leaf, bounds) = groups(&names, &config.clipping)?;
+        let sensitivity = bounds.iter().map(|c| c * c).sum::<f64>().sqrt();
+        let physical = self.physical_batch.unwrap_or(config.batch_size.div_ceil(4)).max(1);
+        let clip = clipped_grad_sum(Masked(loss), bounds[0])
+            .per_group(of_leaf, bounds)
+            .ghost(self.ghost)
+            .options(self.options);
+        let rng = match self.rng {
+            Some(r) => r,
+            None => Rng::from_os()?,
+        };
+        Ok(PrivateTrainer {
+            clip,
+            varmap: varmap.clone(),
+            optimizer,
+            accountant: Accountant::new(self.mechanism),
+            rng,
+            xs: xs.clone(),
+            ys: ys.clone(),
+            sample_rate: q,
+            noise_multiplier: config.noise_multiplier,
+            sensitivity,
+            physical,
+            bound: match config.clipping {
+                Clipping::Flat(c) => Some(c),
+                Clipping::PerLayer(_) => None,
+            },
+        })
+    }
+
+    /// As [`PrivacyEngine::make_private`], with the noise multiplier chosen
+    /// so that `epochs` epochs spend at most `target_epsilon` at `delta` by
+    /// the engine's accountant (Opacus's `make_private_with_epsilon`);
+    /// `config.noise_multiplier` is replaced. An epoch is
+    /// [`PrivateTrainer::steps_per_epoch`] steps, and the count is rounded
+    /// up, so the ε is that of the steps the loop will take (Opacus counts
+    /// `epochs / q` steps, which can be one short of its loop's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn make_private_with_epsilon<F, O>(
+        self,
+        loss: F,
+        varmap: &VarMap,
+        optimizer: O,
+        data: (&Tensor, &Tensor),
+        config: DpConfig,
+        (target_epsilon, delta, epochs): (f64, f64, f64),
+    ) -> Result<PrivateTrainer<F, O>>
+    where
+        F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
+        O: Optimizer,
+    {
+        let q = sample_rate(config.batch_size, examples(data.0, data.1)?)?;
+        if !(epochs.is_finite() && epochs > 0.0) {
+            return Err(Error::Config {
+                msg: format!("make_private_with_epsilon: epochs must be finite and > 0, got {epochs}"),
+            });
+        }
+        let steps = (epochs * steps_per_epoch(q) as f64).ceil() as usize;
+        let noise_multiplier = noise_multiplier_for(self.mechanism, target_epsilon, delta, q, steps)?;
+        let config = DpConfig {
+            noise_multiplier,
+            ..config
+        };
+        self.make_private(loss, varmap, optimizer, data, config)
+    }
+}
+
+/// The number of examples, the same in `xs` and `ys`.
+fn examples(xs: &Tensor, ys: &Tensor) -> Result<usize> {
+    match (xs.dims().first(), ys.dims().first()) {
+        (Some(&a), Some(&b)) if a == b && a > 0 => Ok(a),
+        _ => Err(Error::shape(
+            "make_private",
+            &[xs.dims(), ys.dims()],
+            "inputs and targets need the same, non-zero number of examples along axis 0",
+        )),
+    }
+}
+
+fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
+    if batch_size == 0 || batch_size > n {
+        return Err(Error::Config {
+            msg: format!("make_private: batch_size must be in 1..={n} (the data set's size), got {batch_size}"),
+        });
+    }
+    Ok(batch_size as f64 / n as f64)
+}
+
+fn steps_per_epoch(q: f64) -> usize {
+    ((1.0 / q).round() as usize).max(1)
+}
+
+fn check_sigma(sigma: f64) -> Result<()> {
+    if sigma.is_finite() && sigma >= 0.0 {
+        return Ok(());
+    }
+    Err(Error::Config {
+        msg: format!("make_private: noise_multiplier must be finite and >= 0, got {sigma}"),
+    })
+}
+
+/// Each parameter's group (in name order) and each group's bound.
+fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>)> {
+    let bad = |msg: String| Err(Error::Config { msg });
+    match clipping {
+        Clipping::Flat(c) if c.is_finite() && *c > 0.0 => Ok((vec![0; names.len()], vec![*c])),
+        Clipping::Flat(c) => bad(format!("make_private: max_grad_norm must be finite and > 0, got {c}")),
+        Clipping::PerLayer(groups) => {
+            if let Some((p, c)) = groups.iter().find(|(_, c)| !(c.is_finite() && *c > 0.0)) {
+                return bad(format!(
+                    "make_private: the bound of group {p:?} must be finite and > 0, got {c}"
+                ));
+            }
+            let of_leaf = names
+                .iter()
+                .map(|name| {
+                    let holds = |p: &str| name == p || name.strip_prefix(p).is_some_and(|r| r.starts_with('.'));
+                    groups.iter().position(|(p, _)| holds(p)).ok_or_else(|| Error::Config {
+                        msg: format!("make_private: parameter {name:?} is in no per-layer clipping group"),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((of_leaf, groups.iter().map(|g| g.1).collect()))
+        }
+    }
+}
+
+/// The per-example loss times the example's weight (1, or 0 for padding):
+/// a padded example's gradient is exactly zero, so it adds nothing.
+struct Masked<F>(F);
+
+impl<F> Function<(BTreeMap<String, Tracer>, Tracer, Tracer, Tracer)> for Masked<F>
+where
+    F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
+{
+    type Output = Tracer;
+
+    fn apply(&self, (p, x, y, w): (BTreeMap<String, Tracer>, Tracer, Tracer, Tracer)) -> Result<Tracer> {
+        let l = self.0.apply((p, x, y))?;
+        l.mul(&w.to_dtype(l.dtype())?)
+    }
+}
+
+/// What one private step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepInfo {
+    /// The logical (Poisson) batch size.
+    pub batch_size: usize,
+    /// Passes of the physical batch size it took.
+    pub passes: usize,
+    /// The mean loss over the batch's examples (NaN for an empty batch).
+    pub mean_loss: f64,
+    /// The fraction of the batch's examples whose gradient norm exceeded
+    /// the bound (flat clipping; NaN per layer or for an empty batch).
+    pub clipped_fraction: f64,
+}
+
+/// A DP-SGD training loop's state: the clipping transform, the optimiser,
+/// the accountant and the generator (see the module docs for one step).
+pub struct PrivateTrainer<F, O> {
+    clip: ClippedGradSum<Masked<F>>,
+    varmap: VarMap,
+    optimizer: O,
+    accountant: Accountant,
+    rng: Rng,
+    xs: Tensor,
+    ys: Tensor,
+    sample_rate: f64,
+    noise_multiplier: f64,
+    sensitivity: f64,
+    physical: usize,
+    bound: Option<f64>,
+}
+
+impl<F, O> PrivateTrainer<F, O>
+where
+    F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
+    O: Optimizer,
+{
+    /// One private step: sample, clip in passes, add noise once, update,
+    /// account.
+    pub fn step(&mut self) -> Result<StepInfo> {
+        let n = self.xs.dims()[0];
+        let idx = self.rng.poisson_sample(n, self.sample_rate);
+        let params = super::optim::var_tensors(&self.varmap)?;
+        let mut sum: Option<BTreeMap<String, Tensor>> = None;
+        let (mut loss_sum, mut over) = (0.0, 0usize);
+        for chunk in idx.chunks(self.physical) {
+            let (xs, ys, w) = self.pass(chunk)?;
+            let (clipped, norms, losses) = self.clip.call((&params, &xs, &ys, &w))?;
+            loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            if let Some(c) = self.bound {
+                let real = norms.narrow(0, 0, chunk.len())?.to_dtype(DType::F64)?;
+                over += real.to_vec1::<f64>()?.iter().filter(|&&v| v > c).count();
+            }
+            sum = Some(match sum {
+                None => clipped,
+                Some(s) => add_trees(s, &clipped)?,
+            });
+        }
+        let sum = match sum {
+            Some(s) => s,
+            None => params
+                .iter()
+                .map(|(k, p)| Ok((k.clone(), p.zeros_like()?)))
+                .collect::<Result<_>>()?,
+        };
+        let expected = self.sample_rate * n as f64;
+        let std = self.noise_multiplier * self.sensitivity;
+        let mut grads = BTreeMap::new();
+        for (k, s) in sum {
+            let noise = self.rng.normal_tensor(std, s.dims(), s.dtype(), s.device())?;
+            grads.insert(k, ((s + noise)? / expected)?);
+        }
+        self.optimizer.step(&grads)?;
+        self.accountant.step(self.noise_multiplier, self.sample_rate)?;
+        let b = idx.len() as f64;
+        Ok(StepInfo {
+            batch_size: idx.len(),
+            passes: idx.len().div_ceil(self.physical),
+            mean_loss: if idx.is_empty() { f64::NAN } else { loss_sum / b },
+            clipped_fraction: match (self.bound, idx.is_empty()) {
+                (Some(_), false) => over as f64 / b,
+                _ => f64::NAN,
+            },
+        })
+    }
+
+    /// One pass's inputs, targets and weights: the chunk's examples padded
+    /// to the physical size with copies of its first, weighted 0.
+    fn pass(&self, chunk: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
+        let mut ids: Vec<u32> = Vec::with_capacity(self.physical);
+        for &i in chunk {
+            ids.push(u32::try_from(i).map_err(|_| Error::Config {
+                msg: format!("PrivateTrainer: example index {i} exceeds u32"),
+            })?);
+        }
+        let pad = self.physical - chunk.len();
+        ids.extend(std::iter::repeat_n(ids[0], pad));
+        let weights: Vec<f32> = (0..self.physical).map(|i| (i < chunk.len()) as u8 as f32).collect();
+        let dev = self.xs.device();
+        let ids = Tensor::from_vec(ids, self.physical, dev)?;
+        Ok((
+            self.xs.index_select(&ids, 0)?,
+            self.ys.index_select(&ids, 0)?,
+            Tensor::from_vec(weights, self.physical, dev)?,
+        ))
+    }
+
+    /// The ε spent so far at `delta`, by the engine's accountant.
+    pub fn epsilon(&self, delta: f64) -> Result<f64> {
+        self.accountant.epsilon(delta)
+    }
+
+    /// The accountant (save its [`Accountant::to_json`] with a checkpoint).
+    pub fn accountant(&self) -> &Accountant {
+        &self.accountant
+    }
+
+    /// Replaces the accountant, to resume a run from a checkpoint.
+    pub fn set_accountant(&mut self, accountant: Accountant) {
+        self.accountant = accountant;
+    }
+
+    /// The optimiser (for its learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+
+    /// How many input shapes the clipping step has traced: 1 after any
+    /// number of steps, whatever their Poisson sizes, since every pass has
+    /// the physical batch's shape.
+    pub fn traces(&self) -> usize {
+        self.clip.traced()
+    }
+
+    /// The noise multiplier `σ` in use.
+    pub fn noise_multiplier(&self) -> f64 {
+        self.noise_multiplier
+    }
+
+    /// The sample rate `q = batch_size / N`.
+    pub fn sample_rate(&self) -> f64 {
+        self.sample_rate
+    }
+
+    /// Steps per epoch: `1 / q` rounded, at least 1.
+    pub fn steps_per_epoch(&self) -> usize {
+        steps_per_epoch(self.sample_rate)
+    }
+}
+
+fn add_trees(mut a: BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+    for (k, v) in a.iter_mut() {
+        let other = b.get(k).ok_or_else(|| Error::Internal {
+            op: "PrivateTrainer::step".into(),
+            msg: format!("the clipped sums disagree on {k:?}"),
+        })?;
+        *v = (&*v + other)?;
+    }
+    Ok(a)
+}

@@ -1,0 +1,343 @@
+//! `dp::PrivacyEngine` and its trainer: one step equals the materialised
+//! DP-SGD step (Poisson batch, clipping, mean, update) whatever the
+//! physical batch size, per-layer clipping clips each group, the noise has
+//! the promised scale, a new Poisson size never traces again, the
+//! optimisers follow PyTorch's formulas, and bad input is refused.
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::dp::accountant::{noise_multiplier_for, Accountant, Mechanism};
+use candle_func::dp::{self, rng::Rng, Clipping, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::{grad, vmap, Tracer};
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+
+mod common;
+use common::max_diff;
+
+type Params = BTreeMap<String, Tensor>;
+type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> candle_func::Result<Tracer>;
+
+fn values(seed: u64, shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let h = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((h >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Two layers, `l` (4 -> 3, tanh) and `m` (3 -> 2), in a fresh VarMap.
+fn model() -> VarMap {
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap();
+        for (i, (name, shape)) in [("l.weight", &[3, 4][..]), ("l.bias", &[3]), ("m.weight", &[2, 3])]
+            .into_iter()
+            .enumerate()
+        {
+            data.insert(
+                name.into(),
+                candle_core::Var::from_tensor(&values(i as u64 + 10, shape)).unwrap(),
+            );
+        }
+    }
+    vm
+}
+
+/// One example's loss: squared error of the two-layer net.
+fn loss(p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer) -> candle_func::Result<Tracer> {
+    let h = x.unsqueeze(0)?.broadcast_matmul(&p["l.weight"].t()?)?;
+    let h = h.broadcast_add(&p["l.bias"])?.tanh()?;
+    let out = h.broadcast_matmul(&p["m.weight"].t()?)?;
+    out.sub(&y.unsqueeze(0)?)?.sqr()?.sum_all()
+}
+
+fn data(n: usize) -> (Tensor, Tensor) {
+    (values(1, &[n, 4]), values(2, &[n, 2]))
+}
+
+fn current(vm: &VarMap) -> Params {
+    let data = vm.data().lock().unwrap();
+    data.iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+/// The materialised step: the same Poisson batch (the same seeded
+/// generator's first draw), per-sample gradients, each group clipped,
+/// summed, divided by `q N`, one SGD step of `lr`.
+fn reference(
+    before: &Params,
+    (xs, ys): (&Tensor, &Tensor),
+    seed: u64,
+    batch: usize,
+    groups: &[(&str, f64)],
+    lr: f64,
+) -> Params {
+    let n = xs.dims()[0];
+    let q = batch as f64 / n as f64;
+    let idx = Rng::seeded(seed).poisson_sample(n, q);
+    let ids = Tensor::from_vec(
+        idx.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        idx.len(),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (bx, by) = (xs.index_select(&ids, 0).unwrap(), ys.index_select(&ids, 0).unwrap());
+    let per = vmap(grad(loss))
+        .in_dims([None, Some(0), Some(0)])
+        .call((before, &bx, &by))
+        .unwrap();
+    let mut out = Params::new();
+    for &(prefix, c) in groups {
+        let group: Params = per
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, g) in dp::clip_per_sample(&group, c).unwrap() {
+            let step = (g.sum(0).unwrap() * (lr / (q * n as f64))).unwrap();
+            out.insert(k.clone(), (&before[&k] - step).unwrap());
+        }
+    }
+    out
+}
+
+fn trainer(
+    vm: &VarMap,
+    d: (&Tensor, &Tensor),
+    physical: usize,
+    config: DpConfig,
+    seed: u64,
+) -> dp::PrivateTrainer<Loss, dp::Sgd> {
+    PrivacyEngine::new()
+        .rng(Rng::seeded(seed))
+        .physical_batch(physical)
+        .make_private(
+            loss as fn(_, _, _) -> _,
+            vm,
+            dp::Sgd::new(vm, 0.1, 0.0).unwrap(),
+            d,
+            config,
+        )
+        .unwrap()
+}
+
+#[test]
+fn one_step_equals_the_materialised_step_for_any_physical_batch() {
+    let (xs, ys) = data(60);
+    for physical in [1, 4, 7, 64] {
+        let vm = model();
+        let before = current(&vm);
+        let mut t = trainer(&vm, (&xs, &ys), physical, DpConfig::new(12, 0.0, 0.5), 5);
+        let info = t.step().unwrap();
+        assert!(info.batch_size > 0 && info.passes == info.batch_size.div_ceil(physical));
+        assert!(info.mean_loss.is_finite() && (0.0..=1.0).contains(&info.clipped_fraction));
+        let want = reference(&before, (&xs, &ys), 5, 12, &[("", 0.5)], 0.1);
+        let got = current(&vm);
+        for (k, w) in &want {
+            let d = max_diff(&got[k], w);
+            assert!(d < 1e-5, "physical {physical}, {k}: {d}");
+            // The step moved the weights.
+            assert!(max_diff(&got[k], &before[k]) > 1e-4, "{k}");
+        }
+    }
+}
+
+#[test]
+fn per_layer_clipping_clips_each_group() {
+    let (xs, ys) = data(40);
+    let vm = model();
+    let before = current(&vm);
+    let groups = vec![("l".to_string(), 0.3), ("m".to_string(), 0.7)];
+    let config = DpConfig {
+        clipping: Clipping::PerLayer(groups),
+        ..DpConfig::new(10, 0.0, 1.0)
+    };
+    let mut t = trainer(&vm, (&xs, &ys), 4, config, 9);
+    let info = t.step().unwrap();
+    assert!(info.clipped_fraction.is_nan());
+    let want = reference(&before, (&xs, &ys), 9, 10, &[("l.", 0.3), ("m.", 0.7)], 0.1);
+    let got = current(&vm);
+    for (k, w) in &want {
+        assert!(max_diff(&got[k], w) < 1e-5, "{k}: {}", max_diff(&got[k], w));
+    }
+}
+
+#[test]
+fn noise_has_the_promised_scale_and_new_sizes_never_trace() {
+    // A loss with zero gradient: the update is the noise alone,
+    // -lr N(0, (σ S)²) / (q N) per coordinate, with S = sqrt(Σ bounds²).
+    let zero =
+        |p: BTreeMap<String, Tracer>, x: Tracer, _y: Tracer| p["big"].sum_all()?.mul(0.0)?.add(&x.sum_all()?.mul(0.0)?);
+    let vm = VarMap::new();
+    vm.data().lock().unwrap().insert(
+        "big".into(),
+        candle_core::Var::zeros((200, 100), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let (xs, ys) = data(50);
+    let (sigma, lr, batch) = (1.5, 0.1, 10);
+    let config = DpConfig {
+        clipping: Clipping::PerLayer(vec![("big".into(), 3.0), ("unused".into(), 4.0)]),
+        ..DpConfig::new(batch, sigma, 1.0)
+    };
+    let mut t = PrivacyEngine::new()
+        .rng(Rng::seeded(3))
+        .physical_batch(4)
+        .make_private(zero, &vm, dp::Sgd::new(&vm, lr, 0.0).unwrap(), (&xs, &ys), config)
+        .unwrap();
+    let mut sizes = std::collections::BTreeSet::new();
+    for _ in 0..6 {
+        sizes.insert(t.step().unwrap().batch_size);
+    }
+    // Several Poisson sizes, one trace.
+    assert!(sizes.len() > 2, "{sizes:?}");
+    assert_eq!(t.traces(), 1);
+    assert_eq!(t.accountant().steps(), 6);
+    let w = current(&vm)["big"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // Six independent steps add up: std sqrt(6) lr σ 5 / (q N).
+    let want = 6f64.sqrt() * lr * sigma * 5.0 / batch as f64;
+    let n = w.len() as f64;
+    let std = (w.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / n).sqrt();
+    assert!(
+        (std - want).abs() < 5.0 * want / (2.0 * n).sqrt(),
+        "std {std} vs {want}"
+    );
+}
+
+#[test]
+fn empty_batches_take_a_noise_only_step() {
+    let (xs, ys) = data(1000);
+    let vm = model();
+    let before = current(&vm);
+    let mut t = trainer(&vm, (&xs, &ys), 8, DpConfig::new(1, 0.0, 1.0), 0);
+    let mut empty = None;
+    for _ in 0..20 {
+        let info = t.step().unwrap();
+        if info.batch_size == 0 {
+            empty = Some(info);
+            break;
+        }
+    }
+    let info = empty.expect("q = 0.001 gives empty batches");
+    assert_eq!(info.passes, 0);
+    assert!(info.mean_loss.is_nan() && info.clipped_fraction.is_nan());
+    assert!(current(&vm)
+        .values()
+        .zip(before.values())
+        .all(|(a, b)| a.dims() == b.dims()));
+}
+
+#[test]
+fn make_private_with_epsilon_spends_at_most_the_target() {
+    let (xs, ys) = data(100);
+    let vm = model();
+    let (target, delta, epochs) = (3.0, 1e-5, 2.0);
+    for mech in [Mechanism::Prv, Mechanism::Rdp] {
+        let t = PrivacyEngine::new()
+            .accountant(mech)
+            .rng(Rng::seeded(1))
+            .make_private_with_epsilon(
+                loss,
+                &vm,
+                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                (&xs, &ys),
+                DpConfig::new(10, 0.0, 1.0),
+                (target, delta, epochs),
+            )
+            .unwrap();
+        let steps = 2 * t.steps_per_epoch();
+        assert_eq!(t.steps_per_epoch(), 10);
+        let sigma = t.noise_multiplier();
+        assert_eq!(sigma, noise_multiplier_for(mech, target, delta, 0.1, steps).unwrap());
+        let mut acc = Accountant::new(mech);
+        acc.record(sigma, 0.1, steps).unwrap();
+        let eps = acc.epsilon(delta).unwrap();
+        assert!(eps <= target && target - eps < 0.011, "{mech:?}: {eps}");
+    }
+}
+
+#[test]
+fn optimisers_follow_pytorch() {
+    let vm = VarMap::new();
+    let w0 = values(4, &[5]);
+    vm.data()
+        .lock()
+        .unwrap()
+        .insert("w".into(), candle_core::Var::from_tensor(&w0).unwrap());
+    let g = values(5, &[5]);
+    let grads = BTreeMap::from([("w".to_string(), g.clone())]);
+    let (lr, wd) = (0.1, 0.05);
+    let mut opt = dp::AdamW::new(&vm, lr, wd).unwrap();
+    opt.step(&grads).unwrap();
+    // First step: m^ = g, v^ = g², so the update is lr g / (|g| + eps).
+    let want = ((&w0 * (1.0 - lr * wd)).unwrap() - (g.sign().unwrap() * lr).unwrap()).unwrap();
+    assert!(max_diff(&current(&vm)["w"], &want) < 1e-6);
+    assert_eq!(opt.lr(), lr);
+    opt.set_lr(0.5);
+    assert_eq!(opt.lr(), 0.5);
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        assert!(dp::AdamW::new(&vm, 0.1, bad).is_err());
+        assert!(dp::Adam::new(&vm, bad).is_err());
+        assert!(dp::Sgd::new(&vm, bad, 0.0).is_err());
+    }
+    assert!(dp::Adam::new(&vm, 0.1).unwrap().with((1.0, 0.9), 1e-8).is_err());
+    // A gradient for a variable that does not exist, or of the wrong shape.
+    let stray = BTreeMap::from([("v".to_string(), g.clone())]);
+    assert!(opt.step(&stray).unwrap_err().to_string().contains("\"v\""));
+    let wrong = BTreeMap::from([("w".to_string(), values(5, &[2, 2]))]);
+    assert!(opt.step(&wrong).is_err());
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let (xs, ys) = data(20);
+    let vm = model();
+    let make = |d: (&Tensor, &Tensor), config: DpConfig| {
+        PrivacyEngine::new()
+            .rng(Rng::seeded(0))
+            .make_private(loss, &vm, dp::Sgd::new(&vm, 0.1, 0.0).unwrap(), d, config)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(make((&xs, &ys), DpConfig::new(0, 1.0, 1.0)).contains("batch_size"));
+    assert!(make((&xs, &ys), DpConfig::new(21, 1.0, 1.0)).contains("batch_size"));
+    assert!(make((&xs, &ys), DpConfig::new(5, f64::NAN, 1.0)).contains("noise_multiplier"));
+    assert!(make((&xs, &ys), DpConfig::new(5, 1.0, -1.0)).contains("max_grad_norm"));
+    let short = ys.narrow(0, 0, 19).unwrap();
+    let msg = make((&xs, &short), DpConfig::new(5, 1.0, 1.0));
+    assert!(msg.contains("make_private") && msg.contains("19"), "{msg}");
+    let missing = DpConfig {
+        clipping: Clipping::PerLayer(vec![("l".into(), 1.0)]),
+        ..DpConfig::new(5, 1.0, 1.0)
+    };
+    assert!(make((&xs, &ys), missing).contains("\"m.weight\""));
+    let nan_group = DpConfig {
+        clipping: Clipping::PerLayer(vec![("l".into(), 1.0), ("m".into(), f64::NAN)]),
+        ..DpConfig::new(5, 1.0, 1.0)
+    };
+    assert!(make((&xs, &ys), nan_group).contains("\"m\""));
+    let with_eps = |eps: f64, epochs: f64| {
+        PrivacyEngine::new()
+            .rng(Rng::seeded(0))
+            .make_private_with_epsilon(
+                loss,
+                &vm,
+                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                (&xs, &ys),
+                DpConfig::new(5, 0.0, 1.0),
+                (eps, 1e-5, epochs),
+            )
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(with_eps(1.0, 0.0).contains("epochs"));
+    assert!(with_eps(1.0, f64::NAN).contains("epochs"));
+    // The PRV figure carries its error band (0.01), so 0.005 is out of reach.
+    assert!(with_eps(0.005, 1.0).contains("noise_multiplier_for"));
+    assert!(with_eps(-1.0, 1.0).contains("target_epsilon"));
+}
