@@ -601,20 +601,26 @@ fn lm(o: &Opts) -> Res<()> {
 fn dp_steps(o: &Opts) -> Res<()> {
     let dev = Device::Cpu;
     let labels = |b: usize| Tensor::from_vec((0..b as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<u32>>(), b, &dev);
-    let (_t, cnn_tut) = build(cnn_t)?;
-    let (_o, cnn_op) = build(cnn_o)?;
+    let (vm_t, cnn_tut) = build(cnn_t)?;
+    let (vm_o, cnn_op) = build(cnn_o)?;
     let conv = |m: &Sequential, b: usize| -> Res<(Params, Tensor, Tensor)> {
         Ok((m.params(), Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?, labels(b)?))
     };
     let ce = |logits: &Tracer, y: &Tracer| nn::cross_entropy(logits, y, Reduction::Mean);
-    dp_step(o, "PyTorch-tutorial CNN, B=64", &cnn_tut, conv(&cnn_tut, 64)?, ce)?;
-    dp_step(o, "Opacus MNIST CNN, B=256", &cnn_op, conv(&cnn_op, 256)?, ce)?;
-    let (_l, lm, xs, ys) = tiny_lm(32)?;
+    dp_step(
+        o,
+        "PyTorch-tutorial CNN, B=64",
+        (&vm_t, &cnn_tut),
+        conv(&cnn_tut, 64)?,
+        ce,
+    )?;
+    dp_step(o, "Opacus MNIST CNN, B=256", (&vm_o, &cnn_op), conv(&cnn_op, 256)?, ce)?;
+    let (vm_l, lm, xs, ys) = tiny_lm(32)?;
     let seq = |logits: &Tracer, y: &Tracer| nn::cross_entropy_with(logits, y, nn::CrossEntropy::default());
     dp_step(
         o,
         "tiny_lm (V=64, D=64, H=4, L=2, T=64), B=32",
-        &lm,
+        (&vm_l, &lm),
         (lm.params(), xs, ys),
         seq,
     )?;
@@ -622,37 +628,81 @@ fn dp_steps(o: &Opts) -> Res<()> {
 }
 
 /// One `dp_steps` model: `loss(logits, y)` of a batch for the ordinary
-/// step, of a batch of one for the per-example losses.
+/// step, of a batch of one for the per-example losses. The training steps
+/// update the model's `VarMap` (SGD, lr 1e-3); the DP steps run through
+/// `dp::PrivacyEngine` with the batch as the whole data set (`q = 1`, one
+/// pass of B), so each does exactly what `bench_dp.py`'s Opacus step does:
+/// clip, one noise draw (`σ = 1`), the update.
 fn dp_step<M: Module>(
     o: &Opts,
     tag: &str,
-    m: &M,
+    (vm, m): (&candle_nn::VarMap, &M),
     (p, xs, ys): (Params, Tensor, Tensor),
     loss: impl Fn(&Tracer, &Tracer) -> candle_func::Result<Tracer> + Copy,
 ) -> Res<()> {
-    use candle_func::dp::clipped_grad_sum;
+    use candle_func::dp::{self, clipped_grad_sum, DpConfig, Optimizer, PrivacyEngine};
     let step = grad(|p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| loss(&functional_call(m, &p, &x)?, &y));
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         loss(&functional_call(m, &p, &x.unsqueeze(0)?)?, &y.unsqueeze(0)?)
     };
     let (ghost, full) = (clipped_grad_sum(one, 1.0), clipped_grad_sum(one, 1.0).ghost(false));
+    let b = xs.dims()[0];
+    let trainer = |on: bool, physical: usize| {
+        PrivacyEngine::new()
+            .rng(dp::rng::Rng::seeded(0))
+            .ghost(on)
+            .physical_batch(physical)
+            .make_private(
+                one,
+                vm,
+                dp::Sgd::new(vm, 1e-3, 0.0)?,
+                (&xs, &ys),
+                DpConfig::new(b, 1.0, 1.0),
+            )
+    };
+    let (mut dp_ghost, mut dp_full) = (trainer(true, b)?, trainer(false, b)?);
+    let mut dp_halves = trainer(true, b.div_ceil(2))?;
+    let mut sgd = dp::Sgd::new(vm, 1e-3, 0.0)?;
     let mut jobs: Vec<Job> = vec![
         Box::new(|| Ok(step.call((&p, &xs, &ys)).map(|_| ())?)),
+        Box::new(|| Ok(sgd.step(&step.call((&p, &xs, &ys))?)?)),
         Box::new(|| Ok(ghost.call((&p, &xs, &ys)).map(|_| ())?)),
         Box::new(|| Ok(full.call((&p, &xs, &ys)).map(|_| ())?)),
+        Box::new(|| Ok(dp_ghost.step().map(|_| ())?)),
+        Box::new(|| Ok(dp_full.step().map(|_| ())?)),
+        Box::new(|| Ok(dp_halves.step().map(|_| ())?)),
     ];
     let ms = interleaved(o.reps, &mut jobs)?;
     drop(jobs);
     let inputs = flat_inputs(&p, &[&xs, &ys]);
-    let peaks = [
+    let (hx, hy) = (xs.narrow(0, 0, b.div_ceil(2))?, ys.narrow(0, 0, b.div_ceil(2))?);
+    let graph_peaks = [
         peak_mib(&make_graph(&step, (&p, &xs, &ys))?, &inputs)?,
         peak_mib(&make_graph(&ghost, (&p, &xs, &ys))?, &inputs)?,
         peak_mib(&make_graph(&full, (&p, &xs, &ys))?, &inputs)?,
+        peak_mib(&make_graph(&ghost, (&p, &hx, &hy))?, &flat_inputs(&p, &[&hx, &hy]))?,
+    ];
+    // Outside the graphs, the updates hold parameter-sized temporaries:
+    // one for SGD's step, two more for the noise and the noisy sum.
+    let p_mib = p.values().map(|t| t.elem_count() * 4).sum::<usize>() as f64 / (1 << 20) as f64;
+    let peaks = [
+        graph_peaks[0],
+        graph_peaks[0] + p_mib,
+        graph_peaks[1],
+        graph_peaks[2],
+        graph_peaks[1] + 3.0 * p_mib,
+        graph_peaks[2] + 3.0 * p_mib,
+        // and the first pass's sum while the second runs
+        graph_peaks[3] + 4.0 * p_mib,
     ];
     let names = [
         "batched gradient step",
+        "batched training step (+ SGD)",
         "clipped sum, ghost",
         "clipped sum, materialised",
+        "DP step, ghost (clip + noise + SGD)",
+        "DP step, materialised",
+        "DP step, ghost, two passes of B/2",
     ];
     let rows: Vec<Row> = names
         .iter()
@@ -663,19 +713,15 @@ fn dp_step<M: Module>(
             peak_mib: Some(peak),
         })
         .collect();
+    let ratio = |i: usize, j: usize| format!("{:.2} time, {:.2} peak memory", ms[i] / ms[j], peaks[i] / peaks[j]);
     let notes = vec![
-        format!(
-            "ghost / batched step: {:.2} time, {:.2} peak memory",
-            ms[1] / ms[0],
-            peaks[1] / peaks[0]
-        ),
-        format!(
-            "materialised / batched step: {:.2} time, {:.2} peak memory",
-            ms[2] / ms[0],
-            peaks[2] / peaks[0]
-        ),
+        format!("DP step, ghost / training step: {}", ratio(4, 1)),
+        format!("DP step, materialised / training step: {}", ratio(5, 1)),
+        format!("DP step, ghost, two passes of B/2 / training step: {}", ratio(6, 1)),
+        format!("clipped sum, ghost / batched gradient step: {}", ratio(2, 0)),
+        format!("parameters {p_mib:.1} MiB (the updates' temporaries are counted in multiples of it)"),
     ];
-    report(o, &format!("{tag}: DP clipping step"), &rows, &notes);
+    report(o, &format!("{tag}: DP step"), &rows, &notes);
     Ok(())
 }
 

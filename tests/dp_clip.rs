@@ -257,3 +257,60 @@ fn embeddings_and_attention_of_a_small_gpt() {
     let full = make_graph(&dp::clipped_grad_sum(loss, c).ghost(false), (&p, &xs, &ys)).unwrap();
     assert!(has_per_sample(&full, b, v * d));
 }
+
+#[test]
+fn convolutions_take_chunked_norms_or_materialise_whichever_holds_less() {
+    // conv cin -> 6 (k, stride 2, padding k/2) on 10x10, relu, flatten,
+    // linear to 3; the unfold route makes the per-example weight gradient
+    // one product. With cin = 2, k = 3 its 18 entries per output channel
+    // are fewer than the 25 output positions, so it is materialised; with
+    // cin = 3, k = 5 (75 > 25) the norms are chunked.
+    for (cin, k, chunked) in [(2, 3, false), (3, 5, true)] {
+        let cnn = move |p: BTreeMap<String, Tracer>, x: Tracer| {
+            let h = x.unsqueeze(0)?.conv2d(&p["c"], k / 2, 2, 1, 1)?.relu()?.flatten_all()?;
+            h.unsqueeze(0)?.broadcast_matmul(&p["l"].t()?)?.sqr()?.mean_all()
+        };
+        for dtype in [DType::F32, DType::F64] {
+            let p = BTreeMap::from([
+                ("c".to_string(), randn(&[6, cin, k, k], 7, dtype)),
+                ("l".to_string(), randn(&[3, 6 * 5 * 5], 8, dtype)),
+            ]);
+            let xs = randn(&[9, cin, 10, 10], 9, dtype);
+            let per = vmap(grad(cnn)).in_dims([None, Some(0)]).call((&p, &xs)).unwrap();
+            let norms = dp::per_sample_norms(&per).unwrap();
+            let mut sorted = norms.to_vec1::<f32>().unwrap();
+            sorted.sort_by(f32::total_cmp);
+            let c = sorted[4] as f64;
+            let want = dp::clip_per_sample(&per, c).unwrap();
+            let opts = Options::new().conv_route(candle_func::ConvRoute::Unfold);
+            let step = dp::clipped_grad_sum(cnn, c).options(opts);
+            let (got, got_norms, _) = step.call((&p, &xs)).unwrap();
+            let full = dp::clipped_grad_sum(cnn, c).options(opts).ghost(false);
+            let (full, full_norms, _) = full.call((&p, &xs)).unwrap();
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+            assert!(rel(&got_norms, &full_norms) < tol);
+            // per_sample_norms and the reference's clip factors work in f32
+            let r = rel(&got_norms.to_dtype(DType::F32).unwrap(), &norms);
+            assert!(r < 1e-5, "{dtype:?} norms: {r}");
+            for (name, g) in &got {
+                assert!(rel(g, &full[name]) < tol, "{dtype:?} {name}: {}", rel(g, &full[name]));
+                let w = want[name].sum(0).unwrap();
+                assert!(rel(g, &w) < 1e-5, "{dtype:?} {name}: {}", rel(g, &w));
+            }
+            let g = make_graph(&step, (&p, &xs)).unwrap();
+            let has_norms = g.nodes().any(|n| n.name().starts_with("conv2d_grad_weight_sq_norms"));
+            assert_eq!(has_norms, chunked, "{g}");
+            assert_eq!(has_per_sample(&g, 9, 6 * cin * k * k), !chunked, "{g}");
+            if chunked {
+                // Not differentiable: a loud error naming the primitive.
+                let twice = grad(|p: BTreeMap<String, Tracer>, x: Tracer| {
+                    let inner = dp::clipped_grad_sum(cnn, c).options(opts);
+                    let (_, norms, _) = candle_func::Function::apply(&inner, (p, x))?;
+                    norms.sum_all()
+                });
+                let msg = twice.call((&p, &xs)).map(|_| ()).unwrap_err().to_string();
+                assert!(msg.contains("grad_weight_sq_norms"), "{msg}");
+            }
+        }
+    }
+}

@@ -22,12 +22,16 @@ def peer(script, *args):
     return results(out)
 
 
-def ours(only, reps):
-    """Our bench's JSON rows for `--only ONLY`: variant -> (ms, peak MiB)."""
+def our_rows(only, reps):
+    """Our bench's JSON rows for `--only ONLY`, as printed."""
     cmd = ["cargo", "run", "--release", "-q", "--example", "bench", "--", "--only", only, "--json", "--reps", reps]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
-    return {r["variant"]: (r["median_ms"], r["peak_mib"]) for r in rows}
+    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+
+def ours(only, reps):
+    """Our bench's JSON rows for `--only ONLY`: variant -> (ms, peak MiB)."""
+    return {r["variant"]: (r["median_ms"], r["peak_mib"]) for r in our_rows(only, reps)}
 
 
 def ms(o):

@@ -213,6 +213,10 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
                 if ghost && p.ghost_pays(b) {
                     return Ok(Plan::Ghost(p));
                 }
+            } else if let Some(c) = ghost::conv_of(b, &viewed) {
+                if ghost && c.chunking_pays(b) {
+                    return Ok(Plan::ConvChunked(c));
+                }
             } else if let Some(l) = ghost::lookup_of(b, &viewed) {
                 if ghost && l.ghost_pays(b) {
                     return Ok(Plan::GhostLookup(l));

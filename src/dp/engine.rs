@@ -19,6 +19,42 @@
 //!    the secure sampler; then division by the expected batch size `q N`.
 //! 5. **The update** by any [`Optimizer`] (DP-SGD, DP-Adam, DP-AdamW).
 //! 6. **Accounting**: the step is recorded with `(σ, q)`.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_func::dp::{self, DpConfig, PrivacyEngine};
+//! use candle_func::{nn, Tracer};
+//! use std::collections::BTreeMap;
+//! let dev = Device::Cpu;
+//! let varmap = candle_nn::VarMap::new();
+//! let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! let model = nn::linear(4, 3, vb.pp("fc"))?;
+//! let xs = Tensor::randn(0f32, 1., (100, 4), &dev)?;
+//! let ys = Tensor::from_vec((0..100u32).map(|i| i % 3).collect(), 100, &dev)?;
+//! // one example's loss
+//! let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+//!     let logits = nn::functional_call(&model, &p, &x.unsqueeze(0)?)?;
+//!     nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+//! };
+//! let mut trainer = PrivacyEngine::new() // PRV accountant, OS-keyed noise, ghost clipping
+//!     .physical_batch(8)
+//!     .make_private_with_epsilon(
+//!         loss,
+//!         &varmap,
+//!         dp::AdamW::new(&varmap, 1e-3, 0.01)?,
+//!         (&xs, &ys),
+//!         DpConfig::new(10, 0.0, 1.0), // expected batch 10, σ chosen below, C = 1
+//!         (3.0, 1e-5, 2.0),           // ε = 3 at δ = 1e-5 over 2 epochs
+//!     )?;
+//! for _ in 0..2 * trainer.steps_per_epoch() {
+//!     trainer.step()?;
+//! }
+//! assert!(trainer.epsilon(1e-5)? <= 3.0);
+//! assert_eq!(trainer.traces(), 1); // every pass has the physical batch's shape
+//! let checkpoint = trainer.accountant().to_json(); // resume with Accountant::from_json
+//! # let _ = checkpoint;
+//! # Ok::<(), candle_func::Error>(())
+//! ```
 
 use super::accountant::{noise_multiplier_for, Accountant, Mechanism};
 use super::clip::{clipped_grad_sum, ClippedGradSum};

@@ -1,9 +1,12 @@
-//! Differentially private training helpers: the clipping step as one
-//! transform ([`clipped_grad_sum`], with ghost norms where they pay),
-//! per-sample gradient norms and clipping of materialised gradients,
-//! Gaussian noise from a seeded generator, Poisson sampling of
-//! batches, an SGD optimiser with momentum, and a Rényi-DP accountant
-//! (Opacus's `RDPAccountant`).
+//! Differentially private training: [`PrivacyEngine`] and its
+//! [`PrivateTrainer`] (Opacus's API: Poisson sampling, virtual batches,
+//! clipping, noise, the update and the accounting in one `step`), built on
+//! the pieces below: the clipping step as one transform
+//! ([`clipped_grad_sum`], with ghost norms where they pay), per-sample
+//! norms and clipping of materialised gradients ([`per_sample_norms`],
+//! [`clip_per_sample`], [`privatize`]), the secure generator ([`rng`]),
+//! the optimisers ([`Sgd`], [`Adam`], [`AdamW`]) and the accountants
+//! ([`accountant`]: PRV, RDP, GDP).
 //!
 //! One DP-SGD step, as Opacus takes it: sample a batch by Poisson sampling
 //! (each example joins independently with probability `q`), compute

@@ -51,6 +51,11 @@ pub(crate) enum ConvOp {
     /// summed: `(x [E, Cin, *S], ct [E, Cout, *O]) -> [E, Cout, Cin, *k]`.
     /// The `Unfold` route's per-sample weight gradient.
     GradWeightEach(ConvGeom),
+    /// Each example's squared weight-gradient norm, `||GradWeightEach[e]||²`:
+    /// `(x [E, Cin, *S], ct [E, Cout, *O]) -> [E]`, computed a few examples
+    /// at a time so the per-example gradients never all exist at once (the
+    /// DP clipping step's norm of a convolution).
+    GradWeightSqNorms(ConvGeom),
 }
 
 impl ConvOp {
@@ -72,6 +77,9 @@ impl ConvOp {
             ),
             ConvOp::GradWeightEach(geom) => {
                 format!("conv{}d_grad_weight_each[{}]", geom.kernel.len(), geom_str(geom))
+            }
+            ConvOp::GradWeightSqNorms(geom) => {
+                format!("conv{}d_grad_weight_sq_norms[{}]", geom.kernel.len(), geom_str(geom))
             }
             ConvOp::GradWeight { geom, groups } => {
                 format!(

@@ -26,8 +26,9 @@
 
 use super::Builder;
 use crate::error::Result;
+use crate::ir::conv::ConvOp;
 use crate::ir::ops::{Binary, Compare, IndexOp, Reduce, ShapeOp, Unary};
-use crate::ir::{Prim, VarId};
+use crate::ir::{ConvGeom, Prim, VarId};
 
 /// A shape-only step from a product to the per-example gradient, batch
 /// axis kept first.
@@ -55,6 +56,9 @@ pub(crate) enum Plan {
     Ghost(Product),
     /// From the rows' Gram matrix masked by equal ids, and one index-add.
     GhostLookup(Lookup),
+    /// From norms computed a chunk of examples at a time, and one ordinary
+    /// weight gradient of the reweighted output gradients.
+    ConvChunked(ConvEach),
     /// From the materialised per-example gradient, read before its views
     /// (each example's entries are the same set, and the source is
     /// laid out contiguously).
@@ -230,6 +234,48 @@ pub(crate) fn lookup_of(b: &Builder, viewed: &Viewed) -> Option<Lookup> {
     })
 }
 
+/// A per-example convolution weight gradient, `G_b = ct_b @ unfold(x_b)^T`
+/// (`GradWeightEach` of `x: [B, Cin, S..]`, `ct: [B, Cout, O..]`, one input
+/// per example). Its squared norm costs the same products as `G` itself
+/// (the Gram form needs `L x L` matrices of the output positions `L`,
+/// larger than `G` for the usual convolution), so the norms are taken a
+/// chunk of examples at a time; the weighted sum is the ordinary weight
+/// gradient of `w_b ct_b`. Nothing batch-sized is held but the norms.
+#[derive(Clone, Debug)]
+pub(crate) struct ConvEach {
+    x: VarId,
+    ct: VarId,
+    geom: ConvGeom,
+    viewed: Viewed,
+}
+
+impl ConvEach {
+    /// Whether chunked norms hold less than materialising: until the clip
+    /// factors are known the weighted sum needs either `G` (`Cout Cin k`
+    /// entries an example) or the output gradient (`Cout L`); the smaller
+    /// is kept. (Both cost the same products.)
+    pub(crate) fn chunking_pays(&self, b: &Builder) -> bool {
+        let cin = b.dims(self.x)[1];
+        let l: usize = b.dims(self.ct)[2..].iter().product();
+        let taps: usize = self.geom.kernel.iter().product();
+        cin * taps >= l
+    }
+}
+
+/// A per-example gradient (`viewed`) as a convolution's, if it is one.
+pub(crate) fn conv_of(b: &Builder, viewed: &Viewed) -> Option<ConvEach> {
+    let n = &b.nodes[viewed.src];
+    let Prim::Conv(ConvOp::GradWeightEach(geom)) = &n.prim else {
+        return None;
+    };
+    Some(ConvEach {
+        x: n.args[0],
+        ct: n.args[1],
+        geom: geom.clone(),
+        viewed: viewed.clone(),
+    })
+}
+
 /// Swaps the last two of three axes.
 fn swap(b: &mut Builder, v: VarId) -> Result<VarId> {
     b.permute(v, vec![0, 2, 1])
@@ -261,6 +307,7 @@ pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
             let masked = b.bin(Binary::Mul, gram, same)?;
             b.sum_axes(masked, vec![1, 2], false)
         }
+        Plan::ConvChunked(c) => b.emit(Prim::Conv(ConvOp::GradWeightSqNorms(c.geom.clone())), &[c.x, c.ct]),
         // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no
         // squared copy of the per-example gradients
         Plan::Materialise(v) => {
@@ -301,6 +348,19 @@ pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<Var
             let op = IndexOp::IndexAdd { axis: 0, size: l.size };
             let s = b.emit(Prim::Index(op), &[wc, ids])?;
             l.viewed.apply(b, s)
+        }
+        // Σ_b w_b ct_b @ unfold(x_b)^T = the weight gradient of (w ct):
+        // B Cout O.. scaled by B 1 1.., then [Cout, Cin, k..]
+        Plan::ConvChunked(c) => {
+            let rank = b.ty(c.ct).rank();
+            let wb = b.reshape(w, [vec![batch], vec![1; rank - 1]].concat())?;
+            let wct = b.bin(Binary::Mul, c.ct, wb)?;
+            let op = ConvOp::GradWeight {
+                geom: c.geom.clone(),
+                groups: 1,
+            };
+            let s = b.emit(Prim::Conv(op), &[c.x, wct])?;
+            c.viewed.apply(b, s)
         }
         // [1, B] @ [B, R]: one pass over the per-example gradients
         Plan::Materialise(v) => {

@@ -40,7 +40,6 @@ fn prv_matches_opacus_within_one_percent() {
         let prv = run(Mechanism::Prv, sigma, q, steps);
         let (lo, est, hi) = prv.epsilon_range(delta).unwrap();
         let rel = (hi - want_prv).abs() / want_prv;
-        eprintln!("q={q} sigma={sigma} steps={steps}: prv {hi} opacus {want_prv} rel {rel:.2e}");
         assert!(
             rel < 0.01,
             "q={q} sigma={sigma} steps={steps}: {hi} vs Opacus {want_prv} ({rel:.2e})"

@@ -28,7 +28,7 @@ pub(super) fn batch(op: &ConvOp, cx: &mut BatchCx, args: &[BVal]) -> Result<BVal
         ConvOp::Conv { geom, groups } => batch_conv(cx, geom, *groups, args),
         ConvOp::GradInput { geom, groups, spatial } => batch_grad_input(cx, geom, *groups, spatial, args),
         ConvOp::GradWeight { geom, groups } => batch_grad_weight(cx, geom, *groups, args),
-        ConvOp::GradWeightEach(_) => {
+        ConvOp::GradWeightEach(_) | ConvOp::GradWeightSqNorms(_) => {
             // B E .. -> (B E) .. -> op -> B E ..
             let x = cx.materialize(args[0])?;
             let c = cx.materialize(args[1])?;

@@ -24,6 +24,7 @@ pub(super) fn run(op: &ConvOp, args: &[&Tensor]) -> Result<Tensor> {
         }
         ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], geom, *groups).op(&name),
         ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom).op(&name),
+        ConvOp::GradWeightSqNorms(geom) => run_grad_weight_sq_norms(args[0], args[1], geom).op(&name),
     }
 }
 
@@ -213,6 +214,37 @@ fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::R
     let l = rows.dims()[1];
     let c = ct.relayout()?.reshape((e, cout, l))?;
     bmm::matmul(&c, &rows)?.reshape(shape)
+}
+
+/// Entries of per-example weight gradients held at once by
+/// `run_grad_weight_sq_norms` (4 MiB of f32): large enough that each
+/// chunk's GEMMs run well, small next to the B copies it replaces.
+const SQ_NORM_CHUNK: usize = 1 << 20;
+
+/// `||GradWeightEach[e]||²` for each example, a chunk of examples at a time.
+fn run_grad_weight_sq_norms(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+    let e = x.dims()[0];
+    let per: usize = [ct.dims()[1], x.dims()[1]].iter().chain(&g.kernel).product();
+    let chunk = (SQ_NORM_CHUNK / per.max(1)).clamp(1, e.max(1));
+    let mut parts = Vec::with_capacity(e.div_ceil(chunk));
+    for start in (0..e).step_by(chunk) {
+        let len = chunk.min(e - start);
+        let each = run_grad_weight_each(&x.narrow(0, start, len)?, &ct.narrow(0, start, len)?, g)?;
+        // each row's dot product with itself, [E, 1, R] @ [E, R, 1]: two
+        // views of one buffer, no squared copy
+        let each = each.relayout()?;
+        let (row, col) = (each.reshape((len, 1, per))?, each.reshape((len, per, 1))?);
+        let dot = if has_cpu_kernel(&each) {
+            bmm::matmul(&row, &col)?
+        } else {
+            row.matmul(&col)?
+        };
+        parts.push(dot.reshape(len)?);
+    }
+    if parts.is_empty() {
+        return Tensor::zeros(e, x.dtype(), x.device());
+    }
+    Tensor::cat(&parts, 0)
 }
 
 #[cfg(test)]

@@ -30,6 +30,10 @@ pub(super) fn infer(op: &ConvOp, args: &[&TensorType]) -> Result<TensorType> {
             let w = infer_grad_weight(geom, 1, args)?;
             Ok(w.with_shape([&[args[0].shape[0]], &w.shape[..]].concat()))
         }
+        ConvOp::GradWeightSqNorms(geom) => {
+            let w = infer_grad_weight(geom, 1, args)?;
+            Ok(w.with_shape(vec![args[0].shape[0]]))
+        }
     }
 }
 

@@ -36,6 +36,9 @@ impl Rule for ConvOp {
     }
 
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        if let ConvOp::GradWeightSqNorms(_) = self {
+            return Ok(None); // quadratic: no multilinear rule
+        }
         // a convolution and its gradients are bilinear in their two
         // operands; unfold and fold are linear
         let linear: &[usize] = if args.len() == 2 { &[0, 1] } else { &[0] };

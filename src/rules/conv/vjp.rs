@@ -3,7 +3,7 @@
 //! other's adjoints, so second derivatives stay inside it.
 
 use super::grad_input;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ir::conv::ConvOp;
 use crate::ir::{ConvGeom, Prim, VarId};
 use crate::rules::{Builder, Cts};
@@ -65,6 +65,13 @@ pub(super) fn vjp(op: &ConvOp, b: &mut Builder, args: &[VarId], ct: VarId) -> Re
         }
         ConvOp::Fold { geom, .. } => vec![Some(b.emit(Prim::Conv(ConvOp::Unfold(geom.clone())), &[ct])?)],
         ConvOp::GradWeightEach(geom) => vjp_grad_weight_each(b, geom, args, ct)?,
+        ConvOp::GradWeightSqNorms(_) => {
+            return Err(Error::unsupported(
+                op.name(),
+                "grad",
+                "the DP clipping step's norms are not differentiated (differentiate the loss instead)",
+            ))
+        }
     };
     Ok(cts)
 }
