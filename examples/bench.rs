@@ -647,9 +647,10 @@ fn dp_step<M: Module>(
     };
     let (ghost, full) = (clipped_grad_sum(one, 1.0), clipped_grad_sum(one, 1.0).ghost(false));
     let b = xs.dims()[0];
-    let trainer = |on: bool, physical: usize| {
+    let trainer = |on: bool, physical: usize, secure: bool| {
         PrivacyEngine::new()
             .rng(dp::rng::Rng::seeded(0))
+            .secure_mode(secure)
             .ghost(on)
             .physical_batch(physical)
             .make_private(
@@ -660,8 +661,9 @@ fn dp_step<M: Module>(
                 DpConfig::new(b, 1.0, 1.0),
             )
     };
-    let (mut dp_ghost, mut dp_full) = (trainer(true, b)?, trainer(false, b)?);
-    let mut dp_halves = trainer(true, b.div_ceil(2))?;
+    let (mut dp_ghost, mut dp_full) = (trainer(true, b, true)?, trainer(false, b, true)?);
+    let mut dp_halves = trainer(true, b.div_ceil(2), true)?;
+    let mut dp_single = trainer(true, b, false)?;
     let mut sgd = dp::Sgd::new(vm, 1e-3, 0.0)?;
     let mut jobs: Vec<Job> = vec![
         Box::new(|| Ok(step.call((&p, &xs, &ys)).map(|_| ())?)),
@@ -671,6 +673,7 @@ fn dp_step<M: Module>(
         Box::new(|| Ok(dp_ghost.step().map(|_| ())?)),
         Box::new(|| Ok(dp_full.step().map(|_| ())?)),
         Box::new(|| Ok(dp_halves.step().map(|_| ())?)),
+        Box::new(|| Ok(dp_single.step().map(|_| ())?)),
     ];
     let ms = interleaved(o.reps, &mut jobs)?;
     drop(jobs);
@@ -694,6 +697,7 @@ fn dp_step<M: Module>(
         graph_peaks[2] + 3.0 * p_mib,
         // and the first pass's sum while the second runs
         graph_peaks[3] + 4.0 * p_mib,
+        graph_peaks[1] + 3.0 * p_mib,
     ];
     let names = [
         "batched gradient step",
@@ -703,6 +707,7 @@ fn dp_step<M: Module>(
         "DP step, ghost (clip + noise + SGD)",
         "DP step, materialised",
         "DP step, ghost, two passes of B/2",
+        "DP step, ghost, single-draw noise (not secure)",
     ];
     let rows: Vec<Row> = names
         .iter()
@@ -718,6 +723,7 @@ fn dp_step<M: Module>(
         format!("DP step, ghost / training step: {}", ratio(4, 1)),
         format!("DP step, materialised / training step: {}", ratio(5, 1)),
         format!("DP step, ghost, two passes of B/2 / training step: {}", ratio(6, 1)),
+        format!("DP step, ghost, single-draw noise / training step: {}", ratio(7, 1)),
         format!("clipped sum, ghost / batched gradient step: {}", ratio(2, 0)),
         format!("parameters {p_mib:.1} MiB (the updates' temporaries are counted in multiples of it)"),
     ];

@@ -314,3 +314,31 @@ fn convolutions_take_chunked_norms_or_materialise_whichever_holds_less() {
         }
     }
 }
+
+#[test]
+fn per_sample_grad_norms_match_the_materialised_norms_without_them() {
+    for dtype in [DType::F32, DType::F64] {
+        let p = params(20, 30, 5, dtype);
+        let xs = randn(&[8, 20], 3, dtype);
+        let (norms, losses) = dp::per_sample_grad_norms(loss).call((&p, &xs)).unwrap();
+        let want = reference(&p, &xs, 1.0).1;
+        assert_eq!(losses.dims(), &[8]);
+        let r = rel(&norms.to_dtype(DType::F32).unwrap(), &want);
+        assert!(r < 1e-5, "{dtype:?}: {r}");
+        let g = make_graph(&dp::per_sample_grad_norms(loss), (&p, &xs)).unwrap();
+        for per in [30 * 20, 5 * 30] {
+            assert!(!has_per_sample(&g, 8, per), "a per-sample gradient of {per} in\n{g}");
+        }
+        // The materialised reference agrees.
+        let full = dp::per_sample_grad_norms(loss).ghost(false).call((&p, &xs)).unwrap().0;
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        assert!(rel(&norms, &full) < tol);
+    }
+    // A scalar "batch" has no examples to take norms of.
+    let p = params(4, 3, 2, DType::F32);
+    let x = randn(&[4], 1, DType::F32);
+    let err = dp::per_sample_grad_norms(loss)
+        .in_dims([None::<i32>, None])
+        .call((&p, &x));
+    assert!(err.is_err());
+}

@@ -36,7 +36,10 @@ def ratios(t, o):
         halves = find(o, ours_tag, "DP step, ghost, two passes of B/2")
         out[f"{name}: our DP step (ghost, two passes of B/2) / our training step, time"] = halves[0] / train[0]
         out[f"{name}: our DP step (ghost, two passes of B/2) / our training step, peak memory"] = halves[1] / train[1]
+        single = find(o, ours_tag, "DP step, ghost, single-draw noise (not secure)")
+        out[f"{name}: our DP step (ghost, single-draw noise) / our training step, time"] = single[0] / train[0]
         out[f"{name}: our DP step (ghost) / Opacus ghost clipping step"] = dp[0] / t[f"{peer_tag} (ii) Opacus ghost clipping step"]
+        out[f"{name}: our DP step (ghost, single-draw noise, as Opacus's) / Opacus ghost clipping step"] = single[0] / t[f"{peer_tag} (ii) Opacus ghost clipping step"]
         out[f"{name}: our DP step (ghost) / Opacus hooks step"] = dp[0] / t[f"{peer_tag} (iii) Opacus hooks step"]
         out[f"{name}: Opacus ghost step / torch's training step"] = t[f"{peer_tag} (ii) Opacus ghost clipping step"] / t[f"{peer_tag} (i) ordinary step"]
     return out

@@ -15,12 +15,15 @@ use crate::rules::ghost::{self, Plan, Viewed};
 use crate::trace::Tracer;
 use crate::transforms::dims::Dims;
 use crate::transforms::grad::{value_and_grad, Nth};
-use crate::transforms::tree::{ArgList, CallArgs, SymTree};
+use crate::transforms::tree::{ArgList, CallArgs, SymTree, TreeDef};
 use crate::transforms::vmap::vmap;
 use crate::transforms::{call_concrete, settings, ByRef, Function, GraphCache};
+use std::marker::PhantomData;
 
-/// The clipped gradient sum of a per-example loss (see [`clipped_grad_sum`]).
-pub struct ClippedGradSum<F> {
+/// The clipped gradient sum of a per-example loss (see [`clipped_grad_sum`]),
+/// or with `M = NormsOnly` its per-example gradient norms alone (see
+/// [`per_sample_grad_norms`]).
+pub struct ClippedGradSum<F, M = Clipped> {
     loss: F,
     max_norm: f64,
     /// Per-layer clipping: the group of each gradient leaf (in the tree's
@@ -31,6 +34,50 @@ pub struct ClippedGradSum<F> {
     in_dims: Option<Dims>,
     options: Options,
     cache: GraphCache,
+    mode: PhantomData<M>,
+}
+
+/// [`ClippedGradSum`]'s default mode: the clipped sum, norms and losses.
+pub struct Clipped;
+
+/// [`ClippedGradSum`]'s mode for [`per_sample_grad_norms`]: norms and losses.
+pub struct NormsOnly;
+
+/// The per-example gradient norms of a per-example loss, without the
+/// clipped sum.
+pub type PerSampleGradNorms<F> = ClippedGradSum<F, NormsOnly>;
+
+/// Each example's gradient norm over all parameters for `loss(params,
+/// example..)`, a function of ONE example: called on a batch it returns
+/// `(norms, losses)`, both `[B]`, computing per-sample gradients only
+/// where a layer has no cheaper rule (ghost norms for linear layers on
+/// vectors and sequences and for embeddings, chunked norms for
+/// convolutions, see [`clipped_grad_sum`]). The same builder methods
+/// apply (`in_dims`, `ghost`, `conv_route`, `options`).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{dp, Tracer};
+/// let w = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let xs = Tensor::new(&[[1f32, 0.], [0., 10.]], &Device::Cpu)?;
+/// // loss(w, x) = sum(w x): its gradient is [x, x] (rows), norm sqrt 2 |x|
+/// let loss = |w: Tracer, x: Tracer| w.matmul(&x.unsqueeze(1)?)?.sum_all();
+/// let (norms, _) = dp::per_sample_grad_norms(loss).call((&w, &xs))?;
+/// let n = norms.to_vec1::<f32>()?;
+/// assert!((n[0] - 2f32.sqrt()).abs() < 1e-5 && (n[1] - 200f32.sqrt()).abs() < 1e-4);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn per_sample_grad_norms<F>(loss: F) -> PerSampleGradNorms<F> {
+    ClippedGradSum {
+        loss,
+        max_norm: 1.0,
+        groups: None,
+        ghost: true,
+        in_dims: None,
+        options: Options::new(),
+        cache: GraphCache::default(),
+        mode: PhantomData,
+    }
 }
 
 /// The clipping step of DP-SGD for `loss(params, example..)`, a function of
@@ -74,10 +121,11 @@ pub fn clipped_grad_sum<F>(loss: F, max_norm: f64) -> ClippedGradSum<F> {
         in_dims: None,
         options: Options::new(),
         cache: GraphCache::default(),
+        mode: PhantomData,
     }
 }
 
-impl<F> ClippedGradSum<F> {
+impl<F, M> ClippedGradSum<F, M> {
     /// The batch axis of each argument, as [`Vmap::in_dims`](crate::Vmap::in_dims) takes them
     /// (default: `None` for the parameters, 0 for every other argument).
     pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
@@ -139,14 +187,14 @@ impl<F> ClippedGradSum<F> {
     }
 }
 
-impl<S, F> Function<S> for ClippedGradSum<F>
-where
-    S: ArgList + Nth<0>,
-    F: Function<S, Output = Tracer>,
-{
-    type Output = (<S as Nth<0>>::T, Tracer, Tracer);
-
-    fn apply(&self, args: S) -> Result<Self::Output> {
+impl<F, M> ClippedGradSum<F, M> {
+    /// The losses `[B]`, the per-example gradient leaves (batch axis 0)
+    /// and the gradient tree's shape, from `vmap(value_and_grad(loss))`.
+    fn per_example<S>(&self, args: S) -> Result<(Tracer, Vec<Tracer>, TreeDef)>
+    where
+        S: ArgList + Nth<0>,
+        F: Function<S, Output = Tracer>,
+    {
         positive_norm(self.max_norm)?;
         self.options.check_not_vmap("clipped_grad_sum")?;
         let dims = match &self.in_dims {
@@ -162,12 +210,55 @@ where
         let (losses, grads) = per.apply(args)?;
         let mut leaves = Vec::new();
         let def = grads.flatten_into(&mut leaves);
+        if let Some(g) = leaves.iter().find(|g| g.ty.rank() == 0) {
+            return Err(Error::shape(
+                "clipped_grad_sum",
+                &[&g.ty.shape],
+                "a per-example gradient has no batch axis",
+            ));
+        }
+        Ok((losses, leaves, def))
+    }
+}
+
+impl<S, F> Function<S> for ClippedGradSum<F, Clipped>
+where
+    S: ArgList + Nth<0>,
+    F: Function<S, Output = Tracer>,
+{
+    type Output = (<S as Nth<0>>::T, Tracer, Tracer);
+
+    fn apply(&self, args: S) -> Result<Self::Output> {
+        let (losses, leaves, def) = self.per_example(args)?;
         let flat = (vec![0; leaves.len()], vec![self.max_norm]);
         let (of_leaf, bounds) = self.groups.as_ref().unwrap_or(&flat);
         check_groups(of_leaf, bounds, leaves.len())?;
         let (sums, norms) = clip_leaves(&leaves, (of_leaf, bounds), self.ghost)?;
         let clipped = <S as Nth<0>>::T::unflatten_from(&def, &mut sums.into_iter())?;
         Ok((clipped, norms, losses))
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
+    }
+}
+
+impl<S, F> Function<S> for ClippedGradSum<F, NormsOnly>
+where
+    S: ArgList + Nth<0>,
+    F: Function<S, Output = Tracer>,
+{
+    type Output = (Tracer, Tracer);
+
+    fn apply(&self, args: S) -> Result<Self::Output> {
+        let (losses, leaves, _) = self.per_example(args)?;
+        let plans = plans(&leaves, self.ghost, true)?;
+        let sq = leaves
+            .iter()
+            .zip(&plans)
+            .map(|(g, plan)| sq_norm(g, plan))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((total(&sq)?.sqrt()?, losses))
     }
 
     fn own_options(&self) -> Options {
@@ -203,7 +294,10 @@ fn positive_norm(c: f64) -> Result<()> {
 /// and it pays (and `ghost` allows), else materialised. A gradient with no
 /// rule at all warns once per primitive (an error in strict mode), as a
 /// `vmap` fallback does.
-fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
+///
+/// With `norms_only` (no clipped sum to come) a convolution's norms are
+/// always chunked: nothing waits for the clip factors.
+fn plans(leaves: &[Tracer], ghost: bool, norms_only: bool) -> Result<Vec<Plan>> {
     leaves
         .iter()
         .map(|g| {
@@ -214,7 +308,7 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
                     return Ok(Plan::Ghost(p));
                 }
             } else if let Some(c) = ghost::conv_of(b, &viewed) {
-                if ghost && c.chunking_pays(b) {
+                if ghost && (norms_only || c.chunking_pays(b)) {
                     return Ok(Plan::ConvChunked(c));
                 }
             } else if let Some(l) = ghost::lookup_of(b, &viewed) {
@@ -239,6 +333,22 @@ fn plans(leaves: &[Tracer], ghost: bool) -> Result<Vec<Plan>> {
         .collect()
 }
 
+/// The squared norms `[B]` of one per-example gradient by its plan.
+fn sq_norm(g: &Tracer, plan: &Plan) -> Result<Tracer> {
+    // The borrow ends before Tracer::new borrows the builder again.
+    let sq = ghost::sq_norm(&mut g.b.borrow_mut(), plan)?;
+    Ok(Tracer::new(&g.b, sq))
+}
+
+/// The sum of squared norms, in the first one's dtype.
+fn total(sq: &[Tracer]) -> Result<Tracer> {
+    let (first, rest) = sq.split_first().ok_or_else(|| Error::Tree {
+        msg: "clipped_grad_sum: the parameters have no tensors".into(),
+    })?;
+    rest.iter()
+        .try_fold(first.clone(), |t, s| t.add(&s.to_dtype(t.ty.dtype)?))
+}
+
 /// Opacus's clipping factor `min(1, C / (norm + 1e-6))`, per example.
 fn clip_factor(norms: &Tracer, c: f64) -> Result<Tracer> {
     norms.affine(1.0, 1e-6)?.recip()?.affine(c, 0.0)?.clamp(0.0, 1.0)
@@ -248,43 +358,26 @@ fn clip_factor(norms: &Tracer, c: f64) -> Result<Tracer> {
 /// group `(of_leaf, bounds)` clipped on its own, and the per-example norms
 /// over all leaves.
 fn clip_leaves(leaves: &[Tracer], (of_leaf, bounds): (&[usize], &[f64]), ghost: bool) -> Result<(Vec<Tracer>, Tracer)> {
-    if let Some(g) = leaves.iter().find(|g| g.ty.rank() == 0) {
-        return Err(Error::shape(
-            "clipped_grad_sum",
-            &[&g.ty.shape],
-            "a per-example gradient has no batch axis",
-        ));
-    }
-    let plans = plans(leaves, ghost)?;
-    // Each group's squared norms, summed in the first leaf's dtype.
-    let mut group_sq: Vec<Option<Tracer>> = vec![None; bounds.len()];
+    let plans = plans(leaves, ghost, false)?;
+    // Each group's squared norms; a group without leaves clips nothing.
+    let mut members: Vec<Vec<Tracer>> = vec![Vec::new(); bounds.len()];
     for ((g, plan), &k) in leaves.iter().zip(&plans).zip(of_leaf) {
-        // The borrow ends before Tracer::new borrows the builder again.
-        let sq = ghost::sq_norm(&mut g.b.borrow_mut(), plan)?;
-        let sq = Tracer::new(&g.b, sq);
-        group_sq[k] = Some(match group_sq[k].take() {
-            None => sq,
-            Some(t) => t.add(&sq.to_dtype(t.ty.dtype)?)?,
-        });
+        members[k].push(sq_norm(g, plan)?);
     }
-    let mut total: Option<Tracer> = None;
+    let group_sq: Vec<Tracer> = members
+        .iter()
+        .filter(|m| !m.is_empty())
+        .map(|m| total(m))
+        .collect::<Result<_>>()?;
     let mut factors = Vec::with_capacity(bounds.len());
-    for (sq, &c) in group_sq.iter().zip(bounds) {
-        // A group without leaves clips nothing.
-        let Some(sq) = sq else {
-            factors.push(None);
-            continue;
-        };
-        factors.push(Some(clip_factor(&sq.sqrt()?, c)?));
-        total = Some(match total {
-            None => sq.clone(),
-            Some(t) => t.add(&sq.to_dtype(t.ty.dtype)?)?,
+    let mut live = group_sq.iter();
+    for (m, &c) in members.iter().zip(bounds) {
+        factors.push(match m.is_empty() {
+            true => None,
+            false => Some(clip_factor(&live.next().expect("one per group").sqrt()?, c)?),
         });
     }
-    let total = total.ok_or_else(|| Error::Tree {
-        msg: "clipped_grad_sum: the parameters have no tensors".into(),
-    })?;
-    let norms = total.sqrt()?;
+    let norms = total(&group_sq)?.sqrt()?;
     let sums = leaves
         .iter()
         .zip(&plans)

@@ -110,6 +110,7 @@ pub struct PrivacyEngine {
     mechanism: Mechanism,
     rng: Option<Rng>,
     ghost: bool,
+    secure_mode: bool,
     physical_batch: Option<usize>,
     options: Options,
 }
@@ -128,6 +129,7 @@ impl PrivacyEngine {
             mechanism: Mechanism::Prv,
             rng: None,
             ghost: true,
+            secure_mode: true,
             physical_batch: None,
             options: Options::new(),
         }
@@ -150,6 +152,17 @@ impl PrivacyEngine {
     /// materialised.
     pub fn ghost(mut self, on: bool) -> PrivacyEngine {
         self.ghost = on;
+        self
+    }
+
+    /// Whether noise is drawn as the four-draw sum that defeats the
+    /// floating-point attack on a single Gaussian draw (default, see
+    /// [`Rng::normal_tensor`]), or one draw a coordinate
+    /// ([`Rng::normal_tensor_single_draw`]: Opacus's default, four times
+    /// cheaper, **open to that attack**). The generator stays OS-keyed
+    /// either way unless [`PrivacyEngine::rng`] says otherwise.
+    pub fn secure_mode(mut self, on: bool) -> PrivacyEngine {
+        self.secure_mode = on;
         self
     }
 
@@ -209,6 +222,7 @@ impl PrivacyEngine {
             noise_multiplier: config.noise_multiplier,
             sensitivity,
             physical,
+            secure_mode: self.secure_mode,
             bound: match config.clipping {
                 Clipping::Flat(c) => Some(c),
                 Clipping::PerLayer(_) => None,
@@ -357,6 +371,7 @@ pub struct PrivateTrainer<F, O> {
     noise_multiplier: f64,
     sensitivity: f64,
     physical: usize,
+    secure_mode: bool,
     bound: Option<f64>,
 }
 
@@ -397,7 +412,12 @@ where
         let std = self.noise_multiplier * self.sensitivity;
         let mut grads = BTreeMap::new();
         for (k, s) in sum {
-            let noise = self.rng.normal_tensor(std, s.dims(), s.dtype(), s.device())?;
+            let noise = match self.secure_mode {
+                true => self.rng.normal_tensor(std, s.dims(), s.dtype(), s.device())?,
+                false => self
+                    .rng
+                    .normal_tensor_single_draw(std, s.dims(), s.dtype(), s.device())?,
+            };
             grads.insert(k, ((s + noise)? / expected)?);
         }
         self.optimizer.step(&grads)?;

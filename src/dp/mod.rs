@@ -34,7 +34,7 @@ pub mod accountant;
 mod clip;
 mod engine;
 mod optim;
-pub use clip::{clipped_grad_sum, ClippedGradSum};
+pub use clip::{clipped_grad_sum, per_sample_grad_norms, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms};
 pub use engine::{Clipping, DpConfig, PrivacyEngine, PrivateTrainer, StepInfo};
 pub use optim::{Adam, AdamW, Optimizer, Sgd};
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,

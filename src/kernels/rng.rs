@@ -109,6 +109,26 @@ impl Rng {
     /// NaN or infinite, a dtype that is not a float, or a shape whose size
     /// overflows.
     pub fn normal_tensor(&mut self, std: f64, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        self.noise(std, shape, dtype, device, SECURE_DRAWS)
+    }
+
+    /// As [`Rng::normal_tensor`] with ONE draw per coordinate: four times
+    /// cheaper, and what Opacus does outside its secure mode, but **open
+    /// to the floating-point attack** the four-draw sum defends against
+    /// (the generator is as unpredictable; the values' low bits are not).
+    pub fn normal_tensor_single_draw(
+        &mut self,
+        std: f64,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.noise(std, shape, dtype, device, 1)
+    }
+
+    /// `N(0, std²)` noise, each coordinate the sum of `draws` standard
+    /// draws scaled by `std / sqrt(draws)`.
+    fn noise(&mut self, std: f64, shape: &[usize], dtype: DType, device: &Device, draws: usize) -> Result<Tensor> {
         if !(std.is_finite() && std >= 0.0) {
             return Err(Error::Config {
                 msg: format!("normal_tensor: the standard deviation must be finite and >= 0, got {std}"),
@@ -128,9 +148,9 @@ impl Rng {
         let mut key = [0u8; 32];
         self.inner.fill_bytes(&mut key);
         let t = if dtype == DType::F64 {
-            Tensor::from_vec(fill::<f64>(n, std, key), shape, &Device::Cpu)?
+            Tensor::from_vec(fill::<f64>(n, std, key, draws), shape, &Device::Cpu)?
         } else {
-            Tensor::from_vec(fill::<f32>(n, std, key), shape, &Device::Cpu)?.to_dtype(dtype)?
+            Tensor::from_vec(fill::<f32>(n, std, key, draws), shape, &Device::Cpu)?.to_dtype(dtype)?
         };
         Ok(t.to_device(device)?)
     }
@@ -157,16 +177,20 @@ impl Rng {
     }
 }
 
-/// `n` values of `N(0, std²)`, each the sum of four standard draws times
-/// `std / 2`, block `k` from stream `k` of `key`.
-fn fill<T: From<f32> + Copy + Send + FromF64>(n: usize, std: f64, key: [u8; 32]) -> Vec<T> {
+/// Standard draws summed per coordinate by [`Rng::normal_tensor`]
+/// (Holohan and Braghin's `2n` with `n = 2`, as in Opacus).
+const SECURE_DRAWS: usize = 4;
+
+/// `n` values of `N(0, std²)`, each the sum of `draws` standard draws
+/// times `std / sqrt(draws)`, block `k` from stream `k` of `key`.
+fn fill<T: From<f32> + Copy + Send + FromF64>(n: usize, std: f64, key: [u8; 32], draws: usize) -> Vec<T> {
     let mut out = vec![T::from(0.0); n];
-    let scale = std / 2.0;
+    let scale = std / (draws as f64).sqrt();
     out.par_chunks_mut(BLOCK).enumerate().for_each(|(k, chunk)| {
         let mut g = ChaCha12Rng::from_seed(key);
         g.set_stream(k as u64);
         for v in chunk {
-            let s: f64 = (0..4).map(|_| g.sample::<f64, _>(StandardNormal)).sum();
+            let s: f64 = (0..draws).map(|_| g.sample::<f64, _>(StandardNormal)).sum();
             *v = T::from_f64(s * scale);
         }
     });
@@ -264,6 +288,11 @@ mod tests {
             .unwrap();
         let f = f.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert!(f.iter().zip(&v).all(|(&a, &b)| a == b as f32));
+        // One draw a coordinate: the same distribution.
+        let single = r
+            .normal_tensor_single_draw(2.5, &[7, 10_000], DType::F64, &dev)
+            .unwrap();
+        moments_are_normal(&single.flatten_all().unwrap().to_vec1::<f64>().unwrap(), 2.5);
         // Successive calls draw fresh noise.
         let next = r.normal_tensor(2.5, &[7, 10_000], DType::F64, &dev).unwrap();
         assert_ne!(next.flatten_all().unwrap().to_vec1::<f64>().unwrap(), v);
