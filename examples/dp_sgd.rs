@@ -97,7 +97,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // Cosine decay of the learning rate: the late, small steps average
             // the noise away (post-processing, so no privacy cost).
             let decayed = lr * 0.5 * (1.0 + (std::f64::consts::PI * step as f64 / total_steps).cos());
-            trainer.optimizer_mut().set_lr(decayed);
+            trainer.optimizer_mut().set_lr(decayed)?;
             step += 1;
             trainer.step()?;
         }

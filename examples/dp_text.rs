@@ -143,8 +143,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for epoch in 1..=epochs {
         for _ in 0..steps_per_epoch {
             let decay = 0.5 * (1.0 + (std::f64::consts::PI * step as f64 / steps as f64).cos());
-            trainer.optimizer_mut().set_lr(lr * decay);
-            opt_plain.set_lr(lr_plain * decay);
+            trainer.optimizer_mut().set_lr(lr * decay)?;
+            opt_plain.set_lr(lr_plain * decay)?;
             step += 1;
             trainer.step()?;
             let idx = batches.poisson_sample(n, q);

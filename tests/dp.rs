@@ -134,7 +134,7 @@ fn adam_follows_pytorch() {
             assert!((a - b).abs() < 1e-12, "step {t}: {got:?} vs {want:?}");
         }
     }
-    opt.set_lr(0.0);
+    opt.set_lr(0.0).unwrap();
     assert_eq!(opt.lr(), 0.0);
     let mut bad = BTreeMap::new();
     bad.insert("nope".to_string(), Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap());

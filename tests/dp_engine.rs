@@ -170,17 +170,19 @@ fn per_layer_clipping_clips_each_group() {
 fn noise_has_the_promised_scale_and_new_sizes_never_trace() {
     // A loss with zero gradient: the update is the noise alone,
     // -lr N(0, (σ S)²) / (q N) per coordinate, with S = sqrt(Σ bounds²).
-    let zero =
-        |p: BTreeMap<String, Tracer>, x: Tracer, _y: Tracer| p["big"].sum_all()?.mul(0.0)?.add(&x.sum_all()?.mul(0.0)?);
+    let zero = |p: BTreeMap<String, Tracer>, x: Tracer, _y: Tracer| {
+        let w = p["big"].sum_all()?.add(&p["other"].sum_all()?)?;
+        w.mul(0.0)?.add(&x.sum_all()?.mul(0.0)?)
+    };
     let vm = VarMap::new();
-    vm.data().lock().unwrap().insert(
-        "big".into(),
-        candle_core::Var::zeros((200, 100), DType::F32, &Device::Cpu).unwrap(),
-    );
+    for (name, shape) in [("big", (200, 100)), ("other", (50, 20))] {
+        let v = candle_core::Var::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+        vm.data().lock().unwrap().insert(name.into(), v);
+    }
     let (xs, ys) = data(50);
     let (sigma, lr, batch) = (1.5, 0.1, 10);
     let config = DpConfig {
-        clipping: Clipping::PerLayer(vec![("big".into(), 3.0), ("unused".into(), 4.0)]),
+        clipping: Clipping::PerLayer(vec![("big".into(), 3.0), ("other".into(), 4.0)]),
         ..DpConfig::new(batch, sigma, 1.0)
     };
     let mut t = PrivacyEngine::new()
@@ -196,7 +198,11 @@ fn noise_has_the_promised_scale_and_new_sizes_never_trace() {
     assert!(sizes.len() > 2, "{sizes:?}");
     assert_eq!(t.traces(), 1);
     assert_eq!(t.accountant().steps(), 6);
-    let w = current(&vm)["big"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let now = current(&vm);
+    let w: Vec<f32> = ["big", "other"]
+        .iter()
+        .flat_map(|k| now[*k].flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
     // Six independent steps add up: std sqrt(6) lr σ 5 / (q N).
     let want = 6f64.sqrt() * lr * sigma * 5.0 / batch as f64;
     let n = w.len() as f64;
@@ -276,7 +282,8 @@ fn optimisers_follow_pytorch() {
     let want = ((&w0 * (1.0 - lr * wd)).unwrap() - (g.sign().unwrap() * lr).unwrap()).unwrap();
     assert!(max_diff(&current(&vm)["w"], &want) < 1e-6);
     assert_eq!(opt.lr(), lr);
-    opt.set_lr(0.5);
+    opt.set_lr(0.5).unwrap();
+    assert!(opt.set_lr(f64::NAN).is_err() && opt.set_lr(-1.0).is_err());
     assert_eq!(opt.lr(), 0.5);
     for bad in [-1.0, f64::NAN, f64::INFINITY] {
         assert!(dp::AdamW::new(&vm, 0.1, bad).is_err());
@@ -320,6 +327,30 @@ fn bad_input_is_refused() {
         ..DpConfig::new(5, 1.0, 1.0)
     };
     assert!(make((&xs, &ys), nan_group).contains("\"m\""));
+    // A group that holds no parameter would only add noise.
+    let stray = DpConfig {
+        clipping: Clipping::PerLayer(vec![("l".into(), 1.0), ("m".into(), 1.0), ("mm".into(), 1.0)]),
+        ..DpConfig::new(5, 1.0, 1.0)
+    };
+    assert!(make((&xs, &ys), stray).contains("\"mm\""));
+    // Nothing to train.
+    let empty = VarMap::new();
+    let msg = PrivacyEngine::new()
+        .rng(Rng::seeded(0))
+        .make_private(
+            loss,
+            &empty,
+            dp::Sgd::new(&empty, 0.1, 0.0).unwrap(),
+            (&xs, &ys),
+            DpConfig::new(5, 1.0, 1.0),
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("no variables"), "{msg}");
+    // A seeded generator is allowed, with a warning that it is not private.
+    let _ = trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 0);
+    assert!(candle_func::warned("dp-seeded-rng"));
     let with_eps = |eps: f64, epochs: f64| {
         PrivacyEngine::new()
             .rng(Rng::seeded(0))
@@ -340,4 +371,22 @@ fn bad_input_is_refused() {
     // The PRV figure carries its error band (0.01), so 0.005 is out of reach.
     assert!(with_eps(0.005, 1.0).contains("noise_multiplier_for"));
     assert!(with_eps(-1.0, 1.0).contains("target_epsilon"));
+}
+
+#[test]
+fn the_accountant_resumes_from_a_checkpoint() {
+    let (xs, ys) = data(50);
+    let vm = model();
+    let mut t = trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 2);
+    for _ in 0..3 {
+        t.step().unwrap();
+    }
+    let saved = t.accountant().to_json();
+    let eps = t.epsilon(1e-5).unwrap();
+    let mut resumed = trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 3);
+    resumed.set_accountant(Accountant::from_json(&saved).unwrap());
+    assert_eq!(resumed.epsilon(1e-5).unwrap(), eps);
+    resumed.step().unwrap();
+    assert_eq!(resumed.accountant().steps(), 4);
+    assert!(resumed.epsilon(1e-5).unwrap() > eps);
 }

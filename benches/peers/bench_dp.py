@@ -17,7 +17,7 @@ norm 1, noise multiplier 1, SGD with lr 0.05.
 
     $HOME/peers/bin/python benches/peers/bench_dp.py [REPS]
 """
-import os, statistics, sys, time, warnings
+import os, sys, warnings
 
 warnings.filterwarnings("ignore")
 import torch
@@ -28,21 +28,15 @@ from opacus import PrivacyEngine
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "peers"))
 from models import CNNO, CNNT  # noqa: E402
 from tiny_lm import TinyLM, V, T  # noqa: E402
+import timing  # noqa: E402
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
 
 
-def bench(name, f, reps=REPS, warm=3):
-    for _ in range(warm):
-        f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append((time.perf_counter() - t) * 1e3)
-    print(f"RESULT {name:<45} median {statistics.median(ts):10.3f} ms  min {min(ts):10.3f}  max {max(ts):10.3f}  (n={reps})", flush=True)
+def bench(name, f):
+    timing.bench(name, f, REPS)
 
 
 class SeqCE(nn.Module):

@@ -9,7 +9,7 @@ set while the variant runs, from /proc).
 
     $HOME/peers/bin/python benches/peers/bench_lm.py [REPS]
 """
-import copy, math, statistics, sys, time, warnings
+import copy, sys, warnings
 
 warnings.filterwarnings("ignore")
 import torch
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from opacus import GradSampleModule
 from tiny_lm import TinyLM, V, T
+import timing
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
@@ -33,15 +34,8 @@ def rss_mib():
     return float("nan")
 
 
-def bench(name, f, reps=REPS, warm=3):
-    for _ in range(warm):
-        f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append((time.perf_counter() - t) * 1e3)
-    print(f"RESULT {name:<45} median {statistics.median(ts):10.3f} ms  min {min(ts):10.3f}  max {max(ts):10.3f}  (n={reps})  process peak RSS {rss_mib():.0f} MiB", flush=True)
+def bench(name, f):
+    timing.bench(name, f, REPS, extra=lambda: f"  process peak RSS {rss_mib():.0f} MiB")
 
 
 model = TinyLM()

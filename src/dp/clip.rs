@@ -68,16 +68,7 @@ pub type PerSampleGradNorms<F> = ClippedGradSum<F, NormsOnly>;
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn per_sample_grad_norms<F>(loss: F) -> PerSampleGradNorms<F> {
-    ClippedGradSum {
-        loss,
-        max_norm: 1.0,
-        groups: None,
-        ghost: true,
-        in_dims: None,
-        options: Options::new(),
-        cache: GraphCache::default(),
-        mode: PhantomData,
-    }
+    ClippedGradSum::new(loss, 1.0)
 }
 
 /// The clipping step of DP-SGD for `loss(params, example..)`, a function of
@@ -113,38 +104,28 @@ pub fn per_sample_grad_norms<F>(loss: F) -> PerSampleGradNorms<F> {
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn clipped_grad_sum<F>(loss: F, max_norm: f64) -> ClippedGradSum<F> {
-    ClippedGradSum {
-        loss,
-        max_norm,
-        groups: None,
-        ghost: true,
-        in_dims: None,
-        options: Options::new(),
-        cache: GraphCache::default(),
-        mode: PhantomData,
-    }
+    ClippedGradSum::new(loss, max_norm)
 }
 
 impl<F, M> ClippedGradSum<F, M> {
+    fn new(loss: F, max_norm: f64) -> Self {
+        ClippedGradSum {
+            loss,
+            max_norm,
+            groups: None,
+            ghost: true,
+            in_dims: None,
+            options: Options::new(),
+            cache: GraphCache::default(),
+            mode: PhantomData,
+        }
+    }
+
     /// The batch axis of each argument, as [`Vmap::in_dims`](crate::Vmap::in_dims) takes them
     /// (default: `None` for the parameters, 0 for every other argument).
     pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
         self.cache = GraphCache::default(); // a changed transform traces anew
         self.in_dims = Some(dims.into());
-        self
-    }
-
-    /// Per-layer clipping (Opacus's `clipping="per_layer"`, generalised to
-    /// groups): leaf `i` of the gradient tree (in its flattening order,
-    /// sorted by name for a map) belongs to group `of_leaf[i]`, and each
-    /// example's gradient restricted to group `k` is clipped to
-    /// `bounds[k]` on its own. One example then moves the sum by at most
-    /// `sqrt(Σ bounds²)`, the sensitivity the noise must be scaled to.
-    /// `max_norm` is unused; `norms` stays the norm over all leaves. The
-    /// lengths and bounds are checked when traced.
-    pub fn per_group(mut self, of_leaf: Vec<usize>, bounds: Vec<f64>) -> Self {
-        self.cache = GraphCache::default();
-        self.groups = Some((of_leaf, bounds));
         self
     }
 
@@ -184,6 +165,22 @@ impl<F, M> ClippedGradSum<F, M> {
         C: CallArgs<S>,
     {
         call_concrete(self, &self.cache, &args)
+    }
+}
+
+impl<F> ClippedGradSum<F, Clipped> {
+    /// Per-layer clipping (Opacus's `clipping="per_layer"`, generalised to
+    /// groups): leaf `i` of the gradient tree (in its flattening order,
+    /// sorted by name for a map) belongs to group `of_leaf[i]`, and each
+    /// example's gradient restricted to group `k` is clipped to
+    /// `bounds[k]` on its own. One example then moves the sum by at most
+    /// `sqrt(Σ bounds²)`, the sensitivity the noise must be scaled to.
+    /// `max_norm` is unused; `norms` stays the norm over all leaves. The
+    /// lengths and bounds are checked when traced.
+    pub fn per_group(mut self, of_leaf: Vec<usize>, bounds: Vec<f64>) -> Self {
+        self.cache = GraphCache::default();
+        self.groups = Some((of_leaf, bounds));
+        self
     }
 }
 
@@ -282,12 +279,7 @@ fn check_groups(of_leaf: &[usize], bounds: &[f64], leaves: usize) -> Result<()> 
 
 /// An error unless the clipping bound is finite and positive.
 fn positive_norm(c: f64) -> Result<()> {
-    if c.is_finite() && c > 0.0 {
-        return Ok(());
-    }
-    Err(Error::Config {
-        msg: format!("clipped_grad_sum: max_norm must be finite and > 0, got {c}"),
-    })
+    super::positive("clipped_grad_sum", "max_norm", c, false)
 }
 
 /// How each per-example gradient is read: its ghost rule where it has one

@@ -199,6 +199,11 @@ impl PrivacyEngine {
         let q = sample_rate(config.batch_size, n)?;
         check_sigma(config.noise_multiplier)?;
         let names = super::optim::var_names(varmap)?;
+        if names.is_empty() {
+            return Err(Error::Config {
+                msg: "make_private: the VarMap has no variables to train".into(),
+            });
+        }
         let (of_leaf, bounds) = groups(&names, &config.clipping)?;
         let sensitivity = bounds.iter().map(|c| c * c).sum::<f64>().sqrt();
         let physical = self.physical_batch.unwrap_or(config.batch_size.div_ceil(4)).max(1);
@@ -210,6 +215,14 @@ impl PrivacyEngine {
             Some(r) => r,
             None => Rng::from_os()?,
         };
+        if rng.is_seeded() {
+            crate::transforms::settings::warn_once(
+                "dp-seeded-rng".into(),
+                "make_private: a seeded generator makes the noise predictable from its seed: \
+                 reproducible, but not private"
+                    .into(),
+            );
+        }
         Ok(PrivateTrainer {
             clip,
             varmap: varmap.clone(),
@@ -293,12 +306,7 @@ fn steps_per_epoch(q: f64) -> usize {
 }
 
 fn check_sigma(sigma: f64) -> Result<()> {
-    if sigma.is_finite() && sigma >= 0.0 {
-        return Ok(());
-    }
-    Err(Error::Config {
-        msg: format!("make_private: noise_multiplier must be finite and >= 0, got {sigma}"),
-    })
+    super::positive("make_private", "noise_multiplier", sigma, true)
 }
 
 /// Each parameter's group (in name order) and each group's bound.
@@ -322,6 +330,14 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
+            // A group that holds no parameter would add its bound to the
+            // sensitivity, and so noise, for nothing: a misspelt prefix.
+            if let Some(k) = (0..groups.len()).find(|k| !of_leaf.contains(k)) {
+                return bad(format!(
+                    "make_private: per-layer clipping group {:?} holds no parameter (parameters: {names:?})",
+                    groups[k].0
+                ));
+            }
             Ok((of_leaf, groups.iter().map(|g| g.1).collect()))
         }
     }
@@ -420,8 +436,10 @@ where
             };
             grads.insert(k, ((s + noise)? / expected)?);
         }
-        self.optimizer.step(&grads)?;
+        // Counted before the update, as Opacus does: an update that fails
+        // half-way has still released noisy values.
         self.accountant.step(self.noise_multiplier, self.sample_rate)?;
+        self.optimizer.step(&grads)?;
         let b = idx.len() as f64;
         Ok(StepInfo {
             batch_size: idx.len(),

@@ -93,9 +93,9 @@ pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Resul
 }
 
 /// An error naming `op` and `what` unless `v` is finite and positive (or
-/// zero, where `zero_ok`): a negative clipping norm zeroes every gradient,
+/// zero, where `zero_ok`); the one check of every DP hyper-parameter: a negative clipping norm zeroes every gradient,
 /// a NaN one makes them NaN, and an expected batch of 0 divides by zero.
-fn positive(op: &'static str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
+pub(super) fn positive(op: &str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
     if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
         return Ok(());
     }

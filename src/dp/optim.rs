@@ -7,6 +7,21 @@ use crate::error::{Error, Result};
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 
+/// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field.
+macro_rules! lr_field {
+    () => {
+        fn lr(&self) -> f64 {
+            self.lr
+        }
+
+        fn set_lr(&mut self, lr: f64) -> Result<()> {
+            super::positive("set_lr", "lr", lr, true)?;
+            self.lr = lr;
+            Ok(())
+        }
+    };
+}
+
 /// An optimiser stepping a `VarMap`'s variables by name.
 pub trait Optimizer {
     /// One step with `grads` (name -> gradient, shaped like the variable).
@@ -15,8 +30,9 @@ pub trait Optimizer {
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()>;
     /// The learning rate.
     fn lr(&self) -> f64;
-    /// Sets the learning rate (for schedules).
-    fn set_lr(&mut self, lr: f64);
+    /// Sets the learning rate (for schedules); an error unless it is
+    /// finite and `>= 0`.
+    fn set_lr(&mut self, lr: f64) -> Result<()>;
 }
 
 /// Stochastic gradient descent with momentum (PyTorch's formulation:
@@ -43,13 +59,7 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
+    lr_field!();
 
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
         for (name, g) in grads {
@@ -103,14 +113,9 @@ fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g:
 
 /// An error naming `op` unless each hyper-parameter is finite and `>= 0`.
 fn check_hyper(op: &str, values: &[(&str, f64)]) -> Result<()> {
-    for &(name, v) in values {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(Error::Config {
-                msg: format!("{op}: {name} must be finite and >= 0, got {v}"),
-            });
-        }
-    }
-    Ok(())
+    values
+        .iter()
+        .try_for_each(|&(name, v)| super::positive(op, name, v, true))
 }
 
 /// Adam (PyTorch's formulation with bias correction):
@@ -159,13 +164,7 @@ impl Adam {
 }
 
 impl Optimizer for Adam {
-    fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
+    lr_field!();
 
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
         self.steps = self.steps.saturating_add(1);
@@ -221,8 +220,8 @@ impl Optimizer for AdamW {
         self.0.lr
     }
 
-    fn set_lr(&mut self, lr: f64) {
-        self.0.lr = lr;
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.0.set_lr(lr)
     }
 
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {

@@ -46,9 +46,9 @@ use rand_chacha::ChaCha12Rng;
 use rand_distr::StandardNormal;
 use rayon::prelude::*;
 
-/// A ChaCha12 generator with the draws DP-SGD needs. Cloning it forks the
-/// stream: both copies produce the same values.
-#[derive(Clone, Debug)]
+/// A ChaCha12 generator with the draws DP-SGD needs. It is not `Clone`: a
+/// copy would repeat the original's noise, which privacy forbids.
+#[derive(Debug)]
 pub struct Rng {
     inner: ChaCha12Rng,
     seeded: bool,

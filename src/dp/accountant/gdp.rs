@@ -14,11 +14,11 @@ use crate::error::{Error, Result};
 
 /// ε at `delta` for a constant history `(sigma, q, steps)`.
 pub(super) fn epsilon(history: &[(f64, f64, usize)], delta: f64) -> Result<f64> {
-    let live: Vec<_> = history.iter().filter(|&&(_, q, n)| q > 0.0 && n > 0).collect();
-    let Some(&&(sigma, q, _)) = live.first() else {
+    let live = super::live(history);
+    let Some(&(sigma, q, _)) = live.first() else {
         return Ok(0.0);
     };
-    if live.iter().any(|&&(s, r, _)| s != sigma || r != q) {
+    if live.iter().any(|&(s, r, _)| s != sigma || r != q) {
         return Err(Error::Config {
             msg: "gdp accountant: the noise multiplier and sample rate must stay constant \
                   (the central-limit approximation is for identical steps)"
@@ -28,7 +28,7 @@ pub(super) fn epsilon(history: &[(f64, f64, usize)], delta: f64) -> Result<f64> 
     if sigma == 0.0 {
         return Ok(f64::INFINITY);
     }
-    let steps: usize = live.iter().fold(0usize, |a, &&(_, _, n)| a.saturating_add(n));
+    let steps = super::total_steps(&live);
     let mu = q * (steps as f64).sqrt() * (1.0 / (sigma * sigma)).exp_m1().sqrt();
     if !mu.is_finite() {
         return Ok(f64::INFINITY);

@@ -165,7 +165,11 @@ impl Accountant {
     /// end of the error band, as Opacus reports it. `∞` when a step had no
     /// noise. An error for `delta` outside `(0, 1)`, a constant-only
     /// mechanism (GDP) given changing steps, or a PRV grid that would not
-    /// fit (see [`Accountant::with_eps_error`]).
+    /// fit (see [`Accountant::with_eps_error`]). PRV also refuses a `delta`
+    /// below `f64::EPSILON` times the grid's size (about 1e-10 for the
+    /// digits example), where the grid's rounding could dominate; Opacus
+    /// checks against `long double`'s epsilon there and computes in f64
+    /// regardless.
     pub fn epsilon(&self, delta: f64) -> Result<f64> {
         Ok(self.epsilon_range(delta)?.2)
     }
@@ -195,9 +199,7 @@ impl Accountant {
 
     /// The number of steps recorded.
     pub fn steps(&self) -> usize {
-        self.history
-            .iter()
-            .fold(0usize, |acc, &(_, _, n)| acc.saturating_add(n))
+        total_steps(&self.history)
     }
 
     /// The recorded history, `(noise_multiplier, sample_rate, steps)` per run
@@ -261,6 +263,16 @@ impl Default for Accountant {
     }
 }
 
+/// The steps of a history, saturating.
+fn total_steps(history: &[(f64, f64, usize)]) -> usize {
+    history.iter().fold(0usize, |acc, &(_, _, n)| acc.saturating_add(n))
+}
+
+/// The entries that release anything: sampled (`q > 0`) at least once.
+fn live(history: &[(f64, f64, usize)]) -> Vec<(f64, f64, usize)> {
+    history.iter().copied().filter(|&(_, q, n)| q > 0.0 && n > 0).collect()
+}
+
 fn check_step(noise_multiplier: f64, sample_rate: f64) -> Result<()> {
     if !(noise_multiplier.is_finite() && noise_multiplier >= 0.0) {
         return Err(Error::Config {
@@ -307,7 +319,11 @@ pub fn noise_multiplier_for(
             msg: format!("noise_multiplier_for: target_epsilon must be > 0, got {target_epsilon}"),
         });
     }
-    check_step(0.0, sample_rate)?;
+    if !(0.0..=1.0).contains(&sample_rate) {
+        return Err(Error::Config {
+            msg: format!("noise_multiplier_for: sample_rate must be in [0, 1], got {sample_rate}"),
+        });
+    }
     let eps_at = |sigma: f64| {
         let mut acc = Accountant::new(mechanism);
         acc.record(sigma, sample_rate, steps)?;

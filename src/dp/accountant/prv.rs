@@ -36,10 +36,12 @@ pub(super) struct Budget {
     pub delta_error: f64,
 }
 
-/// The largest grid the accountant will build (2²⁵ points, about 0.5 GiB of
-/// working memory). A budget needing more (hundreds of millions of steps,
-/// or a tiny `eps_error`) is refused with an error naming the size.
-const MAX_POINTS: usize = 1 << 25;
+/// The largest grid the accountant will build: 2²⁴ points, about 0.5 GiB
+/// of working memory for one run of identical steps and about 2 GiB to
+/// convolve different runs (the padded spectra). The digits example needs
+/// 250 000. A budget needing more (tens of millions of steps, or a tiny
+/// `eps_error`) is refused with an error naming the size.
+const MAX_POINTS: usize = 1 << 24;
 
 /// The lower end, estimate and upper end of ε at `delta`; the upper end is
 /// what Opacus's `get_epsilon` reports.
@@ -119,7 +121,7 @@ impl Domain {
 /// The grid for the whole history: half-width `L` from RDP tail bounds, and
 /// the mesh from the error budget and the total number of steps.
 fn domain(live: &[(f64, f64, usize)], budget: Budget) -> Result<Domain> {
-    let total: usize = live.iter().fold(0usize, |a, &(_, _, n)| a.saturating_add(n));
+    let total = super::total_steps(live);
     let l = safe_half_width(live, total, budget);
     let dt = budget.eps_error / (total as f64 * (12.0 / budget.delta_error).ln() / 2.0).sqrt();
     if !l.is_finite() || !dt.is_finite() || dt <= 0.0 {
@@ -211,7 +213,7 @@ impl Discrete {
     /// of the FFT to the `n`-th power is their circular convolution, whose
     /// index `j` holds the sum whose grid indices add to `j` (mod size).
     /// That sum's value is `n t_min + j dt`; rolling by `m` puts it at
-    /// `t_min + (j + m) dt` when `m ≡ -(n - 1) t_min / dt (mod size)`,
+    /// `t_min + (j + m) dt` when `m ≡ (n - 1) t_min / dt (mod size)`,
     /// which with `t_min = -(size/2 - 1) dt` is `n - 1`, plus `size/2` when
     /// `n` is even. Mass beyond the domain wraps around; the domain was
     /// chosen so that it is within the error budget.

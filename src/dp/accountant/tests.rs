@@ -158,5 +158,11 @@ fn noise_multiplier_for_each_mechanism() {
     }
     // PRV needs less noise for the same ε: about σ = 1 for this target.
     assert!(sigmas[0] < sigmas[1], "{sigmas:?}");
+    // GDP, constant steps only, reaches its target too.
+    let sigma = noise_multiplier_for(Mechanism::Gdp, 2.0, 1e-5, q, steps).unwrap();
+    let mut acc = Accountant::new(Mechanism::Gdp);
+    acc.record(sigma, q, steps).unwrap();
+    let eps = acc.epsilon(1e-5).unwrap();
+    assert!(eps <= 2.0 && 2.0 - eps <= 0.01, "gdp: sigma {sigma} eps {eps}");
     assert!((sigmas[0] - 1.0).abs() < 0.01, "{sigmas:?}");
 }
