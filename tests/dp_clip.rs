@@ -262,10 +262,11 @@ fn embeddings_and_attention_of_a_small_gpt() {
 fn convolutions_take_chunked_norms_or_materialise_whichever_holds_less() {
     // conv cin -> 6 (k, stride 2, padding k/2) on 10x10, relu, flatten,
     // linear to 3; the unfold route makes the per-example weight gradient
-    // one product. With cin = 2, k = 3 its 18 entries per output channel
-    // are fewer than the 25 output positions, so it is materialised; with
-    // cin = 3, k = 5 (75 > 25) the norms are chunked.
-    for (cin, k, chunked) in [(2, 3, false), (3, 5, true)] {
+    // one product. With cin = 2, k = 3 its 6 x 18 entries are fewer than
+    // the output gradient's 6 x 25 and the input's 2 x 100 that the chunked
+    // form would hold, so it is materialised; with cin = 4, k = 5 (600
+    // against 150 + 400) the norms are chunked.
+    for (cin, k, chunked) in [(2, 3, false), (4, 5, true)] {
         let cnn = move |p: BTreeMap<String, Tracer>, x: Tracer| {
             let h = x.unsqueeze(0)?.conv2d(&p["c"], k / 2, 2, 1, 1)?.relu()?.flatten_all()?;
             h.unsqueeze(0)?.broadcast_matmul(&p["l"].t()?)?.sqr()?.mean_all()

@@ -151,11 +151,7 @@ fn per_layer_clipping_clips_each_group() {
     let (xs, ys) = data(40);
     let vm = model();
     let before = current(&vm);
-    let groups = vec![("l".to_string(), 0.3), ("m".to_string(), 0.7)];
-    let config = DpConfig {
-        clipping: Clipping::PerLayer(groups),
-        ..DpConfig::new(10, 0.0, 1.0)
-    };
+    let config = DpConfig::per_layer(10, 0.0, &[("l", 0.3), ("m", 0.7)]);
     let mut t = trainer(&vm, (&xs, &ys), 4, config, 9);
     let info = t.step().unwrap();
     assert!(info.clipped_fraction.is_nan());
@@ -371,6 +367,23 @@ fn bad_input_is_refused() {
     // The PRV figure carries its error band (0.01), so 0.005 is out of reach.
     assert!(with_eps(0.005, 1.0).contains("noise_multiplier_for"));
     assert!(with_eps(-1.0, 1.0).contains("target_epsilon"));
+    // A wider PRV band lets the search and the trainer's accountant use it.
+    let wide = |e: f64| {
+        PrivacyEngine::new()
+            .rng(Rng::seeded(0))
+            .eps_error(e)
+            .make_private_with_epsilon(
+                loss,
+                &vm,
+                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                (&xs, &ys),
+                DpConfig::new(5, 0.0, 1.0),
+                (1.0, 1e-5, 1.0),
+            )
+    };
+    let t = wide(0.05).unwrap();
+    assert!(t.accountant().to_json().contains("\"eps_error\":0.05"));
+    assert!(wide(-1.0).map(|_| ()).unwrap_err().to_string().contains("eps_error"));
 }
 
 #[test]

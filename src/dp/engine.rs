@@ -56,7 +56,7 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
-use super::accountant::{noise_multiplier_for, Accountant, Mechanism};
+use super::accountant::{noise_multiplier_with, Accountant, Mechanism};
 use super::clip::{clipped_grad_sum, ClippedGradSum};
 use super::optim::Optimizer;
 use super::rng::Rng;
@@ -101,6 +101,15 @@ impl DpConfig {
             clipping: Clipping::Flat(max_grad_norm),
         }
     }
+
+    /// Per-layer clipping: `(prefix, bound)` groups (see [`Clipping::PerLayer`]).
+    pub fn per_layer(batch_size: usize, noise_multiplier: f64, groups: &[(&str, f64)]) -> DpConfig {
+        DpConfig {
+            batch_size,
+            noise_multiplier,
+            clipping: Clipping::PerLayer(groups.iter().map(|&(p, c)| (p.to_string(), c)).collect()),
+        }
+    }
 }
 
 /// Builds private trainers (Opacus's `PrivacyEngine`): which accountant,
@@ -112,6 +121,7 @@ pub struct PrivacyEngine {
     ghost: bool,
     secure_mode: bool,
     physical_batch: Option<usize>,
+    eps_error: Option<f64>,
     options: Options,
 }
 
@@ -131,6 +141,7 @@ impl PrivacyEngine {
             ghost: true,
             secure_mode: true,
             physical_batch: None,
+            eps_error: None,
             options: Options::new(),
         }
     }
@@ -138,6 +149,14 @@ impl PrivacyEngine {
     /// The analysis the trainer's accountant reports ε by.
     pub fn accountant(mut self, mechanism: Mechanism) -> PrivacyEngine {
         self.mechanism = mechanism;
+        self
+    }
+
+    /// The PRV accountant's error band on ε (default 0.01, Opacus's; see
+    /// [`Accountant::with_eps_error`]), for `make_private_with_epsilon`'s
+    /// search and the trainer's accountant.
+    pub fn eps_error(mut self, eps_error: f64) -> PrivacyEngine {
+        self.eps_error = Some(eps_error);
         self
     }
 
@@ -182,7 +201,14 @@ impl PrivacyEngine {
 
     /// A trainer for `loss(params, x, y)`, the loss of ONE example (`x` and
     /// `y` without a batch axis), over the variables of `varmap`, stepping
-    /// `optimizer`, on the data set `(xs, ys)` (examples along axis 0).
+    /// `optimizer`, on the data set `(xs, ys)` (examples along axis 0; `ys`
+    /// of whatever dtype the loss reads, u32 class ids for
+    /// `nn::cross_entropy`).
+    ///
+    /// Write the closure's argument types out, `|p: BTreeMap<String,
+    /// Tracer>, x: Tracer, y: Tracer|`: the bound is the crate's
+    /// [`Function`] trait, which Rust cannot infer closure arguments from.
+    /// A `&loss` works too, to share one closure between trainers.
     pub fn make_private<F, O>(
         self,
         loss: F,
@@ -211,6 +237,7 @@ impl PrivacyEngine {
             .per_group(of_leaf, bounds)
             .ghost(self.ghost)
             .options(self.options);
+        let accountant = self.accountant_new()?;
         let rng = match self.rng {
             Some(r) => r,
             None => Rng::from_os()?,
@@ -227,7 +254,7 @@ impl PrivacyEngine {
             clip,
             varmap: varmap.clone(),
             optimizer,
-            accountant: Accountant::new(self.mechanism),
+            accountant,
             rng,
             xs: xs.clone(),
             ys: ys.clone(),
@@ -271,12 +298,23 @@ impl PrivacyEngine {
             });
         }
         let steps = (epochs * steps_per_epoch(q) as f64).ceil() as usize;
-        let noise_multiplier = noise_multiplier_for(self.mechanism, target_epsilon, delta, q, steps)?;
+        let noise_multiplier = noise_multiplier_with(&self.accountant_new()?, target_epsilon, delta, q, steps)?;
         let config = DpConfig {
             noise_multiplier,
             ..config
         };
         self.make_private(loss, varmap, optimizer, data, config)
+    }
+}
+
+impl PrivacyEngine {
+    /// An empty accountant of the engine's mechanism and error band.
+    fn accountant_new(&self) -> Result<Accountant> {
+        let acc = Accountant::new(self.mechanism);
+        match self.eps_error {
+            Some(e) => acc.with_eps_error(e),
+            None => Ok(acc),
+        }
     }
 }
 
@@ -326,7 +364,10 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
                 .map(|name| {
                     let holds = |p: &str| name == p || name.strip_prefix(p).is_some_and(|r| r.starts_with('.'));
                     groups.iter().position(|(p, _)| holds(p)).ok_or_else(|| Error::Config {
-                        msg: format!("make_private: parameter {name:?} is in no per-layer clipping group"),
+                        msg: format!(
+                            "make_private: parameter {name:?} is in no per-layer clipping group (prefixes: {:?})",
+                            groups.iter().map(|g| &g.0).collect::<Vec<_>>()
+                        ),
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;

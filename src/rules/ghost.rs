@@ -252,13 +252,15 @@ pub(crate) struct ConvEach {
 impl ConvEach {
     /// Whether chunked norms hold less than materialising: until the clip
     /// factors are known the weighted sum needs either `G` (`Cout Cin k`
-    /// entries an example) or the output gradient (`Cout L`); the smaller
-    /// is kept. (Both cost the same products.)
+    /// entries an example, after which the layer's input and output
+    /// gradient can go) or the output gradient and the input (`Cout L +
+    /// Cin S`); the smaller is kept. (Both cost the same products.)
     pub(crate) fn chunking_pays(&self, b: &Builder) -> bool {
-        let cin = b.dims(self.x)[1];
-        let l: usize = b.dims(self.ct)[2..].iter().product();
+        let (xd, cd) = (b.dims(self.x), b.dims(self.ct));
+        let (cin, cout) = (xd[1], cd[1]);
+        let (s, l): (usize, usize) = (xd[2..].iter().product(), cd[2..].iter().product());
         let taps: usize = self.geom.kernel.iter().product();
-        cin * taps >= l
+        cout * cin * taps >= cout * l + cin * s
     }
 }
 

@@ -209,7 +209,7 @@ impl Accountant {
     }
 
     /// The state as JSON (Opacus's `state_dict` fields plus the error band):
-    /// `{"mechanism":"prv","eps_error":0.01,"history":[[σ, q, steps], …]}`.
+    /// `{"eps_error":0.01,"history":[[σ, q, steps], …],"mechanism":"prv"}`.
     /// Numbers are written so that they read back exactly.
     pub fn to_json(&self) -> String {
         let history: Vec<serde_json::Value> = self
@@ -298,14 +298,29 @@ fn check_step(noise_multiplier: f64, sample_rate: f64) -> Result<()> {
 /// not relative on σ. The bisection is capped at 200 halvings (past any
 /// `f64` resolution), after which the current upper end is returned.
 ///
-/// An error when no σ ≤ 10⁶ reaches the target (ε has a floor above zero
-/// that depends on `delta`, e.g. about 0.1 at `δ = 10⁻⁵` under RDP), and for
+/// An error when no σ ≤ 10⁶ reaches the target (ε has a floor above zero:
+/// about 0.1 at `δ = 10⁻⁵` under RDP, from its conversion, and the error
+/// band `eps_error` under PRV, 0.01 by default, since the reported ε is the
+/// band's upper end; a target near the floor is reached only with a huge
+/// σ), and for
 /// invalid inputs (`target_epsilon` NaN or `≤ 0`, `delta` outside `(0, 1)`,
 /// `sample_rate` outside `[0, 1]`). When the noise cannot matter
 /// (`sample_rate = 0` or `steps = 0`) the answer is 0 (Opacus would loop
 /// forever there).
 pub fn noise_multiplier_for(
     mechanism: Mechanism,
+    target_epsilon: f64,
+    delta: f64,
+    sample_rate: f64,
+    steps: usize,
+) -> Result<f64> {
+    noise_multiplier_with(&Accountant::new(mechanism), target_epsilon, delta, sample_rate, steps)
+}
+
+/// [`noise_multiplier_for`] by the analysis and error band of `template`
+/// (its history is ignored).
+pub(crate) fn noise_multiplier_with(
+    template: &Accountant,
     target_epsilon: f64,
     delta: f64,
     sample_rate: f64,
@@ -324,8 +339,12 @@ pub fn noise_multiplier_for(
             msg: format!("noise_multiplier_for: sample_rate must be in [0, 1], got {sample_rate}"),
         });
     }
+    let mechanism = template.mechanism;
     let eps_at = |sigma: f64| {
-        let mut acc = Accountant::new(mechanism);
+        let mut acc = Accountant {
+            history: Vec::new(),
+            ..template.clone()
+        };
         acc.record(sigma, sample_rate, steps)?;
         acc.epsilon(delta)
     };
