@@ -31,6 +31,7 @@ pub mod outer;
 pub mod pool;
 pub(crate) mod rng;
 pub mod rows;
+pub mod scale;
 pub mod shift;
 pub mod softmax;
 pub mod transpose;

@@ -5,7 +5,7 @@ use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Ru
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::{compare, fastmath};
+use crate::kernels::{compare, fastmath, scale};
 use candle_core::{DType, Tensor};
 
 fn is_float(dt: DType) -> bool {
@@ -211,7 +211,16 @@ impl Rule for Binary {
             }
             Binary::Add => a.broadcast_add(b),
             Binary::Sub => a.broadcast_sub(b),
-            Binary::Mul => a.broadcast_mul(b),
+            Binary::Mul => {
+                // A factor per row (the DP step's reweighting), either side.
+                if let Some(t) = scale::scale_rows(a, b).op("mul")? {
+                    return Ok(t);
+                }
+                if let Some(t) = scale::scale_rows(b, a).op("mul")? {
+                    return Ok(t);
+                }
+                a.broadcast_mul(b)
+            }
             Binary::Div => a.broadcast_div(b),
             Binary::Maximum => return keep_nan(a.broadcast_maximum(b).op("maximum")?, a, b),
             Binary::Minimum => return keep_nan(a.broadcast_minimum(b).op("minimum")?, a, b),
