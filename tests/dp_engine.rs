@@ -125,6 +125,18 @@ fn trainer(
         .unwrap()
 }
 
+/// `engine.make_private_with_epsilon` for `loss` over `vm` with SGD.
+fn with_epsilon(
+    engine: PrivacyEngine,
+    vm: &VarMap,
+    d: (&Tensor, &Tensor),
+    batch: usize,
+    target: (f64, f64, f64),
+) -> candle_func::Result<dp::PrivateTrainer<Loss, dp::Sgd>> {
+    let sgd = dp::Sgd::new(vm, 0.1, 0.0)?;
+    engine.make_private_with_epsilon(loss as Loss, vm, sgd, d, DpConfig::new(batch, 0.0, 1.0), target)
+}
+
 #[test]
 fn one_step_equals_the_materialised_step_for_any_physical_batch() {
     let (xs, ys) = data(60);
@@ -238,18 +250,8 @@ fn make_private_with_epsilon_spends_at_most_the_target() {
     let vm = model();
     let (target, delta, epochs) = (3.0, 1e-5, 2.0);
     for mech in [Mechanism::Prv, Mechanism::Rdp] {
-        let t = PrivacyEngine::new()
-            .accountant(mech)
-            .rng(Rng::seeded(1))
-            .make_private_with_epsilon(
-                loss,
-                &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
-                (&xs, &ys),
-                DpConfig::new(10, 0.0, 1.0),
-                (target, delta, epochs),
-            )
-            .unwrap();
+        let engine = PrivacyEngine::new().accountant(mech).rng(Rng::seeded(1));
+        let t = with_epsilon(engine, &vm, (&xs, &ys), 10, (target, delta, epochs)).unwrap();
         let steps = 2 * t.steps_per_epoch();
         assert_eq!(t.steps_per_epoch(), 10);
         let sigma = t.noise_multiplier();
@@ -348,19 +350,9 @@ fn bad_input_is_refused() {
     let _ = trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 0);
     assert!(candle_func::warned("dp-seeded-rng"));
     let with_eps = |eps: f64, epochs: f64| {
-        PrivacyEngine::new()
-            .rng(Rng::seeded(0))
-            .make_private_with_epsilon(
-                loss,
-                &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
-                (&xs, &ys),
-                DpConfig::new(5, 0.0, 1.0),
-                (eps, 1e-5, epochs),
-            )
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
+        let engine = PrivacyEngine::new().rng(Rng::seeded(0));
+        let t = with_epsilon(engine, &vm, (&xs, &ys), 5, (eps, 1e-5, epochs));
+        t.map(|_| ()).unwrap_err().to_string()
     };
     assert!(with_eps(1.0, 0.0).contains("epochs"));
     assert!(with_eps(1.0, f64::NAN).contains("epochs"));
@@ -369,17 +361,8 @@ fn bad_input_is_refused() {
     assert!(with_eps(-1.0, 1.0).contains("target_epsilon"));
     // A wider PRV band lets the search and the trainer's accountant use it.
     let wide = |e: f64| {
-        PrivacyEngine::new()
-            .rng(Rng::seeded(0))
-            .eps_error(e)
-            .make_private_with_epsilon(
-                loss,
-                &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
-                (&xs, &ys),
-                DpConfig::new(5, 0.0, 1.0),
-                (1.0, 1e-5, 1.0),
-            )
+        let engine = PrivacyEngine::new().rng(Rng::seeded(0)).eps_error(e);
+        with_epsilon(engine, &vm, (&xs, &ys), 5, (1.0, 1e-5, 1.0))
     };
     let t = wide(0.05).unwrap();
     assert!(t.accountant().to_json().contains("\"eps_error\":0.05"));
