@@ -39,12 +39,12 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
+use super::{by_blocks, output, Elem, BLOCK};
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, WithDType};
 use rand::{Rng as _, RngCore, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 use rand_distr::StandardNormal;
-use rayon::prelude::*;
 
 /// A ChaCha12 generator with the draws DP-SGD needs. It is not `Clone`: a
 /// copy would repeat the original's noise, which privacy forbids.
@@ -53,10 +53,6 @@ pub struct Rng {
     inner: ChaCha12Rng,
     seeded: bool,
 }
-
-/// Elements per block of [`Rng::normal_tensor`]: large enough that a
-/// block's key set-up is noise, small enough to spread over the threads.
-const BLOCK: usize = 1 << 14;
 
 impl Rng {
     /// A generator keyed from the operating system's secure source; an
@@ -148,9 +144,9 @@ impl Rng {
         let mut key = [0u8; 32];
         self.inner.fill_bytes(&mut key);
         let t = if dtype == DType::F64 {
-            Tensor::from_vec(fill::<f64>(n, std, key, draws), shape, &Device::Cpu)?
+            Tensor::from_vec(fill::<f64>(n, std, key, draws)?, shape, &Device::Cpu)?
         } else {
-            Tensor::from_vec(fill::<f32>(n, std, key, draws), shape, &Device::Cpu)?.to_dtype(dtype)?
+            Tensor::from_vec(fill::<f32>(n, std, key, draws)?, shape, &Device::Cpu)?.to_dtype(dtype)?
         };
         Ok(t.to_device(device)?)
     }
@@ -181,37 +177,28 @@ impl Rng {
 /// (Holohan and Braghin's `2n` with `n = 2`, as in Opacus).
 const SECURE_DRAWS: usize = 4;
 
+/// Standard draws a coordinate costs in work per element for
+/// [`by_blocks`]'s threading: sampling is compute-bound (about 6 ns a
+/// draw), so threads pay off well below the memory-bound kernels' sizes.
+const WORK_PER_DRAW: usize = 16;
+
 /// `n` values of `N(0, std²)`, each the sum of `draws` standard draws
-/// times `std / sqrt(draws)`, block `k` from stream `k` of `key`.
-fn fill<T: From<f32> + Copy + Send + FromF64>(n: usize, std: f64, key: [u8; 32], draws: usize) -> Vec<T> {
-    let mut out = vec![T::from(0.0); n];
+/// times `std / sqrt(draws)`. Block `k` of the kernels' `BLOCK`s draws
+/// from stream `k` of `key`, so the values do not depend on how the
+/// blocks are spread over threads. A buffer the allocator cannot give is
+/// an error, not an abort.
+fn fill<T: Elem + WithDType>(n: usize, std: f64, key: [u8; 32], draws: usize) -> Result<Vec<T>> {
+    let mut out = output::<T>(n)?;
     let scale = std / (draws as f64).sqrt();
-    out.par_chunks_mut(BLOCK).enumerate().for_each(|(k, chunk)| {
+    by_blocks(&mut out, WORK_PER_DRAW * draws, |start, chunk| {
         let mut g = ChaCha12Rng::from_seed(key);
-        g.set_stream(k as u64);
+        g.set_stream((start / BLOCK) as u64);
         for v in chunk {
             let s: f64 = (0..draws).map(|_| g.sample::<f64, _>(StandardNormal)).sum();
             *v = T::from_f64(s * scale);
         }
     });
-    out
-}
-
-/// Rounding from `f64` (`as` for the two float types).
-trait FromF64 {
-    fn from_f64(v: f64) -> Self;
-}
-
-impl FromF64 for f32 {
-    fn from_f64(v: f64) -> f32 {
-        v as f32
-    }
-}
-
-impl FromF64 for f64 {
-    fn from_f64(v: f64) -> f64 {
-        v
-    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -316,6 +303,12 @@ mod tests {
         let msg = r.normal_tensor(1.0, &[4], DType::U32, &dev).unwrap_err().to_string();
         assert!(msg.contains("normal_tensor"), "{msg}");
         assert!(r.normal_tensor(1.0, &[usize::MAX, 2], DType::F32, &dev).is_err());
+        // A size that does not overflow but cannot be allocated: an error.
+        let msg = r
+            .normal_tensor(1.0, &[1 << 40, 1 << 10], DType::F32, &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("out of memory"), "{msg}");
     }
 
     #[test]
