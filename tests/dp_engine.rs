@@ -204,7 +204,7 @@ fn noise_has_the_promised_scale_and_new_sizes_never_trace() {
     }
     // Several Poisson sizes, one trace.
     assert!(sizes.len() > 2, "{sizes:?}");
-    assert_eq!(t.traces(), 1);
+    assert_eq!(t.traced_signatures(), 1);
     assert_eq!(t.accountant().steps(), 6);
     let now = current(&vm);
     let w: Vec<f32> = ["big", "other"]

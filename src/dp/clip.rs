@@ -152,8 +152,8 @@ impl<F, M> ClippedGradSum<F, M> {
         self
     }
 
-    /// How many input signatures have been traced (and are cached).
-    pub(crate) fn traced(&self) -> usize {
+    /// Number of input signatures traced so far.
+    pub fn traced_signatures(&self) -> usize {
         self.cache.len()
     }
 
@@ -356,25 +356,23 @@ fn clip_leaves(leaves: &[Tracer], (of_leaf, bounds): (&[usize], &[f64]), ghost: 
     for ((g, plan), &k) in leaves.iter().zip(&plans).zip(of_leaf) {
         members[k].push(sq_norm(g, plan)?);
     }
-    let group_sq: Vec<Tracer> = members
+    let group_sq: Vec<Option<Tracer>> = members
         .iter()
-        .filter(|m| !m.is_empty())
-        .map(|m| total(m))
+        .map(|m| (!m.is_empty()).then(|| total(m)).transpose())
         .collect::<Result<_>>()?;
-    let mut factors = Vec::with_capacity(bounds.len());
-    let mut live = group_sq.iter();
-    for (m, &c) in members.iter().zip(bounds) {
-        factors.push(match m.is_empty() {
-            true => None,
-            false => Some(clip_factor(&live.next().expect("one per group").sqrt()?, c)?),
-        });
-    }
-    let norms = total(&group_sq)?.sqrt()?;
+    let factors: Vec<Option<Tracer>> = group_sq
+        .iter()
+        .zip(bounds)
+        .map(|(sq, &c)| sq.as_ref().map(|sq| clip_factor(&sq.sqrt()?, c)).transpose())
+        .collect::<Result<_>>()?;
+    let present: Vec<Tracer> = group_sq.into_iter().flatten().collect();
+    let norms = total(&present)?.sqrt()?;
     let sums = leaves
         .iter()
         .zip(&plans)
         .zip(of_leaf)
         .map(|((g, plan), &k)| {
+            // a leaf's group has it as a member, so a norm and a factor
             let factor = factors[k].as_ref().expect("the leaf's group has a norm");
             let w = factor.to_dtype(g.ty.dtype)?;
             let s = ghost::weighted_sum(&mut g.b.borrow_mut(), w.id, plan)?;

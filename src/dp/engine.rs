@@ -50,7 +50,7 @@
 //!     trainer.step()?;
 //! }
 //! assert!(trainer.epsilon(1e-5)? <= 3.0);
-//! assert_eq!(trainer.traces(), 1); // every pass has the physical batch's shape
+//! assert_eq!(trainer.traced_signatures(), 1); // every pass has the physical batch's shape
 //! let checkpoint = trainer.accountant().to_json(); // resume with Accountant::from_json
 //! # let _ = checkpoint;
 //! # Ok::<(), candle_func::Error>(())
@@ -223,7 +223,7 @@ impl PrivacyEngine {
     {
         let n = examples(xs, ys)?;
         let q = sample_rate(config.batch_size, n)?;
-        check_sigma(config.noise_multiplier)?;
+        super::positive("make_private", "noise_multiplier", config.noise_multiplier, true)?;
         let names = super::optim::var_names(varmap)?;
         if names.is_empty() {
             return Err(Error::Config {
@@ -343,21 +343,17 @@ fn steps_per_epoch(q: f64) -> usize {
     ((1.0 / q).round() as usize).max(1)
 }
 
-fn check_sigma(sigma: f64) -> Result<()> {
-    super::positive("make_private", "noise_multiplier", sigma, true)
-}
-
 /// Each parameter's group (in name order) and each group's bound.
 fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>)> {
     let bad = |msg: String| Err(Error::Config { msg });
     match clipping {
-        Clipping::Flat(c) if c.is_finite() && *c > 0.0 => Ok((vec![0; names.len()], vec![*c])),
-        Clipping::Flat(c) => bad(format!("make_private: max_grad_norm must be finite and > 0, got {c}")),
+        Clipping::Flat(c) => {
+            super::positive("make_private", "max_grad_norm", *c, false)?;
+            Ok((vec![0; names.len()], vec![*c]))
+        }
         Clipping::PerLayer(groups) => {
-            if let Some((p, c)) = groups.iter().find(|(_, c)| !(c.is_finite() && *c > 0.0)) {
-                return bad(format!(
-                    "make_private: the bound of group {p:?} must be finite and > 0, got {c}"
-                ));
+            for (p, c) in groups {
+                super::positive("make_private", &format!("the bound of group {p:?}"), *c, false)?;
             }
             let of_leaf = names
                 .iter()
@@ -537,8 +533,8 @@ where
     /// How many input shapes the clipping step has traced: 1 after any
     /// number of steps, whatever their Poisson sizes, since every pass has
     /// the physical batch's shape.
-    pub fn traces(&self) -> usize {
-        self.clip.traced()
+    pub fn traced_signatures(&self) -> usize {
+        self.clip.traced_signatures()
     }
 
     /// The noise multiplier `σ` in use.

@@ -46,6 +46,7 @@ mod rdp;
 
 pub use rdp::{compute_rdp, default_orders, eps_from_rdp, MAX_TERMS};
 
+use super::positive;
 use crate::error::{Error, Result};
 use rdp::is_valid_delta;
 
@@ -115,11 +116,7 @@ impl Accountant {
     /// reported ε is at most this much above the estimate, and the grid
     /// grows as `1 / eps_error`. Must be finite and positive.
     pub fn with_eps_error(mut self, eps_error: f64) -> Result<Accountant> {
-        if !(eps_error.is_finite() && eps_error > 0.0) {
-            return Err(Error::Config {
-                msg: format!("accountant: eps_error must be finite and > 0, got {eps_error}"),
-            });
-        }
+        positive("accountant", "eps_error", eps_error, false)?;
         self.eps_error = eps_error;
         Ok(self)
     }
@@ -274,11 +271,7 @@ fn live(history: &[(f64, f64, usize)]) -> Vec<(f64, f64, usize)> {
 }
 
 fn check_step(noise_multiplier: f64, sample_rate: f64) -> Result<()> {
-    if !(noise_multiplier.is_finite() && noise_multiplier >= 0.0) {
-        return Err(Error::Config {
-            msg: format!("accountant: noise_multiplier must be finite and >= 0, got {noise_multiplier}"),
-        });
-    }
+    positive("accountant", "noise_multiplier", noise_multiplier, true)?;
     if !(0.0..=1.0).contains(&sample_rate) {
         return Err(Error::Config {
             msg: format!("accountant: sample_rate must be in [0, 1], got {sample_rate}"),

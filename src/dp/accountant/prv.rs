@@ -55,12 +55,14 @@ pub(super) fn epsilon(history: &[(f64, f64, usize)], delta: f64, budget: Budget)
         return Ok([f64::INFINITY; 3]);
     }
     let domain = domain(&live, budget)?;
+    // One planner for the query: every run's FFTs share its plans.
+    let mut fft = Fft::new();
     let mut composed: Option<Discrete> = None;
     for &(sigma, q, n) in &live {
-        let one = Discrete::of(Prv { q, sigma }, &domain)?.self_composed(n);
+        let one = Discrete::of(Prv { q, sigma }, &domain)?.self_composed(n, &mut fft);
         composed = Some(match composed {
             None => one,
-            Some(c) => c.convolved(&one),
+            Some(c) => c.convolved(&one, &mut fft),
         });
     }
     composed.expect("live is not empty").epsilon(delta, budget)
@@ -217,13 +219,13 @@ impl Discrete {
     /// which with `t_min = -(size/2 - 1) dt` is `n - 1`, plus `size/2` when
     /// `n` is even. Mass beyond the domain wraps around; the domain was
     /// chosen so that it is within the error budget.
-    fn self_composed(self, n: usize) -> Discrete {
+    fn self_composed(self, n: usize, fft: &mut Fft) -> Discrete {
         let size = self.pmf.len();
-        let mut spectrum = rfft(&self.pmf);
+        let mut spectrum = fft.forward(self.pmf);
         for c in &mut spectrum {
             *c = power(*c, n);
         }
-        let circular = irfft(&mut spectrum, size);
+        let circular = fft.inverse(&mut spectrum, size);
         let mut m = (n - 1) % size;
         if n.is_multiple_of(2) {
             m = (m + size / 2) % size;
@@ -239,17 +241,17 @@ impl Discrete {
     /// The sum of two independent losses on grids of one mesh and size: the
     /// linear convolution, cut to the centred window of the same size (the
     /// full result's index `i + size/2 - 1` is the value `t_min + i dt`).
-    fn convolved(&self, other: &Discrete) -> Discrete {
+    fn convolved(&self, other: &Discrete, fft: &mut Fft) -> Discrete {
         let size = self.pmf.len();
         let padded = |p: &[f64]| {
             let mut v = p.to_vec();
             v.resize(2 * size, 0.0);
             v
         };
-        let a = rfft(&padded(&self.pmf));
-        let b = rfft(&padded(&other.pmf));
+        let a = fft.forward(padded(&self.pmf));
+        let b = fft.forward(padded(&other.pmf));
         let mut prod: Vec<Complex<f64>> = a.iter().zip(&b).map(|(x, y)| x * y).collect();
-        let full = irfft(&mut prod, 2 * size);
+        let full = fft.inverse(&mut prod, 2 * size);
         let pmf = full[size / 2 - 1..size / 2 - 1 + size].to_vec();
         Discrete {
             pmf,
@@ -312,31 +314,40 @@ fn power(mut c: Complex<f64>, mut n: usize) -> Complex<f64> {
     acc
 }
 
-fn rfft(x: &[f64]) -> Vec<Complex<f64>> {
-    let mut planner = RealFftPlanner::<f64>::new();
-    let fft = planner.plan_fft_forward(x.len());
-    let mut input = x.to_vec();
-    let mut out = fft.make_output_vec();
-    fft.process(&mut input, &mut out).expect("buffers come from the plan");
-    out
-}
+/// Real FFTs of any length, each length planned once (realfft's planner
+/// caches its plans).
+struct Fft(RealFftPlanner<f64>);
 
-/// The inverse of [`rfft`], normalised (realfft leaves the factor `1/len` to us).
-fn irfft(spectrum: &mut [Complex<f64>], len: usize) -> Vec<f64> {
-    let mut planner = RealFftPlanner::<f64>::new();
-    let fft = planner.plan_fft_inverse(len);
-    // The DC and (even length) Nyquist bins of a real signal's spectrum are
-    // real; rounding in the power can leave a tiny imaginary part there,
-    // which realfft refuses.
-    spectrum[0].im = 0.0;
-    if len.is_multiple_of(2) {
-        spectrum[len / 2].im = 0.0;
+impl Fft {
+    fn new() -> Fft {
+        Fft(RealFftPlanner::new())
     }
-    let mut out = fft.make_output_vec();
-    fft.process(spectrum, &mut out).expect("buffers come from the plan");
-    let scale = 1.0 / len as f64;
-    out.iter_mut().for_each(|v| *v *= scale);
-    out
+
+    /// The spectrum of `x` (`len / 2 + 1` bins); `x` is the plan's scratch.
+    fn forward(&mut self, mut x: Vec<f64>) -> Vec<Complex<f64>> {
+        let fft = self.0.plan_fft_forward(x.len());
+        let mut out = fft.make_output_vec();
+        fft.process(&mut x, &mut out).expect("buffers come from the plan");
+        out
+    }
+
+    /// The inverse of [`Fft::forward`], normalised (realfft leaves the
+    /// factor `1/len` to us).
+    fn inverse(&mut self, spectrum: &mut [Complex<f64>], len: usize) -> Vec<f64> {
+        let fft = self.0.plan_fft_inverse(len);
+        // The DC and (even length) Nyquist bins of a real signal's spectrum
+        // are real; rounding in the power can leave a tiny imaginary part
+        // there, which realfft refuses.
+        spectrum[0].im = 0.0;
+        if len.is_multiple_of(2) {
+            spectrum[len / 2].im = 0.0;
+        }
+        let mut out = fft.make_output_vec();
+        fft.process(spectrum, &mut out).expect("buffers come from the plan");
+        let scale = 1.0 / len as f64;
+        out.iter_mut().for_each(|v| *v *= scale);
+        out
+    }
 }
 
 /// The mean of a distribution on `[lo, hi]` from its CDF `f`:
@@ -481,11 +492,14 @@ mod tests {
         let live = [(1.0, 0.2, 3)];
         let d = domain(&live, budget).unwrap();
         for n in [2, 3] {
-            let by_power = Discrete::of(Prv { q: 0.2, sigma: 1.0 }, &d).unwrap().self_composed(n);
+            let fft = &mut Fft::new();
+            let by_power = Discrete::of(Prv { q: 0.2, sigma: 1.0 }, &d)
+                .unwrap()
+                .self_composed(n, fft);
             let one = Discrete::of(Prv { q: 0.2, sigma: 1.0 }, &d).unwrap();
             let mut by_conv = Discrete::of(Prv { q: 0.2, sigma: 1.0 }, &d).unwrap();
             for _ in 1..n {
-                by_conv = by_conv.convolved(&one);
+                by_conv = by_conv.convolved(&one, fft);
             }
             let worst = by_power
                 .pmf
