@@ -686,18 +686,19 @@ fn dp_step<M: Module>(
         peak_mib(&make_graph(&ghost, (&p, &hx, &hy))?, &flat_inputs(&p, &[&hx, &hy]))?,
     ];
     // Outside the graphs, the updates hold parameter-sized temporaries:
-    // one for SGD's step, two more for the noise and the noisy sum.
+    // one for SGD's step, one more for the noisy mean (drawn, added and
+    // scaled in one pass).
     let p_mib = p.values().map(|t| t.elem_count() * 4).sum::<usize>() as f64 / (1 << 20) as f64;
     let peaks = [
         graph_peaks[0],
         graph_peaks[0] + p_mib,
         graph_peaks[1],
         graph_peaks[2],
-        graph_peaks[1] + 3.0 * p_mib,
-        graph_peaks[2] + 3.0 * p_mib,
+        graph_peaks[1] + 2.0 * p_mib,
+        graph_peaks[2] + 2.0 * p_mib,
         // and the first pass's sum while the second runs
-        graph_peaks[3] + 4.0 * p_mib,
-        graph_peaks[1] + 3.0 * p_mib,
+        graph_peaks[3] + 3.0 * p_mib,
+        graph_peaks[1] + 2.0 * p_mib,
     ];
     let names = [
         "batched gradient step",

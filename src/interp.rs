@@ -62,12 +62,17 @@ const UNCHECKED_BYTES: usize = 256 << 20;
 /// are views of their operand's buffer), and a map's body at its own peak
 /// once per example, while the map node runs.
 pub(crate) fn planned_peak(g: &Graph) -> usize {
+    planned_peak_at(g).0
+}
+
+/// [`planned_peak`] and the first node at which it is reached.
+pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
     use crate::ir::ops::ShapeOp;
     let last = g.last_uses();
     // The buffer each value lives in, and how many live values view it.
     let mut buffer: Vec<usize> = (0..g.nodes.len()).collect();
     let mut views = vec![0usize; g.nodes.len()];
-    let (mut live, mut peak) = (0usize, 0usize);
+    let (mut live, mut peak, mut at) = (0usize, 0usize, 0usize);
     for (v, node) in g.nodes.iter().enumerate() {
         let view = matches!(
             node.prim,
@@ -83,7 +88,9 @@ pub(crate) fn planned_peak(g: &Graph) -> usize {
             Prim::Map(m) => planned_peak(&m.body),
             _ => 0,
         };
-        peak = peak.max(live.saturating_add(body));
+        if live.saturating_add(body) > peak {
+            (peak, at) = (live.saturating_add(body), v);
+        }
         let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
         if last[v] == 0 {
             dead.push(v);
@@ -98,7 +105,7 @@ pub(crate) fn planned_peak(g: &Graph) -> usize {
             }
         }
     }
-    peak
+    (peak, at)
 }
 
 /// An error when `g`'s plan needs more than `limit` bytes (`None`: the

@@ -465,13 +465,7 @@ where
         let std = self.noise_multiplier * self.sensitivity;
         let mut grads = BTreeMap::new();
         for (k, s) in sum {
-            let noise = match self.secure_mode {
-                true => self.rng.normal_tensor(std, s.dims(), s.dtype(), s.device())?,
-                false => self
-                    .rng
-                    .normal_tensor_single_draw(std, s.dims(), s.dtype(), s.device())?,
-            };
-            grads.insert(k, ((s + noise)? / expected)?);
+            grads.insert(k, self.rng.add_noise(&s, std, 1.0 / expected, self.secure_mode)?);
         }
         // Counted before the update, as Opacus does: an update that fails
         // half-way has still released noisy values.

@@ -123,8 +123,8 @@ pub fn privatize(
         .into_iter()
         .map(|(k, g)| {
             let sum = g.sum(0)?;
-            let noise = rng.normal_tensor(noise_multiplier * max_norm, sum.dims(), sum.dtype(), sum.device())?;
-            Ok((k, ((sum + noise)? / expected_batch)?))
+            let noisy = rng.add_noise(&sum, noise_multiplier * max_norm, 1.0 / expected_batch, true)?;
+            Ok((k, noisy))
         })
         .collect()
 }

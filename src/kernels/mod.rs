@@ -36,6 +36,7 @@ pub mod shift;
 pub mod softmax;
 pub mod transpose;
 pub mod unfold;
+pub(crate) mod ziggurat;
 
 use candle_core::{bail, DType, Layout, Result, Tensor};
 use std::ops::AddAssign;

@@ -20,7 +20,13 @@
 //! Differential Privacy Systems"); the sum of several draws covers the
 //! floating-point values densely, and the attack's search grows from `2^53`
 //! to about `2^159` candidate draws. Each draw is a ziggurat sample
-//! (`rand_distr`'s `StandardNormal`, Marsaglia and Tsang 2000) in `f64`.
+//! (Marsaglia and Tsang 2000): for `f64` noise `rand_distr`'s
+//! `StandardNormal`, 64 bits a draw; for `f32` (and f16/bf16, rounded from
+//! it) the crate's 32-bit ziggurat, whose 24-bit position within a layer
+//! is `f32`'s precision and no coarser than the 24-bit uniforms of the
+//! `float32` draws Opacus's secure mode sums. A 64-bit draw rounded to
+//! `f32` spent twice the generator's output for bits the rounding drops,
+//! and the generator bounds the noise's cost.
 //!
 //! Large tensors are filled in blocks on the kernels' threads. Each call
 //! takes a fresh 256-bit key from the generator, and block `k` draws from
@@ -39,9 +45,10 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
-use super::{by_blocks, output, Elem, BLOCK};
+use super::ziggurat::fill_normal_f32;
+use super::{by_blocks, contiguous_slice, has_cpu_kernel, output, Elem, BLOCK};
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, WithDType};
 use rand::{Rng as _, RngCore, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 use rand_distr::StandardNormal;
@@ -99,9 +106,9 @@ impl Rng {
     /// (f32, f64, or f16/bf16 rounded from f32) on `device`, each the sum of
     /// four draws over two (see the module docs).
     ///
-    /// Values are computed in `f64` on the host, rounded to `dtype` and
-    /// copied to `device`, so a seed gives the same noise on every device,
-    /// platform and thread count. An error for a `std` that is negative,
+    /// Values are computed on the host (in `f64` for f64, in `f32` for the
+    /// rest), rounded to `dtype` and copied to `device`, so a seed gives the
+    /// same noise on every device, platform and thread count. An error for a `std` that is negative,
     /// NaN or infinite, a dtype that is not a float, or a shape whose size
     /// overflows.
     pub fn normal_tensor(&mut self, std: f64, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
@@ -141,14 +148,57 @@ impl Rng {
                 format!("noise must be a float dtype, got {dtype:?}"),
             ));
         }
-        let mut key = [0u8; 32];
-        self.inner.fill_bytes(&mut key);
+        let key = self.key();
         let t = if dtype == DType::F64 {
-            Tensor::from_vec(fill::<f64>(n, std, key, draws)?, shape, &Device::Cpu)?
+            Tensor::from_vec(fill::<f64>(n, std, key, draws, None)?, shape, &Device::Cpu)?
         } else {
-            Tensor::from_vec(fill::<f32>(n, std, key, draws)?, shape, &Device::Cpu)?.to_dtype(dtype)?
+            Tensor::from_vec(fill::<f32>(n, std, key, draws, None)?, shape, &Device::Cpu)?.to_dtype(dtype)?
         };
         Ok(t.to_device(device)?)
+    }
+
+    /// A fresh 256-bit key for one call's streams.
+    fn key(&mut self) -> [u8; 32] {
+        let mut key = [0u8; 32];
+        self.inner.fill_bytes(&mut key);
+        key
+    }
+
+    /// `(sum + N(0, std²)) * scale`: DP-SGD's noisy mean, with the noise of
+    /// [`Rng::normal_tensor`] (`secure`) or [`Rng::normal_tensor_single_draw`].
+    /// A contiguous f32/f64 `sum` on the CPU takes one pass that draws,
+    /// adds and scales block by block, where the separate ops took three
+    /// passes and two parameter-sized temporaries; the noise is the same.
+    pub(crate) fn add_noise(&mut self, sum: &Tensor, std: f64, scale: f64, secure: bool) -> Result<Tensor> {
+        let draws = if secure { SECURE_DRAWS } else { 1 };
+        let fused = has_cpu_kernel(sum) && sum.is_contiguous() && std.is_finite() && std >= 0.0;
+        if !fused {
+            let noise = self.noise(std, sum.dims(), sum.dtype(), sum.device(), draws)?;
+            return Ok(((sum + noise)? * scale)?);
+        }
+        let key = self.key();
+        let (storage, layout) = sum.storage_and_layout();
+        let n = layout.shape().elem_count();
+        let out = match &*storage {
+            Storage::Cpu(CpuStorage::F32(v)) => {
+                let base = contiguous_slice("add_noise", v, layout)?;
+                Tensor::from_vec(
+                    fill::<f32>(n, std, key, draws, Some((base, scale as f32)))?,
+                    sum.dims(),
+                    &Device::Cpu,
+                )
+            }
+            Storage::Cpu(CpuStorage::F64(v)) => {
+                let base = contiguous_slice("add_noise", v, layout)?;
+                Tensor::from_vec(
+                    fill::<f64>(n, std, key, draws, Some((base, scale)))?,
+                    sum.dims(),
+                    &Device::Cpu,
+                )
+            }
+            _ => unreachable!("has_cpu_kernel admits CPU f32/f64 only"),
+        };
+        Ok(out?)
     }
 
     /// A Poisson-sampled batch: each index in `0..n` independently with
@@ -178,8 +228,9 @@ impl Rng {
 const SECURE_DRAWS: usize = 4;
 
 /// Standard draws a coordinate costs in work per element for
-/// [`by_blocks`]'s threading: sampling is compute-bound (about 6 ns a
-/// draw), so threads pay off well below the memory-bound kernels' sizes.
+/// [`by_blocks`]'s threading: sampling is compute-bound (3.5 ns an f32
+/// draw, 7 ns an f64 one), so threads pay off well below the memory-bound
+/// kernels' sizes.
 const WORK_PER_DRAW: usize = 16;
 
 /// `n` values of `N(0, std²)`, each the sum of `draws` standard draws
@@ -187,18 +238,44 @@ const WORK_PER_DRAW: usize = 16;
 /// from stream `k` of `key`, so the values do not depend on how the
 /// blocks are spread over threads. A buffer the allocator cannot give is
 /// an error, not an abort.
-fn fill<T: Elem + WithDType>(n: usize, std: f64, key: [u8; 32], draws: usize) -> Result<Vec<T>> {
+/// With `base = Some((sum, post))`, each value becomes `(sum + noise) *
+/// post` while its block is still in cache.
+fn fill<T: Noise>(n: usize, std: f64, key: [u8; 32], draws: usize, base: Option<(&[T], T)>) -> Result<Vec<T>> {
     let mut out = output::<T>(n)?;
     let scale = std / (draws as f64).sqrt();
     by_blocks(&mut out, WORK_PER_DRAW * draws, |start, chunk| {
         let mut g = ChaCha12Rng::from_seed(key);
         g.set_stream((start / BLOCK) as u64);
-        for v in chunk {
-            let s: f64 = (0..draws).map(|_| g.sample::<f64, _>(StandardNormal)).sum();
-            *v = T::from_f64(s * scale);
+        T::fill_block(&mut g, chunk, draws, scale);
+        if let Some((sum, post)) = base {
+            for (v, &s) in chunk.iter_mut().zip(&sum[start..]) {
+                *v = (s + *v) * post;
+            }
         }
     });
     Ok(out)
+}
+
+/// How a block of noise is drawn in each precision.
+trait Noise: Elem + WithDType {
+    fn fill_block(g: &mut ChaCha12Rng, out: &mut [Self], draws: usize, scale: f64);
+}
+
+impl Noise for f32 {
+    /// 32 bits a draw (`ziggurat`): f32 keeps 24 of a 64-bit draw's bits.
+    fn fill_block(g: &mut ChaCha12Rng, out: &mut [f32], draws: usize, scale: f64) {
+        fill_normal_f32(g, out, draws, scale as f32);
+    }
+}
+
+impl Noise for f64 {
+    /// `rand_distr`'s 64-bit ziggurat, the full precision of f64.
+    fn fill_block(g: &mut ChaCha12Rng, out: &mut [f64], draws: usize, scale: f64) {
+        for v in out {
+            let s: f64 = (0..draws).map(|_| g.sample::<f64, _>(StandardNormal)).sum();
+            *v = s * scale;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -269,12 +346,15 @@ mod tests {
             .install(|| Rng::seeded(5).normal_tensor(2.5, &[7, 10_000], DType::F64, &dev))
             .unwrap();
         assert_eq!(again.flatten_all().unwrap().to_vec1::<f64>().unwrap(), v);
-        // f32 is the f64 noise rounded.
-        let f = Rng::seeded(5)
-            .normal_tensor(2.5, &[7, 10_000], DType::F32, &dev)
-            .unwrap();
-        let f = f.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert!(f.iter().zip(&v).all(|(&a, &b)| a == b as f32));
+        // f32 noise (the 32-bit sampler): normal, and the same on one thread.
+        let f32s = |r: &mut Rng| {
+            let t = r.normal_tensor(2.5, &[7, 10_000], DType::F32, &dev).unwrap();
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        let f = f32s(&mut Rng::seeded(5));
+        moments_are_normal(&f.iter().map(|&x| x as f64).collect::<Vec<_>>(), 2.5);
+        assert_eq!(one.install(|| f32s(&mut Rng::seeded(5))), f);
+        assert_ne!(f[..BLOCK], f[BLOCK..2 * BLOCK]);
         // One draw a coordinate: the same distribution.
         let single = r
             .normal_tensor_single_draw(2.5, &[7, 10_000], DType::F64, &dev)
@@ -309,6 +389,56 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("out of memory"), "{msg}");
+    }
+
+    #[test]
+    fn add_noise_is_the_separate_ops_in_one_pass() {
+        let dev = Device::Cpu;
+        let (std, scale) = (0.7, 1.0 / 48.0);
+        for dt in [DType::F32, DType::F64, DType::BF16] {
+            for secure in [true, false] {
+                let sum = Tensor::arange(0f32, 40_000., &dev)
+                    .unwrap()
+                    .reshape((200, 200))
+                    .unwrap();
+                let sum = sum.to_dtype(dt).unwrap();
+                // The same key: the separate ops draw the same noise.
+                let fused = Rng::seeded(9).add_noise(&sum, std, scale, secure).unwrap();
+                let draws = if secure { SECURE_DRAWS } else { 1 };
+                let noise = Rng::seeded(9).noise(std, sum.dims(), dt, &dev, draws).unwrap();
+                let apart = ((&sum + noise).unwrap() * scale).unwrap();
+                assert_eq!(fused.dims(), sum.dims());
+                assert_eq!(fused.dtype(), dt);
+                let tol = if dt == DType::BF16 { 1e-2 } else { 1e-6 };
+                let diff = ((&fused - &apart).unwrap().abs().unwrap().to_dtype(DType::F64).unwrap())
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                assert!(diff <= tol * 40_000.0 * scale, "{dt:?} secure {secure}: {diff}");
+                // A transposed sum (not contiguous) takes the separate ops.
+                let t = Rng::seeded(9).add_noise(&sum.t().unwrap(), std, scale, secure).unwrap();
+                let sep = Rng::seeded(9).noise(std, &[200, 200], dt, &dev, draws).unwrap();
+                let want = ((sum.t().unwrap() + sep).unwrap() * scale).unwrap();
+                assert_eq!(t.dims(), &[200, 200]);
+                let d = (t - want).unwrap().abs().unwrap().to_dtype(DType::F64).unwrap();
+                assert!(d.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap() <= tol * 40_000.0 * scale);
+            }
+        }
+        // NaN in the sum stays NaN; a bad deviation is an error naming the op.
+        let sum = Tensor::new(&[1f32, f32::NAN, 3.0], &dev).unwrap();
+        let out = Rng::seeded(1)
+            .add_noise(&sum, 1.0, 0.5, true)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(out[1].is_nan() && out[0].is_finite() && out[2].is_finite());
+        for std in [-1.0, f64::NAN] {
+            let msg = Rng::seeded(1).add_noise(&sum, std, 1.0, true).unwrap_err().to_string();
+            assert!(msg.contains("normal_tensor"), "{msg}");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub(crate) mod grad;
 pub(crate) mod jacobian;
 pub(crate) mod jvp;
 pub(crate) mod planner;
+mod remat;
 pub(crate) mod schedule;
 mod segments;
 pub(crate) mod settings;
@@ -112,11 +113,13 @@ pub(crate) struct Compiled {
 }
 
 impl Compiled {
-    /// The graph with its epilogues fused (`Graph::fuse_epilogues`), for
-    /// running: only once no transform will rewrite it, since fused nodes
-    /// have no transform rules.
+    /// The graph with its epilogues fused (`Graph::fuse_epilogues`) and
+    /// cheap values recomputed where that lowers its peak
+    /// (`remat::rematerialise`), for running: only once no transform will
+    /// rewrite it, since fused nodes have no transform rules (and the
+    /// simplifier would merge a recomputed value with its original).
     fn fused(self) -> Self {
-        let graph = self.graph.fuse_epilogues();
+        let graph = remat::rematerialise(self.graph.fuse_epilogues());
         Compiled {
             peak: interp::planned_peak(&graph),
             graph,
@@ -349,6 +352,19 @@ where
     Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?
         .fused()
         .graph)
+}
+
+/// [`make_graph`] before the passes that prepare a graph to run (fusion,
+/// rematerialisation), for testing those passes.
+#[cfg(test)]
+pub(crate) fn make_graph_unfused<S, F, C>(f: &F, args: C) -> Result<Graph>
+where
+    S: ArgList,
+    F: Function<S>,
+    C: CallArgs<S>,
+{
+    let (leaves, defs, device) = flatten_call(&args)?;
+    Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?.graph)
 }
 
 /// Running a graph from [`make_graph`] on concrete tensors, in the order
