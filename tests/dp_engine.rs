@@ -386,3 +386,71 @@ fn the_accountant_resumes_from_a_checkpoint() {
     assert_eq!(resumed.accountant().steps(), 4);
     assert!(resumed.epsilon(1e-5).unwrap() > eps);
 }
+
+/// An in-process [`dp::collective::Collective`] of one rank (every
+/// collective is the identity), which can claim another rank's parameter
+/// hash differs, or a rank outside its size.
+struct OneRank {
+    lie: bool,
+    rank: usize,
+}
+
+impl dp::collective::Collective for OneRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        1 + self.lie as usize
+    }
+    fn broadcast_u64(&self, _: &mut Vec<u64>) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn broadcast_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_sum_f32(&self, _: &mut [f32]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_gather_u64(&self, v: u64) -> candle_func::Result<Vec<u64>> {
+        Ok(if self.lie { vec![v, v ^ 1] } else { vec![v] })
+    }
+}
+
+#[test]
+fn one_rank_distributed_is_the_single_process_step() {
+    let d = data(40);
+    let config = || DpConfig::new(10, 0.7, 0.5);
+    let (a, b) = (model(), model());
+    let mut alone = trainer(&a, (&d.0, &d.1), 3, config(), 5);
+    let mut one = trainer(&b, (&d.0, &d.1), 3, config(), 5)
+        .distributed(OneRank { lie: false, rank: 0 })
+        .unwrap();
+    for _ in 0..4 {
+        let (x, y) = (alone.step().unwrap(), one.step().unwrap());
+        assert_eq!((x.batch_size, x.passes), (y.batch_size, y.passes));
+        assert!((x.mean_loss - y.mean_loss).abs() <= 1e-6 * x.mean_loss.abs().max(1.0));
+    }
+    let (pa, pb) = (current(&a), current(&b));
+    for (k, t) in &pa {
+        // noise added, then scaled: the rounding of one product apart
+        assert!(max_diff(t, &pb[k]) < 1e-6, "{k}");
+    }
+    assert_eq!(alone.epsilon(1e-5).unwrap(), one.epsilon(1e-5).unwrap());
+    // A rank whose parameters differ fails the step, naming it.
+    let msg = trainer(&model(), (&d.0, &d.1), 3, config(), 5)
+        .distributed(OneRank { lie: true, rank: 0 })
+        .err()
+        .expect("a differing hash is an error")
+        .to_string();
+    assert!(msg.contains("ranks [1] differ from rank 0"), "{msg}");
+    // A rank outside the communicator is refused.
+    let msg = trainer(&model(), (&d.0, &d.1), 3, config(), 5)
+        .distributed(OneRank { lie: false, rank: 3 })
+        .err()
+        .expect("rank 3 of 1 is an error")
+        .to_string();
+    assert!(msg.contains("rank 3 of 1"), "{msg}");
+}

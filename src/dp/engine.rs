@@ -58,6 +58,7 @@
 
 use super::accountant::{noise_multiplier_with, Accountant, Mechanism};
 use super::clip::{clipped_grad_sum, ClippedGradSum};
+use super::collective::{self, Collective};
 use super::optim::Optimizer;
 use super::rng::Rng;
 use crate::error::{Error, Result};
@@ -267,6 +268,7 @@ impl PrivacyEngine {
                 Clipping::Flat(c) => Some(c),
                 Clipping::PerLayer(_) => None,
             },
+            comm: None,
         })
     }
 
@@ -401,7 +403,8 @@ where
 pub struct StepInfo {
     /// The logical (Poisson) batch size.
     pub batch_size: usize,
-    /// Passes of the physical batch size it took.
+    /// Passes of the physical batch size it took (on this rank, when
+    /// distributed).
     pub passes: usize,
     /// The mean loss over the batch's examples (NaN for an empty batch).
     pub mean_loss: f64,
@@ -426,6 +429,7 @@ pub struct PrivateTrainer<F, O> {
     physical: usize,
     secure_mode: bool,
     bound: Option<f64>,
+    comm: Option<Box<dyn Collective>>,
 }
 
 impl<F, O> PrivateTrainer<F, O>
@@ -434,14 +438,27 @@ where
     O: Optimizer,
 {
     /// One private step: sample, clip in passes, add noise once, update,
-    /// account.
+    /// account. Distributed ([`PrivateTrainer::distributed`]), each rank
+    /// clips its share of the logical batch and the step ends with every
+    /// rank's parameters checked equal.
     pub fn step(&mut self) -> Result<StepInfo> {
         let n = self.xs.dims()[0];
-        let idx = self.rng.poisson_sample(n, self.sample_rate);
+        let (q, rng) = (self.sample_rate, &mut self.rng);
+        let (idx, mine) = match &self.comm {
+            Some(c) => {
+                let idx = collective::broadcast_batch(c.as_ref(), || rng.poisson_sample(n, q))?;
+                let mine = collective::shard(&idx, c.rank(), c.size());
+                (idx, mine)
+            }
+            None => {
+                let idx = rng.poisson_sample(n, q);
+                (idx.clone(), idx)
+            }
+        };
         let params = super::optim::var_tensors(&self.varmap)?;
         let mut sum: Option<BTreeMap<String, Tensor>> = None;
         let (mut loss_sum, mut over) = (0.0, 0usize);
-        for chunk in idx.chunks(self.physical) {
+        for chunk in mine.chunks(self.physical) {
             let (xs, ys, w) = self.pass(chunk)?;
             let (clipped, norms, losses) = self.clip.call((&params, &xs, &ys, &w))?;
             loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
@@ -461,26 +478,74 @@ where
                 .map(|(k, p)| Ok((k.clone(), p.zeros_like()?)))
                 .collect::<Result<_>>()?,
         };
-        let expected = self.sample_rate * n as f64;
-        let std = self.noise_multiplier * self.sensitivity;
-        let mut grads = BTreeMap::new();
-        for (k, s) in sum {
-            grads.insert(k, self.rng.add_noise(&s, std, 1.0 / expected, self.secure_mode)?);
-        }
+        let mut counts = [loss_sum, over as f64];
+        let grads = self.noisy_mean(sum, n, &mut counts)?;
+        let [loss_sum, over] = counts;
         // Counted before the update, as Opacus does: an update that fails
         // half-way has still released noisy values.
         self.accountant.step(self.noise_multiplier, self.sample_rate)?;
         self.optimizer.step(&grads)?;
+        if let Some(c) = &self.comm {
+            collective::check_in_step(c.as_ref(), &super::optim::var_tensors(&self.varmap)?, "after a step")?;
+        }
         let b = idx.len() as f64;
         Ok(StepInfo {
             batch_size: idx.len(),
-            passes: idx.len().div_ceil(self.physical),
+            passes: mine.len().div_ceil(self.physical),
             mean_loss: if idx.is_empty() { f64::NAN } else { loss_sum / b },
             clipped_fraction: match (self.bound, idx.is_empty()) {
-                (Some(_), false) => over as f64 / b,
+                (Some(_), false) => over / b,
                 _ => f64::NAN,
             },
         })
+    }
+
+    /// `(sum + noise) / (q N)`, the noise drawn once: alone, in one pass per
+    /// tensor; distributed, rank 0 adds it to its own sum before the sums
+    /// (and `counts`) are all-reduced.
+    fn noisy_mean(
+        &mut self,
+        sum: BTreeMap<String, Tensor>,
+        n: usize,
+        counts: &mut [f64],
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let expected = self.sample_rate * n as f64;
+        let std = self.noise_multiplier * self.sensitivity;
+        let first = self.comm.as_ref().is_none_or(|c| c.rank() == 0);
+        let scale = if self.comm.is_some() { 1.0 } else { 1.0 / expected };
+        let mut noisy = BTreeMap::new();
+        for (k, s) in sum {
+            let s = match first {
+                true => self.rng.add_noise(&s, std, scale, self.secure_mode)?,
+                false => s,
+            };
+            noisy.insert(k, s);
+        }
+        let Some(c) = &self.comm else {
+            return Ok(noisy);
+        };
+        collective::reduce_sums(c.as_ref(), noisy, counts)?
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.affine(1.0 / expected, 0.0)?)))
+            .collect()
+    }
+
+    /// This trainer spread over the ranks of `comm` (see
+    /// [`super::collective`]): every rank must build it from the same data
+    /// set and configuration, and call `step` in lockstep. Rank 0's
+    /// parameters are broadcast to the others first; only rank 0's
+    /// generator draws (the batch and the noise).
+    pub fn distributed(mut self, comm: impl Collective + 'static) -> Result<Self> {
+        if comm.size() == 0 || comm.rank() >= comm.size() {
+            return Err(Error::Config {
+                msg: format!("distributed: rank {} of {} ranks", comm.rank(), comm.size()),
+            });
+        }
+        collective::broadcast_vars(&comm, &super::optim::vars_of(&self.varmap, "distributed")?)?;
+        let params = super::optim::var_tensors(&self.varmap)?;
+        collective::check_in_step(&comm, &params, "after the broadcast of rank 0's parameters")?;
+        self.comm = Some(Box::new(comm));
+        Ok(self)
     }
 
     /// One pass's inputs, targets and weights: the chunk's examples padded

@@ -32,7 +32,10 @@
 
 pub mod accountant;
 mod clip;
+pub mod collective;
 mod engine;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod optim;
 pub use clip::{clipped_grad_sum, per_sample_grad_norms, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms};
 pub use engine::{Clipping, DpConfig, PrivacyEngine, PrivateTrainer, StepInfo};

@@ -76,7 +76,7 @@ impl Optimizer for Sgd {
 }
 
 /// The variables of `varmap` by name.
-fn vars_of(varmap: &candle_nn::VarMap, op: &str) -> Result<BTreeMap<String, Var>> {
+pub(super) fn vars_of(varmap: &candle_nn::VarMap, op: &str) -> Result<BTreeMap<String, Var>> {
     let data = varmap.data().lock().map_err(|_| Error::Config {
         msg: format!("{op}: the VarMap's lock is poisoned"),
     })?;

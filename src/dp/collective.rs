@@ -1,0 +1,194 @@
+//! Data-parallel DP-SGD: one logical step spread over several processes.
+//!
+//! [`PrivateTrainer::distributed`](super::PrivateTrainer::distributed)
+//! gives a trainer a [`Collective`] (with the `mpi` feature,
+//! [`MpiCollective`](super::mpi::MpiCollective) over an MPI communicator).
+//! Every rank holds the whole data set; rank 0's initial parameters are
+//! broadcast to the others when the trainer is made distributed (as
+//! PyTorch's DistributedDataParallel does), and each step then runs as
+//! follows.
+//!
+//! 1. **Sampling.** Rank 0 draws the logical batch from its generator,
+//!    one Bernoulli(`q`) per example of the whole data set with the global
+//!    sample rate `q`, exactly as one process would, and broadcasts the
+//!    members' indices. Rank `r` of `W` takes the members `i` with
+//!    `i mod W = r` (a partition of the data set fixed before any
+//!    sampling). The batch is therefore the same Poisson sample of the
+//!    whole data set that one process draws: every example is in it
+//!    independently with probability `q`, whatever `W` is and however the
+//!    members fall to ranks, so the amplification by subsampling the
+//!    accountant assumes holds unchanged. (Independent draws on each rank
+//!    over its own part would be Poisson too; drawing on one rank keeps the
+//!    one generator's stream, so a seeded run of one process reproduces a
+//!    run over any number of ranks exactly.)
+//! 2. **Clipping.** Each rank clips its members' gradients (ghost or
+//!    materialised) in passes of the physical batch and sums them.
+//! 3. **Noise, once.** Rank 0 adds the Gaussian noise (from its secure
+//!    generator, four draws a coordinate) to its own sum *before* the sums
+//!    are all-reduced, so the all-reduced total carries exactly one draw
+//!    of noise, `N(0, σ² C²)` per coordinate, as in one process, and no
+//!    separate broadcast of the noise is needed. Splitting the noise into
+//!    `W` shares of variance `σ² C² / W` would give the same total
+//!    variance, but then a rank that leaves out or learns its share
+//!    changes the guarantee, and the run could not match one process's.
+//! 4. **All-reduce.** One sum over ranks of the flattened sums (one buffer
+//!    per dtype, plus the losses and the clipped count): the bytes a step
+//!    moves are the model's size. Every rank then divides by `q N` and
+//!    steps its own optimiser on identical gradients.
+//! 5. **Accounting.** Every rank's accountant is stepped with the global
+//!    `σ` and `q`, once per logical step, so every rank reports the same ε.
+//! 6. **In step.** After each update the ranks compare a 64-bit hash of
+//!    their parameters' bits; any difference is an error naming the ranks.
+//!    Identical inputs give identical updates, so a difference means a
+//!    rank's parameters were changed outside the step, or its arithmetic
+//!    differs (another build or CPU).
+//!
+//! On GPUs the same design maps to NCCL through candle's `cudarc`: an
+//! `ncclBroadcast` of the indices, an `ncclAllReduce` of the flattened
+//! sums on the device (no copy to the host), one communicator per device.
+//! Implementing [`Collective`] over it is what that would take; no GPU was
+//! available to test it.
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+
+/// The collective operations a distributed DP step needs, over the ranks
+/// `0..size()` of one group. Every rank must call them in the same order.
+pub trait Collective {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// How many ranks take part.
+    fn size(&self) -> usize;
+    /// Rank 0's `data` on every rank (its length too).
+    fn broadcast_u64(&self, data: &mut Vec<u64>) -> Result<()>;
+    /// Rank 0's `data` on every rank (the same length on every rank).
+    fn broadcast_f64(&self, data: &mut [f64]) -> Result<()>;
+    /// The elementwise sum over ranks, in place on every rank.
+    fn all_reduce_sum_f32(&self, data: &mut [f32]) -> Result<()>;
+    /// The elementwise sum over ranks, in place on every rank.
+    fn all_reduce_sum_f64(&self, data: &mut [f64]) -> Result<()>;
+    /// Every rank's `value`, in rank order.
+    fn all_gather_u64(&self, value: u64) -> Result<Vec<u64>>;
+}
+
+/// The members of `batch` that rank `rank` of `size` clips.
+pub(crate) fn shard(batch: &[usize], rank: usize, size: usize) -> Vec<usize> {
+    batch.iter().copied().filter(|&i| i % size == rank).collect()
+}
+
+/// The logical batch on every rank: rank 0's `draw()`, broadcast.
+pub(crate) fn broadcast_batch(comm: &dyn Collective, draw: impl FnOnce() -> Vec<usize>) -> Result<Vec<usize>> {
+    let mut ids: Vec<u64> = if comm.rank() == 0 {
+        draw().into_iter().map(|i| i as u64).collect()
+    } else {
+        Vec::new()
+    };
+    comm.broadcast_u64(&mut ids)?;
+    ids.into_iter()
+        .map(|i| {
+            usize::try_from(i).map_err(|_| Error::Config {
+                msg: format!("distributed step: example index {i} from rank 0 exceeds usize"),
+            })
+        })
+        .collect()
+}
+
+/// `sums` added over ranks, with `extra` (the losses and counts) in the
+/// same f64 all-reduce: one collective per dtype.
+pub(crate) fn reduce_sums(
+    comm: &dyn Collective,
+    sums: BTreeMap<String, Tensor>,
+    extra: &mut [f64],
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut f32s: Vec<f32> = Vec::new();
+    let mut f64s: Vec<f64> = Vec::new();
+    for (k, t) in &sums {
+        let flat = t.flatten_all()?;
+        match t.dtype() {
+            DType::F32 => f32s.extend(flat.to_vec1::<f32>()?),
+            DType::F64 => f64s.extend(flat.to_vec1::<f64>()?),
+            dt => {
+                return Err(Error::Config {
+                    msg: format!("distributed step: parameter {k:?} is {dt:?}; only f32 and f64 are all-reduced"),
+                })
+            }
+        }
+    }
+    f64s.extend_from_slice(extra);
+    if !f32s.is_empty() {
+        comm.all_reduce_sum_f32(&mut f32s)?;
+    }
+    comm.all_reduce_sum_f64(&mut f64s)?;
+    extra.copy_from_slice(&f64s[f64s.len() - extra.len()..]);
+    let (mut at32, mut at64) = (0usize, 0usize);
+    sums.into_iter()
+        .map(|(k, t)| {
+            let n = t.elem_count();
+            let back = match t.dtype() {
+                DType::F32 => {
+                    at32 += n;
+                    Tensor::from_slice(&f32s[at32 - n..at32], t.dims(), t.device())?
+                }
+                _ => {
+                    at64 += n;
+                    Tensor::from_slice(&f64s[at64 - n..at64], t.dims(), t.device())?
+                }
+            };
+            Ok((k, back))
+        })
+        .collect()
+}
+
+/// Rank 0's values of `vars` on every rank, as DistributedDataParallel
+/// broadcasts a module's state when it wraps it: ranks that initialised
+/// their models from their own random streams start from one model. f32
+/// and f64 values travel as f64, exactly.
+pub(crate) fn broadcast_vars(comm: &dyn Collective, vars: &BTreeMap<String, candle_core::Var>) -> Result<()> {
+    let mut flat: Vec<f64> = Vec::new();
+    for t in vars.values() {
+        flat.extend(t.as_tensor().flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+    }
+    comm.broadcast_f64(&mut flat)?;
+    let mut at = 0;
+    for v in vars.values() {
+        let n = v.elem_count();
+        let t = Tensor::from_slice(&flat[at..at + n], v.dims(), v.device())?.to_dtype(v.dtype())?;
+        v.set(&t)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// FNV-1a over the parameters' names and bits, in name order.
+fn params_hash(params: &BTreeMap<String, Tensor>) -> Result<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for (k, t) in params {
+        eat(k.as_bytes());
+        let flat = t.flatten_all()?.to_dtype(DType::F64)?;
+        for v in flat.to_vec1::<f64>()? {
+            eat(&v.to_bits().to_le_bytes());
+        }
+    }
+    Ok(h)
+}
+
+/// An error unless every rank holds the same parameters, bit for bit.
+pub(crate) fn check_in_step(comm: &dyn Collective, params: &BTreeMap<String, Tensor>, when: &str) -> Result<()> {
+    let hashes = comm.all_gather_u64(params_hash(params)?)?;
+    let differ: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Config {
+        msg: format!(
+            "distributed step: the parameters of ranks {differ:?} differ from rank 0's {when} \
+             (hashes {hashes:x?}); every rank must start from the same values and step identically"
+        ),
+    })
+}

@@ -1,0 +1,135 @@
+//! [`Collective`] over MPI (the `mpi` crate, rsmpi), for data-parallel
+//! DP-SGD across processes and hosts: see [`super::collective`].
+//!
+//! Every collective is issued non-blocking and polled against a deadline
+//! ([`MpiCollective::timeout`], 300 s by default). A rank that dies makes
+//! `mpirun` end the job when it exits non-zero; one that hangs, or dies
+//! where the launcher does not notice, leaves the others waiting in a
+//! collective, and the deadline turns that wait into an error. MPI cannot
+//! cancel a collective once issued (its buffers stay lent to the library),
+//! so on the deadline the rank prints the error and calls `MPI_Abort`,
+//! which ends every rank of the job with a non-zero status.
+
+use super::collective::Collective;
+use crate::error::{Error, Result};
+use mpi::collective::SystemOperation;
+use mpi::request::{scope, Request, Scope};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use std::time::{Duration, Instant};
+
+/// An MPI communicator with a deadline on each collective.
+pub struct MpiCollective {
+    world: SimpleCommunicator,
+    timeout: Duration,
+}
+
+impl MpiCollective {
+    /// The collectives of `world` (say `universe.world()`), each allowed
+    /// 300 s.
+    pub fn new(world: SimpleCommunicator) -> MpiCollective {
+        MpiCollective {
+            world,
+            timeout: Duration::from_secs(300),
+        }
+    }
+
+    /// How long one collective may wait for the other ranks before this
+    /// rank aborts the job.
+    pub fn timeout(mut self, timeout: Duration) -> MpiCollective {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Polls `req` until it completes, or prints the error and aborts the
+    /// job at the deadline.
+    fn finish<'a, D: ?Sized, S: Scope<'a>>(&self, op: &str, mut req: Request<'a, D, S>) {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            match req.test() {
+                Ok(_) => return,
+                Err(r) => req = r,
+            }
+            if start.elapsed() > self.timeout {
+                let e = Error::Config {
+                    msg: format!(
+                        "distributed step: {op} on rank {} of {} waited more than {:?} for the other ranks \
+                         (one has died or hung); aborting the job",
+                        self.world.rank(),
+                        self.world.size(),
+                        self.timeout
+                    ),
+                };
+                eprintln!("{e}");
+                self.world.abort(70);
+            }
+            // spin briefly (a collective is usually microseconds), then sleep
+            spins += 1;
+            if spins < 1000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+}
+
+impl Collective for MpiCollective {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn broadcast_u64(&self, data: &mut Vec<u64>) -> Result<()> {
+        let root = self.world.process_at_rank(0);
+        let mut len = [data.len() as u64];
+        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, &mut len[..])));
+        let len = usize::try_from(len[0]).map_err(|_| Error::Config {
+            msg: format!("distributed step: a broadcast of {} values exceeds usize", len[0]),
+        })?;
+        data.resize(len, 0);
+        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, &mut data[..])));
+        Ok(())
+    }
+
+    fn broadcast_f64(&self, data: &mut [f64]) -> Result<()> {
+        let root = self.world.process_at_rank(0);
+        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, data)));
+        Ok(())
+    }
+
+    fn all_reduce_sum_f32(&self, data: &mut [f32]) -> Result<()> {
+        let send = data.to_vec();
+        scope(|s| {
+            let req = self
+                .world
+                .immediate_all_reduce_into(s, &send[..], data, SystemOperation::sum());
+            self.finish("all_reduce", req)
+        });
+        Ok(())
+    }
+
+    fn all_reduce_sum_f64(&self, data: &mut [f64]) -> Result<()> {
+        let send = data.to_vec();
+        scope(|s| {
+            let req = self
+                .world
+                .immediate_all_reduce_into(s, &send[..], data, SystemOperation::sum());
+            self.finish("all_reduce", req)
+        });
+        Ok(())
+    }
+
+    fn all_gather_u64(&self, value: u64) -> Result<Vec<u64>> {
+        let mut out = vec![0u64; self.size()];
+        scope(|s| {
+            let req = self.world.immediate_all_gather_into(s, &value, &mut out[..]);
+            self.finish("all_gather", req)
+        });
+        Ok(out)
+    }
+}

@@ -1,0 +1,209 @@
+//! Data-parallel DP training over MPI (`--features mpi`): 2 and 3 ranks
+//! (`mpirun -np N`, oversubscribed) end a few steps with the parameters and
+//! ε of the single-process run of the same logical batches, whatever the
+//! other ranks' initial values (rank 0's are broadcast); ranks whose
+//! parameters drift apart fail the step; a rank that dies or hangs makes
+//! the others fail instead of wait.
+//!
+//! The tests launch this test binary under `mpirun`, running only the
+//! ignored `worker` test, which reads what to do from
+//! `CANDLE_FUNC_MPI_MODE`.
+#![cfg(feature = "mpi")]
+
+use candle_core::{Device, Tensor};
+use candle_func::dp::collective::Collective;
+use candle_func::dp::mpi::MpiCollective;
+use candle_func::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
+use candle_func::Tracer;
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> candle_func::Result<Tracer>;
+
+fn values(seed: u64, shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let h = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((h >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Two layers (4 -> 8, tanh; 8 -> 2) with fixed values, the same on every rank.
+fn model() -> VarMap {
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap();
+        let shapes = [("l.weight", &[8, 4][..]), ("l.bias", &[8]), ("m.weight", &[2, 8])];
+        for (i, (name, shape)) in shapes.into_iter().enumerate() {
+            let v = candle_core::Var::from_tensor(&values(i as u64 + 10, shape)).unwrap();
+            data.insert(name.into(), v);
+        }
+    }
+    vm
+}
+
+fn loss(p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer) -> candle_func::Result<Tracer> {
+    let h = x.unsqueeze(0)?.broadcast_matmul(&p["l.weight"].t()?)?;
+    let h = h.broadcast_add(&p["l.bias"])?.tanh()?;
+    let out = h.broadcast_matmul(&p["m.weight"].t()?)?;
+    out.sub(&y.unsqueeze(0)?)?.sqr()?.sum_all()
+}
+
+const STEPS: usize = 6;
+
+/// A trainer of the model on 90 examples, logical batch 15, passes of 4,
+/// noise from a generator seeded 42 (rank 0's draws everything).
+fn trainer(vm: &VarMap) -> PrivateTrainer<Loss, Sgd> {
+    let (xs, ys) = (values(1, &[90, 4]), values(2, &[90, 2]));
+    PrivacyEngine::new()
+        .rng(Rng::seeded(42))
+        .physical_batch(4)
+        .make_private(
+            loss as Loss,
+            vm,
+            Sgd::new(vm, 0.05, 0.9).unwrap(),
+            (&xs, &ys),
+            DpConfig::new(15, 0.8, 1.0),
+        )
+        .unwrap()
+}
+
+fn params(vm: &VarMap) -> BTreeMap<String, Tensor> {
+    let data = vm.data().lock().unwrap();
+    data.iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    a.iter()
+        .map(|(k, t)| {
+            let d = (t - &b[k]).unwrap().abs().unwrap().flatten_all().unwrap();
+            d.max(0).unwrap().to_scalar::<f32>().unwrap() as f64
+        })
+        .fold(0.0, f64::max)
+}
+
+fn perturb(vm: &VarMap, by: f64) {
+    let data = vm.data().lock().unwrap();
+    let b = &data["l.bias"];
+    b.set(&(b.as_tensor() + by).unwrap()).unwrap();
+}
+
+#[test]
+#[ignore = "a worker: the tests below run it under mpirun"]
+fn worker() {
+    let universe = mpi::initialize().expect("MPI initialises once per process");
+    let mode = std::env::var("CANDLE_FUNC_MPI_MODE").unwrap_or_else(|_| "exact".into());
+    let timeout = Duration::from_secs(if mode == "hang" { 5 } else { 120 });
+    let comm = || MpiCollective::new(universe.world()).timeout(timeout);
+    let (rank, size) = (comm().rank(), comm().size());
+    if rank == 1 && mode == "die" {
+        std::process::exit(3);
+    }
+    if rank == 1 && mode == "hang" {
+        std::thread::sleep(Duration::from_secs(600));
+    }
+    // Every rank but 0 starts from other values: rank 0's are broadcast.
+    let vm = model();
+    if rank != 0 {
+        perturb(&vm, rank as f64);
+    }
+    let mut t = trainer(&vm).distributed(comm()).unwrap();
+    if mode == "drift" {
+        t.step().unwrap();
+        if rank == size - 1 {
+            perturb(&vm, 1e-3); // changed outside the step
+        }
+        let msg = t
+            .step()
+            .expect_err("ranks whose parameters drift apart fail")
+            .to_string();
+        assert!(
+            msg.contains("differ from rank 0") && msg.contains(&format!("[{}]", size - 1)),
+            "{msg}"
+        );
+        println!("MPI-DRIFT rank={rank} refused: {msg}");
+        return;
+    }
+    let mut sizes = Vec::new();
+    for _ in 0..STEPS {
+        sizes.push(t.step().unwrap().batch_size);
+    }
+    let eps = t.epsilon(1e-5).unwrap();
+    let all = comm().all_gather_u64(eps.to_bits()).unwrap();
+    assert!(
+        all.iter().all(|&e| e == all[0]),
+        "ranks report different epsilons: {all:?}"
+    );
+    if rank == 0 {
+        let alone_vm = model();
+        let mut alone = trainer(&alone_vm);
+        let alone_sizes: Vec<usize> = (0..STEPS).map(|_| alone.step().unwrap().batch_size).collect();
+        assert_eq!(sizes, alone_sizes, "the logical batches differ from one process's");
+        let d = max_diff(&params(&vm), &params(&alone_vm));
+        assert_eq!(eps, alone.epsilon(1e-5).unwrap());
+        println!("MPI-EXACT ranks={size} batches={sizes:?} max_param_diff={d:e} epsilon={eps}");
+        assert!(d <= 1e-5, "parameters differ from the single-process run by {d}");
+    }
+}
+
+/// Runs `worker` on `np` ranks in `mode`: (success, stdout + stderr, seconds).
+fn mpirun(np: usize, mode: &str) -> (bool, String, f64) {
+    let exe = std::env::current_exe().unwrap();
+    let start = Instant::now();
+    let out = Command::new("mpirun")
+        .args(["--oversubscribe", "-np", &np.to_string()])
+        .arg(exe)
+        .args(["worker", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("CANDLE_FUNC_MPI_MODE", mode)
+        // CI runs as root, which Open MPI refuses unless told twice
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("mpirun (Open MPI) is installed");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text, start.elapsed().as_secs_f64())
+}
+
+#[test]
+fn two_and_three_ranks_end_where_one_process_does() {
+    for np in [1, 2, 3] {
+        let (ok, out, secs) = mpirun(np, "exact");
+        assert!(ok, "{np} ranks failed after {secs:.1} s:\n{out}");
+        // the harness prints "test worker ... " before the worker's line
+        let line = out.lines().find_map(|l| l.find("MPI-EXACT").map(|i| &l[i..]));
+        let line = line.unwrap_or_else(|| panic!("{out}"));
+        assert!(line.contains(&format!("ranks={np} ")), "{line}");
+        eprintln!("{line} ({secs:.1} s)");
+    }
+}
+
+#[test]
+fn ranks_whose_parameters_drift_apart_fail() {
+    let (ok, out, _) = mpirun(2, "drift");
+    assert!(ok, "{out}");
+    assert_eq!(out.matches("MPI-DRIFT").count(), 2, "{out}");
+}
+
+#[test]
+fn a_rank_that_dies_or_hangs_fails_the_others() {
+    for mode in ["die", "hang"] {
+        let (ok, out, secs) = mpirun(3, mode);
+        assert!(!ok, "{mode}: the job succeeded:\n{out}");
+        assert!(secs < 90.0, "{mode}: the job took {secs:.0} s to fail");
+        if mode == "hang" {
+            assert!(out.contains("waited more than 5s"), "{out}");
+        }
+        eprintln!("{mode}: failed after {secs:.1} s");
+    }
+}
