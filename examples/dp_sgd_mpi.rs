@@ -24,9 +24,23 @@ use common::{arg, digits, digits_cnn};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let universe = mpi::initialize().ok_or("MPI was already initialised")?;
+fn main() {
+    let Some((universe, _)) = mpi::initialize_with_threading(mpi::Threading::Funneled) else {
+        eprintln!("dp_sgd_mpi: MPI was already initialised");
+        std::process::exit(1);
+    };
+    dp::mpi::abort_job_on_panic();
     let comm = MpiCollective::new(universe.world());
+    let rank = comm.rank();
+    // An error on one rank ends the job: returning it would finalise MPI
+    // while the other ranks wait in a collective.
+    if let Err(e) = run(comm) {
+        eprintln!("dp_sgd_mpi: rank {rank}: {e}");
+        mpi::traits::Communicator::abort(&universe.world(), 1);
+    }
+}
+
+fn run(comm: MpiCollective) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, size) = (comm.rank(), comm.size());
     let dev = Device::Cpu;
     let epochs: usize = arg("--epochs", 30);

@@ -445,7 +445,7 @@ fn one_rank_distributed_is_the_single_process_step() {
         .err()
         .expect("a differing hash is an error")
         .to_string();
-    assert!(msg.contains("ranks [1] differ from rank 0"), "{msg}");
+    assert!(msg.contains("ranks [1] have another data set"), "{msg}");
     // A rank outside the communicator is refused.
     let msg = trainer(&model(), (&d.0, &d.1), 3, config(), 5)
         .distributed(OneRank { lie: false, rank: 3 })

@@ -2,8 +2,8 @@
 //! (`mpirun -np N`, oversubscribed) end a few steps with the parameters and
 //! ε of the single-process run of the same logical batches, whatever the
 //! other ranks' initial values (rank 0's are broadcast); ranks whose
-//! parameters drift apart fail the step; a rank that dies or hangs makes
-//! the others fail instead of wait.
+//! parameters drift apart fail the step; a rank that dies, hangs or
+//! panics makes the others fail instead of wait.
 //!
 //! The tests launch this test binary under `mpirun`, running only the
 //! ignored `worker` test, which reads what to do from
@@ -17,7 +17,8 @@ use candle_func::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
 use candle_func::Tracer;
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> candle_func::Result<Tracer>;
@@ -98,7 +99,9 @@ fn perturb(vm: &VarMap, by: f64) {
 #[test]
 #[ignore = "a worker: the tests below run it under mpirun"]
 fn worker() {
-    let universe = mpi::initialize().expect("MPI initialises once per process");
+    let (universe, _) =
+        mpi::initialize_with_threading(mpi::Threading::Funneled).expect("MPI initialises once per process");
+    candle_func::dp::mpi::abort_job_on_panic();
     let mode = std::env::var("CANDLE_FUNC_MPI_MODE").unwrap_or_else(|_| "exact".into());
     let timeout = Duration::from_secs(if mode == "hang" { 5 } else { 120 });
     let comm = || MpiCollective::new(universe.world()).timeout(timeout);
@@ -108,6 +111,9 @@ fn worker() {
     }
     if rank == 1 && mode == "hang" {
         std::thread::sleep(Duration::from_secs(600));
+    }
+    if rank == 1 && mode == "panic" {
+        panic!("rank 1 panics before the first collective");
     }
     // Every rank but 0 starts from other values: rank 0's are broadcast.
     let vm = model();
@@ -153,11 +159,13 @@ fn worker() {
     }
 }
 
-/// Runs `worker` on `np` ranks in `mode`: (success, stdout + stderr, seconds).
+/// Runs `worker` on `np` ranks in `mode`: (success, stdout + stderr,
+/// seconds). A job still running after 180 s is killed and fails, so a
+/// hang fails the test rather than the CI run.
 fn mpirun(np: usize, mode: &str) -> (bool, String, f64) {
     let exe = std::env::current_exe().unwrap();
     let start = Instant::now();
-    let out = Command::new("mpirun")
+    let mut child = Command::new("mpirun")
         .args(["--oversubscribe", "-np", &np.to_string()])
         .arg(exe)
         .args(["worker", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
@@ -165,14 +173,37 @@ fn mpirun(np: usize, mode: &str) -> (bool, String, f64) {
         // CI runs as root, which Open MPI refuses unless told twice
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("mpirun (Open MPI) is installed");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text, start.elapsed().as_secs_f64())
+    // both pipes are read while the job runs, so a full one cannot stall it
+    let out = read_all(child.stdout.take());
+    let err = read_all(child.stderr.take());
+    let ok = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.success();
+        }
+        if start.elapsed() > Duration::from_secs(180) {
+            child.kill().ok();
+            child.wait().ok();
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = format!("{}{}", out.join().unwrap(), err.join().unwrap());
+    (ok, text, start.elapsed().as_secs_f64())
+}
+
+/// A thread reading `pipe` to its end.
+fn read_all(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(mut p) = pipe {
+            p.read_to_string(&mut s).ok();
+        }
+        s
+    })
 }
 
 #[test]
@@ -196,8 +227,8 @@ fn ranks_whose_parameters_drift_apart_fail() {
 }
 
 #[test]
-fn a_rank_that_dies_or_hangs_fails_the_others() {
-    for mode in ["die", "hang"] {
+fn a_rank_that_dies_hangs_or_panics_fails_the_others() {
+    for mode in ["die", "hang", "panic"] {
         let (ok, out, secs) = mpirun(3, mode);
         assert!(!ok, "{mode}: the job succeeded:\n{out}");
         assert!(secs < 90.0, "{mode}: the job took {secs:.0} s to fail");

@@ -160,27 +160,102 @@ pub(crate) fn broadcast_vars(comm: &dyn Collective, vars: &BTreeMap<String, cand
     Ok(())
 }
 
-/// FNV-1a over the parameters' names and bits, in name order.
-fn params_hash(params: &BTreeMap<String, Tensor>) -> Result<u64> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for (k, t) in params {
-        eat(k.as_bytes());
-        let flat = t.flatten_all()?.to_dtype(DType::F64)?;
-        for v in flat.to_vec1::<f64>()? {
-            eat(&v.to_bits().to_le_bytes());
-        }
+/// A word-at-a-time hash (FxHash's mixing step), fast enough to run over
+/// the parameters every step.
+#[derive(Default)]
+struct Hasher(u64);
+
+impl Hasher {
+    fn word(&mut self, w: u64) {
+        self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
     }
-    Ok(h)
+
+    fn bytes(&mut self, b: &[u8]) {
+        b.chunks(8).for_each(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            self.word(u64::from_le_bytes(w));
+        });
+    }
+
+    /// A tensor's shape, dtype and values' bits (f32 and f64 natively,
+    /// anything else through f64).
+    fn tensor(&mut self, t: &Tensor) -> Result<()> {
+        t.dims().iter().for_each(|&d| self.word(d as u64));
+        self.bytes(t.dtype().as_str().as_bytes());
+        let flat = t.flatten_all()?;
+        match t.dtype() {
+            DType::F32 => flat
+                .to_vec1::<f32>()?
+                .iter()
+                .for_each(|v| self.word(v.to_bits() as u64)),
+            _ => flat
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?
+                .iter()
+                .for_each(|v| self.word(v.to_bits())),
+        }
+        Ok(())
+    }
+}
+
+/// A hash of the named tensors: names, shapes, dtypes and bits.
+fn tree_hash<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<u64> {
+    let mut h = Hasher::default();
+    for (k, t) in tensors {
+        h.bytes(k.as_bytes());
+        h.tensor(t)?;
+    }
+    Ok(h.0)
+}
+
+/// An error unless every rank has the same data set (`xs`, `ys`), the
+/// same parameter names, shapes and dtypes, and f32/f64 parameters only
+/// (what the all-reduce carries): checked once, before anything is
+/// broadcast, since ranks that disagree on sizes would pair collectives
+/// of different lengths.
+pub(crate) fn check_same_setup(
+    comm: &dyn Collective,
+    params: &BTreeMap<String, Tensor>,
+    xs: &Tensor,
+    ys: &Tensor,
+) -> Result<()> {
+    if let Some((k, t)) = params
+        .iter()
+        .find(|(_, t)| !matches!(t.dtype(), DType::F32 | DType::F64))
+    {
+        return Err(Error::Config {
+            msg: format!(
+                "distributed: parameter {k:?} is {:?}; only f32 and f64 parameters are all-reduced",
+                t.dtype()
+            ),
+        });
+    }
+    let mut h = Hasher::default();
+    for (k, t) in params {
+        h.bytes(k.as_bytes());
+        t.dims().iter().for_each(|&d| h.word(d as u64));
+        h.bytes(t.dtype().as_str().as_bytes());
+    }
+    h.word(tree_hash([("xs", xs), ("ys", ys)])?);
+    let hashes = comm.all_gather_u64(h.0)?;
+    let differ: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Config {
+        msg: format!(
+            "distributed: ranks {differ:?} have another data set or other parameter names, shapes or dtypes \
+             than rank 0 (xs {:?}, {} parameters here); every rank must build the same trainer",
+            xs.dims(),
+            params.len()
+        ),
+    })
 }
 
 /// An error unless every rank holds the same parameters, bit for bit.
 pub(crate) fn check_in_step(comm: &dyn Collective, params: &BTreeMap<String, Tensor>, when: &str) -> Result<()> {
-    let hashes = comm.all_gather_u64(params_hash(params)?)?;
+    let hashes = comm.all_gather_u64(tree_hash(params.iter().map(|(k, t)| (k.as_str(), t)))?)?;
     let differ: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
     if differ.is_empty() {
         return Ok(());
@@ -188,7 +263,8 @@ pub(crate) fn check_in_step(comm: &dyn Collective, params: &BTreeMap<String, Ten
     Err(Error::Config {
         msg: format!(
             "distributed step: the parameters of ranks {differ:?} differ from rank 0's {when} \
-             (hashes {hashes:x?}); every rank must start from the same values and step identically"
+             (hashes {hashes:x?}): changed outside the step, or computed with other arithmetic \
+             (another build or CPU)"
         ),
     })
 }

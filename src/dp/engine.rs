@@ -456,31 +456,27 @@ where
             }
         };
         let params = super::optim::var_tensors(&self.varmap)?;
-        let mut sum: Option<BTreeMap<String, Tensor>> = None;
-        let (mut loss_sum, mut over) = (0.0, 0usize);
-        for chunk in mine.chunks(self.physical) {
-            let (xs, ys, w) = self.pass(chunk)?;
-            let (clipped, norms, losses) = self.clip.call((&params, &xs, &ys, &w))?;
-            loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-            if let Some(c) = self.bound {
-                let real = norms.narrow(0, 0, chunk.len())?.to_dtype(DType::F64)?;
-                over += real.to_vec1::<f64>()?.iter().filter(|&&v| v > c).count();
-            }
-            sum = Some(match sum {
-                None => clipped,
-                Some(s) => add_trees(s, &clipped)?,
+        // Distributed, a local failure must not leave the other ranks in a
+        // collective: it is carried into the all-reduce as a flag, and
+        // every rank fails the step together.
+        let local = self.clip_share(&mine, &params);
+        let (sum, loss_sum, over, failed) = match (local, &self.comm) {
+            (Ok((s, l, o)), _) => (s, l, o, None),
+            (Err(e), None) => return Err(e),
+            (Err(e), Some(_)) => (zeros(&params)?, 0.0, 0.0, Some(e)),
+        };
+        let mut counts = [loss_sum, over, failed.is_some() as u8 as f64];
+        let grads = self.noisy_mean(sum, n, &mut counts, failed.is_none());
+        let [loss_sum, over, failures] = counts;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let grads = grads?; // this rank's own failure first
+        if failures > 0.0 {
+            return Err(Error::Config {
+                msg: format!("distributed step: {failures} other rank(s) failed this step; see their errors"),
             });
         }
-        let sum = match sum {
-            Some(s) => s,
-            None => params
-                .iter()
-                .map(|(k, p)| Ok((k.clone(), p.zeros_like()?)))
-                .collect::<Result<_>>()?,
-        };
-        let mut counts = [loss_sum, over as f64];
-        let grads = self.noisy_mean(sum, n, &mut counts)?;
-        let [loss_sum, over] = counts;
         // Counted before the update, as Opacus does: an update that fails
         // half-way has still released noisy values.
         self.accountant.step(self.noise_multiplier, self.sample_rate)?;
@@ -500,31 +496,81 @@ where
         })
     }
 
+    /// This rank's clipped sum over `mine` in passes of the physical size,
+    /// its summed loss and how many norms exceeded the flat bound.
+    fn clip_share(
+        &self,
+        mine: &[usize],
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(BTreeMap<String, Tensor>, f64, f64)> {
+        let mut sum: Option<BTreeMap<String, Tensor>> = None;
+        let (mut loss_sum, mut over) = (0.0, 0usize);
+        for chunk in mine.chunks(self.physical) {
+            let (xs, ys, w) = self.pass(chunk)?;
+            let (clipped, norms, losses) = self.clip.call((params, &xs, &ys, &w))?;
+            loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            if let Some(c) = self.bound {
+                let real = norms.narrow(0, 0, chunk.len())?.to_dtype(DType::F64)?;
+                over += real.to_vec1::<f64>()?.iter().filter(|&&v| v > c).count();
+            }
+            sum = Some(match sum {
+                None => clipped,
+                Some(s) => add_trees(s, &clipped)?,
+            });
+        }
+        let sum = match sum {
+            Some(s) => s,
+            None => zeros(params)?,
+        };
+        Ok((sum, loss_sum, over as f64))
+    }
+
     /// `(sum + noise) / (q N)`, the noise drawn once: alone, in one pass per
     /// tensor; distributed, rank 0 adds it to its own sum before the sums
     /// (and `counts`) are all-reduced.
+    ///
+    /// `counts` are all-reduced with the sums, the last of them the number
+    /// of ranks that failed. A rank that failed (`!ok`, or drawing its
+    /// noise) adds no noise but still takes part, so no rank waits.
     fn noisy_mean(
         &mut self,
         sum: BTreeMap<String, Tensor>,
         n: usize,
         counts: &mut [f64],
+        ok: bool,
     ) -> Result<BTreeMap<String, Tensor>> {
         let expected = self.sample_rate * n as f64;
         let std = self.noise_multiplier * self.sensitivity;
-        let first = self.comm.as_ref().is_none_or(|c| c.rank() == 0);
+        let first = ok && self.comm.as_ref().is_none_or(|c| c.rank() == 0);
         let scale = if self.comm.is_some() { 1.0 } else { 1.0 / expected };
         let mut noisy = BTreeMap::new();
+        let mut failed = None;
         for (k, s) in sum {
-            let s = match first {
-                true => self.rng.add_noise(&s, std, scale, self.secure_mode)?,
-                false => s,
+            let s = match (first, &self.comm) {
+                (false, _) => s,
+                (true, None) => self.rng.add_noise(&s, std, scale, self.secure_mode)?,
+                // rank 0 still joins the all-reduce, flagged, if it fails
+                (true, Some(_)) => match self.rng.add_noise(&s, std, scale, self.secure_mode) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        s
+                    }
+                },
             };
             noisy.insert(k, s);
         }
         let Some(c) = &self.comm else {
             return Ok(noisy);
         };
-        collective::reduce_sums(c.as_ref(), noisy, counts)?
+        if failed.is_some() {
+            counts[counts.len() - 1] += 1.0;
+        }
+        let total = collective::reduce_sums(c.as_ref(), noisy, counts)?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        total
             .into_iter()
             .map(|(k, t)| Ok((k, t.affine(1.0 / expected, 0.0)?)))
             .collect()
@@ -534,13 +580,17 @@ where
     /// [`super::collective`]): every rank must build it from the same data
     /// set and configuration, and call `step` in lockstep. Rank 0's
     /// parameters are broadcast to the others first; only rank 0's
-    /// generator draws (the batch and the noise).
+    /// generator draws (the batch and the noise). An error, on every rank,
+    /// if the ranks' data sets or parameter shapes differ, or a parameter
+    /// is not f32/f64.
     pub fn distributed(mut self, comm: impl Collective + 'static) -> Result<Self> {
         if comm.size() == 0 || comm.rank() >= comm.size() {
             return Err(Error::Config {
                 msg: format!("distributed: rank {} of {} ranks", comm.rank(), comm.size()),
             });
         }
+        let before = super::optim::var_tensors(&self.varmap)?;
+        collective::check_same_setup(&comm, &before, &self.xs, &self.ys)?;
         collective::broadcast_vars(&comm, &super::optim::vars_of(&self.varmap, "distributed")?)?;
         let params = super::optim::var_tensors(&self.varmap)?;
         collective::check_in_step(&comm, &params, "after the broadcast of rank 0's parameters")?;
@@ -610,6 +660,10 @@ where
     pub fn steps_per_epoch(&self) -> usize {
         steps_per_epoch(self.sample_rate)
     }
+}
+
+fn zeros(params: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+    params.iter().map(|(k, p)| Ok((k.clone(), p.zeros_like()?))).collect()
 }
 
 fn add_trees(mut a: BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {

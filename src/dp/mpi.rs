@@ -9,6 +9,21 @@
 //! cancel a collective once issued (its buffers stay lent to the library),
 //! so on the deadline the rank prints the error and calls `MPI_Abort`,
 //! which ends every rank of the job with a non-zero status.
+//!
+//! A panic would hang the job too: unwinding drops rsmpi's `Universe`,
+//! whose `MPI_Finalize` waits for the ranks still in a collective.
+//! [`abort_job_on_panic`] installs a panic hook that, after the usual
+//! message, aborts the whole job; a program calls it once after
+//! initialising MPI (it is not installed for you, since it also ends the
+//! job on panics a program catches). A program should treat an error from
+//! `main` the same way (print it, then `world.abort(code)`), as
+//! `examples/dp_sgd_mpi.rs` does: returning it finalises MPI while the
+//! other ranks wait. An error from a distributed step is returned on every
+//! rank together, so ranks do not wait on each other for one.
+//!
+//! Initialise MPI with `mpi::initialize_with_threading(Threading::Funneled)`:
+//! the kernels run on a thread pool, though only the calling thread talks
+//! to MPI.
 
 use super::collective::Collective;
 use crate::error::{Error, Result};
@@ -73,6 +88,29 @@ impl MpiCollective {
             }
         }
     }
+}
+
+/// Chains a panic hook that ends every rank of the job (`MPI_Abort`)
+/// after the previous hook's message, instead of unwinding into a
+/// `MPI_Finalize` that waits for the other ranks forever. Call it once,
+/// after initialising MPI; a panic before that, or after finalising,
+/// unwinds as usual.
+pub fn abort_job_on_panic() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+            // SAFETY: MPI is initialised and not finalised (checked just
+            // above), which is MPI_Abort's only precondition; the
+            // communicator is MPI_COMM_WORLD, a constant of the library,
+            // and MPI_Abort does not return on success. rsmpi offers abort
+            // only on a communicator object, which a 'static hook cannot
+            // hold. Exercised by tests/mpi.rs (`panic` mode).
+            unsafe {
+                mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101);
+            }
+        }
+    }));
 }
 
 impl Collective for MpiCollective {

@@ -41,6 +41,12 @@ fn cheap(prim: &Prim) -> bool {
 /// `g` with values recomputed before their late readers wherever that lowers
 /// the planned peak by at least `MIN_GAIN`, best rewrite first.
 pub(crate) fn rematerialise(g: Graph) -> Graph {
+    // A node's random stream is seeded by its index: an inserted copy
+    // would renumber the draws after it, so a seeded function's draws
+    // would depend on whether the pass fired.
+    if g.has_random() {
+        return g;
+    }
     let mut g = g;
     for _ in 0..MAX_REWRITES {
         let (peak, at) = interp::planned_peak_at(&g);
