@@ -113,9 +113,9 @@ fn run(comm: MpiCollective) -> Result<(), Box<dyn std::error::Error>> {
     }
     if rank == 0 {
         // per step: the all-reduced sums (f32) with the loss and clipped
-        // count (two f64), the batch's indices broadcast (a length and ~B
+        // count and the failure flag (three f64), the batch's indices broadcast (a length and ~B
         // u64), and one u64 hash gathered from each rank
-        let reduced = params * 4 + 16;
+        let reduced = params * 4 + 24;
         let broadcast = 8 * (1 + batch);
         println!(
             "time per logical step: {:.2} ms over {size} ranks (mean of {timed} steps after the first epoch)",

@@ -10,7 +10,7 @@
 //! `CANDLE_FUNC_MPI_MODE`.
 #![cfg(feature = "mpi")]
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use candle_func::dp::collective::Collective;
 use candle_func::dp::mpi::MpiCollective;
 use candle_func::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
@@ -21,17 +21,12 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> candle_func::Result<Tracer>;
 
 fn values(seed: u64, shape: &[usize]) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n as u64)
-        .map(|i| {
-            let h = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            ((h >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    common::hashed_values(seed, shape)
 }
 
 /// Two layers (4 -> 8, tanh; 8 -> 2) with fixed values, the same on every rank.

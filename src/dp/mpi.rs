@@ -113,6 +113,20 @@ pub fn abort_job_on_panic() {
     }));
 }
 
+impl MpiCollective {
+    /// The elementwise sum over ranks of `data`, in place.
+    fn all_reduce_sum<T: Equivalence + Copy>(&self, data: &mut [T]) -> Result<()> {
+        let send = data.to_vec();
+        scope(|s| {
+            let req = self
+                .world
+                .immediate_all_reduce_into(s, &send[..], data, SystemOperation::sum());
+            self.finish("all_reduce", req)
+        });
+        Ok(())
+    }
+}
+
 impl Collective for MpiCollective {
     fn rank(&self) -> usize {
         self.world.rank() as usize
@@ -141,25 +155,11 @@ impl Collective for MpiCollective {
     }
 
     fn all_reduce_sum_f32(&self, data: &mut [f32]) -> Result<()> {
-        let send = data.to_vec();
-        scope(|s| {
-            let req = self
-                .world
-                .immediate_all_reduce_into(s, &send[..], data, SystemOperation::sum());
-            self.finish("all_reduce", req)
-        });
-        Ok(())
+        self.all_reduce_sum(data)
     }
 
     fn all_reduce_sum_f64(&self, data: &mut [f64]) -> Result<()> {
-        let send = data.to_vec();
-        scope(|s| {
-            let req = self
-                .world
-                .immediate_all_reduce_into(s, &send[..], data, SystemOperation::sum());
-            self.finish("all_reduce", req)
-        });
-        Ok(())
+        self.all_reduce_sum(data)
     }
 
     fn all_gather_u64(&self, value: u64) -> Result<Vec<u64>> {

@@ -249,3 +249,16 @@ pub fn conv3d_direct(
     }
     Tensor::stack(&planes, 2)
 }
+
+/// `shape` filled with values in [-2, 2) hashed from `seed` and the index:
+/// the same on every platform and process (the DP tests' data and weights).
+pub fn hashed_values(seed: u64, shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let h = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((h >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
