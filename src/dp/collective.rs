@@ -178,11 +178,16 @@ impl Hasher {
         });
     }
 
+    /// A tensor's shape and dtype.
+    fn header(&mut self, t: &Tensor) {
+        t.dims().iter().for_each(|&d| self.word(d as u64));
+        self.bytes(t.dtype().as_str().as_bytes());
+    }
+
     /// A tensor's shape, dtype and values' bits (f32 and f64 natively,
     /// anything else through f64).
     fn tensor(&mut self, t: &Tensor) -> Result<()> {
-        t.dims().iter().for_each(|&d| self.word(d as u64));
-        self.bytes(t.dtype().as_str().as_bytes());
+        self.header(t);
         let flat = t.flatten_all()?;
         match t.dtype() {
             DType::F32 => flat
@@ -234,12 +239,10 @@ pub(crate) fn check_same_setup(
     let mut h = Hasher::default();
     for (k, t) in params {
         h.bytes(k.as_bytes());
-        t.dims().iter().for_each(|&d| h.word(d as u64));
-        h.bytes(t.dtype().as_str().as_bytes());
+        h.header(t);
     }
     h.word(tree_hash([("xs", xs), ("ys", ys)])?);
-    let hashes = comm.all_gather_u64(h.0)?;
-    let differ: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    let (differ, _) = differing(comm, h.0)?;
     if differ.is_empty() {
         return Ok(());
     }
@@ -253,10 +256,16 @@ pub(crate) fn check_same_setup(
     })
 }
 
+/// The ranks whose `hash` differs from rank 0's, and every rank's hash.
+fn differing(comm: &dyn Collective, hash: u64) -> Result<(Vec<usize>, Vec<u64>)> {
+    let hashes = comm.all_gather_u64(hash)?;
+    let differ = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    Ok((differ, hashes))
+}
+
 /// An error unless every rank holds the same parameters, bit for bit.
 pub(crate) fn check_in_step(comm: &dyn Collective, params: &BTreeMap<String, Tensor>, when: &str) -> Result<()> {
-    let hashes = comm.all_gather_u64(tree_hash(params.iter().map(|(k, t)| (k.as_str(), t)))?)?;
-    let differ: Vec<usize> = (0..hashes.len()).filter(|&r| hashes[r] != hashes[0]).collect();
+    let (differ, hashes) = differing(comm, tree_hash(params.iter().map(|(k, t)| (k.as_str(), t)))?)?;
     if differ.is_empty() {
         return Ok(());
     }

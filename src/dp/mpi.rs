@@ -114,6 +114,12 @@ pub fn abort_job_on_panic() {
 }
 
 impl MpiCollective {
+    /// Rank 0's `data` on every rank, in place (the same length on every rank).
+    fn broadcast<T: Equivalence>(&self, data: &mut [T]) {
+        let root = self.world.process_at_rank(0);
+        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, data)));
+    }
+
     /// The elementwise sum over ranks of `data`, in place.
     fn all_reduce_sum<T: Equivalence + Copy>(&self, data: &mut [T]) -> Result<()> {
         let send = data.to_vec();
@@ -137,20 +143,18 @@ impl Collective for MpiCollective {
     }
 
     fn broadcast_u64(&self, data: &mut Vec<u64>) -> Result<()> {
-        let root = self.world.process_at_rank(0);
         let mut len = [data.len() as u64];
-        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, &mut len[..])));
+        self.broadcast(&mut len[..]);
         let len = usize::try_from(len[0]).map_err(|_| Error::Config {
             msg: format!("distributed step: a broadcast of {} values exceeds usize", len[0]),
         })?;
         data.resize(len, 0);
-        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, &mut data[..])));
+        self.broadcast(&mut data[..]);
         Ok(())
     }
 
     fn broadcast_f64(&self, data: &mut [f64]) -> Result<()> {
-        let root = self.world.process_at_rank(0);
-        scope(|s| self.finish("broadcast", root.immediate_broadcast_into(s, data)));
+        self.broadcast(data);
         Ok(())
     }
 

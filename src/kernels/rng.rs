@@ -171,34 +171,17 @@ impl Rng {
     /// passes and two parameter-sized temporaries; the noise is the same.
     pub(crate) fn add_noise(&mut self, sum: &Tensor, std: f64, scale: f64, secure: bool) -> Result<Tensor> {
         let draws = if secure { SECURE_DRAWS } else { 1 };
-        let fused = has_cpu_kernel(sum) && sum.is_contiguous() && std.is_finite() && std >= 0.0;
-        if !fused {
-            let noise = self.noise(std, sum.dims(), sum.dtype(), sum.device(), draws)?;
-            return Ok(((sum + noise)? * scale)?);
+        if has_cpu_kernel(sum) && sum.is_contiguous() && std.is_finite() && std >= 0.0 {
+            let (storage, layout) = sum.storage_and_layout();
+            let fused = Fused { std, draws, scale };
+            match &*storage {
+                Storage::Cpu(CpuStorage::F32(v)) => return fused.run(v, layout, self.key()),
+                Storage::Cpu(CpuStorage::F64(v)) => return fused.run(v, layout, self.key()),
+                _ => {}
+            }
         }
-        let key = self.key();
-        let (storage, layout) = sum.storage_and_layout();
-        let n = layout.shape().elem_count();
-        let out = match &*storage {
-            Storage::Cpu(CpuStorage::F32(v)) => {
-                let base = contiguous_slice("add_noise", v, layout)?;
-                Tensor::from_vec(
-                    fill::<f32>(n, std, key, draws, Some((base, scale as f32)))?,
-                    sum.dims(),
-                    &Device::Cpu,
-                )
-            }
-            Storage::Cpu(CpuStorage::F64(v)) => {
-                let base = contiguous_slice("add_noise", v, layout)?;
-                Tensor::from_vec(
-                    fill::<f64>(n, std, key, draws, Some((base, scale)))?,
-                    sum.dims(),
-                    &Device::Cpu,
-                )
-            }
-            _ => unreachable!("has_cpu_kernel admits CPU f32/f64 only"),
-        };
-        Ok(out?)
+        let noise = self.noise(std, sum.dims(), sum.dtype(), sum.device(), draws)?;
+        Ok(((sum + noise)? * scale)?)
     }
 
     /// A Poisson-sampled batch: each index in `0..n` independently with
@@ -254,6 +237,22 @@ fn fill<T: Noise>(n: usize, std: f64, key: [u8; 32], draws: usize, base: Option<
         }
     });
     Ok(out)
+}
+
+/// [`Rng::add_noise`]'s one pass over a contiguous CPU sum.
+struct Fused {
+    std: f64,
+    draws: usize,
+    scale: f64,
+}
+
+impl Fused {
+    fn run<T: Noise>(&self, sum: &[T], layout: &candle_core::Layout, key: [u8; 32]) -> Result<Tensor> {
+        let base = contiguous_slice("add_noise", sum, layout)?;
+        let n = layout.shape().elem_count();
+        let out = fill::<T>(n, self.std, key, self.draws, Some((base, T::from_f64(self.scale))))?;
+        Ok(Tensor::from_vec(out, layout.dims(), &Device::Cpu)?)
+    }
 }
 
 /// How a block of noise is drawn in each precision.
