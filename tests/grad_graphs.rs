@@ -155,6 +155,39 @@ fn narrowed_pieces_share_one_concatenation() {
     }
 }
 
+/// The same pieces with a dense read of the whole vector between them in
+/// the sum: the pieces still share one concatenation, added once to the
+/// dense cotangent; overlapping pieces are added as they are.
+#[test]
+fn narrowed_pieces_beside_a_dense_read_and_overlapping_ones() {
+    let theta = rand(&[10], 2);
+    let dense = |t: Tracer| {
+        let (a, c) = (t.narrow(0, 0, 3)?, t.narrow(0, 8, 2)?);
+        a.sqr()?.sum_all()?.add(&t.sin()?.sum_all()?)?.add(&c.exp()?.sum_all()?)
+    };
+    let g = make_graph(&grad(dense), &theta).unwrap();
+    let concats = count(&g, |n| n.name().starts_with("concat"));
+    let full_adds = count(&g, |n| n.name() == "add" && n.ty().shape == vec![10]);
+    assert_eq!((concats, full_adds), (1, 1), "{g}");
+    let got = grad(dense).call(&theta).unwrap().to_vec1::<f32>().unwrap();
+    let t = theta.to_vec1::<f32>().unwrap();
+    for (i, (&gi, &ti)) in got.iter().zip(&t).enumerate() {
+        let piece = match i {
+            0..=2 => 2.0 * ti,
+            8.. => ti.exp(),
+            _ => 0.0,
+        };
+        assert!((gi - piece - ti.cos()).abs() < 1e-5, "{i}");
+    }
+    // [0, 4) and [2, 6) overlap: two pads, one add
+    let overlapping = |t: Tracer| t.narrow(0, 0, 4)?.sqr()?.sum_all()?.add(&t.narrow(0, 2, 4)?.sum_all()?);
+    let got = grad(overlapping).call(&theta).unwrap().to_vec1::<f32>().unwrap();
+    for (i, (&gi, &ti)) in got.iter().zip(&t).enumerate() {
+        let want = if i < 4 { 2.0 * ti } else { 0.0 } + if (2..6).contains(&i) { 1.0 } else { 0.0 };
+        assert!((gi - want).abs() < 1e-5, "{i}: {gi} vs {want}");
+    }
+}
+
 /// Per-example Jacobians of a linear layer w.r.t. its weight
 /// (`vmap(jacrev)`, torch.func's NTK recipe): the batching rule folds
 /// examples and basis rows into one outer product `[(B in), 1] @ [1, (C

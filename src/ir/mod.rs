@@ -8,13 +8,11 @@
 //! two primitives instead, which keeps every transform rule single-output.
 
 pub(crate) mod conv;
-mod fuse;
 mod geom;
 pub(crate) mod ops;
 pub(crate) mod options;
 mod prim;
 mod print;
-mod simplify;
 
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};
@@ -169,16 +167,6 @@ impl Graph {
     /// The types of the outputs, in output order.
     pub fn output_types(&self) -> Vec<TensorType> {
         self.outputs.iter().map(|&v| self.nodes[v].ty.clone()).collect()
-    }
-
-    /// Whether running the graph draws random numbers (in a map's body
-    /// too): only such a run takes a seed from a random stream.
-    pub(crate) fn has_random(&self) -> bool {
-        self.nodes.iter().any(|n| match &n.prim {
-            Prim::Random(_) => true,
-            Prim::Map(m) => m.body.has_random(),
-            _ => false,
-        })
     }
 
     /// Number of equations (nodes that are not inputs, constants or literals).

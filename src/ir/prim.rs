@@ -46,7 +46,7 @@ pub(crate) enum Prim {
     /// Random values, drawn anew at every run.
     Random(Uniform),
     /// A convolution or matrix product with its epilogue (bias, ReLU),
-    /// made by `Graph::fuse_epilogues` on graphs about to run.
+    /// made by the fusion pass (`interp::passes`) on graphs about to run.
     Fused(Box<Fused>),
 }
 
@@ -93,7 +93,7 @@ impl Prim {
 /// `relu?(base(x, w) + bias?)` as one primitive, operands `[x, w, bias?]`:
 /// the epilogue runs on the product's output in place while it is still
 /// fresh, instead of two more passes that each allocate a tensor as large.
-/// Only `Graph::fuse_epilogues` makes it, after every transform, so it has
+/// Only the fusion pass (`interp::passes`) makes it, after every transform, so it has
 /// no batching or VJP rule.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Fused {

@@ -9,6 +9,7 @@
 //! gradient, 64 x `[64, 576] @ [576, 288]`, ran at 91 GFLOP/s that way and
 //! at PyTorch's `bmm` speed (~290 GFLOP/s) as one GEMM per thread.
 
+use super::copies::Copies;
 use super::{has_cpu_kernel, max_threads, output, par_blocks_mut, product, Elem, Mat};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
@@ -203,8 +204,9 @@ pub fn takes_kernel(a: &Tensor, b: &Tensor) -> bool {
 }
 
 /// `[B, M, K] @ [B, K, N] -> [B, M, N]`, operands at any strides. Our
-/// kernel where [`takes_kernel`] holds, candle's matmul otherwise.
-pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// kernel where [`takes_kernel`] holds, candle's matmul otherwise. An
+/// operand copied to another layout first is counted in `copies`.
+pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
     if takes_kernel(a, b) {
         // Products spread over threads read a column-major `b` of their own
         // (stacked weights) in place: each GEMM runs on one thread and packs
@@ -219,7 +221,7 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         // one thread packs a column-major `b` itself, faster than a copy
         let alone = one_thread(ad[1], bd[2], ad[2]);
         if column_major(b) && !spread && !split && !alone {
-            return by_row_major_rhs(a, b);
+            return by_row_major_rhs(a, b, copies);
         }
         return a.apply_op2_no_bwd(b, &BmmOp);
     }
@@ -233,13 +235,16 @@ pub fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// the transposed product `(b^T a^T)^T` runs with `b^T` row-major as it is
 /// and `a^T` copied (m k elements, none if `a` is column-major itself) and
 /// the small result transposed back (m n): whichever copies less.
-fn by_row_major_rhs(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+fn by_row_major_rhs(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
     let (m, k, n) = (a.dims()[1], a.dims()[2], b.dims()[2]);
     let copy_a = if column_major(a) { 0 } else { m * k };
     if k * n <= copy_a + m * n {
+        copies.note(b);
         return a.apply_op2_no_bwd(&super::transpose::contiguous(b)?, &BmmOp);
     }
-    let at = super::transpose::contiguous(&a.transpose(1, 2)?)?;
+    let at = a.transpose(1, 2)?;
+    copies.note(&at);
+    let at = super::transpose::contiguous(&at)?;
     let ct = b.transpose(1, 2)?.apply_op2_no_bwd(&at, &BmmOp)?; // B n m
     super::transpose::contiguous(&ct.transpose(1, 2)?)
 }
@@ -257,7 +262,7 @@ fn column_major(t: &Tensor) -> bool {
 /// threads (candle's `broadcast_matmul` ran them one after another, every
 /// small GEMM split over the threads: 4 ms for a grouped input gradient of
 /// the digits CNN's second convolution that takes well under 1 this way).
-pub fn each_example(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn each_example(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
     let (&[m, k], &[n, ..]) = (a.dims(), b.dims()) else {
         bail!(
             "each_example: expected [M, K] and [N, K, L], got {:?} and {:?}",
@@ -267,17 +272,17 @@ pub fn each_example(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     };
     let a3 = a.reshape((1, m, k))?.broadcast_as((n, m, k))?;
     if takes_kernel(&a3, b) {
-        return bmm(&a3, b);
+        return bmm(&a3, b, copies);
     }
     a.broadcast_matmul(b)
 }
 
 /// A matrix product of rank-2 or rank-3 operands through [`bmm`] (a
 /// single matrix is a batch of one); other ranks go to candle.
-pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
     match (a.rank(), b.rank()) {
-        (2, 2) => bmm(&a.unsqueeze(0)?, &b.unsqueeze(0)?)?.squeeze(0),
-        (3, 3) => bmm(a, b),
+        (2, 2) => bmm(&a.unsqueeze(0)?, &b.unsqueeze(0)?, copies)?.squeeze(0),
+        (3, 3) => bmm(a, b, copies),
         _ => a.matmul(b),
     }
 }
@@ -310,7 +315,10 @@ mod tests {
             ];
             for (x, y) in &cases {
                 assert!(takes_kernel(x, y));
-                let diff = max_diff(&bmm(x, y)?, &x.contiguous()?.matmul(&y.contiguous()?)?)?;
+                let diff = max_diff(
+                    &bmm(x, y, &Copies::default())?,
+                    &x.contiguous()?.matmul(&y.contiguous()?)?,
+                )?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
             }
         }
@@ -324,7 +332,10 @@ mod tests {
             let bn = Tensor::randn(0f32, 1., (2, 2, 50), &d)?.to_dtype(dt)?.transpose(1, 2)?;
             for (x, y) in [(&a, &b), (&at, &b), (&wide, &bn)] {
                 assert!(column_major(y));
-                let diff = max_diff(&bmm(x, y)?, &x.contiguous()?.matmul(&y.contiguous()?)?)?;
+                let diff = max_diff(
+                    &bmm(x, y, &Copies::default())?,
+                    &x.contiguous()?.matmul(&y.contiguous()?)?,
+                )?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
             }
         }
@@ -337,13 +348,13 @@ mod tests {
             let b = Tensor::randn(0f32, 1., (1, k, 6), &d)?.to_dtype(dt)?;
             let bt = Tensor::randn(0f32, 1., (1, 6, k), &d)?.to_dtype(dt)?.transpose(1, 2)?;
             for y in [&b, &bt] {
-                let diff = max_diff(&bmm(&a, y)?, &a.matmul(&y.contiguous()?)?)?;
+                let diff = max_diff(&bmm(&a, y, &Copies::default())?, &a.matmul(&y.contiguous()?)?)?;
                 assert!(diff < 1e-3, "split-k {dt:?}: {diff}");
             }
         }
         let e = Tensor::zeros((8, 3, 0), DType::F32, &d)?;
         let f = Tensor::zeros((8, 0, 2), DType::F32, &d)?;
-        assert_eq!(bmm(&e, &f)?.dims(), &[8, 3, 2]);
+        assert_eq!(bmm(&e, &f, &Copies::default())?.dims(), &[8, 3, 2]);
         Ok(())
     }
 }

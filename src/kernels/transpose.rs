@@ -83,7 +83,6 @@ impl CustomOp1 for TransposeOp {
 /// batches of transposed matrices, candle's `contiguous` for everything
 /// else.
 pub fn contiguous(t: &Tensor) -> Result<Tensor> {
-    super::copies::note(t);
     if t.is_contiguous() || !has_cpu_kernel(t) {
         return t.contiguous();
     }

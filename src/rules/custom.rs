@@ -5,6 +5,7 @@
 //! `custom_vjp` / `custom_jvp` / `custom_vmap`), the rules' traced graphs
 //! are inlined where the transforms need them.
 
+use super::facts::{Arg, Effect, Facts, Workspace};
 use super::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{CustomOp, Graph, TensorType, VarId};
@@ -28,6 +29,21 @@ impl Rule for CustomOp {
             ));
         }
         Ok(self.out.clone())
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            effect: Effect::Opaque,
+            cheap: false,
+            measurable: false,
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        // what a user's kernel allocates is its own; the plan counts its
+        // result only
+        Workspace::NONE
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

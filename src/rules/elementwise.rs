@@ -1,6 +1,7 @@
 //! Elementwise primitives: unary maps, casts, broadcasting binary maps,
 //! comparisons and `where`.
 
+use super::facts::{bytes, Arg, Facts, Workspace};
 use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
@@ -27,6 +28,22 @@ impl Rule for Unary {
             });
         }
         Ok(args[0].clone())
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts::cheap_map()
+    }
+
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        match self {
+            // integer maps go through the host: the values and the result
+            Unary::Neg | Unary::Sqr if !is_float(args[0].ty.dtype) => Workspace::scratch(2 * bytes(out)),
+            // the crate's CPU kernels read a contiguous operand
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Relu => {
+                Workspace::copies(args[0].copy_if_strided())
+            }
+            _ => Workspace::NONE,
+        }
     }
 
     fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
@@ -196,6 +213,30 @@ impl Rule for Binary {
             broadcast_shapes(self.name(), &args[0].shape, &args[1].shape)?,
             dt,
         ))
+    }
+
+    fn facts(&self, _args: &[Arg], out: &TensorType) -> Facts {
+        Facts {
+            // zero divisors in the measurement's data are an error
+            measurable: *self != Binary::Div || out.dtype.is_float(),
+            ..Facts::cheap_map()
+        }
+    }
+
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        let (a, b) = (args[0], args[1]);
+        match self {
+            // integer arithmetic through the host: both operands broadcast
+            // and copied, and the values
+            _ if !is_float(out.dtype) => Workspace::scratch(3 * bytes(out)),
+            // the fused gradient kernels read contiguous operands
+            Binary::ReluGrad | Binary::GeluGrad => Workspace::copies(a.copy_if_strided() + b.copy_if_strided()),
+            // a factor per row: the scaled operand is made contiguous
+            Binary::Mul if a.ty.shape == out.shape || b.ty.shape == out.shape => {
+                Workspace::copies(a.copy_if_strided().max(b.copy_if_strided()))
+            }
+            _ => Workspace::NONE,
+        }
     }
 
     fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
@@ -468,6 +509,15 @@ impl Rule for Compare {
         Ok(TensorType::new(shape, DType::U8))
     }
 
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts::cheap_map()
+    }
+
+    fn workspace(&self, args: &[Arg], _out: &TensorType) -> Workspace {
+        // against a scalar, the CPU kernel reads a contiguous operand
+        Workspace::copies(args[0].copy_if_strided())
+    }
+
     fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
         if let Some(m) = compare::with_scalar(a, b, self.accept()).op(self.name())? {
@@ -514,6 +564,14 @@ impl Rule for Where {
         }
         let s = broadcast_shapes("where", &args[0].shape, &args[1].shape)?;
         Ok(TensorType::new(broadcast_shapes("where", &s, &args[2].shape)?, dt))
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts::cheap_map()
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        Workspace::NONE // candle selects through broadcast views in place
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

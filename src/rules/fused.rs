@@ -1,15 +1,25 @@
 //! The fused product-and-epilogue primitive, `relu?(base(x, w) + bias?)`
-//! (made by `Graph::fuse_epilogues` on graphs about to run). On the CPU
+//! (made by the fusion pass (`interp::passes`) on graphs about to run). On the CPU
 //! the epilogue runs in place on the product's output
 //! (`kernels::epilogue`); elsewhere, or for other dtypes, it runs as the
 //! add and the ReLU it replaced, through their own rules.
 
+use super::facts::{bytes, Arg, Facts, Workspace};
 use super::{arity, broadcast_shapes, rule, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, ShapeOp, Unary};
 use crate::ir::{Fused, TensorType, VarId};
 use crate::kernels::epilogue;
 use candle_core::Tensor;
+
+impl Fused {
+    /// The product's rules and its own result type (before the view).
+    fn product(&self, args: &[Arg]) -> Option<(&dyn Rule, TensorType)> {
+        let r = rule(&self.base).ok()?;
+        let types: Vec<&TensorType> = args.get(..2)?.iter().map(|a| a.ty).collect();
+        Some((r, r.infer(&types).ok()?))
+    }
+}
 
 impl Rule for Fused {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
@@ -29,6 +39,32 @@ impl Rule for Fused {
             }
         }
         Ok(y)
+    }
+
+    fn facts(&self, args: &[Arg], _out: &TensorType) -> Facts {
+        // the product's facts: an epilogue adds nothing a pass reads
+        let base = self.product(args).map(|(r, ty)| r.facts(&args[..2], &ty));
+        Facts {
+            epilogue: false,
+            ..base.unwrap_or(Facts::costly())
+        }
+    }
+
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        // the product's, and where the epilogue cannot run in place (off the
+        // CPU, other dtypes) the add and the ReLU as separate results
+        let base = self
+            .product(args)
+            .map_or(Workspace::NONE, |(r, ty)| r.workspace(&args[..2], &ty));
+        let unfused = if matches!(out.dtype, candle_core::DType::F32 | candle_core::DType::F64) {
+            0
+        } else {
+            usize::from(self.bias) + usize::from(self.relu)
+        };
+        Workspace {
+            scratch: base.scratch.saturating_add(unfused.saturating_mul(bytes(out))),
+            ..base
+        }
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {

@@ -1,6 +1,7 @@
 //! Indexing primitives: index-select and gather (picking a label's
 //! log-probability is `gather` along the class axis).
 
+use super::facts::{bytes, Arg, Facts, Workspace};
 use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::IndexOp;
@@ -102,6 +103,22 @@ impl Rule for IndexOp {
                 Ok(x.with_shape(d))
             }
         }
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts::costly()
+    }
+
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        let (x, idx) = (args[0], args[1]);
+        // contiguous operands, and the range check's i64 copy of the indices
+        let copies = x.copy_if_strided() + idx.copy_if_strided() + 8 * idx.ty.elem_count();
+        let scratch = match self {
+            IndexOp::IndexSelect(_) | IndexOp::Gather(_) => 0,
+            // the zeros added into, beside the result
+            IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } => bytes(out),
+        };
+        Workspace { copies, scratch }
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

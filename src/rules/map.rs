@@ -5,7 +5,8 @@
 //! body; its batching rule batches the body; its VJP is a map of the
 //! body's per-example VJP.
 
-use super::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use super::facts::{self, Arg, Facts, Workspace};
+use super::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{Error, Result};
 use crate::ir::options::Opts;
 use crate::ir::{Graph, Map, Prim, TensorType, VarId};
@@ -158,6 +159,22 @@ impl Rule for Map {
         let mut out = self.body.ty(self.body.outputs[0]).clone();
         out.shape.insert(0, self.size);
         Ok(out)
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        let effect = facts::effect_of(&self.body);
+        Facts {
+            effect,
+            cheap: false,
+            measurable: facts::measurable(&self.body),
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        // one example's body at its own peak while the map runs (its result
+        // is written into the map's and dropped)
+        Workspace::scratch(memory::planned_peak(&self.body))
     }
 
     fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

@@ -1,11 +1,12 @@
 //! Matrix product with broadcast leading (batch) axes:
 //! `[.., m, k] @ [.., k, n] -> [.., m, n]`, both operands of rank >= 2.
 
+use super::facts::{Arg, Facts, Workspace};
 use super::{arity, broadcast_shapes, multilinear_jvp, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::bmm;
-use crate::kernels::copies::Relayout;
+use crate::kernels::copies::{Copies, Relayout};
 use crate::kernels::outer::outer;
 use candle_core::Tensor;
 
@@ -43,16 +44,52 @@ impl Rule for Matmul {
         Ok(TensorType::new(out, dt))
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            epilogue: true,
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        // As `run` lays its operands out: the left operand folded into one
+        // GEMM is made contiguous; equal batch axes are read in place (up
+        // to rank 3, merged by a copy above it); broadcast batch axes are
+        // materialised on both sides.
         let (a, b) = (args[0], args[1]);
+        let (ra, rb) = (a.ty.rank(), b.ty.rank());
+        let batch = &out.shape[..out.rank() - 2];
+        if rb == 2 && ra > 2 {
+            Workspace::copies(a.copy_if_strided())
+        } else if ra == rb && a.ty.shape[..ra - 2] == b.ty.shape[..rb - 2] {
+            Workspace::copies(if ra > 3 {
+                a.copy_if_strided() + b.copy_if_strided()
+            } else {
+                0
+            })
+        } else {
+            let whole = |t: &TensorType| {
+                let m: usize = t.shape[t.rank() - 2..].iter().product();
+                batch
+                    .iter()
+                    .product::<usize>()
+                    .saturating_mul(m)
+                    .saturating_mul(t.dtype.size_in_bytes())
+            };
+            Workspace::copies(whole(a.ty).saturating_add(whole(b.ty)))
+        }
+    }
+
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        let (a, b, c) = (args[0], args[1], cx.copies);
         let (ad, bd) = (a.dims(), b.dims());
         let r = if bd.len() == 2 && ad.len() > 2 {
             // [.., m, k] @ [k, n]: fold the leading axes into m, one GEMM.
             let k = ad[ad.len() - 1];
-            let a2 = a.relayout().op("matmul")?.reshape(((), k)).op("matmul")?;
-            mm(&a2, b)?.reshape(out.shape.as_slice()).op("matmul")?
+            let a2 = a.relayout(c).op("matmul")?.reshape(((), k)).op("matmul")?;
+            mm(&a2, b, c)?.reshape(out.shape.as_slice()).op("matmul")?
         } else if ad.len() == bd.len() && ad[..ad.len() - 2] == bd[..bd.len() - 2] {
-            mm(a, b)?
+            mm(a, b, c)?
         } else {
             let a = a
                 .broadcast_as([&out.shape[..out.shape.len() - 2], &ad[ad.len() - 2..]].concat())
@@ -60,7 +97,7 @@ impl Rule for Matmul {
             let b = b
                 .broadcast_as([&out.shape[..out.shape.len() - 2], &bd[bd.len() - 2..]].concat())
                 .op("matmul")?;
-            mm(&a.relayout().op("matmul")?, &b.relayout().op("matmul")?)?
+            mm(&a.relayout(c).op("matmul")?, &b.relayout(c).op("matmul")?, c)?
         };
         Ok(r)
     }
@@ -124,7 +161,7 @@ impl Rule for Matmul {
 
 /// Products with equal batch axes (or none) through `kernels::bmm`. `None`
 /// when the kernel does not take them.
-fn batched(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+fn batched(a: &Tensor, b: &Tensor, c: &Copies) -> Result<Option<Tensor>> {
     let (ad, bd) = (a.dims(), b.dims());
     let r = ad.len();
     // Checked before any reshaping, which may copy: off the CPU, or for
@@ -133,21 +170,21 @@ fn batched(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
         return Ok(None);
     }
     if r == 2 {
-        let y = batched(&a.unsqueeze(0).op("matmul")?, &b.unsqueeze(0).op("matmul")?)?;
+        let y = batched(&a.unsqueeze(0).op("matmul")?, &b.unsqueeze(0).op("matmul")?, c)?;
         return y.map(|y| y.squeeze(0).op("matmul")).transpose();
     }
-    let (a3, b3) = (as_rank3(a).op("matmul")?, as_rank3(b).op("matmul")?);
+    let (a3, b3) = (as_rank3(a, c).op("matmul")?, as_rank3(b, c).op("matmul")?);
     if !bmm::takes_kernel(&a3, &b3) {
         return Ok(None);
     }
-    let y = bmm::bmm(&a3, &b3).op("matmul")?;
+    let y = bmm::bmm(&a3, &b3, c).op("matmul")?;
     let shape = [&ad[..r - 2], &[ad[r - 2], bd[r - 1]]].concat();
     Ok(Some(y.reshape(shape).op("matmul")?))
 }
 
 /// `.. m n -> (..) m n`: unit batch axes are dropped as views; other
 /// batch axes merge in place when contiguous, or after a copy.
-fn as_rank3(t: &Tensor) -> candle_core::Result<Tensor> {
+fn as_rank3(t: &Tensor, c: &Copies) -> candle_core::Result<Tensor> {
     let mut t = t.clone();
     while t.rank() > 3 {
         match t.dims()[..t.rank() - 2].iter().position(|&d| d == 1) {
@@ -161,6 +198,7 @@ fn as_rank3(t: &Tensor) -> candle_core::Result<Tensor> {
     let d = t.dims().to_vec();
     let r = d.len();
     let batch: usize = d[..r - 2].iter().product();
+    c.note(&t);
     crate::kernels::transpose::contiguous(&t)?.reshape((batch, d[r - 2], d[r - 1]))
 }
 
@@ -178,12 +216,12 @@ fn transpose_last(b: &mut Builder, v: VarId) -> Result<VarId> {
 ///
 /// An inner dimension of 1 (a per-sample linear weight gradient) goes to
 /// the outer-product kernel instead.
-fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+fn mm(a: &Tensor, b: &Tensor, c: &Copies) -> Result<Tensor> {
     let k = a.dims()[a.rank() - 1];
     if k == 1 && a.rank() == b.rank() && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2] {
         return outer(a, b).op("matmul");
     }
-    if let Some(t) = batched(a, b)? {
+    if let Some(t) = batched(a, b, c)? {
         return Ok(t);
     }
     if let Ok(t) = a.matmul(b) {
@@ -193,12 +231,12 @@ fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let r = ad.len();
     let batch: usize = ad[..r - 2].iter().product();
     let a3 = a
-        .relayout()
+        .relayout(c)
         .op("matmul")?
         .reshape((batch, ad[r - 2], ad[r - 1]))
         .op("matmul")?;
     let b3 = b
-        .relayout()
+        .relayout(c)
         .op("matmul")?
         .reshape((batch, bd[r - 2], bd[r - 1]))
         .op("matmul")?;

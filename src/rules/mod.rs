@@ -1,9 +1,12 @@
 //! Primitive rules, one file (or folder) per family, and the graph walkers
 //! that apply them. Every primitive implements [`Rule`]: how its result
 //! type follows from its operands (checked while tracing), how it runs on
-//! candle, how it batches under `vmap`, and its VJP. The walkers
-//! ([`walk`]) re-emit a whole graph through the batching or the VJP rules;
-//! the transforms drive them.
+//! candle, how it batches under `vmap`, its VJP and its JVP, and the facts
+//! the passes read about it ([`facts`]: is it a view, does it draw random
+//! numbers, is it cheap to recompute, what does its run allocate). The
+//! walkers ([`walk`]) re-emit a whole graph through the batching, VJP or
+//! JVP rules; the transforms drive them. The memory plan of a graph
+//! ([`memory`]) is worked out from the facts.
 //!
 //! Batching rules follow functorch: a pure function from `(value, Option<batch
 //! axis>)` operands to a `(value, Option<batch axis>)` result, emitting the
@@ -16,11 +19,13 @@ pub(crate) mod builder;
 pub(crate) mod conv;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
+pub(crate) mod facts;
 pub(crate) mod fused;
 pub(crate) mod ghost;
 pub(crate) mod index;
 pub(crate) mod map;
 pub(crate) mod matmul;
+pub(crate) mod memory;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod random;
@@ -33,7 +38,9 @@ pub(crate) use builder::{Builder, BuilderRef, Outer, TraceCtx};
 use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Opts};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::copies::Copies;
 use candle_core::{Device, Tensor};
+use facts::{Arg, Facts, Workspace};
 
 /// A value under `vmap`: its id in the output builder and the axis that
 /// carries the batch, if any.
@@ -50,16 +57,23 @@ pub(crate) struct BatchCx<'a> {
 }
 
 /// What a run rule may need besides its operands: the device of the run
-/// (for primitives without operands) and the seed of this node's draws.
+/// (for primitives without operands), the seed of this node's draws, and
+/// the run's tally of operands copied to another layout.
 pub(crate) struct RunCx<'a> {
     pub(crate) device: &'a Device,
     pub(crate) seed: u64,
+    pub(crate) copies: &'a Copies,
 }
 
 /// The rules of one primitive.
 pub(crate) trait Rule {
     /// The result type, or a shape/dtype error naming the operation.
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType>;
+    /// What the passes need to know of it on these operands (see [`facts`]).
+    fn facts(&self, args: &[Arg], out: &TensorType) -> Facts;
+    /// What its run allocates besides its result, on operands of these
+    /// types and layouts: what the memory plan adds while it runs.
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace;
     /// Computes the primitive on candle tensors.
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor>;
     /// Emits the batched computation; `Ok(None)` asks for the generic map.

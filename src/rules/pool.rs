@@ -4,6 +4,7 @@
 //! other than the kernel); the average-pooling gradient spreads each
 //! window's cotangent over the window's unfolded columns and folds them back.
 
+use super::facts::{Arg, Facts, Workspace};
 use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{PoolOp, Window};
@@ -67,6 +68,26 @@ impl Rule for PoolOp {
                 expect_shape(kind, x, &pooled(kind, w, &full)?, &full)?;
                 Ok(args[0].with_shape(full))
             }
+        }
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            // a pooling forward is one pass over its operand
+            cheap: matches!(self, PoolOp::MaxPool2d { .. } | PoolOp::AvgPool2d { .. }),
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, args: &[Arg], _out: &TensorType) -> Workspace {
+        let copies: usize = args.iter().map(Arg::copy_if_strided).sum();
+        match self {
+            // each window's share, spread over the window, then folded
+            PoolOp::AvgPoolGrad { kernel, .. } => Workspace {
+                copies,
+                scratch: args[0].bytes().saturating_mul(1 + kernel.0 * kernel.1),
+            },
+            _ => Workspace::copies(copies),
         }
     }
 

@@ -5,6 +5,7 @@
 //! the seed the interpreter hands each node (see `RunCx`), so a run is
 //! reproducible from its transform's seed, and live on the run's device.
 
+use super::facts::{Arg, Effect, Facts, Workspace};
 use super::{BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::Uniform;
@@ -23,6 +24,19 @@ impl Rule for Uniform {
             ));
         }
         Ok(self.ty.clone())
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            effect: Effect::Random,
+            cheap: false,
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], out: &TensorType) -> Workspace {
+        // drawn as f64 on the host, then cast (and moved) to the result
+        Workspace::scratch(8 * out.elem_count())
     }
 
     fn run(&self, _args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {

@@ -1,5 +1,6 @@
 //! Reductions over axes, and (log-)softmax along one axis.
 
+use super::facts::{Arg, Facts, Workspace};
 use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Reduce, Unary};
@@ -218,6 +219,27 @@ impl Rule for Reduce {
                 }
                 Ok(TensorType::new(reduced_shape(&x.shape, &[*axis], *keepdim), DType::U32))
             }
+        }
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts::costly()
+    }
+
+    fn workspace(&self, args: &[Arg], _out: &TensorType) -> Workspace {
+        let x = args[0];
+        let float = x.ty.dtype.is_float();
+        match self {
+            // axes merged over a contiguous copy; integers through the host
+            Reduce::Sum { .. } if float => Workspace::copies(x.copy_if_strided()),
+            Reduce::Sum { .. } => Workspace::scratch(2 * x.bytes()),
+            // one axis at a time, and the NaN mask
+            Reduce::Max { .. } => Workspace::scratch(x.bytes()),
+            Reduce::Softmax(a) if *a + 1 == x.ty.rank() => Workspace::copies(x.copy_if_strided()),
+            // candle's: the maxima, the exponentials and their sums
+            Reduce::Softmax(_) | Reduce::LogSoftmax(_) => Workspace::scratch(2 * x.bytes()),
+            // the NaN mask as f32 and as u8
+            Reduce::Arg { .. } => Workspace::scratch(5 * x.ty.elem_count()),
         }
     }
 

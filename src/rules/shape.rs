@@ -1,6 +1,7 @@
 //! Shape primitives: reshape, permute, broadcast, narrow, concatenate.
 //! (squeeze, unsqueeze, flatten, transpose and stack are built from these.)
 
+use super::facts::{Arg, Facts, Storage, Workspace};
 use super::{checked_product, multilinear_jvp, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::ShapeOp;
@@ -133,6 +134,34 @@ impl Rule for ShapeOp {
                 infer_one(op, args[0])
             }
         }
+    }
+
+    fn facts(&self, args: &[Arg], _out: &TensorType) -> Facts {
+        let storage = match self {
+            ShapeOp::Reshape(_) => Storage::ViewOrCopy,
+            // a permute or a broadcast that changes nothing is never made
+            ShapeOp::Permute(_) | ShapeOp::Broadcast(_) => Storage::View { contiguous: false },
+            // rows of a contiguous value are contiguous
+            ShapeOp::Narrow { axis, .. } => Storage::View {
+                contiguous: args[0].ty.shape[..*axis].iter().all(|&d| d == 1),
+            },
+            // candle writes off-axis concatenations of strided operands
+            // transposed
+            ShapeOp::Concat(axis) if *axis > 0 && args.iter().any(|a| !a.contiguous) => Storage::Strided,
+            ShapeOp::Concat(_) => Storage::Fresh,
+        };
+        Facts {
+            storage,
+            // a view costs nothing to hold; a concatenation is a copy
+            cheap: false,
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        // a reshape's copy is its result; a concatenation writes its result
+        // from strided operands in place
+        Workspace::NONE
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

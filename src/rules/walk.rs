@@ -3,10 +3,9 @@
 //! rule in reverse ([`vjp_graph`]). The transforms call these; so do the
 //! rules of primitives that hold a sub-graph (`map`).
 
-use super::shape::embed_slices;
 use super::{map, rule, BVal, BatchCx, Builder, Tan};
 use crate::error::{Error, Result};
-use crate::ir::ops::{Binary, ShapeOp};
+use crate::ir::ops::Binary;
 use crate::ir::{Graph, Prim, TensorType, VarId};
 use std::collections::HashMap;
 
@@ -166,25 +165,9 @@ pub(crate) fn vjp_graph(
     for &(o, seed) in seeds {
         accumulate(b, &mut cts, g.outputs[o], seed)?;
     }
-    // The cotangents of `narrow`s of a value, held until the value's turn:
-    // ranges of one axis go side by side into one concatenation rather than
-    // each padded to the whole value and added (a flat parameter vector cut
-    // into a model's parameters had six full-size pads and adds).
-    let mut slices: Vec<Vec<(usize, usize, usize, VarId)>> = vec![Vec::new(); g.nodes.len()];
     for (v, node) in g.nodes.iter().enumerate().rev() {
-        let held = std::mem::take(&mut slices[v]);
-        if !held.is_empty() {
-            let whole = place_slices(b, &g.nodes[v].ty.shape, held)?;
-            accumulate(b, &mut cts, v, whole)?;
-        }
         let Some(ct) = cts[v] else { continue };
         if !needs[v] || node.prim.is_leaf() {
-            continue;
-        }
-        if let Prim::Shape(ShapeOp::Narrow { axis, start, len }) = node.prim {
-            if needs[node.args[0]] {
-                slices[node.args[0]].push((axis, start, len, ct));
-            }
             continue;
         }
         let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
@@ -231,28 +214,6 @@ pub(crate) fn jvp_graph(g: &Graph, b: &mut Builder, inputs: &[VarId], tans: &[Ta
 /// tinygrad's loud error: the primitive that has no derivative rule.
 fn no_rule(prim: &Prim) -> Error {
     Error::unsupported(prim.kind(), "grad", format!("{} has no VJP rule", prim.name()))
-}
-
-/// The sum of the `(axis, start, len, ct)` slices placed in a value of
-/// `shape`: one concatenation where they share an axis and do not
-/// overlap, else each embedded on its own and added.
-fn place_slices(b: &mut Builder, shape: &[usize], mut held: Vec<(usize, usize, usize, VarId)>) -> Result<VarId> {
-    held.sort_by_key(|s| (s.0, s.1));
-    let axis = held[0].0;
-    let disjoint = held.iter().all(|s| s.0 == axis) && held.windows(2).all(|w| w[0].1 + w[0].2 <= w[1].1);
-    if disjoint {
-        let pieces: Vec<(usize, usize, VarId)> = held.iter().map(|s| (s.1, s.2, s.3)).collect();
-        return embed_slices(b, shape, axis, &pieces);
-    }
-    let mut sum: Option<VarId> = None;
-    for (axis, start, len, ct) in held {
-        let one = embed_slices(b, shape, axis, &[(start, len, ct)])?;
-        sum = Some(match sum {
-            None => one,
-            Some(s) => b.bin(Binary::Add, s, one)?,
-        });
-    }
-    sum.ok_or_else(|| Error::internal("grad", "no slices to place"))
 }
 
 fn accumulate(b: &mut Builder, cts: &mut [Option<VarId>], v: VarId, g: VarId) -> Result<()> {

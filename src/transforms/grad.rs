@@ -5,9 +5,10 @@
 //! composes with `vmap` (and with itself) in any order.
 
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{call_concrete, flatten_call, innermost, settings, trace_inner, trace_top, Function, GraphCache};
+use super::{call_concrete, flatten_call, innermost, trace_inner, trace_top, Function, GraphCache};
 use crate::error::{Error, Result};
-use crate::interp;
+use crate::interp::exec::Executable;
+use crate::interp::passes;
 use crate::ir::options::Options;
 use crate::ir::{Graph, Node, Prim, TensorType, VarId};
 use crate::rules::walk::vjp_graph;
@@ -404,10 +405,12 @@ impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>
 
 /// The pullback of [`vjp`]: maps cotangents of the function's outputs to
 /// cotangents of all its arguments. The forward values it needs were kept
-/// when `vjp` ran, so each call runs only the reverse pass.
+/// when `vjp` ran, so each call runs only the reverse pass, refused (an
+/// [`Error::Memory`] before it runs) where its plan, with those values,
+/// exceeds the memory limit of the function `vjp` was given.
 pub struct Pullback<S: ArgList> {
     residuals: Vec<Tensor>,
-    backward: Graph,
+    backward: Executable,
     out_def: TreeDef,
     out_types: Vec<TensorType>,
     in_defs: Vec<TreeDef>,
@@ -434,9 +437,8 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&args)?;
-    let compiled = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
-    let compiled_seed = compiled.seed;
-    let fwd_graph = compiled.graph;
+    let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
+    let fwd_graph = &traced.graph;
     let n_out = fwd_graph.outputs.len();
     let out_types = fwd_graph.output_types();
     // The joint graph: primals and output cotangents in, outputs and
@@ -451,30 +453,32 @@ where
             .map(|(i, t)| (i, bb.input(t.clone())))
             .collect();
         let wrt = vec![true; primals.len()];
-        let (outs, cts) = vjp_graph(&fwd_graph, &mut bb, &primals, &wrt, &seeds)?;
+        let (outs, cts) = vjp_graph(fwd_graph, &mut bb, &primals, &wrt, &seeds)?;
         let mut results = outs;
         for (&p, ct) in primals.iter().zip(cts) {
             results.push(bb.or_zeros(ct, p)?);
         }
-        bb.finish(results).0.eliminate_dead_code()
+        passes::simplify(&bb.finish(results).0)
     };
     let (fwd, backward) = partition(&joint, leaves.iter().map(Vec::len).sum(), n_out);
-    // Fused only now, after differentiation (fused nodes have no VJP rule);
-    // a pre-activation the backward pass reads is an output of `fwd` and
-    // so stays unfused.
-    let (fwd, backward) = (fwd.fuse_epilogues(), backward.fuse_epilogues());
+    // Each half through the executable (fused only now, after
+    // differentiation: fused nodes have no VJP rule; a pre-activation the
+    // backward pass reads is an output of `fwd` and so stays unfused),
+    // each checked against the limit before it runs: the forward now, the
+    // backward at every pullback.
+    let limit = f.own_options().get_memory_limit();
+    let fwd = Executable::new(&fwd)
+        .seeded(traced.seed, Default::default())
+        .limit(limit);
+    let backward = Executable::new(&backward).limit(limit);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    let mut outs = interp::run(
-        &fwd,
-        &flat,
-        settings::run_seed(&fwd, compiled_seed, &Default::default()),
-    )?;
+    let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);
-    let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
+    let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
     let pullback = Pullback {
         residuals,
         backward,
-        out_def: compiled.out_def,
+        out_def: traced.out_def,
         out_types,
         in_defs: defs,
         _s: PhantomData,
@@ -499,7 +503,7 @@ impl<S: ArgList> Pullback<S> {
         }
         let mut inputs = self.residuals.clone();
         inputs.extend(leaves);
-        let grads = interp::run(&self.backward, &inputs, 0)?;
+        let grads = self.backward.run(&inputs)?;
         let mut it = grads.into_iter();
         let per_arg = self
             .in_defs

@@ -215,7 +215,7 @@ fn basis(op: &'static str, leaves: &[Tracer]) -> Result<Vec<Tracer>> {
             .checked_mul(t.dtype().size_in_bytes())?
             .checked_add(acc)
     });
-    if let Err(Error::Memory { needed, limit }) = crate::interp::check_peak(bytes.unwrap_or(usize::MAX), None) {
+    if let Err(Error::Memory { needed, limit }) = crate::interp::exec::check_peak(bytes.unwrap_or(usize::MAX), None) {
         let msg = format!(
             "the standard basis of {n} x {n} elements needs {needed} bytes, more than the {limit} available; differentiate with respect to fewer elements (argnums), or use the other mode"
         );

@@ -3,9 +3,10 @@
 //! as `jax.jvp` and `torch.func.jvp` do.
 
 use super::tree::{ArgList, CallArgs, SymTree};
-use super::{flatten_call, settings, trace_top, Function};
+use super::{flatten_call, trace_top, Function};
 use crate::error::{Error, Result};
-use crate::interp;
+use crate::interp::exec::Executable;
+use crate::interp::passes;
 use crate::ir::options::Options;
 use crate::ir::TensorType;
 use crate::rules::walk::jvp_graph;
@@ -71,20 +72,16 @@ where
             msg: format!("jvp: tangents {tt:?} do not match the primals {pt:?}"),
         });
     }
-    let compiled = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
-    let g = &compiled.graph;
-    let n_out = g.outputs.len();
-    let joint = joint_graph(g, device)?.simplify().fuse_epilogues();
+    let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
+    let n_out = traced.graph.outputs.len();
+    let joint = Executable::new(&joint_graph(&traced.graph, device)?)
+        .seeded(traced.seed, Default::default())
+        .limit(f.own_options().get_memory_limit());
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
-    interp::check_memory(&joint, f.own_options().get_memory_limit())?;
-    let mut outs = interp::run(
-        &joint,
-        &flat,
-        settings::run_seed(&joint, compiled.seed, &Default::default()),
-    )?;
+    let mut outs = joint.run(&flat)?;
     let tangent_outs = outs.split_off(n_out);
-    let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
-    let tangent = F::Output::concrete_from(&compiled.out_def, &mut tangent_outs.into_iter())?;
+    let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
+    let tangent = F::Output::concrete_from(&traced.out_def, &mut tangent_outs.into_iter())?;
     Ok((value, tangent))
 }
 
@@ -241,10 +238,12 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
 
 /// The linear map `u -> J(primals) u` of [`linearize`]: the forward values
 /// it needs were kept when `linearize` ran, so each call runs only the
-/// tangent computation, as JAX's `linearize`.
+/// tangent computation, as JAX's `linearize`, refused (an
+/// [`Error::Memory`](crate::Error::Memory) before it runs) where its plan
+/// exceeds the memory limit of the function `linearize` was given.
 pub struct Linearized<S: ArgList, O: SymTree> {
     residuals: Vec<Tensor>,
-    tangent: crate::ir::Graph,
+    tangent: Executable,
     in_types: Vec<TensorType>,
     in_defs: Vec<super::tree::TreeDef>,
     out_def: super::tree::TreeDef,
@@ -275,28 +274,28 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&primals)?;
-    let compiled = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
-    let g = &compiled.graph;
-    let n_out = g.outputs.len();
-    let in_types = g.input_types();
-    let joint = joint_graph(g, device)?;
+    let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
+    let n_out = traced.graph.outputs.len();
+    let in_types = traced.graph.input_types();
+    let joint = passes::simplify(&joint_graph(&traced.graph, device)?);
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
-    let (fwd, tangent) = (fwd.simplify().fuse_epilogues(), tangent.simplify().fuse_epilogues());
+    // each half checked against the limit before it runs: the forward
+    // now, the tangent map at every call
+    let limit = f.own_options().get_memory_limit();
+    let fwd = Executable::new(&fwd)
+        .seeded(traced.seed, Default::default())
+        .limit(limit);
+    let tangent = Executable::new(&tangent).limit(limit);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    interp::check_memory(&fwd, f.own_options().get_memory_limit())?;
-    let mut outs = interp::run(
-        &fwd,
-        &flat,
-        settings::run_seed(&fwd, compiled.seed, &Default::default()),
-    )?;
+    let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);
-    let value = F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())?;
+    let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
     let lin = Linearized {
         residuals,
         tangent,
         in_types,
         in_defs: defs,
-        out_def: compiled.out_def,
+        out_def: traced.out_def,
         _s: std::marker::PhantomData,
     };
     Ok((value, lin))
@@ -321,7 +320,7 @@ impl<S: ArgList, O: SymTree> Linearized<S, O> {
             .cloned()
             .chain(leaves.into_iter().flatten())
             .collect();
-        let outs = interp::run(&self.tangent, &inputs, 0)?;
+        let outs = self.tangent.run(&inputs)?;
         O::concrete_from(&self.out_def, &mut outs.into_iter())
     }
 }

@@ -7,7 +7,6 @@ pub(crate) mod grad;
 pub(crate) mod jacobian;
 pub(crate) mod jvp;
 pub(crate) mod planner;
-mod remat;
 pub(crate) mod schedule;
 mod segments;
 pub(crate) mod settings;
@@ -15,7 +14,9 @@ pub(crate) mod tree;
 pub(crate) mod vmap;
 
 use crate::error::{Error, Result};
-use crate::interp::{self, NodeTimes, RunStats};
+use crate::interp::exec::Executable;
+use crate::interp::passes;
+use crate::interp::{NodeTimes, RunStats};
 use crate::ir::options::{ConvRoute, Options};
 use crate::ir::{Graph, TensorType};
 use crate::rules::{Builder, BuilderRef, Outer, TraceCtx};
@@ -98,35 +99,38 @@ struct CacheKey {
     strict: bool,
 }
 
-/// A traced, transformed and pruned function, ready to run, with the
-/// train/eval flags its trace read (and their values then).
+/// A function traced and transformed (and simplified) on tensors of one
+/// signature, with the train/eval flags its trace read (and their values
+/// then) and the seed of the outermost transform in it that has one.
 #[derive(Debug)]
-pub(crate) struct Compiled {
+pub(crate) struct Traced {
     pub(crate) graph: Graph,
     pub(crate) out_def: TreeDef,
     mode_deps: Vec<(Arc<AtomicBool>, bool)>,
-    /// The seed of the outermost transform that has one, if any.
     pub(crate) seed: Option<u64>,
-    /// The bytes `graph` holds at its peak by its plan
-    /// (`interp::planned_peak`), worked out once rather than per call.
-    peak: usize,
+}
+
+impl Traced {
+    /// Ready to run: the graph through the executable's passes, refused
+    /// above `limit`, drawing from the trace's seed counted by `calls`.
+    pub(crate) fn compile(self, limit: Option<usize>, calls: Arc<AtomicU64>) -> Compiled {
+        Compiled {
+            exe: Executable::new(&self.graph).seeded(self.seed, calls).limit(limit),
+            out_def: self.out_def,
+            mode_deps: self.mode_deps,
+        }
+    }
+}
+
+/// A traced function ready to run on tensors of its signature.
+#[derive(Debug)]
+pub(crate) struct Compiled {
+    pub(crate) exe: Executable,
+    pub(crate) out_def: TreeDef,
+    mode_deps: Vec<(Arc<AtomicBool>, bool)>,
 }
 
 impl Compiled {
-    /// The graph with its epilogues fused (`Graph::fuse_epilogues`) and
-    /// cheap values recomputed where that lowers its peak
-    /// (`remat::rematerialise`), for running: only once no transform will
-    /// rewrite it, since fused nodes have no transform rules (and the
-    /// simplifier would merge a recomputed value with its original).
-    fn fused(self) -> Self {
-        let graph = remat::rematerialise(self.graph.fuse_epilogues());
-        Compiled {
-            peak: interp::planned_peak(&graph),
-            graph,
-            ..self
-        }
-    }
-
     /// Whether every flag the trace read still has the value it had.
     fn current(&self) -> bool {
         self.mode_deps.iter().all(|(f, on)| f.load(Ordering::Relaxed) == *on)
@@ -140,7 +144,7 @@ impl Compiled {
 pub(crate) struct GraphCache {
     /// Each signature's graph and when it was last used (a `tick`).
     map: Mutex<HashMap<CacheKey, (Arc<Compiled>, u64)>>,
-    calls: AtomicU64,
+    calls: Arc<AtomicU64>,
     tick: AtomicU64,
 }
 
@@ -271,7 +275,7 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     defs: &[TreeDef],
     leaves: &[Vec<Tensor>],
     device: &Device,
-) -> Result<Compiled> {
+) -> Result<Traced> {
     let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
     let ctx = TraceCtx::new(device.clone());
     ctx.offer_seed(given.get_seed());
@@ -286,10 +290,8 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
         );
     }
     let mode_deps = ctx.mode_deps.borrow().clone();
-    let graph = graph.simplify();
-    Ok(Compiled {
-        peak: interp::planned_peak(&graph),
-        graph,
+    Ok(Traced {
+        graph: passes::simplify(&graph),
         out_def,
         mode_deps,
         seed: ctx.seed.get(),
@@ -319,15 +321,14 @@ where
     let compiled = match cache.get(&key) {
         Some(c) if c.current() => c,
         _ => {
-            let c = Arc::new(trace_top(f, (given, false), &key.defs, &leaves, &device)?.fused());
+            let traced = trace_top(f, (given, false), &key.defs, &leaves, &device)?;
+            let c = Arc::new(traced.compile(given.get_memory_limit(), cache.calls.clone()));
             cache.insert(key, c.clone());
             c
         }
     };
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    interp::check_peak(compiled.peak, given.get_memory_limit())?;
-    let seed = settings::run_seed(&compiled.graph, compiled.seed, &cache.calls);
-    let outs = interp::run(&compiled.graph, &flat, seed)?;
+    let outs = compiled.exe.run(&flat)?;
     F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
 }
 
@@ -349,52 +350,40 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&args)?;
-    Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?
-        .fused()
-        .graph)
-}
-
-/// [`make_graph`] before the passes that prepare a graph to run (fusion,
-/// rematerialisation), for testing those passes.
-#[cfg(test)]
-pub(crate) fn make_graph_unfused<S, F, C>(f: &F, args: C) -> Result<Graph>
-where
-    S: ArgList,
-    F: Function<S>,
-    C: CallArgs<S>,
-{
-    let (leaves, defs, device) = flatten_call(&args)?;
-    Ok(trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?.graph)
+    let traced = trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?;
+    Ok(Executable::new(&traced.graph).into_graph())
 }
 
 /// Running a graph from [`make_graph`] on concrete tensors, in the order
-/// of the flattened arguments (as `make_graph` flattened them). Random
+/// of the flattened arguments (as `make_graph` flattened them). Each run
+/// goes through the executable as a transform's call does (the passes,
+/// the memory check against the machine's available memory); random
 /// draws come from the process-wide stream.
 impl Graph {
-    /// The seed of one run from the process-wide stream (none taken when
-    /// the graph draws nothing).
-    fn process_seed(&self) -> u64 {
-        settings::run_seed(self, None, &AtomicU64::new(0))
-    }
-
     /// Runs the graph and returns its outputs.
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        interp::check_memory(self, None)?;
-        interp::run(self, inputs, self.process_seed())
+        Executable::new(self).run(inputs)
     }
 
     /// [`Graph::run`], also reporting the peak number and size of values
     /// held at once.
     pub fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
-        interp::check_memory(self, None)?;
-        interp::run_with_stats(self, inputs, self.process_seed())
+        Executable::new(self).run_with_stats(inputs)
     }
 
     /// [`Graph::run`], also returning the seconds each computed node took,
     /// as `(node index, seconds)`: where a graph spends its time.
     pub fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
-        interp::check_memory(self, None)?;
-        interp::run_profiled(self, inputs, self.process_seed())
+        Executable::new(self).run_profiled(inputs)
+    }
+
+    /// The most bytes a run of the graph holds at once by its plan:
+    /// every value alive at the same time (views sharing their operand's
+    /// buffer, inputs and captured tensors included) and what the kernel
+    /// running at that moment allocates besides its result. A call whose
+    /// plan exceeds the memory limit is refused before it runs.
+    pub fn planned_peak_bytes(&self) -> usize {
+        Executable::new(self).peak()
     }
 }
 

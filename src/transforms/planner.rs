@@ -11,7 +11,7 @@
 //! between them) belongs.
 
 use crate::error::{CandleContext, Error, Result};
-use crate::interp;
+use crate::interp::exec::Executable;
 use crate::ir::options::{ConvRoute, Schedule};
 use crate::ir::{Graph, TensorType};
 use crate::rules::plan::{lower, Choice, Planner, RunAs};
@@ -240,18 +240,20 @@ fn timing_inputs(types: &[TensorType], device: &Device) -> Result<Vec<Tensor>> {
 /// `rounds` after a warm-up, the graphs taking turns within each round, so
 /// a burst of load on a shared machine does not fall on one of them only.
 fn time_graphs(graphs: &[Graph], types: &[TensorType], device: &Device, rounds: usize) -> Result<Vec<f64>> {
-    let inputs = timing_inputs(types, device)?;
     // as a call would run them
-    let graphs: Vec<Graph> = graphs.iter().map(|g| g.simplify().fuse_epilogues()).collect();
-    for g in &graphs {
-        interp::check_memory(g, None)?;
-        interp::run(g, &inputs, 0)?;
+    let exes: Vec<Executable> = graphs.iter().map(Executable::new).collect();
+    for e in &exes {
+        e.check()?;
     }
-    let mut best = vec![f64::INFINITY; graphs.len()];
+    let inputs = timing_inputs(types, device)?;
+    for e in &exes {
+        e.run(&inputs)?;
+    }
+    let mut best = vec![f64::INFINITY; exes.len()];
     for _ in 0..rounds {
-        for (g, b) in graphs.iter().zip(best.iter_mut()) {
+        for (e, b) in exes.iter().zip(best.iter_mut()) {
             let start = std::time::Instant::now();
-            interp::run(g, &inputs, 0)?;
+            e.run(&inputs)?;
             *b = b.min(start.elapsed().as_secs_f64() * 1e3);
         }
     }

@@ -10,9 +10,9 @@
 use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Measured};
 use super::segments::{split_after_convs, Front};
 use crate::error::{Error, Result};
-use crate::ir::ops::Binary;
 use crate::ir::options::{Opts, Schedule};
-use crate::ir::{Graph, Prim, TensorType, VarId};
+use crate::ir::{Graph, TensorType, VarId};
+use crate::rules::facts;
 use crate::rules::map::emit_packed;
 use crate::rules::plan::{Planner, RunAs};
 use crate::rules::walk::batch_graph_shared;
@@ -86,7 +86,7 @@ pub(crate) fn run_batch(
 /// place in the graph, and the maps a gradient or a second dtype adds sit
 /// elsewhere, so they would draw other masks than the forward map did.
 fn per_example_applies(g: &Graph, vals: &[BVal]) -> bool {
-    if g.has_random() {
+    if facts::draws_random(g) {
         return false;
     }
     let batched = g.downstream_of(&batched_inputs(vals));
@@ -125,7 +125,7 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
         .map(|n| n.ty.elem_count().saturating_mul(n.ty.dtype.size_in_bytes()))
         .fold(0usize, usize::saturating_add)
         .saturating_mul(size);
-    if bytes < AUTO_MIN_BYTES || b.differentiated || !per_example_applies(g, vals) || !measurable(g) {
+    if bytes < AUTO_MIN_BYTES || b.differentiated || !per_example_applies(g, vals) || !facts::measurable(g) {
         return Ok(RunAs::Whole);
     }
     // The program, per-example types and the batch size to the next power
@@ -195,17 +195,6 @@ fn lower_candidates(
         candidates.push((run_as, sb.finish(outs).0.eliminate_dead_code()));
     }
     Ok(candidates)
-}
-
-/// Whether running `g` on measurement data is safe: no user code, no
-/// integer division (zeros or ones as divisors are not the user's data).
-fn measurable(g: &Graph) -> bool {
-    g.nodes.iter().all(|n| match &n.prim {
-        Prim::Custom(_) => false,
-        Prim::Binary(Binary::Div) => n.ty.dtype.is_float(),
-        Prim::Map(m) => measurable(&m.body),
-        _ => true,
-    })
 }
 
 /// Moves a batched output's batch axis to `out_dim` (materialising an

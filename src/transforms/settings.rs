@@ -6,9 +6,8 @@
 
 use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Options, Opts};
-use crate::ir::Graph;
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 
 /// Name of the environment variable that sets the process-wide route.
@@ -16,8 +15,6 @@ pub const ROUTE_ENV: &str = "CANDLE_FUNC_CONV_ROUTE";
 
 static STRICT: AtomicBool = AtomicBool::new(false);
 static PROCESS_ROUTE: RwLock<Option<ConvRoute>> = RwLock::new(None);
-static SEED: AtomicU64 = AtomicU64::new(0x5eed);
-static DRAWS: AtomicU64 = AtomicU64::new(0);
 static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 static CACHE_CAPACITY: AtomicUsize = AtomicUsize::new(DEFAULT_CACHE_CAPACITY);
 static AUTO_CAPACITY: AtomicUsize = AtomicUsize::new(DEFAULT_AUTO_CAPACITY);
@@ -95,8 +92,7 @@ pub fn conv_route() -> Result<ConvRoute> {
 /// without a seed of their own): the runs after this call draw the same
 /// sequence of values.
 pub fn manual_seed(seed: u64) {
-    SEED.store(seed, Ordering::Relaxed);
-    DRAWS.store(0, Ordering::Relaxed);
+    crate::interp::exec::manual_seed(seed);
 }
 
 /// `opts` resolved against the process defaults: the options a `vmap`
@@ -119,19 +115,6 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         seed: opts.get_seed(),
         schedule: opts.get_schedule().unwrap_or_default(),
     })
-}
-
-/// The seed of one run of `g`: from the transform's own stream (its seed
-/// and its count of calls) or from the process-wide one. A graph without
-/// random draws takes none, so it leaves both streams where they are.
-pub(crate) fn run_seed(g: &Graph, own: Option<u64>, calls: &AtomicU64) -> u64 {
-    if !g.has_random() {
-        return 0;
-    }
-    match own {
-        Some(seed) => crate::interp::mix(seed, calls.fetch_add(1, Ordering::Relaxed)),
-        None => crate::interp::mix(SEED.load(Ordering::Relaxed), DRAWS.fetch_add(1, Ordering::Relaxed)),
-    }
 }
 
 /// Logs `msg` as a warning the first time `key` is seen in this process.

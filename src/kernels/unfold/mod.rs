@@ -237,7 +237,8 @@ pub fn conv_unfold(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> Resul
     let outs = (0..groups)
         .map(|i| {
             let wg = w.narrow(0, i * cout_g, cout_g)?;
-            super::bmm::each_example(&wg, &cols.narrow(1, i * cin_g * k, cin_g * k)?)
+            // copies inside this lowering are its own, not an operand's relayout
+            super::bmm::each_example(&wg, &cols.narrow(1, i * cin_g * k, cin_g * k)?, &Default::default())
         })
         .collect::<Result<Vec<_>>>()?;
     // `cat` of a single tensor is free.

@@ -5,26 +5,26 @@
 use crate::error::{CandleContext, Result};
 use crate::ir::conv::ConvOp;
 use crate::ir::ConvGeom;
-use crate::kernels::copies::Relayout;
+use crate::kernels::copies::{Copies, Relayout};
 use crate::kernels::unfold;
 use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose};
 use crate::rules::reduce::sum_axes;
 use candle_core::Tensor;
 
-/// Computes `op(args)`.
-pub(super) fn run(op: &ConvOp, args: &[&Tensor]) -> Result<Tensor> {
+/// Computes `op(args)`, counting operands copied to another layout in `c`.
+pub(super) fn run(op: &ConvOp, args: &[&Tensor], c: &Copies) -> Result<Tensor> {
     let name = op.name();
     match op {
-        ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups).op(&name),
+        ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups, c).op(&name),
         ConvOp::Unfold(geom) => unfold::unfold(args[0], geom).op(&name),
         ConvOp::UnfoldRows(geom) => rows::unfold_rows(args[0], geom).op(&name),
-        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].relayout().op(&name)?, geom, spatial).op(&name),
+        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].relayout(c).op(&name)?, geom, spatial).op(&name),
         ConvOp::GradInput { geom, groups, spatial } => {
-            run_grad_input(args[0], args[1], geom, *groups, spatial).op(&name)
+            run_grad_input(args[0], args[1], (geom, *groups, spatial), c).op(&name)
         }
-        ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], geom, *groups).op(&name),
-        ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom).op(&name),
-        ConvOp::GradWeightSqNorms(geom) => run_grad_weight_sq_norms(args[0], args[1], geom).op(&name),
+        ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], (geom, *groups), c).op(&name),
+        ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom, c).op(&name),
+        ConvOp::GradWeightSqNorms(geom) => run_grad_weight_sq_norms(args[0], args[1], geom, c).op(&name),
     }
 }
 
@@ -33,7 +33,7 @@ pub(super) fn run(op: &ConvOp, args: &[&Tensor]) -> Result<Tensor> {
 /// one GEMM over the whole batch (`conv_rows`). On the Opacus CNN's second
 /// convolution (5x5 outputs) the per-example GEMMs were 8% slower; on the
 /// tutorial CNN's first (26x26, one input channel) they were 6x faster.
-const MIN_COLS_LEN: usize = 64;
+pub(super) const MIN_COLS_LEN: usize = 64;
 
 /// Weight gradients of ungrouped convolutions with output planes at least
 /// this long take one product per example on the column layout, then the
@@ -41,7 +41,7 @@ const MIN_COLS_LEN: usize = 64;
 /// needs the cotangent transposed). The conv3d net's first layer (2744
 /// outputs per plane) took 0.34 ms the first way and 0.74 the second; the
 /// Opacus CNN's (196 and 25) 0.40-0.45 and 0.28-0.36.
-const PER_EXAMPLE_GRAD_LEN: usize = 1024;
+pub(super) const PER_EXAMPLE_GRAD_LEN: usize = 1024;
 
 /// Runs an unbatched convolution. On the CPU (f32/f64): stride 1 with
 /// enough input channels by shifted GEMMs (`kernels::shift`, no im2col),
@@ -53,21 +53,21 @@ const PER_EXAMPLE_GRAD_LEN: usize = 1024;
 /// unfold + matmul for 3D (candle has none).
 /// candle's convolutions read a strided kernel as if it were contiguous, so
 /// operands are made contiguous first.
-pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
+pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, c: &Copies) -> candle_core::Result<Tensor> {
     let (n, cout, out) = (x.dims()[0], w.dims()[0], g.out_spatial(&x.dims()[2..])?);
     let shape = [&[n, cout], &out[..]].concat();
     if n == 0 || cout == 0 || out.contains(&0) {
         return Tensor::zeros(shape, x.dtype(), x.device());
     }
-    let (x, w) = (&x.relayout()?, &w.relayout()?);
+    let (x, w) = (&x.relayout(c)?, &w.relayout(c)?);
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
         _ if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
         _ if groups == 1 && has_cpu_kernel(x) && out.iter().product::<usize>() >= MIN_COLS_LEN => {
-            conv_cols(x, w, g, &shape)
+            conv_cols(x, w, g, &shape, c)
         }
-        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g, &shape),
+        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g, &shape, c),
         _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         2 if candle_2d => x.conv2d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
@@ -76,11 +76,11 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> c
 }
 
 /// An ungrouped convolution as one GEMM: `(N L) CK @ CK Cout`.
-fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize]) -> candle_core::Result<Tensor> {
+fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize], c: &Copies) -> candle_core::Result<Tensor> {
     let (n, cout) = (shape[0], shape[1]);
     let rows = rows::unfold_rows(x, g)?; // N L CK
     let (l, ck) = (rows.dims()[1], rows.dims()[2]);
-    let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?)?;
+    let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?, c)?;
     // (N L) Cout -> N Cout L
     transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
 }
@@ -89,9 +89,9 @@ fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize]) -> candle_co
 /// cols[n] [CK, L]`, written straight in the `[N, Cout, L]` layout (the
 /// row layout's single GEMM has the few input channels' taps as its
 /// inner dimension, and its output needs a transposing copy).
-fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize]) -> candle_core::Result<Tensor> {
+fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize], c: &Copies) -> candle_core::Result<Tensor> {
     let cols = unfold::unfold(x, g)?; // N CK L
-    bmm::each_example(&w.reshape((shape[1], cols.dims()[1]))?, &cols)?.reshape(shape)
+    bmm::each_example(&w.reshape((shape[1], cols.dims()[1]))?, &cols, c)?.reshape(shape)
 }
 
 /// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
@@ -104,9 +104,8 @@ fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize]) -> candle_co
 fn run_grad_input(
     ct: &Tensor,
     w: &Tensor,
-    g: &ConvGeom,
-    groups: usize,
-    spatial: &[usize],
+    (g, groups, spatial): (&ConvGeom, usize, &[usize]),
+    c: &Copies,
 ) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
@@ -119,15 +118,15 @@ fn run_grad_input(
         return shift::grad_input(ct, w, g, spatial);
     }
     if has_cpu_kernel(ct) {
-        return grad_input_rows(ct, w, g, groups, spatial);
+        return grad_input_rows(ct, w, (g, groups, spatial), c);
     }
     let cpg = cout / groups;
     // Cout Cin/g k.. -> g Cout/g CK -> g CK Cout/g
-    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.relayout()?;
+    let wt = w.reshape((groups, cpg, ck))?.transpose(1, 2)?.relayout(c)?;
     // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
-    let ct = ct.relayout()?.reshape((n, cout, l))?;
+    let ct = ct.relayout(c)?.reshape((n, cout, l))?;
     let cols = (0..groups)
-        .map(|i| bmm::each_example(&wt.get(i)?, &ct.narrow(1, i * cpg, cpg)?))
+        .map(|i| bmm::each_example(&wt.get(i)?, &ct.narrow(1, i * cpg, cpg)?, c))
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, CK, L] -> N (g CK) L
     unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
@@ -142,18 +141,20 @@ fn run_grad_input(
 fn grad_input_rows(
     ct: &Tensor,
     w: &Tensor,
-    g: &ConvGeom,
-    groups: usize,
-    spatial: &[usize],
+    (g, groups, spatial): (&ConvGeom, usize, &[usize]),
+    c: &Copies,
 ) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
     let (cpg, ck) = (cout / groups, w.elem_count() / cout);
     // N Cout O.. -> N L Cout -> (N L) g Cout/g -> g (N L) Cout/g, read in place
-    let c = transpose::contiguous(&ct.reshape((n, cout, l))?.transpose(1, 2)?)?;
-    let c = c.reshape((n * l, groups, cpg))?.transpose(0, 1)?;
-    let rows = bmm::bmm(&c, &w.reshape((groups, cpg, ck))?)?; // g (N L) CK
-                                                              // g (N L) CK -> (N L) g CK -> N L (g CK)
+    let t = ct.reshape((n, cout, l))?.transpose(1, 2)?;
+    c.note(&t);
+    let t = transpose::contiguous(&t)?
+        .reshape((n * l, groups, cpg))?
+        .transpose(0, 1)?;
+    let rows = bmm::bmm(&t, &w.reshape((groups, cpg, ck))?, c)?; // g (N L) CK
+                                                                 // g (N L) CK -> (N L) g CK -> N L (g CK)
     let rows = transpose::contiguous(&rows.transpose(0, 1)?)?.reshape((n, l, groups * ck))?;
     rows::fold_rows(&rows, g, spatial)
 }
@@ -164,7 +165,12 @@ fn grad_input_rows(
 /// Otherwise (grouped, or long planes: `PER_EXAMPLE_GRAD_LEN`) per group one
 /// batched GEMM `[N, Cout/g, L] @ [N, L, CK]` reading the unfolded input in
 /// place, then the sum over examples as one more GEMM (see `sum_axes`).
-fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> candle_core::Result<Tensor> {
+fn run_grad_weight(
+    x: &Tensor,
+    ct: &Tensor,
+    (g, groups): (&ConvGeom, usize),
+    copies: &Copies,
+) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
     let w_shape = [&[cout, x.dims()[1] / groups], &g.kernel[..]].concat();
@@ -181,18 +187,18 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
         let c = ct
             .reshape((n, cout, l))?
             .permute((1, 0, 2))?
-            .relayout()?
+            .relayout(copies)?
             .reshape((cout, n * l))?;
-        return bmm::matmul(&c, &rows.reshape((n * l, ck))?)?.reshape(w_shape);
+        return bmm::matmul(&c, &rows.reshape((n * l, ck))?, copies)?.reshape(w_shape);
     }
     let cpg = cout / groups;
     let cols = unfold::unfold(x, g)?; // N (Cin K) L
     let ck = cols.dims()[1] / groups;
-    let ct = ct.relayout()?.reshape((n, cout, l))?;
+    let ct = ct.relayout(copies)?.reshape((n, cout, l))?;
     let per_example = (0..groups)
         .map(|i| {
             let cols_t = cols.narrow(1, i * ck, ck)?.transpose(1, 2)?; // N L CK
-            bmm::matmul(&ct.narrow(1, i * cpg, cpg)?, &cols_t)
+            bmm::matmul(&ct.narrow(1, i * cpg, cpg)?, &cols_t, copies)
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, Cout/g, CK] -> N Cout CK -> Cout CK
@@ -201,7 +207,7 @@ fn run_grad_weight(x: &Tensor, ct: &Tensor, g: &ConvGeom, groups: usize) -> cand
 
 /// Each example's weight gradient: shifted GEMMs where they apply,
 /// otherwise `ct[e] @ unfold_rows(x)[e]` as one batched product.
-fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom, copies: &Copies) -> candle_core::Result<Tensor> {
     let (e, cin, cout) = (x.dims()[0], x.dims()[1], ct.dims()[1]);
     let shape = [&[e, cout, cin], &g.kernel[..]].concat();
     if e == 0 || cout == 0 {
@@ -212,30 +218,30 @@ fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::R
     }
     let rows = rows::unfold_rows(x, g)?; // E L CK
     let l = rows.dims()[1];
-    let c = ct.relayout()?.reshape((e, cout, l))?;
-    bmm::matmul(&c, &rows)?.reshape(shape)
+    let c = ct.relayout(copies)?.reshape((e, cout, l))?;
+    bmm::matmul(&c, &rows, copies)?.reshape(shape)
 }
 
 /// Entries of per-example weight gradients held at once by
 /// `run_grad_weight_sq_norms` (4 MiB of f32): large enough that each
 /// chunk's GEMMs run well, small next to the B copies it replaces.
-const SQ_NORM_CHUNK: usize = 1 << 20;
+pub(super) const SQ_NORM_CHUNK: usize = 1 << 20;
 
 /// `||GradWeightEach[e]||²` for each example, a chunk of examples at a time.
-fn run_grad_weight_sq_norms(x: &Tensor, ct: &Tensor, g: &ConvGeom) -> candle_core::Result<Tensor> {
+fn run_grad_weight_sq_norms(x: &Tensor, ct: &Tensor, g: &ConvGeom, copies: &Copies) -> candle_core::Result<Tensor> {
     let e = x.dims()[0];
     let per: usize = [ct.dims()[1], x.dims()[1]].iter().chain(&g.kernel).product();
     let chunk = (SQ_NORM_CHUNK / per.max(1)).clamp(1, e.max(1));
     let mut parts = Vec::with_capacity(e.div_ceil(chunk));
     for start in (0..e).step_by(chunk) {
         let len = chunk.min(e - start);
-        let each = run_grad_weight_each(&x.narrow(0, start, len)?, &ct.narrow(0, start, len)?, g)?;
+        let each = run_grad_weight_each(&x.narrow(0, start, len)?, &ct.narrow(0, start, len)?, g, copies)?;
         // each row's dot product with itself, [E, 1, R] @ [E, R, 1]: two
         // views of one buffer, no squared copy
-        let each = each.relayout()?;
+        let each = each.relayout(copies)?;
         let (row, col) = (each.reshape((len, 1, per))?, each.reshape((len, per, 1))?);
         let dot = if has_cpu_kernel(&each) {
-            bmm::matmul(&row, &col)?
+            bmm::matmul(&row, &col, copies)?
         } else {
             row.matmul(&col)?
         };
@@ -280,7 +286,7 @@ mod tests {
                     4 => x.conv2d(&w, p, s, dil, groups)?,
                     _ => unfold::conv_unfold(&x, &w, &g, groups)?,
                 };
-                let got = run_conv(&x, &w, &g, groups)?;
+                let got = run_conv(&x, &w, &g, groups, &Copies::default())?;
                 let diff = crate::kernels::max_diff(&got, &want)?;
                 assert!(diff < 1e-4, "{xs:?} * {ws:?}: {diff}");
             }
@@ -293,7 +299,7 @@ mod tests {
             ([0, 8, 6, 6], [4, 8, 3, 3]),
         ] {
             let x = Tensor::zeros(&xs, DType::F32, &d)?;
-            let y = run_conv(&x, &Tensor::zeros(&ws, DType::F32, &d)?, &g, 1)?;
+            let y = run_conv(&x, &Tensor::zeros(&ws, DType::F32, &d)?, &g, 1, &Copies::default())?;
             assert_eq!(y.dims(), &[xs[0], ws[0], 4, 4]);
         }
         Ok(())

@@ -5,13 +5,16 @@
 //!
 //! One room per concern: shape rules (`infer`), how each primitive runs on
 //! candle and the CPU kernels (`cpu`), the batching rules with the conv
-//! routes (`batch`), and the VJP rules (`vjp`).
+//! routes (`batch`), the VJP rules (`vjp`), and what each primitive
+//! allocates while it runs (`workspace`).
 
 mod batch;
 mod cpu;
 mod infer;
 mod vjp;
+mod workspace;
 
+use super::facts::{Arg, Facts, Workspace};
 use super::{multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::Result;
 use crate::ir::conv::ConvOp;
@@ -23,8 +26,19 @@ impl Rule for ConvOp {
         infer::infer(self, args)
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
-        cpu::run(self, args)
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            epilogue: matches!(self, ConvOp::Conv { .. }),
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        workspace::workspace(self, args, out)
+    }
+
+    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        cpu::run(self, args, cx.copies)
     }
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {

@@ -1,9 +1,17 @@
 //! The interpreter: runs a graph on candle tensors, on the inputs' device,
 //! dropping every intermediate after its last use. It runs `map` bodies
 //! itself (a rule may not run a graph), once per example.
+//!
+//! Graphs reach it through one door, [`exec::Executable`]: the fixed
+//! list of passes that prepares a graph to run ([`passes`]), its memory
+//! plan worked out once and checked against the limit, and its seed.
+
+pub(crate) mod exec;
+pub(crate) mod passes;
 
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Graph, Map, Prim, TensorType};
+use crate::kernels::copies::Copies;
 use crate::rules::{rule, RunCx};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
@@ -32,111 +40,9 @@ pub type NodeTimes = Vec<(usize, f64)>;
 /// Runs `g` on `inputs` (in the graph's input order) and returns its outputs.
 /// Inputs must match the graph's input types; constants must live on the
 /// inputs' device. `seed` seeds the graph's random draws.
-pub(crate) fn run(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
-    run_inner(g, inputs, seed, None).map(|(outs, _)| outs)
-}
-
-/// [`run`], also reporting the peak number and size of live values.
-pub(crate) fn run_with_stats(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<(Vec<Tensor>, RunStats)> {
-    run_inner(g, inputs, seed, None)
-}
-
-/// [`run`], also returning the time each node took.
-pub(crate) fn run_profiled(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<(Vec<Tensor>, NodeTimes)> {
-    let mut times = Vec::new();
-    let (outs, _) = run_inner(g, inputs, seed, Some(&mut times))?;
-    Ok((outs, times))
-}
-
-fn bytes(t: &TensorType) -> usize {
-    t.elem_count().saturating_mul(t.dtype.size_in_bytes())
-}
-
-/// Below this planned peak a call does not read the machine's available
-/// memory (a file read per call would cost more than a small program).
-const UNCHECKED_BYTES: usize = 256 << 20;
-
-/// The most bytes `g` holds at once by its plan: every buffer from its
-/// definition to the last use of the last value that views it (as
-/// `run_inner` frees values; reshapes, permutes, broadcasts and narrows
-/// are views of their operand's buffer), and a map's body at its own peak
-/// once per example, while the map node runs.
-pub(crate) fn planned_peak(g: &Graph) -> usize {
-    planned_peak_at(g).0
-}
-
-/// [`planned_peak`] and the first node at which it is reached.
-pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
-    use crate::ir::ops::ShapeOp;
-    let last = g.last_uses();
-    // The buffer each value lives in, and how many live values view it.
-    let mut buffer: Vec<usize> = (0..g.nodes.len()).collect();
-    let mut views = vec![0usize; g.nodes.len()];
-    let (mut live, mut peak, mut at) = (0usize, 0usize, 0usize);
-    for (v, node) in g.nodes.iter().enumerate() {
-        let view = matches!(
-            node.prim,
-            Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Permute(_) | ShapeOp::Broadcast(_) | ShapeOp::Narrow { .. })
-        );
-        if view {
-            buffer[v] = buffer[node.args[0]];
-        } else {
-            live = live.saturating_add(bytes(&node.ty));
-        }
-        views[buffer[v]] += 1;
-        let body = match &node.prim {
-            Prim::Map(m) => planned_peak(&m.body),
-            _ => 0,
-        };
-        if live.saturating_add(body) > peak {
-            (peak, at) = (live.saturating_add(body), v);
-        }
-        let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
-        if last[v] == 0 {
-            dead.push(v);
-        }
-        dead.sort_unstable();
-        dead.dedup();
-        for a in dead {
-            let b = buffer[a];
-            views[b] -= 1;
-            if views[b] == 0 {
-                live = live.saturating_sub(bytes(&g.nodes[b].ty));
-            }
-        }
-    }
-    (peak, at)
-}
-
-/// An error when `g`'s plan needs more than `limit` bytes (`None`: the
-/// machine's available memory, read only for a plan above
-/// `UNCHECKED_BYTES`).
-pub(crate) fn check_memory(g: &Graph, limit: Option<usize>) -> Result<()> {
-    check_peak(planned_peak(g), limit)
-}
-
-/// [`check_memory`] for a plan whose peak, `needed` bytes, is known.
-pub(crate) fn check_peak(needed: usize, limit: Option<usize>) -> Result<()> {
-    let limit = match limit {
-        Some(l) => l,
-        None if needed < UNCHECKED_BYTES => return Ok(()),
-        None => match available_memory() {
-            Some(l) => l,
-            None => return Ok(()),
-        },
-    };
-    if needed > limit {
-        return Err(Error::Memory { needed, limit });
-    }
-    Ok(())
-}
-
-/// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
-fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+#[cfg(test)]
+fn run(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+    run_inner(g, inputs, seed, None, &Copies::default()).map(|(outs, _)| outs)
 }
 
 /// splitmix64's finaliser: a well-mixed seed for each node (and each
@@ -148,18 +54,21 @@ pub(crate) fn mix(seed: u64, k: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Runs `g`, also reporting what it held at its peak and, when `times`
+/// is given, the time each node took.
 fn run_inner(
     g: &Graph,
     inputs: &[Tensor],
     seed: u64,
     mut times: Option<&mut NodeTimes>,
+    copies: &Copies,
 ) -> Result<(Vec<Tensor>, RunStats)> {
     check_inputs(g, inputs)?;
     let device = run_device(g, inputs);
     let last = g.last_uses();
     let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
     let (mut live, mut held, mut stats) = (0usize, Held::default(), RunStats::default());
-    let copied_before = crate::kernels::copies::copied();
+    let copied_before = copies.bytes();
     for (v, node) in g.nodes.iter().enumerate() {
         let t = match &node.prim {
             // Detached: candle's autograd does not run through a graph (the
@@ -186,6 +95,7 @@ fn run_inner(
                 let cx = RunCx {
                     device: &device,
                     seed: mix(seed, v as u64),
+                    copies,
                 };
                 let t = match prim {
                     // An empty result has no values to compute; candle's
@@ -194,7 +104,7 @@ fn run_inner(
                     _ if node.ty.elem_count() == 0 => {
                         Tensor::zeros(node.ty.shape.as_slice(), node.ty.dtype, &device).op(&prim.name())?
                     }
-                    Prim::Map(m) => run_map(m, &args, &cx)?,
+                    Prim::Map(m) => run_map(m, &args, &node.ty, &cx)?,
                     prim => rule(prim)?.run(&args, &node.ty, &cx)?,
                 };
                 if let Some(times) = times.as_mut() {
@@ -228,7 +138,7 @@ fn run_inner(
         .map(|&o| vals.get(o).and_then(Option::clone))
         .collect::<Option<Vec<_>>>()
         .ok_or_else(|| Error::internal("run", "an output was not computed"))?;
-    stats.copied_bytes = crate::kernels::copies::copied() - copied_before;
+    stats.copied_bytes = copies.bytes() - copied_before;
     Ok((outs, stats))
 }
 
@@ -301,10 +211,14 @@ fn constant(g: &Graph, k: usize, device: &Device) -> Result<Tensor> {
     Ok(c.detach())
 }
 
-/// Runs a map's body once per example (each with its own seed) and stacks
-/// the results on a new leading axis.
-fn run_map(m: &Map, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
-    let mut results = Vec::with_capacity(m.size);
+/// Runs a map's body once per example (each with its own seed), writing
+/// each example's result into its row of the result as it comes: the
+/// results are never held all at once beside their stack.
+fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+    if m.size == 0 {
+        return Err(Error::internal("map", "a map over zero examples"));
+    }
+    let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op("map")?;
     for i in 0..m.size {
         let mut xs = Vec::with_capacity(args.len());
         for (a, bd) in args.iter().zip(&m.bdims) {
@@ -313,16 +227,15 @@ fn run_map(m: &Map, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
                 None => (*a).clone(),
             });
         }
-        let mut out = run(&m.body, &xs, mix(cx.seed, i as u64))?;
-        results.push(
-            out.pop()
-                .ok_or_else(|| Error::internal("map", "a body without output"))?,
-        );
+        let (mut ys, _) = run_inner(&m.body, &xs, mix(cx.seed, i as u64), None, cx.copies)?;
+        let y = ys
+            .pop()
+            .ok_or_else(|| Error::internal("map", "a body without output"))?;
+        // `stacked` is this node's own fresh buffer, read by nothing yet
+        let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("map")?;
+        stacked.slice_set(&row, 0, i).op("map")?;
     }
-    if results.is_empty() {
-        return Err(Error::internal("map", "a map over zero examples"));
-    }
-    Tensor::stack(&results, 0).op("map")
+    Ok(stacked)
 }
 
 fn check_inputs(g: &Graph, inputs: &[Tensor]) -> Result<()> {

@@ -1,0 +1,159 @@
+//! The one door through which a graph runs. An [`Executable`] takes a
+//! traced, transformed graph through the fixed list of passes
+//! ([`super::passes::prepare`]), works out its planned peak once, checks it
+//! against the memory limit before any kernel runs, carries the seed of
+//! its random draws, and runs. Every entry point uses it: a transform's
+//! call, `vjp` and its pullback, `linearize` and its linear map,
+//! `Graph::run`, the planner's timing runs and the DP step.
+
+use super::{mix, passes, run_inner, NodeTimes, RunStats};
+use crate::error::{Error, Result};
+use crate::ir::Graph;
+use crate::kernels::copies::Copies;
+use crate::rules::{facts, memory};
+use candle_core::Tensor;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The process-wide random stream: its seed and the draws taken from it.
+static SEED: AtomicU64 = AtomicU64::new(0x5eed);
+static DRAWS: AtomicU64 = AtomicU64::new(0);
+
+/// Seeds the process-wide random stream (see `crate::manual_seed`).
+pub(crate) fn manual_seed(seed: u64) {
+    SEED.store(seed, Ordering::Relaxed);
+    DRAWS.store(0, Ordering::Relaxed);
+}
+
+/// Below this planned peak a run does not read the machine's available
+/// memory (a file read per call would cost more than a small program).
+const UNCHECKED_BYTES: usize = 256 << 20;
+
+/// A graph ready to run: prepared, planned and seeded.
+#[derive(Debug)]
+pub(crate) struct Executable {
+    graph: Graph,
+    /// The bytes `graph` holds at its peak by its plan.
+    peak: usize,
+    /// Whether running it draws random numbers.
+    random: bool,
+    /// The seed of the transform that made it, if it has one; `None`
+    /// draws from the process-wide stream.
+    seed: Option<u64>,
+    /// The count of runs drawn from `seed` (shared by every graph of one
+    /// transformed function, so each call draws anew).
+    calls: Arc<AtomicU64>,
+    /// The most bytes a run may hold (`None`: the machine's available
+    /// memory).
+    limit: Option<usize>,
+}
+
+impl Executable {
+    /// `g` through the passes that prepare a graph to run, its plan worked
+    /// out; seeded from the process-wide stream, with no limit but the
+    /// machine's memory.
+    pub(crate) fn new(g: &Graph) -> Executable {
+        Self::prepared(passes::prepare(g))
+    }
+
+    /// A graph the passes have already prepared, as it is.
+    pub(crate) fn prepared(graph: Graph) -> Executable {
+        Executable {
+            peak: memory::planned_peak(&graph),
+            random: facts::draws_random(&graph),
+            graph,
+            seed: None,
+            calls: Arc::default(),
+            limit: None,
+        }
+    }
+
+    /// Draws from `seed` (and the count of runs `calls`) instead of the
+    /// process-wide stream, where `seed` is given.
+    pub(crate) fn seeded(mut self, seed: Option<u64>, calls: Arc<AtomicU64>) -> Executable {
+        self.seed = seed;
+        self.calls = calls;
+        self
+    }
+
+    /// Refuses to run where the plan needs more than `limit` bytes (`None`:
+    /// the machine's available memory).
+    pub(crate) fn limit(mut self, limit: Option<usize>) -> Executable {
+        self.limit = limit;
+        self
+    }
+
+    /// The prepared graph, taken out.
+    pub(crate) fn into_graph(self) -> Graph {
+        self.graph
+    }
+
+    /// The bytes the graph holds at its peak by its plan.
+    pub(crate) fn peak(&self) -> usize {
+        self.peak
+    }
+
+    /// An [`Error::Memory`] where the plan needs more than the limit.
+    pub(crate) fn check(&self) -> Result<()> {
+        check_peak(self.peak, self.limit)
+    }
+
+    /// The seed of one run (none taken when the graph draws nothing, so
+    /// both streams stay where they are).
+    fn next_seed(&self) -> u64 {
+        if !self.random {
+            return 0;
+        }
+        match self.seed {
+            Some(seed) => mix(seed, self.calls.fetch_add(1, Ordering::Relaxed)),
+            None => mix(SEED.load(Ordering::Relaxed), DRAWS.fetch_add(1, Ordering::Relaxed)),
+        }
+    }
+
+    /// Checks the plan, then runs the graph on `inputs`.
+    pub(crate) fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.run_with_stats(inputs).map(|(outs, _)| outs)
+    }
+
+    /// [`Executable::run`], also reporting the peak number and size of live
+    /// values.
+    pub(crate) fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
+        self.check()?;
+        run_inner(&self.graph, inputs, self.next_seed(), None, &Copies::default())
+    }
+
+    /// [`Executable::run`], also returning the time each node took.
+    pub(crate) fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
+        self.check()?;
+        let mut times = Vec::new();
+        let seed = self.next_seed();
+        let (outs, _) = run_inner(&self.graph, inputs, seed, Some(&mut times), &Copies::default())?;
+        Ok((outs, times))
+    }
+}
+
+/// An [`Error::Memory`] when a plan needing `needed` bytes exceeds `limit`
+/// (`None`: the machine's available memory, read only for a plan above
+/// `UNCHECKED_BYTES`).
+pub(crate) fn check_peak(needed: usize, limit: Option<usize>) -> Result<()> {
+    let limit = match limit {
+        Some(l) => l,
+        None if needed < UNCHECKED_BYTES => return Ok(()),
+        None => match available_memory() {
+            Some(l) => l,
+            None => return Ok(()),
+        },
+    };
+    if needed > limit {
+        return Err(Error::Memory { needed, limit });
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}

@@ -1,0 +1,27 @@
+//! The passes that prepare a graph to run, in one fixed order, after every
+//! transform has rewritten it (their products have no transform rules):
+//!
+//! 1. [`simplify`]: local rewrites (reshapes of reshapes, identities,
+//!    transposed products, slices of one cotangent placed side by side),
+//!    common subexpressions merged, dead code removed;
+//! 2. `fuse`: a product's bias add and ReLU fused into it;
+//! 3. `remat`: cheap values recomputed before late readers where that
+//!    lowers the planned peak.
+//!
+//! Each reads the facts of the primitives (`rules::facts`), never a list
+//! of its own.
+
+mod fuse;
+mod remat;
+mod simplify;
+mod slices;
+
+pub(crate) use simplify::simplify;
+
+use crate::ir::Graph;
+
+/// `g` prepared to run: simplified, fused, and rematerialised where that
+/// lowers its peak.
+pub(crate) fn prepare(g: &Graph) -> Graph {
+    remat::rematerialise(fuse::fuse_epilogues(&simplify(g)))
+}

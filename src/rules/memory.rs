@@ -1,0 +1,88 @@
+//! The memory plan of a graph: the most bytes it holds at once when the
+//! interpreter runs it, worked out from the primitives' facts without
+//! running anything.
+//!
+//! A value lives from its node to its last reader; a view shares its
+//! operand's buffer, which lives while any view of it does; a reshape of
+//! a strided view is a copy; and while a node runs, the copies and
+//! buffers its kernel allocates ([`super::Rule::workspace`]) are held
+//! beside everything live. A map's body counts at its own peak while the
+//! map runs (its workspace). Inputs and constants are counted as
+//! contiguous buffers of their own.
+
+use super::facts::{bytes, Arg, Storage, Workspace};
+use super::rule;
+use crate::ir::Graph;
+
+/// The most bytes `g` holds at once by its plan.
+pub(crate) fn planned_peak(g: &Graph) -> usize {
+    planned_peak_at(g).0
+}
+
+/// [`planned_peak`] and the first node at which it is reached.
+pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
+    let last = g.last_uses();
+    let n = g.nodes.len();
+    // The buffer each value lives in, how many live values view it, and
+    // whether each value is contiguous.
+    let mut buffer: Vec<usize> = (0..n).collect();
+    let mut views = vec![0usize; n];
+    let mut size = vec![0usize; n];
+    let mut contiguous = vec![true; n];
+    let (mut live, mut peak, mut at) = (0usize, 0usize, 0usize);
+    for (v, node) in g.nodes.iter().enumerate() {
+        let mut held = 0usize;
+        if node.prim.is_leaf() {
+            size[v] = bytes(&node.ty);
+        } else {
+            let args: Vec<Arg> = node
+                .args
+                .iter()
+                .map(|&a| Arg {
+                    ty: g.ty(a),
+                    contiguous: contiguous[a],
+                })
+                .collect();
+            let (storage, ws) = match rule(&node.prim) {
+                Ok(r) => (r.facts(&args, &node.ty).storage, r.workspace(&args, &node.ty)),
+                // the interpreter reports a primitive without rules; the
+                // plan counts it as a fresh value
+                Err(_) => (Storage::Fresh, Workspace::NONE),
+            };
+            held = ws.total();
+            match storage {
+                Storage::View { contiguous: keeps } => {
+                    buffer[v] = buffer[node.args[0]];
+                    contiguous[v] = keeps && contiguous[node.args[0]];
+                }
+                Storage::ViewOrCopy if contiguous[node.args[0]] => buffer[v] = buffer[node.args[0]],
+                Storage::ViewOrCopy | Storage::Fresh => size[v] = bytes(&node.ty),
+                Storage::Strided => {
+                    size[v] = bytes(&node.ty);
+                    contiguous[v] = false;
+                }
+            }
+        }
+        if buffer[v] == v {
+            live = live.saturating_add(size[v]);
+        }
+        views[buffer[v]] += 1;
+        if live.saturating_add(held) > peak {
+            (peak, at) = (live.saturating_add(held), v);
+        }
+        let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
+        if last[v] == 0 {
+            dead.push(v); // never read (an unused input)
+        }
+        dead.sort_unstable();
+        dead.dedup();
+        for a in dead {
+            let b = buffer[a];
+            views[b] -= 1;
+            if views[b] == 0 {
+                live = live.saturating_sub(size[b]);
+            }
+        }
+    }
+    (peak, at)
+}
