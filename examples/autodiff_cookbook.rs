@@ -9,7 +9,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::{hessian, hvp, jacfwd, jacrev, jit, jvp, vmap, Operand, Tracer};
+use candle_func::tracer::Operand;
+use candle_func::{hessian, hvp, jacfwd, jacrev, jit, jvp, vmap, Tracer};
 
 fn max_abs(t: &Tensor) -> candle_core::Result<f64> {
     t.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()

@@ -13,8 +13,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use candle_func::jacobian::hvp_fn;
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, hvp_fn, jacfwd, jacrev, jit, make_graph, vmap, ConvRoute, Operand, Schedule, Tracer};
+use candle_func::tracer::Operand;
+use candle_func::{grad, jacfwd, jacrev, jit, make_graph, vmap, ConvRoute, Schedule, Tracer};
 use common::median_ms;
 use common::models::{build, c3d, cnn_o, cnn_t, mlp, tiny_lm};
 use std::collections::BTreeMap;
@@ -233,7 +235,7 @@ fn ensemble_variants() -> Vec<(String, Schedule, Option<ConvRoute>)> {
 
 fn ensemble(o: &Opts, e: &Ensemble, own: bool) -> Res<()> {
     let (m, b) = (10, 64);
-    let measured_before = candle_func::schedule_choices().len();
+    let measured_before = candle_func::planner::schedule_choices().len();
     let built = (0..m).map(|_| build(e.arch)).collect::<candle_func::Result<Vec<_>>>()?;
     let models: Vec<&Sequential> = built.iter().map(|(_, s)| s).collect();
     let stacked = stack_params(&models)?;
@@ -294,7 +296,7 @@ fn ensemble(o: &Opts, e: &Ensemble, own: bool) -> Res<()> {
             peak_mib: Some(peak),
         });
     }
-    let choices = candle_func::schedule_choices();
+    let choices = candle_func::planner::schedule_choices();
     let chosen = choices[measured_before.min(choices.len())..]
         .first()
         .map(|c| format!("{:?} (measured {:?})", c.chosen, c.timings_ms))

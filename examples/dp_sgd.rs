@@ -45,7 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         test.len()
     );
 
-    candle_func::manual_seed(seed.unwrap_or(0));
+    candle_func::settings::manual_seed(seed.unwrap_or(0));
     let varmap = candle_nn::VarMap::new();
     let model = digits_cnn(candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     // One example's loss; the engine batches, clips and noises it.

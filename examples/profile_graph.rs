@@ -17,7 +17,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
-use candle_func::{grad, make_graph, set_conv_route, vmap, ConvRoute, Graph, Schedule, Tracer};
+use candle_func::settings::set_conv_route;
+use candle_func::{grad, make_graph, vmap, ConvRoute, Graph, Schedule, Tracer};
 use common::models::{build, c3d, cnn_o, cnn_t, mlp, tiny_lm};
 use std::collections::BTreeMap;
 

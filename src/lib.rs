@@ -45,28 +45,27 @@
 //!
 //! * [`Tracer`]: the symbolic tensor a traced closure receives; its methods
 //!   mirror candle's `Tensor` and check shapes as they record.
-//! * [`vmap`] with `in_dims`, `out_dims`, `chunk_size`, `conv_route`,
-//!   `strict`, `randomness`, `seed`; [`grad`], [`value_and_grad`] and
-//!   [`vjp`] for reverse mode; [`jit`] runs a traced function without
-//!   transforming it; [`make_graph`] shows the graph a call runs (and
-//!   [`Graph::run`] runs it).
-//! * [`Schedule`]: whether a `vmap` runs its batch batched, the unbatched
-//!   graph once per example, or its convolutions per example and the rest
-//!   batched (`Auto`, the default, measures a large program every way).
-//! * [`Options`]: a transform's settings as one value. A transform nested
-//!   in another inherits the route and strict mode it does not set;
-//!   [`set_conv_route`], `CANDLE_FUNC_CONV_ROUTE`, [`set_strict`] and
-//!   [`manual_seed`] are process-wide defaults only.
-//! * [`ConvRoute`]: how a convolution with batched input and weight is
-//!   lowered (grouped convolution, unfold + batched matmul, or a loop).
-//! * Forward mode and the Jacobian family: [`jvp`], [`jvp_fn`],
-//!   [`linearize`], [`vjp_fn`], [`jacfwd`], [`jacrev`] (with `argnums`,
-//!   `has_aux`, `chunk_size`), [`hessian`], [`hvp`] and [`vhp`]; custom
-//!   derivative and batching rules for an opaque kernel with
-//!   [`custom_op_with_rules`].
-//! * Arguments and results are trees: a tensor, tuples, `Vec`s and
-//!   `String`-keyed maps of trees ([`TensorTree`], [`SymTree`]);
-//!   `in_dims`/`out_dims` may be a [`DimTree`] per argument.
+//! * The transforms: [`vmap`]; [`grad`], [`value_and_grad`] and [`vjp`]
+//!   (reverse mode); [`jvp`] and [`linearize`] (forward mode); [`jacfwd`],
+//!   [`jacrev`], [`hessian`], [`hvp`] and [`vhp`]; [`jit`] runs a traced
+//!   function without transforming it. Each returns a
+//!   [`transform::Transformed`] function with `.call` on tensors and the
+//!   option setters (`conv_route`, `strict`, `seed`, `memory_limit`,
+//!   `options`); [`make_graph`] shows the graph a call runs.
+//! * [`Options`]: a transform's settings as one value; [`Schedule`] (how
+//!   a `vmap` runs its batch), [`ConvRoute`] (how a convolution with
+//!   batched input and weight is lowered) and [`Randomness`] are its
+//!   parts. Process-wide defaults are in [`settings`].
+//! * [`custom_op`] and [`custom_op_with_rules`]: a candle function inside
+//!   a trace, with the user's own derivative and batching rules.
+//! * Modules: [`nn`] (layers, losses, `functional_call`), [`dp`]
+//!   (differentially private training), [`transform`] (the transformed
+//!   functions' types), [`jacobian`] (forward mode and the Jacobian
+//!   family's types and `*_fn` forms), [`tree`] (argument trees and
+//!   `in_dims`), [`settings`] (process-wide defaults), [`planner`] (what
+//!   `Auto` measured, saved and loaded), [`graph`] (inspecting and running
+//!   a traced graph), [`tracer`] (the traits behind `Tracer`'s
+//!   arguments).
 //!
 //! ## Transforms inside a traced function
 //!
@@ -79,7 +78,7 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use candle_func::{grad, jacrev, jit, vmap, Function, Tracer};
+//! use candle_func::{grad, jacrev, vmap, Function, Tracer};
 //! let dev = Device::Cpu;
 //! let loss = |w: Tracer, x: Tracer| w.mul(&x)?.sum_all()?.sqr();
 //! // one SGD step per example, batched: w - 0.25 * grad(loss)(w, x)
@@ -93,7 +92,7 @@
 //! assert_eq!(ws.to_vec2::<f32>()?, vec![vec![0.5, 1.], vec![1., -1.]]);
 //! // a penalty on the Jacobian's norm, itself differentiable
 //! let penalty = |x: Tracer| Function::apply(&jacrev(|x: Tracer| x.tanh()), (x,))?.sqr()?.sum_all();
-//! let g = jit(grad(penalty)).call(&Tensor::new(&[0f32, 1.], &dev)?)?;
+//! let g = grad(penalty).call(&Tensor::new(&[0f32, 1.], &dev)?)?;
 //! assert_eq!(g.dims(), &[2]);
 //! # Ok::<(), candle_func::Error>(())
 //! ```
@@ -101,8 +100,11 @@
 #![warn(missing_docs)]
 #![warn(unnameable_types)]
 
-// The layers, bottom to top; each imports only from those above it in
-// this list (tests/layering.rs keeps it so).
+// The layers, bottom to top: error (shared by all) <- ir <- kernels <-
+// rules <- interp <- trace <- ops <- transforms <- nn <- dp <- this root.
+// Each imports only from those below it (tests/layering.rs keeps it so;
+// rustfmt lists the declarations alphabetically). The public modules
+// after the re-exports only re-export.
 pub mod dp;
 mod error;
 mod interp;
@@ -114,28 +116,88 @@ mod rules;
 mod trace;
 mod transforms;
 
+mod deprecated;
+
 pub use error::{Error, Result};
-pub use interp::{NodeTimes, RunStats};
-pub use ir::{ConvGeom, ConvRoute, CustomKernel, Graph, NodeView, Options, Randomness, Schedule, TensorType};
-pub use ops::{custom_op, custom_op_with_rules, Axes, Axis, CustomRules};
-pub use trace::{Operand, Tracer};
-pub use transforms::dims::{DimTree, Dims};
-pub use transforms::grad::{
-    grad, value_and_grad, vjp, Argnums, Aux, Grad, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2, Wrt3, Wrt4,
-};
-pub use transforms::jacobian::{
-    hessian, hvp, hvp_fn, jacfwd, jacrev, vhp, vhp_fn, Hessian, HvpFn, JacMode, Jacfwd, Jacrev, VhpFn,
-};
-pub use transforms::jvp::{jvp, jvp_fn, linearize, vjp_fn, JvpFn, Linearized, ValueAndLinear, ValueAndTangent, VjpFn};
-pub use transforms::planner::{
-    auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
-};
-#[doc(hidden)]
-pub use transforms::settings::warned;
-pub use transforms::settings::{
-    auto_capacity, cache_capacity, conv_route, manual_seed, set_auto_capacity, set_cache_capacity, set_conv_route,
-    set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, ROUTE_ENV,
-};
-pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
-pub use transforms::vmap::{vmap, Vmap};
-pub use transforms::{jit, make_graph, Function, Jit};
+pub use ir::{ConvRoute, Graph, Options, Randomness, Schedule};
+pub use ops::{custom_op, custom_op_with_rules, CustomRules};
+pub use trace::Tracer;
+pub use transforms::grad::{grad, value_and_grad, vjp};
+pub use transforms::jacobian::{hessian, hvp, jacfwd, jacrev, vhp};
+pub use transforms::jvp::{jvp, linearize};
+pub use transforms::vmap::vmap;
+pub use transforms::{jit, make_graph, Function};
+
+#[allow(deprecated)]
+pub use deprecated::*;
+
+/// The transformed functions' types: what each transform returns (all one
+/// generic [`Transformed`](transform::Transformed) wrapper around what the
+/// transform does), and the markers that choose a gradient's arguments and
+/// result.
+pub mod transform {
+    pub use crate::transforms::grad::{
+        Argnums, Aux, Grad, GradOf, Nth, Plain, Pullback, Value, ValueAux, Wrt, Wrt2, Wrt3, Wrt4,
+    };
+    pub use crate::transforms::transformed::{Transform, Transformed};
+    pub use crate::transforms::vmap::{Vmap, VmapOf};
+    pub use crate::transforms::{Jit, JitOf};
+}
+
+/// Forward mode and the Jacobian family: the composable `*_fn` forms
+/// (`jvp_fn(f)` and `vjp_fn(f)` as functions of primals and tangents or
+/// cotangents, `hvp_fn` and `vhp_fn`) and the types the transforms at the
+/// crate's root return ([`jacfwd`](crate::jacfwd), [`hessian`](crate::hessian),
+/// [`linearize`](crate::linearize), ...).
+pub mod jacobian {
+    pub use crate::transforms::jacobian::{
+        hvp_fn, vhp_fn, Hessian, HessianOf, HvpFn, HvpOf, JacMode, Jacfwd, JacfwdOf, Jacrev, JacrevOf, VhpFn, VhpOf,
+    };
+    pub use crate::transforms::jvp::{
+        jvp_fn, vjp_fn, JvpFn, JvpOf, Linearized, ValueAndLinear, ValueAndTangent, VjpFn, VjpOf,
+    };
+}
+
+/// Arguments and results as trees: a tensor, tuples, `Vec`s and
+/// `String`-keyed maps of trees ([`TensorTree`](tree::TensorTree) for
+/// tensors, [`SymTree`](tree::SymTree) for tracers), and `in_dims` /
+/// `out_dims` given per argument or as a [`DimTree`](tree::DimTree).
+pub mod tree {
+    pub use crate::transforms::dims::{DimTree, Dims};
+    pub use crate::transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
+}
+
+/// Process-wide defaults: what a transform uses for an option neither it
+/// nor an enclosing transform sets (the route, strict mode, the random
+/// stream), and the capacities of the caches.
+pub mod settings {
+    #[doc(hidden)]
+    pub use crate::transforms::settings::warned;
+    pub use crate::transforms::settings::{
+        auto_capacity, cache_capacity, conv_route, manual_seed, set_auto_capacity, set_cache_capacity, set_conv_route,
+        set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, ROUTE_ENV,
+    };
+}
+
+/// What `Auto` (the convolution route and the `vmap` schedule) measured and
+/// chose, and its decisions saved to a file and loaded again.
+pub mod planner {
+    pub use crate::transforms::planner::{
+        auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
+    };
+}
+
+/// A traced graph, as [`make_graph`](crate::make_graph) returns it: its
+/// nodes and types, running it, and what a run held and how long each node
+/// took.
+pub mod graph {
+    pub use crate::interp::{NodeTimes, RunStats};
+    pub use crate::ir::{ConvGeom, CustomKernel, Graph, NodeView, TensorType};
+}
+
+/// The traits behind [`Tracer`](crate::Tracer)'s arguments: an operand
+/// that is a tracer or a captured tensor, an axis or a set of axes.
+pub mod tracer {
+    pub use crate::ops::{Axes, Axis};
+    pub use crate::trace::{Operand, Tracer};
+}

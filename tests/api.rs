@@ -174,7 +174,7 @@ fn primitives_without_a_rule_loop_and_warn_once() {
     let f = vmap(|x: Tracer| custom_square(&x)?.sum(0));
     let got = f.call(&x).unwrap();
     assert_close(&got, &x.sqr().unwrap().sum(1).unwrap(), 1e-6, "custom op under vmap");
-    assert!(candle_func::warned("loop-custom"));
+    assert!(candle_func::settings::warned("loop-custom"));
     let g = make_graph(&f, &x).unwrap();
     assert_eq!(
         g.to_string().matches("map[").count(),
@@ -280,7 +280,7 @@ fn argnums_over_three_and_four_arguments() {
 /// error naming the argument and the structure on a mismatch.
 #[test]
 fn in_dims_and_out_dims_as_prefix_trees() {
-    use candle_func::DimTree;
+    use candle_func::tree::DimTree;
     let xs = rand(&[4, 3], 20);
     let mut p = BTreeMap::new();
     p.insert("w".to_string(), rand(&[3], 21)); // shared

@@ -7,7 +7,9 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_func::{grad, jacfwd, jacrev, jit, jvp, jvp_fn, vjp, vjp_fn, vmap, Function, Operand, Tracer};
+use candle_func::jacobian::{jvp_fn, vjp_fn};
+use candle_func::tracer::Operand;
+use candle_func::{grad, jacfwd, jacrev, jit, jvp, vjp, vmap, Function, Tracer};
 use common::{assert_close, rand};
 
 const N: usize = 4;

@@ -59,7 +59,10 @@ fn user_rules_give_the_traced_numbers() {
     let (y2, t2) = jvp(&|x: Tracer| x.softmax(-1), &x, &u).unwrap();
     assert_close(&y1, &y2, 1e-6, "value");
     assert_close(&t1, &t2, 1e-6, "tangent");
-    assert!(!candle_func::warned("fused_softmax"), "no loop fallback warning");
+    assert!(
+        !candle_func::settings::warned("fused_softmax"),
+        "no loop fallback warning"
+    );
 }
 
 #[test]

@@ -341,7 +341,7 @@ fn bad_input_is_refused() {
     assert!(msg.contains("no variables"), "{msg}");
     // A seeded generator is allowed, with a warning that it is not private.
     let _ = trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 0);
-    assert!(candle_func::warned("dp-seeded-rng"));
+    assert!(candle_func::settings::warned("dp-seeded-rng"));
     let with_eps = |eps: f64, epochs: f64| {
         let engine = PrivacyEngine::new().rng(Rng::seeded(0));
         let t = with_epsilon(engine, &vm, (&xs, &ys), 5, (eps, 1e-5, epochs));

@@ -4,7 +4,8 @@
 mod common;
 
 use candle_core::DType;
-use candle_func::{custom_op, jit, make_graph, vmap, Error, TensorType, Tracer};
+use candle_func::graph::TensorType;
+use candle_func::{custom_op, jit, make_graph, vmap, Error, Tracer};
 use common::rand;
 use std::cell::RefCell;
 
@@ -161,7 +162,7 @@ fn a_conv_geometry_must_agree_with_the_weight() {
     let x = rand(&[1, 2, 6, 6], 1);
     let w = rand(&[4, 2, 3, 3], 2);
     let f = |k: usize| {
-        let geom = candle_func::ConvGeom::uniform(2, k, 0, 1, 1);
+        let geom = candle_func::graph::ConvGeom::uniform(2, k, 0, 1, 1);
         make_graph(&jit(move |x: Tracer, w: Tracer| x.conv(&w, geom.clone(), 1)), (&x, &w))
     };
     assert!(f(0).is_ok(), "a kernel of 0 is taken from the weight");
@@ -171,7 +172,7 @@ fn a_conv_geometry_must_agree_with_the_weight() {
         other => panic!("a kernel other than the weight's must be an error, got {other:?}"),
     }
     // window sizes that overflow are an error, not a wrap
-    let huge = candle_func::ConvGeom::uniform(2, 3, usize::MAX / 2, 1, 1);
+    let huge = candle_func::graph::ConvGeom::uniform(2, 3, usize::MAX / 2, 1, 1);
     assert!(huge.out_spatial(&[6, 6]).is_err());
     let g = make_graph(&jit(move |x: Tracer, w: Tracer| x.conv(&w, huge.clone(), 1)), (&x, &w));
     assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
@@ -188,7 +189,7 @@ fn sizes_that_overflow_are_shape_errors() {
     );
     assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
     // an unfold whose window count overflows
-    let huge = candle_func::ConvGeom::uniform(2, 3, usize::MAX / 8, 1, 1);
+    let huge = candle_func::graph::ConvGeom::uniform(2, 3, usize::MAX / 8, 1, 1);
     let g = make_graph(&jit(move |x: Tracer| x.unfold(huge.clone())), &x);
     assert!(matches!(g, Err(Error::Shape { .. })), "{g:?}");
 }

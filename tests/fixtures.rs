@@ -12,9 +12,8 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use candle_func::nn::{functional_call, stack_params, Module};
-use candle_func::{
-    hessian, hvp, jacfwd, jacrev, jit, value_and_grad, vmap, ConvRoute, Function, Operand, Schedule, Tracer,
-};
+use candle_func::tracer::Operand;
+use candle_func::{hessian, hvp, jacfwd, jacrev, jit, value_and_grad, vmap, ConvRoute, Function, Schedule, Tracer};
 use common::arch::{build_nn, cross_entropy, parse};
 use common::{max_abs, max_diff};
 use std::collections::{BTreeMap, HashMap};

@@ -8,7 +8,8 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_func::{grad, jit, vmap, ConvGeom, ConvRoute, Result, Tracer};
+use candle_func::graph::ConvGeom;
+use candle_func::{grad, jit, vmap, ConvRoute, Result, Tracer};
 use common::*;
 use proptest::prelude::*;
 

@@ -5,7 +5,8 @@
 
 mod common;
 
-use candle_func::{grad, make_graph, vmap, ConvRoute, Graph, NodeView, Tracer};
+use candle_func::graph::NodeView;
+use candle_func::{grad, make_graph, vmap, ConvRoute, Graph, Tracer};
 use common::rand;
 
 fn count(g: &Graph, pred: impl Fn(&NodeView) -> bool) -> usize {
@@ -115,7 +116,7 @@ fn no_dead_forward_work() {
     };
     let g = make_graph(&vmap(grad(loss)).in_dims([None, Some(0)]), ((&w1, &w2), &xs)).unwrap();
     // (the first forward matmul carries its ReLU as a fused epilogue)
-    let products = |n: &candle_func::NodeView| n.name() == "matmul" || n.name().starts_with("fused[matmul");
+    let products = |n: &candle_func::graph::NodeView| n.name() == "matmul" || n.name().starts_with("fused[matmul");
     assert_eq!(count(&g, products), 5, "{g}");
     assert_eq!(
         count(&g, |p| p.name() == "exp"),

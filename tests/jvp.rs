@@ -5,7 +5,8 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_func::{jvp, vjp, Operand, Tracer};
+use candle_func::tracer::Operand;
+use candle_func::{jvp, vjp, Tracer};
 use common::{arithmetic_ops, assert_close, rand, rand_idx, unary_maps, Un};
 
 fn f64s(shape: &[usize], seed: u64) -> Tensor {
@@ -221,7 +222,8 @@ fn through_vmap_maps_and_every_conv_route() {
 
 #[test]
 fn jacobians_hessians_and_hvps_agree() {
-    use candle_func::{grad, hessian, hvp, jacfwd, jacrev, jit, jvp_fn, vhp, vmap};
+    use candle_func::jacobian::jvp_fn;
+    use candle_func::{grad, hessian, hvp, jacfwd, jacrev, jit, vhp, vmap};
     let w1 = f64s(&[5, 4], 90);
     let w2 = f64s(&[3, 5], 91);
     let mlp = move |x: Tracer| -> candle_func::Result<Tracer> {
@@ -310,7 +312,8 @@ fn linearize_gives_jvps_without_rerunning_the_forward() {
 /// NaN propagates through them as through the functions themselves.
 #[test]
 fn bad_input_to_the_new_transforms_is_an_error() {
-    use candle_func::{hvp, jacfwd, jacrev, jit, vjp_fn, Error};
+    use candle_func::jacobian::vjp_fn;
+    use candle_func::{hvp, jacfwd, jacrev, jit, Error};
     let x = f64s(&[3], 110);
     let ints = Tensor::new(&[1u32, 2, 3], x.device()).unwrap();
     let sq = |x: Tracer| x.sqr();

@@ -7,7 +7,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_func::nn::{self, Module};
-use candle_func::{grad, jit, vmap, Error, Operand, Tracer};
+use candle_func::tracer::Operand;
+use candle_func::{grad, jit, vmap, Error, Tracer};
 use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, rand};
 use std::collections::BTreeMap;

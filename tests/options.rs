@@ -99,9 +99,9 @@ fn a_transforms_seed_makes_its_draws_reproducible() {
     assert!(v.iter().all(|&u| (0.0..1.0).contains(&u)));
     // without a seed of its own a transform draws from the process stream,
     // which a transform's seed does not disturb
-    candle_func::manual_seed(3);
+    candle_func::settings::manual_seed(3);
     let first = dropout_draws(None, 1);
-    candle_func::manual_seed(3);
+    candle_func::settings::manual_seed(3);
     let _ = dropout_draws(Some(7), 3);
     let again = dropout_draws(None, 1);
     common::assert_close(&first[0], &again[0], 0.0, "process stream unaffected");
@@ -109,7 +109,7 @@ fn a_transforms_seed_makes_its_draws_reproducible() {
     // a seed on a transform nested in the function called seeds the run
     let xs = Tensor::ones((3, 40), DType::F32, &Device::Cpu).unwrap();
     let nested = |process: u64| {
-        candle_func::manual_seed(process);
+        candle_func::settings::manual_seed(process);
         let inner = vmap(|x: Tracer| x.rand_uniform_like())
             .randomness(Randomness::Different)
             .seed(11);
@@ -119,9 +119,9 @@ fn a_transforms_seed_makes_its_draws_reproducible() {
     // a call that draws nothing leaves the process stream where it was
     let draws = vmap(|x: Tracer| x.rand_uniform_like()).randomness(Randomness::Different);
     let plain = jit(|x: Tracer| x.exp());
-    candle_func::manual_seed(5);
+    candle_func::settings::manual_seed(5);
     let a = draws.call(&xs).unwrap();
-    candle_func::manual_seed(5);
+    candle_func::settings::manual_seed(5);
     plain.call(&xs).unwrap();
     let b = draws.call(&xs).unwrap();
     common::assert_close(&a, &b, 0.0, "an evaluation call does not shift the masks");

@@ -267,12 +267,12 @@ fn malformed_auto_caches_are_refused() {
     ] {
         let path = dir.join(name);
         std::fs::write(&path, format!("{line}\n")).unwrap();
-        let r = candle_func::load_auto_cache(&path);
+        let r = candle_func::planner::load_auto_cache(&path);
         assert!(matches!(r, Err(Error::Config { .. })), "{name}: {r:?}");
     }
     let good = dir.join("good");
     std::fs::write(&good, "robustness-key\tGrouped\tGrouped=1.5,Unfold=2\tconv2d\t[]\n").unwrap();
-    assert_eq!(candle_func::load_auto_cache(&good).unwrap(), 1);
+    assert_eq!(candle_func::planner::load_auto_cache(&good).unwrap(), 1);
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -280,7 +280,7 @@ fn malformed_auto_caches_are_refused() {
 fn caches_stay_bounded() {
     // one process-wide setting; this is the only test in this binary that
     // changes it
-    candle_func::set_cache_capacity(16);
+    candle_func::settings::set_cache_capacity(16);
     let f = jit(|x: Tracer| x.exp()?.sum_all());
     for n in 1..=10_000usize {
         f.call(Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap()).unwrap();
@@ -291,18 +291,18 @@ fn caches_stay_bounded() {
     let x = rand(&[10_000], 1);
     let want = x.exp().unwrap().sum_all().unwrap();
     assert_close(&f.call(&x).unwrap(), &want, 1e-3, "a kept signature");
-    candle_func::set_cache_capacity(candle_func::DEFAULT_CACHE_CAPACITY);
+    candle_func::settings::set_cache_capacity(candle_func::settings::DEFAULT_CACHE_CAPACITY);
     // the Auto table too
-    candle_func::set_auto_capacity(8);
+    candle_func::settings::set_auto_capacity(8);
     let dir = std::env::temp_dir().join(format!("candle-func-auto-cap-{}", std::process::id()));
     let lines: String = (0..100)
         .map(|i| format!("cap-{i}\tUnfold\tUnfold=1\tconv2d\t[]\n"))
         .collect();
     std::fs::write(&dir, lines).unwrap();
-    assert_eq!(candle_func::load_auto_cache(&dir).unwrap(), 100);
-    assert!(candle_func::auto_choices().len() <= 8);
+    assert_eq!(candle_func::planner::load_auto_cache(&dir).unwrap(), 100);
+    assert!(candle_func::planner::auto_choices().len() <= 8);
     std::fs::remove_file(&dir).ok();
-    candle_func::set_auto_capacity(candle_func::DEFAULT_AUTO_CAPACITY);
+    candle_func::settings::set_auto_capacity(candle_func::settings::DEFAULT_AUTO_CAPACITY);
 }
 
 #[test]

@@ -4,7 +4,8 @@
 
 mod common;
 
-use candle_func::{auto_choices, grad, load_auto_cache, save_auto_cache, vmap, ConvRoute, Tracer};
+use candle_func::planner::{auto_choices, load_auto_cache, save_auto_cache};
+use candle_func::{grad, vmap, ConvRoute, Tracer};
 use common::{assert_close, rand};
 
 #[test]

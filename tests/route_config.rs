@@ -4,7 +4,8 @@
 
 mod common;
 
-use candle_func::{conv_route, make_graph, set_conv_route, vmap, ConvRoute, Error, Tracer, ROUTE_ENV};
+use candle_func::settings::{conv_route, set_conv_route, ROUTE_ENV};
+use candle_func::{make_graph, vmap, ConvRoute, Error, Tracer};
 use common::rand;
 
 fn graph_for(route: Option<ConvRoute>) -> candle_func::Result<String> {

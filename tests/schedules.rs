@@ -6,7 +6,9 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::{make_graph, schedule_choices, vmap, ConvRoute, Function, Operand, Randomness, Schedule, Tracer};
+use candle_func::planner::schedule_choices;
+use candle_func::tracer::Operand;
+use candle_func::{make_graph, vmap, ConvRoute, Function, Randomness, Schedule, Tracer};
 use common::{assert_close, rand};
 
 /// A small CNN ensemble member: conv, relu, conv, sum, plus a second

@@ -5,7 +5,8 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use candle_func::{jit, vmap, ConvGeom, Tracer};
+use candle_func::graph::ConvGeom;
+use candle_func::{jit, vmap, Tracer};
 use common::*;
 use proptest::prelude::*;
 

@@ -4,8 +4,10 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Tensor};
+use candle_func::jacobian::jvp_fn;
 use candle_func::nn::{self, functional_call, Activation, ConvConfig, Sequential};
-use candle_func::{grad, jacrev, jit, jvp_fn, vmap, Function, Operand, Tracer};
+use candle_func::tracer::Operand;
+use candle_func::{grad, jacrev, jit, vmap, Function, Tracer};
 use std::collections::BTreeMap;
 
 type Params = BTreeMap<String, Tensor>;

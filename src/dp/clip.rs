@@ -10,20 +10,21 @@
 //! activations: one product per layer, as in an ordinary training step.
 
 use crate::error::{Error, Result};
-use crate::ir::options::{ConvRoute, Options, Schedule};
+use crate::ir::options::{Options, Schedule};
 use crate::rules::ghost::{self, Plan, Viewed};
 use crate::trace::Tracer;
 use crate::transforms::dims::Dims;
 use crate::transforms::grad::{value_and_grad, Nth};
-use crate::transforms::tree::{ArgList, CallArgs, SymTree, TreeDef};
+use crate::transforms::transformed::{Transform, Transformed};
+use crate::transforms::tree::{ArgList, SymTree, TreeDef};
 use crate::transforms::vmap::vmap;
-use crate::transforms::{call_concrete, settings, ByRef, Function, GraphCache};
+use crate::transforms::{settings, ByRef, Function};
 use std::marker::PhantomData;
 
-/// The clipped gradient sum of a per-example loss (see [`clipped_grad_sum`]),
-/// or with `M = NormsOnly` its per-example gradient norms alone (see
-/// [`per_sample_grad_norms`]).
-pub struct ClippedGradSum<F, M = Clipped> {
+/// What [`clipped_grad_sum`] and [`per_sample_grad_norms`] do: the
+/// per-example gradients of `loss`, their norms and (`M = Clipped`) their
+/// clipped sum.
+pub struct ClipOf<F, M = Clipped> {
     loss: F,
     max_norm: f64,
     /// Per-layer clipping: the group of each gradient leaf (in the tree's
@@ -32,10 +33,13 @@ pub struct ClippedGradSum<F, M = Clipped> {
     groups: Option<(Vec<usize>, Vec<f64>)>,
     ghost: bool,
     in_dims: Option<Dims>,
-    options: Options,
-    cache: GraphCache,
     mode: PhantomData<M>,
 }
+
+/// The clipped gradient sum of a per-example loss (see [`clipped_grad_sum`]),
+/// or with `M = NormsOnly` its per-example gradient norms alone (see
+/// [`per_sample_grad_norms`]).
+pub type ClippedGradSum<F, M = Clipped> = Transformed<ClipOf<F, M>>;
 
 /// [`ClippedGradSum`]'s default mode: the clipped sum, norms and losses.
 pub struct Clipped;
@@ -68,7 +72,7 @@ pub type PerSampleGradNorms<F> = ClippedGradSum<F, NormsOnly>;
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn per_sample_grad_norms<F>(loss: F) -> PerSampleGradNorms<F> {
-    ClippedGradSum::new(loss, 1.0)
+    ClipOf::transform(loss, 1.0)
 }
 
 /// The clipping step of DP-SGD for `loss(params, example..)`, a function of
@@ -104,67 +108,33 @@ pub fn per_sample_grad_norms<F>(loss: F) -> PerSampleGradNorms<F> {
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn clipped_grad_sum<F>(loss: F, max_norm: f64) -> ClippedGradSum<F> {
-    ClippedGradSum::new(loss, max_norm)
+    ClipOf::transform(loss, max_norm)
 }
 
-impl<F, M> ClippedGradSum<F, M> {
-    fn new(loss: F, max_norm: f64) -> Self {
-        ClippedGradSum {
+impl<F, M> ClipOf<F, M> {
+    fn transform(loss: F, max_norm: f64) -> ClippedGradSum<F, M> {
+        Transformed::new(ClipOf {
             loss,
             max_norm,
             groups: None,
             ghost: true,
             in_dims: None,
-            options: Options::new(),
-            cache: GraphCache::default(),
             mode: PhantomData,
-        }
+        })
     }
+}
 
+impl<F, M> ClippedGradSum<F, M> {
     /// The batch axis of each argument, as [`Vmap::in_dims`](crate::Vmap::in_dims) takes them
     /// (default: `None` for the parameters, 0 for every other argument).
-    pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.in_dims = Some(dims.into());
-        self
+    pub fn in_dims(self, dims: impl Into<Dims>) -> Self {
+        self.edit(|k| k.in_dims = Some(dims.into()))
     }
 
     /// Whether layers with a ghost rule use it where it is cheaper
     /// (default); `false` materialises every per-sample gradient.
-    pub fn ghost(mut self, on: bool) -> Self {
-        self.cache = GraphCache::default();
-        self.ghost = on;
-        self
-    }
-
-    /// The convolution route of the per-example gradients' trace.
-    pub fn conv_route(mut self, route: ConvRoute) -> Self {
-        self.cache = GraphCache::default();
-        self.options = self.options.conv_route(route);
-        self
-    }
-
-    /// Options inherited by the transforms inside (route, strict mode,
-    /// seed, memory limit); `vmap`'s own options are refused.
-    pub fn options(mut self, options: Options) -> Self {
-        self.cache = GraphCache::default();
-        self.options = options;
-        self
-    }
-
-    /// Number of input signatures traced so far.
-    pub fn traced_signatures(&self) -> usize {
-        self.cache.len()
-    }
-
-    /// Calls the step on concrete tensors (traced once per signature).
-    pub fn call<S, C>(&self, args: C) -> Result<<<Self as Function<S>>::Output as SymTree>::Concrete>
-    where
-        S: ArgList,
-        Self: Function<S>,
-        C: CallArgs<S>,
-    {
-        call_concrete(self, &self.cache, &args)
+    pub fn ghost(self, on: bool) -> Self {
+        self.edit(|k| k.ghost = on)
     }
 }
 
@@ -177,23 +147,21 @@ impl<F> ClippedGradSum<F, Clipped> {
     /// `sqrt(Σ bounds²)`, the sensitivity the noise must be scaled to.
     /// `max_norm` is unused; `norms` stays the norm over all leaves. The
     /// lengths and bounds are checked when traced.
-    pub fn per_group(mut self, of_leaf: Vec<usize>, bounds: Vec<f64>) -> Self {
-        self.cache = GraphCache::default();
-        self.groups = Some((of_leaf, bounds));
-        self
+    pub fn per_group(self, of_leaf: Vec<usize>, bounds: Vec<f64>) -> Self {
+        self.edit(|k| k.groups = Some((of_leaf, bounds)))
     }
 }
 
-impl<F, M> ClippedGradSum<F, M> {
+impl<F, M> ClipOf<F, M> {
     /// The losses `[B]`, the per-example gradient leaves (batch axis 0)
     /// and the gradient tree's shape, from `vmap(value_and_grad(loss))`.
-    fn per_example<S>(&self, args: S) -> Result<(Tracer, Vec<Tracer>, TreeDef)>
+    fn per_example<S>(&self, options: &Options, args: S) -> Result<(Tracer, Vec<Tracer>, TreeDef)>
     where
         S: ArgList + Nth<0>,
         F: Function<S, Output = Tracer>,
     {
         positive_norm(self.max_norm)?;
-        self.options.check_not_vmap("clipped_grad_sum")?;
+        options.check_not_vmap("clipped_grad_sum")?;
         let dims = match &self.in_dims {
             Some(d) => d.clone(),
             None => Dims::Each((0..args.flatten_args().1.len()).map(|i| (i > 0).then_some(0)).collect()),
@@ -218,15 +186,15 @@ impl<F, M> ClippedGradSum<F, M> {
     }
 }
 
-impl<S, F> Function<S> for ClippedGradSum<F, Clipped>
+impl<S, F> Transform<S> for ClipOf<F, Clipped>
 where
     S: ArgList + Nth<0>,
     F: Function<S, Output = Tracer>,
 {
     type Output = (<S as Nth<0>>::T, Tracer, Tracer);
 
-    fn apply(&self, args: S) -> Result<Self::Output> {
-        let (losses, leaves, def) = self.per_example(args)?;
+    fn apply(&self, options: &Options, args: S) -> Result<Self::Output> {
+        let (losses, leaves, def) = self.per_example(options, args)?;
         let flat = (vec![0; leaves.len()], vec![self.max_norm]);
         let (of_leaf, bounds) = self.groups.as_ref().unwrap_or(&flat);
         check_groups(of_leaf, bounds, leaves.len())?;
@@ -234,21 +202,17 @@ where
         let clipped = <S as Nth<0>>::T::unflatten_from(&def, &mut sums.into_iter())?;
         Ok((clipped, norms, losses))
     }
-
-    fn own_options(&self) -> Options {
-        self.options
-    }
 }
 
-impl<S, F> Function<S> for ClippedGradSum<F, NormsOnly>
+impl<S, F> Transform<S> for ClipOf<F, NormsOnly>
 where
     S: ArgList + Nth<0>,
     F: Function<S, Output = Tracer>,
 {
     type Output = (Tracer, Tracer);
 
-    fn apply(&self, args: S) -> Result<Self::Output> {
-        let (losses, leaves, _) = self.per_example(args)?;
+    fn apply(&self, options: &Options, args: S) -> Result<Self::Output> {
+        let (losses, leaves, _) = self.per_example(options, args)?;
         let plans = plans(&leaves, self.ghost, true)?;
         let sq = leaves
             .iter()
@@ -256,10 +220,6 @@ where
             .map(|(g, plan)| sq_norm(g, plan))
             .collect::<Result<Vec<_>>>()?;
         Ok((total(&sq)?.sqrt()?, losses))
-    }
-
-    fn own_options(&self) -> Options {
-        self.options
     }
 }
 
@@ -308,7 +268,7 @@ fn plans(leaves: &[Tracer], ghost: bool, norms_only: bool) -> Result<Vec<Plan>> 
                     return Ok(Plan::GhostLookup(l));
                 }
             } else if let Some(kind) = ghost::no_rule(b, &viewed) {
-                if b.given.get_strict().unwrap_or_else(settings::strict) {
+                if b.given.strict.unwrap_or_else(settings::strict) {
                     return Err(Error::unsupported(
                         kind.clone(),
                         "clipped_grad_sum",

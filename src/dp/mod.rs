@@ -37,7 +37,9 @@ mod engine;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod optim;
-pub use clip::{clipped_grad_sum, per_sample_grad_norms, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms};
+pub use clip::{
+    clipped_grad_sum, per_sample_grad_norms, ClipOf, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms,
+};
 pub use engine::{Clipping, DpConfig, PrivacyEngine, PrivateTrainer, StepInfo};
 pub use optim::{Adam, AdamW, Optimizer, Sgd};
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,

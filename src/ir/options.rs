@@ -97,20 +97,32 @@ pub enum Schedule {
 /// [`manual_seed`](crate::manual_seed)). `randomness` and `chunk_size`
 /// belong to one `vmap` and are not inherited.
 ///
+/// Each setting is a public field (`None`: unset) with a builder method of
+/// the same name.
+///
 /// ```
 /// use candle_func::{ConvRoute, Options};
 /// let opts = Options::new().conv_route(ConvRoute::Loop).strict(true).seed(7);
-/// assert_eq!(opts.get_conv_route(), Some(ConvRoute::Loop));
+/// assert_eq!(opts.conv_route, Some(ConvRoute::Loop));
+/// assert_eq!(opts.memory_limit, None);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Options {
-    route: Option<ConvRoute>,
-    strict: Option<bool>,
-    randomness: Option<Randomness>,
-    chunk_size: Option<usize>,
-    seed: Option<u64>,
-    schedule: Option<Schedule>,
-    memory_limit: Option<usize>,
+    /// How a convolution with batched input and weight is lowered.
+    pub conv_route: Option<ConvRoute>,
+    /// Whether a primitive without a batching rule is an error.
+    pub strict: Option<bool>,
+    /// What random operations do under `vmap`.
+    pub randomness: Option<Randomness>,
+    /// A `vmap`'s batch in chunks of this many examples.
+    pub chunk_size: Option<usize>,
+    /// The seed of the random draws.
+    pub seed: Option<u64>,
+    /// How a `vmap` runs its batch.
+    pub schedule: Option<Schedule>,
+    /// The most bytes a call may hold at once.
+    pub memory_limit: Option<usize>,
 }
 
 impl Options {
@@ -121,7 +133,7 @@ impl Options {
 
     /// The convolution route.
     pub fn conv_route(mut self, route: ConvRoute) -> Self {
-        self.route = Some(route);
+        self.conv_route = Some(route);
         self
     }
 
@@ -173,36 +185,43 @@ impl Options {
     }
 
     /// The memory limit, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.memory_limit`")]
     pub fn get_memory_limit(&self) -> Option<usize> {
         self.memory_limit
     }
 
     /// The schedule, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.schedule`")]
     pub fn get_schedule(&self) -> Option<Schedule> {
         self.schedule
     }
 
     /// The route, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.conv_route`")]
     pub fn get_conv_route(&self) -> Option<ConvRoute> {
-        self.route
+        self.conv_route
     }
 
     /// Strict mode, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.strict`")]
     pub fn get_strict(&self) -> Option<bool> {
         self.strict
     }
 
     /// The randomness setting, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.randomness`")]
     pub fn get_randomness(&self) -> Option<Randomness> {
         self.randomness
     }
 
     /// The chunk size, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.chunk_size`")]
     pub fn get_chunk_size(&self) -> Option<usize> {
         self.chunk_size
     }
 
     /// The seed, if set.
+    #[deprecated(since = "0.2.0", note = "read the field: `options.seed`")]
     pub fn get_seed(&self) -> Option<u64> {
         self.seed
     }
@@ -222,12 +241,14 @@ impl Options {
     }
 
     /// These options with every unset inherited field (route, strict
-    /// mode, seed) taken from `outer`, the enclosing transform's.
+    /// mode, seed, memory limit) taken from `outer`, the enclosing
+    /// transform's.
     pub(crate) fn inherit(&self, outer: &Options) -> Options {
         Options {
-            route: self.route.or(outer.route),
+            conv_route: self.conv_route.or(outer.conv_route),
             strict: self.strict.or(outer.strict),
             seed: self.seed.or(outer.seed),
+            memory_limit: self.memory_limit.or(outer.memory_limit),
             ..*self
         }
     }

@@ -4,8 +4,9 @@
 //! each primitive's VJP rule. The result is itself traceable, so `grad`
 //! composes with `vmap` (and with itself) in any order.
 
+use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{call_concrete, flatten_call, innermost, trace_inner, trace_top, Function, GraphCache};
+use super::{flatten_call, innermost, trace_inner, trace_top, Function};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::interp::passes;
@@ -145,13 +146,15 @@ pub struct Value;
 /// `((value, aux), grads)`.
 pub struct ValueAux;
 
-/// The gradient of a scalar function (see [`grad`], [`value_and_grad`]).
-pub struct Grad<F, W = Wrt<0>, M = Plain> {
+/// What [`grad`] does: the reverse pass of `f` with respect to the
+/// arguments `W`, returning what the mode `M` says.
+pub struct GradOf<F, W = Wrt<0>, M = Plain> {
     f: F,
-    options: Options,
-    cache: GraphCache,
     _sel: PhantomData<fn() -> (W, M)>,
 }
+
+/// The gradient of a scalar function (see [`grad`], [`value_and_grad`]).
+pub type Grad<F, W = Wrt<0>, M = Plain> = Transformed<GradOf<F, W, M>>;
 
 /// The gradient of `f` with respect to its first argument, like `jax.grad`
 /// and `torch.func.grad`: `f` returns a scalar (shape `[]`), and the result
@@ -172,41 +175,21 @@ pub struct Grad<F, W = Wrt<0>, M = Plain> {
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn grad<F>(f: F) -> Grad<F> {
-    Grad {
-        f,
-        options: Options::new(),
-        cache: GraphCache::default(),
-        _sel: PhantomData,
-    }
+    Transformed::new(GradOf { f, _sel: PhantomData })
 }
 
 /// The value of `f` and its gradient, computed together: the result is
 /// `(value, grads)`.
 pub fn value_and_grad<F>(f: F) -> Grad<F, Wrt<0>, Value> {
-    Grad {
-        f,
-        options: Options::new(),
-        cache: GraphCache::default(),
-        _sel: PhantomData,
-    }
+    Transformed::new(GradOf { f, _sel: PhantomData })
 }
 
 impl<F, W, M> Grad<F, W, M> {
     fn with<W2, M2>(self) -> Grad<F, W2, M2> {
-        Grad {
-            f: self.f,
-            options: self.options,
-            cache: GraphCache::default(),
+        self.map(|k| GradOf {
+            f: k.f,
             _sel: PhantomData,
-        }
-    }
-
-    /// Options inherited by the transforms inside the differentiated
-    /// function (route, strict mode), and the seed of its random draws.
-    pub fn options(mut self, options: Options) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = options;
-        self
+        })
     }
 
     /// Differentiate with respect to argument `I` instead.
@@ -232,22 +215,6 @@ impl<F, W, M> Grad<F, W, M> {
         self,
     ) -> Grad<F, Wrt4<I, J, K, L>, M> {
         self.with()
-    }
-
-    /// Calls the gradient function on concrete tensors (traced once per
-    /// input signature).
-    pub fn call<S, C>(&self, args: C) -> Result<<<Self as Function<S>>::Output as SymTree>::Concrete>
-    where
-        S: ArgList,
-        Self: Function<S>,
-        C: CallArgs<S>,
-    {
-        call_concrete(self, &self.cache, &args)
-    }
-
-    /// Number of input signatures traced so far.
-    pub fn traced_signatures(&self) -> usize {
-        self.cache.len()
     }
 }
 
@@ -288,7 +255,7 @@ where
         .collect();
     options.check_not_vmap("grad")?;
     let given = options.inherit(&outer.borrow().given);
-    outer.borrow().ctx.offer_seed(options.get_seed());
+    outer.borrow().ctx.offer_seed(options.seed);
     let (g, captures, out_def) = trace_inner(f, &outer, (given, true, false), &defs, &types)?;
     let loss = g
         .outputs
@@ -356,50 +323,36 @@ where
     Ok(Differentiated { out, grads })
 }
 
-impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for Grad<F, W, Plain> {
+impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Transform<S> for GradOf<F, W, Plain> {
     type Output = W::Grads;
-    fn apply(&self, args: S) -> Result<W::Grads> {
-        Ok(differentiate::<S, F, W>(&self.f, &self.options, args)?.grads)
-    }
-
-    fn own_options(&self) -> Options {
-        self.options
+    fn apply(&self, options: &Options, args: S) -> Result<W::Grads> {
+        Ok(differentiate::<S, F, W>(&self.f, options, args)?.grads)
     }
 }
 
-impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S> for Grad<F, W, Aux> {
+impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Transform<S> for GradOf<F, W, Aux> {
     type Output = (W::Grads, A);
-    fn apply(&self, args: S) -> Result<(W::Grads, A)> {
-        let d = differentiate::<S, F, W>(&self.f, &self.options, args)?;
+    fn apply(&self, options: &Options, args: S) -> Result<(W::Grads, A)> {
+        let d = differentiate::<S, F, W>(&self.f, options, args)?;
         Ok((d.grads, d.out.1))
     }
-
-    fn own_options(&self) -> Options {
-        self.options
-    }
 }
 
-impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Function<S> for Grad<F, W, Value> {
+impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Transform<S> for GradOf<F, W, Value> {
     type Output = (Tracer, W::Grads);
-    fn apply(&self, args: S) -> Result<(Tracer, W::Grads)> {
-        let d = differentiate::<S, F, W>(&self.f, &self.options, args)?;
+    fn apply(&self, options: &Options, args: S) -> Result<(Tracer, W::Grads)> {
+        let d = differentiate::<S, F, W>(&self.f, options, args)?;
         Ok((d.out, d.grads))
-    }
-
-    fn own_options(&self) -> Options {
-        self.options
     }
 }
 
-impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Function<S> for Grad<F, W, ValueAux> {
+impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Transform<S>
+    for GradOf<F, W, ValueAux>
+{
     type Output = ((Tracer, A), W::Grads);
-    fn apply(&self, args: S) -> Result<((Tracer, A), W::Grads)> {
-        let d = differentiate::<S, F, W>(&self.f, &self.options, args)?;
+    fn apply(&self, options: &Options, args: S) -> Result<((Tracer, A), W::Grads)> {
+        let d = differentiate::<S, F, W>(&self.f, options, args)?;
         Ok((d.out, d.grads))
-    }
-
-    fn own_options(&self) -> Options {
-        self.options
     }
 }
 
@@ -466,7 +419,7 @@ where
     // backward pass reads is an output of `fwd` and so stays unfused),
     // each checked against the limit before it runs: the forward now, the
     // backward at every pullback.
-    let limit = f.own_options().get_memory_limit();
+    let limit = f.own_options().memory_limit;
     let fwd = Executable::new(&fwd)
         .seeded(traced.seed, Default::default())
         .limit(limit);

@@ -8,11 +8,13 @@
 //! nest under `vmap` (per-example Jacobians) and each other.
 
 use super::grad::{grad, Argnums, Aux, Plain, Wrt, Wrt2, Wrt3, Wrt4};
-use super::jvp::{jvp_fn, vjp_fn};
+use super::jvp::{named_jvp_fn, named_vjp_fn};
+use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, SymTree, TensorTree};
 use super::vmap::{vmap, Vmap};
-use super::{jit, ByRef, Function};
+use super::{ByRef, Function};
 use crate::error::{CandleContext, Error, Result};
+use crate::ir::options::Options;
 use crate::trace::{Operand, Tracer};
 use candle_core::Tensor;
 use std::marker::PhantomData;
@@ -257,11 +259,12 @@ fn empty_block(out: &Tracer, inp: &Tracer) -> Result<Tracer> {
         .to_tracer(out)
 }
 
-/// A `vmap` over the basis (the last argument), the rest unbatched.
-fn over_basis<G>(g: G, n_args: usize, chunk: Option<usize>) -> Vmap<G> {
+/// A `vmap` over the basis (the last argument), the rest unbatched, with
+/// the Jacobian transform's options.
+fn over_basis<G>(g: G, n_args: usize, chunk: Option<usize>, options: &Options) -> Vmap<G> {
     let mut dims = vec![None; n_args];
     dims.push(Some(0usize));
-    let v = vmap(g).in_dims(dims);
+    let v = vmap(g).in_dims(dims).options(*options);
     match chunk {
         Some(k) => v.chunk_size(k),
         None => v,
@@ -269,14 +272,14 @@ fn over_basis<G>(g: G, n_args: usize, chunk: Option<usize>) -> Vmap<G> {
 }
 
 macro_rules! argnum_methods {
-    ($ty:ident) => {
+    ($ty:ident, $kind:ident) => {
         impl<F, W, M> $ty<F, W, M> {
             fn with<W2, M2>(self) -> $ty<F, W2, M2> {
-                $ty {
-                    f: self.f,
-                    chunk: self.chunk,
+                self.map(|k| $kind {
+                    f: k.f,
+                    chunk: k.chunk,
                     _sel: PhantomData,
-                }
+                })
             }
 
             /// Differentiate with respect to argument `I` (default 0).
@@ -305,9 +308,8 @@ macro_rules! argnum_methods {
             /// Computes the Jacobian's rows (or columns) `k` at a time, as
             /// `vmap`'s `chunk_size`, bounding memory (`torch.func`'s
             /// `chunk_size`; `k > 0`).
-            pub fn chunk_size(mut self, k: usize) -> Self {
-                self.chunk = Some(k);
-                self
+            pub fn chunk_size(self, k: usize) -> Self {
+                self.edit(|kind| kind.chunk = Some(k))
             }
         }
 
@@ -321,14 +323,18 @@ macro_rules! argnum_methods {
     };
 }
 
-/// The Jacobian of `f` by forward mode, like `torch.func.jacfwd`: one JVP
-/// per input element, batched by `vmap`; the cheaper direction where
-/// inputs are fewer than outputs. Made by [`jacfwd`].
-pub struct Jacfwd<F, W = Wrt<0>, M = Plain> {
+/// What [`jacfwd`] does: one JVP per input element, batched by `vmap`
+/// (`chunk` of them at a time, if set).
+pub struct JacfwdOf<F, W = Wrt<0>, M = Plain> {
     f: F,
     chunk: Option<usize>,
     _sel: PhantomData<fn() -> (W, M)>,
 }
+
+/// The Jacobian of `f` by forward mode, like `torch.func.jacfwd`: one JVP
+/// per input element, batched by `vmap`; the cheaper direction where
+/// inputs are fewer than outputs. Made by [`jacfwd`].
+pub type Jacfwd<F, W = Wrt<0>, M = Plain> = Transformed<JacfwdOf<F, W, M>>;
 
 /// See [`Jacfwd`]. With respect to argument 0 by default (choose others
 /// with `argnum`/`argnums`); for each output leaf a tree like the
@@ -336,26 +342,26 @@ pub struct Jacfwd<F, W = Wrt<0>, M = Plain> {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_func::{jacfwd, jit, Tracer};
+/// use candle_func::{jacfwd, Tracer};
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
-/// let j = jit(jacfwd(|x: Tracer| x.sqr())).call(&x)?;
+/// let j = jacfwd(|x: Tracer| x.sqr()).call(&x)?;
 /// assert_eq!(j.to_vec2::<f32>()?, vec![vec![2., 0.], vec![0., 4.]]);
 /// // with respect to both arguments: a pair of Jacobians
-/// let (ja, jb) = jit(jacfwd(|a: Tracer, b: Tracer| a.mul(&b)).argnums::<0, 1>()).call((&x, &x))?;
+/// let (ja, jb) = jacfwd(|a: Tracer, b: Tracer| a.mul(&b)).argnums::<0, 1>().call((&x, &x))?;
 /// assert_eq!(jb.to_vec2::<f32>()?, vec![vec![1., 0.], vec![0., 2.]]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn jacfwd<F>(f: F) -> Jacfwd<F> {
-    Jacfwd {
+    Transformed::new(JacfwdOf {
         f,
         chunk: None,
         _sel: PhantomData,
-    }
+    })
 }
 
-argnum_methods!(Jacfwd);
+argnum_methods!(Jacfwd, JacfwdOf);
 
-impl<S, F, W, M> Function<S> for Jacfwd<F, W, M>
+impl<S, F, W, M> Transform<S> for JacfwdOf<F, W, M>
 where
     S: ArgList,
     F: Function<S>,
@@ -364,18 +370,24 @@ where
 {
     type Output = JacOf<S, F, W, M>;
 
-    fn apply(&self, args: S) -> Result<Self::Output> {
+    fn apply(&self, options: &Options, args: S) -> Result<Self::Output> {
+        options.check_not_vmap("jacfwd")?;
         let p = Prepared::<S, F, M>::new("jacfwd", &self.f, args, W::indices())?;
         let (sel, outs) = (&p.sel, &p.outs);
         // the outputs of f as a function of the selected leaves alone
         let g = |s: Vec<Tracer>| p.outs_at(s, p.rest.clone());
-        let one = |s: Vec<Tracer>, u: Vec<Tracer>| Function::apply(&jvp_fn(ByRef(&g)), (s, u)).map(|(_, t)| t);
+        let one = |s: Vec<Tracer>, u: Vec<Tracer>| {
+            Function::apply(&named_jvp_fn(ByRef(&g), "jacfwd"), (s, u)).map(|(_, t)| t)
+        };
         let n: usize = sel.iter().map(numel).sum();
         // cols[k]: [n, *out_k], one JVP per input element
         let cols: Vec<Tracer> = if n == 0 || outs.is_empty() {
             Vec::new()
         } else {
-            Function::apply(&over_basis(one, 1, self.chunk), (sel.clone(), basis("jacfwd", sel)?))?
+            Function::apply(
+                &over_basis(one, 1, self.chunk, options),
+                (sel.clone(), basis("jacfwd", sel)?),
+            )?
         };
         let mut jac = Vec::with_capacity(outs.len() * sel.len());
         for (k, o) in outs.iter().enumerate() {
@@ -393,41 +405,45 @@ where
     }
 }
 
-/// The Jacobian of `f` by reverse mode, like `torch.func.jacrev`: one VJP
-/// per output element, batched by `vmap` (the forward pass, unbatched,
-/// runs once); the cheaper direction where outputs are fewer than inputs.
-/// Made by [`jacrev`].
-pub struct Jacrev<F, W = Wrt<0>, M = Plain> {
+/// What [`jacrev`] does: one VJP per output element, batched by `vmap`
+/// (`chunk` of them at a time, if set).
+pub struct JacrevOf<F, W = Wrt<0>, M = Plain> {
     f: F,
     chunk: Option<usize>,
     _sel: PhantomData<fn() -> (W, M)>,
 }
 
+/// The Jacobian of `f` by reverse mode, like `torch.func.jacrev`: one VJP
+/// per output element, batched by `vmap` (the forward pass, unbatched,
+/// runs once); the cheaper direction where outputs are fewer than inputs.
+/// Made by [`jacrev`].
+pub type Jacrev<F, W = Wrt<0>, M = Plain> = Transformed<JacrevOf<F, W, M>>;
+
 /// See [`Jacrev`]; shaped as [`jacfwd`]'s result.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_func::{jacrev, jit, Tracer};
+/// use candle_func::{jacrev, Tracer};
 /// use std::collections::BTreeMap;
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
-/// let j = jit(jacrev(|x: Tracer| x.sqr()?.sum_all())).call(&x)?;
+/// let j = jacrev(|x: Tracer| x.sqr()?.sum_all()).call(&x)?;
 /// assert_eq!(j.to_vec1::<f32>()?, vec![2., 4.]);
 /// // a map of parameters in, a tensor out: a map of Jacobians
 /// let p = BTreeMap::from([("w".to_string(), x.clone())]);
 /// let f = |p: BTreeMap<String, Tracer>| p["w"].exp();
-/// let j = jit(jacrev(f).chunk_size(1)).call(&p)?;
+/// let j = jacrev(f).chunk_size(1).call(&p)?;
 /// assert_eq!(j["w"].dims(), &[2, 2]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn jacrev<F>(f: F) -> Jacrev<F> {
-    Jacrev {
+    Transformed::new(JacrevOf {
         f,
         chunk: None,
         _sel: PhantomData,
-    }
+    })
 }
 
-argnum_methods!(Jacrev);
+argnum_methods!(Jacrev, JacrevOf);
 
 /// `sum_k <outs_k, cts_k>`: the scalar whose gradient is one VJP.
 fn pairing(outs: &[Tracer], cts: &[Tracer]) -> Result<Tracer> {
@@ -444,7 +460,7 @@ fn pairing(outs: &[Tracer], cts: &[Tracer]) -> Result<Tracer> {
     })
 }
 
-impl<S, F, W, M> Function<S> for Jacrev<F, W, M>
+impl<S, F, W, M> Transform<S> for JacrevOf<F, W, M>
 where
     S: ArgList,
     F: Function<S>,
@@ -453,7 +469,8 @@ where
 {
     type Output = JacOf<S, F, W, M>;
 
-    fn apply(&self, args: S) -> Result<Self::Output> {
+    fn apply(&self, options: &Options, args: S) -> Result<Self::Output> {
+        options.check_not_vmap("jacrev")?;
         let p = Prepared::<S, F, M>::new("jacrev", &self.f, args, W::indices())?;
         let (sel, outs) = (&p.sel, &p.outs);
         // row i: the gradient of <f(x), e_i>, one per output element
@@ -464,7 +481,7 @@ where
             Vec::new()
         } else {
             Function::apply(
-                &over_basis(grad(row), 2, self.chunk),
+                &over_basis(grad(row), 2, self.chunk, options),
                 (sel.clone(), p.rest.clone(), basis("jacrev", outs)?),
             )?
         };
@@ -484,94 +501,106 @@ where
     }
 }
 
+/// What [`hessian`] does: `jacfwd(jacrev(f))` with respect to the
+/// arguments `W`.
+pub struct HessianOf<F, W = Wrt<0>> {
+    f: F,
+    _sel: PhantomData<fn() -> W>,
+}
+
 /// The Hessian of `f`: `jacfwd(jacrev(f))` with respect to the same
 /// arguments, as `torch.func.hessian`; for a scalar `f` of a tensor,
 /// `[*in, *in]`; of a map of parameters, a map of maps. Made by
 /// [`hessian`].
-pub struct Hessian<F, W = Wrt<0>> {
-    f: F,
-    _sel: PhantomData<fn() -> W>,
-}
+pub type Hessian<F, W = Wrt<0>> = Transformed<HessianOf<F, W>>;
 
 /// See [`Hessian`].
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_func::{hessian, jit, Tracer};
+/// use candle_func::{hessian, Tracer};
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
-/// let h = jit(hessian(|x: Tracer| x.sqr()?.sum_all())).call(&x)?;
+/// let h = hessian(|x: Tracer| x.sqr()?.sum_all()).call(&x)?;
 /// assert_eq!(h.to_vec2::<f32>()?, vec![vec![2., 0.], vec![0., 2.]]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn hessian<F>(f: F) -> Hessian<F> {
-    Hessian { f, _sel: PhantomData }
+    Transformed::new(HessianOf { f, _sel: PhantomData })
 }
 
 impl<F, W> Hessian<F, W> {
     /// With respect to argument `I` (default 0).
     pub fn argnum<const I: usize>(self) -> Hessian<F, Wrt<I>> {
-        Hessian {
-            f: self.f,
+        self.map(|k| HessianOf {
+            f: k.f,
             _sel: PhantomData,
-        }
+        })
     }
 
     /// With respect to arguments `I` and `J`: blocks `((H_ii, H_ij),
     /// (H_ji, H_jj))` per output leaf.
     pub fn argnums<const I: usize, const J: usize>(self) -> Hessian<F, Wrt2<I, J>> {
-        Hessian {
-            f: self.f,
+        self.map(|k| HessianOf {
+            f: k.f,
             _sel: PhantomData,
-        }
+        })
     }
 }
 
 /// The type of a Hessian: the Jacobian of a Jacobian.
-type HessianOf<O, G> = <<O as SymTree>::Nest<G> as SymTree>::Nest<G>;
+type NestedTwice<O, G> = <<O as SymTree>::Nest<G> as SymTree>::Nest<G>;
 
-impl<S, F, W> Function<S> for Hessian<F, W>
+impl<S, F, W> Transform<S> for HessianOf<F, W>
 where
     S: ArgList,
     F: Function<S>,
     W: Argnums<S>,
 {
-    type Output = HessianOf<F::Output, W::Grads>;
+    type Output = NestedTwice<F::Output, W::Grads>;
 
-    fn apply(&self, args: S) -> Result<Self::Output> {
-        let inner = Jacrev::<_, W, Plain> {
+    fn apply(&self, options: &Options, args: S) -> Result<Self::Output> {
+        let inner = Transformed::new(JacrevOf::<_, W, Plain> {
             f: ByRef(&self.f),
             chunk: None,
             _sel: PhantomData,
-        };
-        let outer = Jacfwd::<_, W, Plain> {
+        });
+        let outer = JacfwdOf::<_, W, Plain> {
             f: inner,
             chunk: None,
             _sel: PhantomData,
         };
-        outer.apply(args)
+        outer.apply(options, args)
     }
+}
+
+/// What [`hvp_fn`] does: one JVP of the gradient.
+pub struct HvpOf<F> {
+    f: F,
 }
 
 /// The Hessian-vector product `H v` of a scalar `f` of one tree, by
 /// forward over reverse (one JVP of the gradient; no Hessian is formed), as
 /// a [`Function`] of `(x, v)`: the JAX cookbook's `hvp`. For the gradient
-/// too, use `jvp_fn(grad(f))`. Made by [`hvp_fn`]; wrap it in [`jit`] to
-/// trace once and call it repeatedly.
-pub struct HvpFn<F> {
-    f: F,
-}
+/// too, use `jvp_fn(grad(f))`. Made by [`hvp_fn`]; `.call` traces once
+/// per signature and calls it repeatedly.
+pub type HvpFn<F> = Transformed<HvpOf<F>>;
 
 /// See [`HvpFn`].
 pub fn hvp_fn<F>(f: F) -> HvpFn<F> {
-    HvpFn { f }
+    Transformed::new(HvpOf { f })
 }
 
-impl<A: SymTree, F: Function<(A,), Output = Tracer>> Function<(A, A)> for HvpFn<F> {
+impl<A: SymTree, F: Function<(A,), Output = Tracer>> Transform<(A, A)> for HvpOf<F> {
     type Output = A;
-    fn apply(&self, (x, v): (A, A)) -> Result<A> {
+    fn apply(&self, options: &Options, (x, v): (A, A)) -> Result<A> {
         // only the tangent: the gradient's last products are dead code
-        Function::apply(&jvp_fn(grad(ByRef(&self.f))), (x, v)).map(|(_, hv)| hv)
+        Function::apply(&named_jvp_fn(grad(ByRef(&self.f)), "hvp").options(*options), (x, v)).map(|(_, hv)| hv)
     }
+}
+
+/// What [`vhp_fn`] does: one VJP of the gradient.
+pub struct VhpOf<F> {
+    f: F,
 }
 
 /// The vector-Hessian product `v^T H` of a scalar `f` of one tree, by
@@ -580,25 +609,23 @@ impl<A: SymTree, F: Function<(A,), Output = Tracer>> Function<(A, A)> for HvpFn<
 /// [`HvpFn`]'s where the Hessian is symmetric (`f` twice continuously
 /// differentiable); which is faster depends on the function. Made by
 /// [`vhp_fn`].
-pub struct VhpFn<F> {
-    f: F,
-}
+pub type VhpFn<F> = Transformed<VhpOf<F>>;
 
 /// See [`VhpFn`].
 pub fn vhp_fn<F>(f: F) -> VhpFn<F> {
-    VhpFn { f }
+    Transformed::new(VhpOf { f })
 }
 
-impl<A: SymTree, F: Function<(A,), Output = Tracer>> Function<(A, A)> for VhpFn<F> {
+impl<A: SymTree, F: Function<(A,), Output = Tracer>> Transform<(A, A)> for VhpOf<F> {
     type Output = A;
-    fn apply(&self, (x, v): (A, A)) -> Result<A> {
-        Function::apply(&vjp_fn(grad(ByRef(&self.f))), (x, v))
+    fn apply(&self, options: &Options, (x, v): (A, A)) -> Result<A> {
+        Function::apply(&named_vjp_fn(grad(ByRef(&self.f)), "vhp").options(*options), (x, v))
     }
 }
 
 /// `H v`, the Hessian of a scalar `f` at `x` times `v` (trees of one
 /// structure), by forward over reverse; see [`HvpFn`]. It traces `f` on
-/// every call; `jit(hvp_fn(f))` traces once.
+/// every call; `hvp_fn(f).call((x, v))` traces once per signature.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -614,7 +641,7 @@ where
     T: TensorTree + ?Sized,
     F: Function<(T::Sym,), Output = Tracer>,
 {
-    jit(hvp_fn(ByRef(f))).call((x, v))
+    hvp_fn(ByRef(f)).call((x, v))
 }
 
 /// `v^T H` by reverse over reverse; see [`VhpFn`] and [`hvp`].
@@ -633,5 +660,5 @@ where
     T: TensorTree + ?Sized,
     F: Function<(T::Sym,), Output = Tracer>,
 {
-    jit(vhp_fn(ByRef(f))).call((x, v))
+    vhp_fn(ByRef(f)).call((x, v))
 }

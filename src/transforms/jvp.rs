@@ -2,6 +2,7 @@
 //! derivative together, one JVP rule per primitive (beside its VJP rule),
 //! as `jax.jvp` and `torch.func.jvp` do.
 
+use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, CallArgs, SymTree};
 use super::{flatten_call, trace_top, Function};
 use crate::error::{Error, Result};
@@ -76,7 +77,7 @@ where
     let n_out = traced.graph.outputs.len();
     let joint = Executable::new(&joint_graph(&traced.graph, device)?)
         .seeded(traced.seed, Default::default())
-        .limit(f.own_options().get_memory_limit());
+        .limit(f.own_options().memory_limit);
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
     let mut outs = joint.run(&flat)?;
     let tangent_outs = outs.split_off(n_out);
@@ -85,34 +86,47 @@ where
     Ok((value, tangent))
 }
 
+/// What [`jvp_fn`] does: `f` and its tangent in one forward pass. `op`
+/// names it in errors (`jvp`, or `hvp` for the Hessian-vector product
+/// built on it).
+pub struct JvpOf<F> {
+    f: F,
+    op: &'static str,
+}
+
 /// `f` in forward mode as a function of `(primals, tangents)` (one
 /// argument tree each) giving `(value, tangent)`: a [`Function`], so it
 /// nests under other transforms (`vmap` over tangents is `jacfwd`; a
 /// `jvp_fn` of `grad` is a Hessian-vector product). Made by [`jvp_fn`].
-pub struct JvpFn<F> {
-    f: F,
-}
+pub type JvpFn<F> = Transformed<JvpOf<F>>;
 
 /// `f` in forward mode as a composable function of `(primals, tangents)`
 /// (see [`JvpFn`]); [`jvp`] calls it on tensors directly.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_func::{jit, jvp_fn, Tracer};
+/// use candle_func::{jvp_fn, Tracer};
 /// let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
 /// let u = Tensor::new(&[1f32, 1.], &Device::Cpu)?;
-/// let (y, dy) = jit(jvp_fn(|x: Tracer| x.exp())).call((&x, &u))?;
+/// let (y, dy) = jvp_fn(|x: Tracer| x.exp()).call((&x, &u))?;
 /// assert_eq!(dy.to_vec1::<f32>()?, y.to_vec1::<f32>()?);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn jvp_fn<F>(f: F) -> JvpFn<F> {
-    JvpFn { f }
+    named_jvp_fn(f, "jvp")
 }
 
-impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
+/// [`jvp_fn`] whose errors name `op`.
+pub(crate) fn named_jvp_fn<F>(f: F, op: &'static str) -> JvpFn<F> {
+    Transformed::new(JvpOf { f, op })
+}
+
+impl<A: SymTree, F: Function<(A,)>> Transform<(A, A)> for JvpOf<F> {
     type Output = (F::Output, F::Output);
 
-    fn apply(&self, (primals, tangents): (A, A)) -> Result<Self::Output> {
+    fn apply(&self, options: &Options, (primals, tangents): (A, A)) -> Result<Self::Output> {
+        let op = self.op;
+        options.check_not_vmap(op)?;
         let (mut p, mut t) = (Vec::new(), Vec::new());
         let (pd, td) = (primals.flatten_into(&mut p), tangents.flatten_into(&mut t));
         let (pt, tt): (Vec<TensorType>, Vec<TensorType>) = (
@@ -121,13 +135,13 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
         );
         if pd != td || pt != tt {
             return Err(Error::Tree {
-                msg: format!("jvp: tangents {tt:?} do not match the primals {pt:?}"),
+                msg: format!("{op}: tangents {tt:?} do not match the primals {pt:?}"),
             });
         }
         let outer = super::innermost(&[p.clone(), t.clone()]).ok_or_else(|| Error::Tree {
-            msg: "jvp: the function has no tensor arguments".into(),
+            msg: format!("{op}: the function has no tensor arguments"),
         })?;
-        let given = self.f.own_options().inherit(&outer.borrow().given);
+        let given = options.inherit(&self.f.own_options()).inherit(&outer.borrow().given);
         let (g, captures, out_def) = super::trace_inner(&self.f, &outer, (given, true, false), &[pd], &[pt])?;
         let (outs, tans) = {
             let mut ob = outer.borrow_mut();
@@ -162,8 +176,13 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, A)> for JvpFn<F> {
 /// Jacobian) and it nests under other transforms. Made by [`vjp_fn`];
 /// [`vjp`](crate::vjp) is the concrete counterpart that keeps the forward
 /// values for repeated pullbacks.
-pub struct VjpFn<F> {
+pub type VjpFn<F> = Transformed<VjpOf<F>>;
+
+/// What [`vjp_fn`] does: the cotangent of the primals from the outputs'.
+/// `op` names it in errors (`vjp`, or `vhp`).
+pub struct VjpOf<F> {
     f: F,
+    op: &'static str,
 }
 
 /// `f` in reverse mode as a composable function (see [`VjpFn`]).
@@ -179,21 +198,28 @@ pub struct VjpFn<F> {
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn vjp_fn<F>(f: F) -> VjpFn<F> {
-    VjpFn { f }
+    named_vjp_fn(f, "vjp")
 }
 
-impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
+/// [`vjp_fn`] whose errors name `op`.
+pub(crate) fn named_vjp_fn<F>(f: F, op: &'static str) -> VjpFn<F> {
+    Transformed::new(VjpOf { f, op })
+}
+
+impl<A: SymTree, F: Function<(A,)>> Transform<(A, F::Output)> for VjpOf<F> {
     type Output = A;
 
-    fn apply(&self, (primals, cts): (A, F::Output)) -> Result<A> {
+    fn apply(&self, options: &Options, (primals, cts): (A, F::Output)) -> Result<A> {
+        let op = self.op;
+        options.check_not_vmap(op)?;
         let (mut p, mut c) = (Vec::new(), Vec::new());
         let pd = primals.flatten_into(&mut p);
         let cd = cts.flatten_into(&mut c);
         let outer = super::innermost(&[p.clone(), c.clone()]).ok_or_else(|| Error::Tree {
-            msg: "vjp: the function has no tensor arguments".into(),
+            msg: format!("{op}: the function has no tensor arguments"),
         })?;
         let types: Vec<TensorType> = p.iter().map(|x| x.ty.clone()).collect();
-        let given = self.f.own_options().inherit(&outer.borrow().given);
+        let given = options.inherit(&self.f.own_options()).inherit(&outer.borrow().given);
         let (g, captures, out_def) = super::trace_inner(
             &self.f,
             &outer,
@@ -205,7 +231,7 @@ impl<A: SymTree, F: Function<(A,)>> Function<(A, F::Output)> for VjpFn<F> {
         if cd != out_def || ct_types != g.output_types() {
             return Err(Error::Tree {
                 msg: format!(
-                    "vjp: cotangents {ct_types:?} do not match the outputs {:?}",
+                    "{op}: cotangents {ct_types:?} do not match the outputs {:?}",
                     g.output_types()
                 ),
             });
@@ -281,7 +307,7 @@ where
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
     // each half checked against the limit before it runs: the forward
     // now, the tangent map at every call
-    let limit = f.own_options().get_memory_limit();
+    let limit = f.own_options().memory_limit;
     let fwd = Executable::new(&fwd)
         .seeded(traced.seed, Default::default())
         .limit(limit);

@@ -10,6 +10,7 @@ pub(crate) mod planner;
 pub(crate) mod schedule;
 mod segments;
 pub(crate) mod settings;
+pub(crate) mod transformed;
 pub(crate) mod tree;
 pub(crate) mod vmap;
 
@@ -25,6 +26,7 @@ use candle_core::{Device, DeviceLocation, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use transformed::{Transform, Transformed};
 use tree::{ArgList, CallArgs, SymTree, TreeDef};
 
 /// A function that can be traced: given symbolic arguments (a tuple with
@@ -278,7 +280,7 @@ fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
 ) -> Result<Traced> {
     let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
     let ctx = TraceCtx::new(device.clone());
-    ctx.offer_seed(given.get_seed());
+    ctx.offer_seed(given.seed);
     // A top-level trace has no enclosing one, so nothing can be captured.
     let root = Builder::root(next_builder_id(), given, ctx.clone());
     root.borrow_mut().differentiated = differentiated;
@@ -322,7 +324,7 @@ where
         Some(c) if c.current() => c,
         _ => {
             let traced = trace_top(f, (given, false), &key.defs, &leaves, &device)?;
-            let c = Arc::new(traced.compile(given.get_memory_limit(), cache.calls.clone()));
+            let c = Arc::new(traced.compile(given.memory_limit, cache.calls.clone()));
             cache.insert(key, c.clone());
             c
         }
@@ -387,59 +389,30 @@ impl Graph {
     }
 }
 
+/// What [`jit`] does: nothing to the function but trace it once per input
+/// signature and run it.
+pub struct JitOf<F> {
+    f: F,
+}
+
 /// The function traced once per input signature and run by the interpreter,
 /// with no transform (JAX's `jit`): a way to run a traced model on concrete
-/// tensors, and the per-example oracle that `vmap` is tested against.
-pub struct Jit<F> {
-    f: F,
-    options: Options,
-    cache: GraphCache,
-}
+/// tensors, and the per-example oracle that `vmap` is tested against. Its
+/// options (route, strict mode, seed, memory limit) are inherited by the
+/// transforms inside.
+pub type Jit<F> = Transformed<JitOf<F>>;
 
 /// Wraps `f` so it can be called on concrete tensors (see [`Jit`]).
 pub fn jit<F>(f: F) -> Jit<F> {
-    Jit {
-        f,
-        options: Options::new(),
-        cache: GraphCache::default(),
-    }
+    Transformed::new(JitOf { f })
 }
 
-impl<F> Jit<F> {
-    /// Options inherited by the transforms inside `f` (route, strict mode)
-    /// and the seed of its random draws, when this jit is called on tensors.
-    pub fn options(mut self, options: Options) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = options;
-        self
-    }
-
-    /// Calls the function on concrete arguments.
-    pub fn call<S, C>(&self, args: C) -> Result<<F::Output as SymTree>::Concrete>
-    where
-        S: ArgList,
-        F: Function<S>,
-        C: CallArgs<S>,
-    {
-        call_concrete(self, &self.cache, &args)
-    }
-
-    /// Number of input signatures traced so far.
-    pub fn traced_signatures(&self) -> usize {
-        self.cache.len()
-    }
-}
-
-impl<S: ArgList, F: Function<S>> Function<S> for Jit<F> {
+impl<S: ArgList, F: Function<S>> Transform<S> for JitOf<F> {
     type Output = F::Output;
-    fn apply(&self, args: S) -> Result<F::Output> {
+    fn apply(&self, options: &Options, args: S) -> Result<F::Output> {
         // Inside another trace a jit is transparent; its options apply when
         // it is the function called on tensors.
-        self.options.check_not_vmap("jit")?;
+        options.check_not_vmap("jit")?;
         self.f.apply(args)
-    }
-
-    fn own_options(&self) -> Options {
-        self.options
     }
 }

@@ -99,21 +99,21 @@ pub fn manual_seed(seed: u64) {
 /// batches with. An unset route reads the setter and the environment (so a
 /// bad `CANDLE_FUNC_CONV_ROUTE` fails only a transform that needs a route).
 pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
-    if opts.get_chunk_size() == Some(0) {
+    if opts.chunk_size == Some(0) {
         return Err(Error::Config {
             msg: "vmap: chunk_size must be positive".into(),
         });
     }
     Ok(Opts {
-        route: match opts.get_conv_route() {
+        route: match opts.conv_route {
             Some(r) => r,
             None => conv_route()?,
         },
-        strict: opts.get_strict().unwrap_or_else(strict),
-        randomness: opts.get_randomness().unwrap_or_default(),
-        chunk_size: opts.get_chunk_size(),
-        seed: opts.get_seed(),
-        schedule: opts.get_schedule().unwrap_or_default(),
+        strict: opts.strict.unwrap_or_else(strict),
+        randomness: opts.randomness.unwrap_or_default(),
+        chunk_size: opts.chunk_size,
+        seed: opts.seed,
+        schedule: opts.schedule.unwrap_or_default(),
     })
 }
 

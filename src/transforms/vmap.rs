@@ -4,22 +4,25 @@
 use super::dims::Dims;
 use super::schedule::run_batch;
 use super::settings;
-use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{call_concrete, innermost, trace_inner, Function, GraphCache};
+use super::transformed::{Transform, Transformed};
+use super::tree::{ArgList, SymTree, TreeDef};
+use super::{innermost, trace_inner, Function};
 use crate::error::{Error, Result};
-use crate::ir::options::{ConvRoute, Options, Randomness, Schedule};
+use crate::ir::options::{Options, Randomness, Schedule};
 use crate::ir::TensorType;
 use crate::rules::{BVal, BuilderRef};
 use crate::trace::Tracer;
 
-/// The vectorising map of `f` (see [`vmap`]).
-pub struct Vmap<F> {
+/// What [`vmap`] does: batches `f` over the axes `in_dims` of its
+/// arguments, placing the batch axis of its results at `out_dims`.
+pub struct VmapOf<F> {
     f: F,
     in_dims: Dims,
     out_dims: Dims,
-    options: Options,
-    cache: GraphCache,
 }
+
+/// The vectorising map of `f` (see [`vmap`]).
+pub type Vmap<F> = Transformed<VmapOf<F>>;
 
 /// Vectorises `f` over a batch axis of its arguments, like `jax.vmap` and
 /// `torch.func.vmap`: `vmap(f).call(xs)` equals stacking `f(x)` for every
@@ -37,101 +40,43 @@ pub struct Vmap<F> {
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn vmap<F>(f: F) -> Vmap<F> {
-    Vmap {
+    Transformed::new(VmapOf {
         f,
         in_dims: Dims::All(Some(0)),
         out_dims: Dims::All(Some(0)),
-        options: Options::new(),
-        cache: GraphCache::default(),
-    }
+    })
 }
 
 impl<F> Vmap<F> {
     /// The batch axis of each top-level argument (default: 0 for all).
-    pub fn in_dims(mut self, dims: impl Into<Dims>) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.in_dims = dims.into();
-        self
+    pub fn in_dims(self, dims: impl Into<Dims>) -> Self {
+        self.edit(|k| k.in_dims = dims.into())
     }
 
     /// Where the batch axis goes in each top-level output (default: 0).
     /// `None` asks for an unbatched output, an error if it depends on the
     /// batch.
-    pub fn out_dims(mut self, dims: impl Into<Dims>) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.out_dims = dims.into();
-        self
+    pub fn out_dims(self, dims: impl Into<Dims>) -> Self {
+        self.edit(|k| k.out_dims = dims.into())
     }
 
     /// Runs the batch in chunks of `k` examples and concatenates, bounding
     /// peak memory as the batch grows.
-    pub fn chunk_size(mut self, k: usize) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = self.options.chunk_size(k);
-        self
-    }
-
-    /// The convolution route for this transform (wins over the process-wide
-    /// setting and the environment variable).
-    pub fn conv_route(mut self, route: ConvRoute) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = self.options.conv_route(route);
-        self
-    }
-
-    /// Strict mode for this transform: a primitive without a batching rule is
-    /// an error instead of a warning and a per-example loop.
-    pub fn strict(mut self, on: bool) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = self.options.strict(on);
-        self
+    pub fn chunk_size(self, k: usize) -> Self {
+        self.with_options(|o| o.chunk_size(k))
     }
 
     /// What random operations (dropout) do: an error (default), one draw
     /// for all examples, or a draw per example.
-    pub fn randomness(mut self, r: Randomness) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = self.options.randomness(r);
-        self
+    pub fn randomness(self, r: Randomness) -> Self {
+        self.with_options(|o| o.randomness(r))
     }
 
     /// How the batch runs as a whole: batched, once per example, or the
     /// faster of the two for a large program (the default; see
     /// [`Schedule`]).
-    pub fn schedule(mut self, s: Schedule) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = self.options.schedule(s);
-        self
-    }
-
-    /// The seed of the random draws (see [`Options::seed`]).
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = self.options.seed(seed);
-        self
-    }
-
-    /// All options at once (replacing those set before).
-    pub fn options(mut self, options: Options) -> Self {
-        self.cache = GraphCache::default(); // a changed transform traces anew
-        self.options = options;
-        self
-    }
-
-    /// Calls the vectorised function on concrete tensors. The traced graph is
-    /// cached per input signature, so a repeated call does not trace again.
-    pub fn call<S, C>(&self, args: C) -> Result<<F::Output as SymTree>::Concrete>
-    where
-        S: ArgList,
-        F: Function<S>,
-        C: CallArgs<S>,
-    {
-        call_concrete(self, &self.cache, &args)
-    }
-
-    /// Number of input signatures traced so far.
-    pub fn traced_signatures(&self) -> usize {
-        self.cache.len()
+    pub fn schedule(self, s: Schedule) -> Self {
+        self.with_options(|o| o.schedule(s))
     }
 }
 
@@ -210,10 +155,10 @@ fn leaf_out_dims(dims: &Dims, def: &TreeDef) -> Result<Vec<Option<isize>>> {
     Ok(per_top.into_iter().flatten().collect())
 }
 
-impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
+impl<S: ArgList, F: Function<S>> Transform<S> for VmapOf<F> {
     type Output = F::Output;
 
-    fn apply(&self, args: S) -> Result<F::Output> {
+    fn apply(&self, options: &Options, args: S) -> Result<F::Output> {
         let (leaves, defs) = args.flatten_args();
         let dims = self
             .in_dims
@@ -224,9 +169,9 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
             msg: "vmap needs at least one tensor argument".into(),
         })?;
         let ins = batched_inputs(&outer, (&leaves, &defs), &dims)?;
-        let given = self.options.inherit(&outer.borrow().given);
+        let given = options.inherit(&outer.borrow().given);
         let opts = settings::resolve(&given)?;
-        outer.borrow().ctx.offer_seed(self.options.get_seed());
+        outer.borrow().ctx.offer_seed(options.seed);
         let (g, captures, out_def) = trace_inner(&self.f, &outer, (given, false, true), &defs, &ins.types)?;
         // Prune first, so dead work (an unused input gradient) is neither
         // batched nor timed by the Auto route.
@@ -242,9 +187,5 @@ impl<S: ArgList, F: Function<S>> Function<S> for Vmap<F> {
         };
         let tracers: Vec<Tracer> = ids.into_iter().map(|id| Tracer::new(&outer, id)).collect();
         F::Output::unflatten_from(&out_def, &mut tracers.into_iter())
-    }
-
-    fn own_options(&self) -> Options {
-        self.options
     }
 }

@@ -214,7 +214,7 @@ where
 }
 
 /// Keeps a function usable where a `Function` bound is needed in helpers.
-pub fn is_function<S: candle_func::ArgList, F: Function<S>>(_f: &F) {}
+pub fn is_function<S: candle_func::tree::ArgList, F: Function<S>>(_f: &F) {}
 pub mod arch;
 
 /// A 3D convolution (PyTorch semantics, no bias) from candle's own ops:
