@@ -7,7 +7,7 @@
 //!     cargo run --release --example bench                 # everything
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
-//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS, FWD, HO, NTK, LM, DP, SWEEP
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS (or ENS_T, ENS_O, ENS_MLP), FWD, HO, NTK, LM, DP, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 
 mod common;
@@ -826,8 +826,8 @@ fn main() -> Res<()> {
             !quick,
         )?;
     }
-    if want("ENS") {
-        for e in [&TUTORIAL, &OPACUS, &MLP] {
+    for (key, e) in [("ENS_T", &TUTORIAL), ("ENS_O", &OPACUS), ("ENS_MLP", &MLP)] {
+        if want("ENS") || want(key) {
             ensemble(&o, e, false)?;
             ensemble(&o, e, true)?;
         }

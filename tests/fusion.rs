@@ -211,6 +211,50 @@ fn a_reshape_between_product_and_epilogue_is_fused() {
     }
 }
 
+/// An ensemble of two linear layers over one shared batch: the batching
+/// rule computes the first as `(B out) in @ in N`, viewed as `B N out`
+/// through a reshape and a transpose. The transpose moves past the bias
+/// and the ReLU (which join the product in its own layout), the second
+/// product reads both its operands as they are stored and returns its
+/// result transposed, with the bias fused through the transpose (the
+/// torch.func ensembling tutorial's layers); the loop's numbers, NaN kept.
+#[test]
+fn products_of_a_shared_batch_ensemble_take_their_epilogues_in_their_own_layout() {
+    let (m, n, fin, hid, fout) = (6, 5, 12, 7, 3);
+    let (w1, b1) = (rand(&[m, hid, fin], 40), rand(&[m, hid], 41));
+    let (w2, b2) = (rand(&[m, fout, hid], 43), rand(&[m, fout], 44));
+    let mut xv = rand(&[n, fin], 42).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    xv[3] = f32::NAN;
+    let x = Tensor::from_vec(xv, (n, fin), &Device::Cpu).unwrap();
+    let net = |w1: Tracer, b1: Tracer, w2: Tracer, b2: Tracer, x: Tracer| {
+        linear_layer(linear_layer(x, w1, b1)?.relu()?, w2, b2)
+    };
+    let f = vmap(|p: (Tracer, Tracer, Tracer, Tracer), x: Tracer| net(p.0, p.1, p.2, p.3, x))
+        .in_dims([Some(0), None])
+        .schedule(Schedule::Batched);
+    let params = (&w1, &b1, &w2, &b2);
+    let g = make_graph(&f, (params, &x)).unwrap();
+    assert_eq!(count(&g, "fused[matmul+reshape"), 1, "{g}");
+    assert_eq!(count(&g, "fused[matmul+permute"), 1, "{g}");
+    assert_eq!(count(&g, "relu") + count(&g, "add"), 0, "{g}");
+    let got = f.call((params, &x)).unwrap();
+    assert_eq!(got.dims(), &[m, n, fout]);
+    let one = |p: (Tracer, Tracer, Tracer, Tracer), x: Tracer| net(p.0, p.1, p.2, p.3, x);
+    for i in 0..m {
+        let at = |t: &Tensor| t.get(i).unwrap();
+        let p = (&at(&w1), &at(&b1), &at(&w2), &at(&b2));
+        let want = jit(one).call((p, &x)).unwrap();
+        let a = got.get(i).unwrap();
+        let nan = |t: &Tensor| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|v| v.is_nan()).collect::<Vec<_>>()
+        };
+        assert_eq!(nan(&a), nan(&want), "NaN where the loop has it, model {i}");
+        let zero_nan = |t: &Tensor| t.ne(t).unwrap().where_cond(&t.zeros_like().unwrap(), t).unwrap();
+        assert_close(&zero_nan(&a), &zero_nan(&want), 1e-5, &format!("model {i}"));
+    }
+}
+
 /// `vjp` differentiates the unfused graph and fuses its two halves after:
 /// a linear + ReLU and a conv + bias + ReLU layer, plainly and as a
 /// per-example map, give the gradients `grad` gives.

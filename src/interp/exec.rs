@@ -6,7 +6,7 @@
 //! call, `vjp` and its pullback, `linearize` and its linear map,
 //! `Graph::run`, the planner's timing runs and the DP step.
 
-use super::{mix, passes, run_inner, NodeTimes, RunStats};
+use super::{malloc, mix, passes, run_inner, NodeTimes, RunStats};
 use crate::error::{Error, Result};
 use crate::ir::Graph;
 use crate::kernels::copies::Copies;
@@ -53,7 +53,10 @@ impl Executable {
     /// out; seeded from the process-wide stream, with no limit but the
     /// machine's memory.
     pub(crate) fn new(g: &Graph) -> Executable {
-        Self::prepared(passes::prepare(g))
+        match g.prepared {
+            true => Self::prepared(g.clone()),
+            false => Self::prepared(passes::prepare(g)),
+        }
     }
 
     /// A graph the passes have already prepared, as it is.
@@ -83,9 +86,12 @@ impl Executable {
         self
     }
 
-    /// The prepared graph, taken out.
+    /// The prepared graph, taken out (marked as prepared).
     pub(crate) fn into_graph(self) -> Graph {
-        self.graph
+        Graph {
+            prepared: true,
+            ..self.graph
+        }
     }
 
     /// The bytes the graph holds at its peak by its plan.
@@ -119,12 +125,14 @@ impl Executable {
     /// values.
     pub(crate) fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
         self.check()?;
+        malloc::keep(self.peak);
         run_inner(&self.graph, inputs, self.next_seed(), None, &Copies::default())
     }
 
     /// [`Executable::run`], also returning the time each node took.
     pub(crate) fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
         self.check()?;
+        malloc::keep(self.peak);
         let mut times = Vec::new();
         let seed = self.next_seed();
         let (outs, _) = run_inner(&self.graph, inputs, seed, Some(&mut times), &Copies::default())?;

@@ -7,6 +7,7 @@
 //! plan worked out once and checked against the limit, and its seed.
 
 pub(crate) mod exec;
+mod malloc;
 pub(crate) mod passes;
 
 use crate::error::{CandleContext, Error, Result};

@@ -97,6 +97,9 @@ pub struct Graph {
     pub(crate) outputs: Vec<VarId>,
     /// candle tensors captured while tracing, referenced by `Prim::Const`.
     pub(crate) consts: Vec<Tensor>,
+    /// Whether the passes that prepare a graph to run have made it (a graph
+    /// `make_graph` returned), so running it does not prepare it again.
+    pub(crate) prepared: bool,
 }
 
 /// A read-only view of one node of a [`Graph`].

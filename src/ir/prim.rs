@@ -90,7 +90,7 @@ impl Prim {
     }
 }
 
-/// `relu?(base(x, w) + bias?)` as one primitive, operands `[x, w, bias?]`:
+/// `relu?(view(base(x, w)) + bias?)` as one primitive, operands `[x, w, bias?]`:
 /// the epilogue runs on the product's output in place while it is still
 /// fresh, instead of two more passes that each allocate a tensor as large.
 /// Only the fusion pass (`interp::passes`) makes it, after every transform, so it has
@@ -102,6 +102,10 @@ pub(crate) struct Fused {
     /// The shape the product is viewed as before its epilogue, where a
     /// reshape sat between them (a batching rule's `(B N) C .. -> B N C ..`).
     pub(crate) view: Option<Vec<usize>>,
+    /// The permute after that reshape (a batching rule's `B N C -> B C N`):
+    /// the epilogue still runs on the product's own layout, its bias read
+    /// through the inverse permute, and the result is the permuted view.
+    pub(crate) perm: Option<Vec<usize>>,
     /// Whether a bias (broadcast to the (viewed) product's shape) is added.
     pub(crate) bias: bool,
     /// Whether ReLU follows.
@@ -113,6 +117,9 @@ impl Fused {
         let mut s = format!("fused[{}", self.base.name());
         if let Some(shape) = &self.view {
             s.push_str(&format!("+reshape{shape:?}"));
+        }
+        if let Some(p) = &self.perm {
+            s.push_str(&format!("+permute{p:?}"));
         }
         if self.bias {
             s.push_str("+bias");

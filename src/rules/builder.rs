@@ -219,6 +219,7 @@ impl Builder {
             inputs: self.inputs.clone(),
             outputs,
             consts: self.consts.clone(),
+            prepared: false,
         };
         let captures = self.captures.iter().map(|(t, _)| t.clone()).collect();
         (graph, captures)

@@ -1,10 +1,13 @@
-//! The fused product-and-epilogue primitive, `relu?(base(x, w) + bias?)`
-//! (made by the fusion pass (`interp::passes`) on graphs about to run). On the CPU
-//! the epilogue runs in place on the product's output
-//! (`kernels::epilogue`); elsewhere, or for other dtypes, it runs as the
-//! add and the ReLU it replaced, through their own rules.
+//! The fused product-and-epilogue primitive,
+//! `relu?(permute?(reshape?(base(x, w))) + bias?)` (made by the fusion pass,
+//! `interp::passes`, on graphs about to run). On the CPU the epilogue runs
+//! in place on the product's output (`kernels::epilogue`), in the
+//! product's own layout: the reshape is a view of the fresh output, and
+//! the bias is read through the inverse of the permute, which is applied
+//! to the result as a view last. Elsewhere, or for other dtypes, it runs
+//! as the add and the ReLU it replaced, through their own rules.
 
-use super::facts::{bytes, Arg, Facts, Workspace};
+use super::facts::{bytes, Arg, Facts, Storage, Workspace};
 use super::{arity, broadcast_shapes, rule, BVal, BatchCx, Builder, Cts, Rule, RunCx};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, ShapeOp, Unary};
@@ -28,6 +31,9 @@ impl Rule for Fused {
         if let Some(shape) = &self.view {
             y = ShapeOp::Reshape(shape.clone()).infer(&[&y])?;
         }
+        if let Some(p) = &self.perm {
+            y = ShapeOp::Permute(p.clone()).infer(&[&y])?;
+        }
         if let Some(b) = args.get(2) {
             let (ys, bs) = (y.shape.as_slice(), b.shape.as_slice());
             if b.dtype != y.dtype || broadcast_shapes("fused", bs, ys)? != ys {
@@ -44,9 +50,16 @@ impl Rule for Fused {
     fn facts(&self, args: &[Arg], _out: &TensorType) -> Facts {
         // the product's facts: an epilogue adds nothing a pass reads
         let base = self.product(args).map(|(r, ty)| r.facts(&args[..2], &ty));
+        let base = base.unwrap_or(Facts::costly());
         Facts {
             epilogue: false,
-            ..base.unwrap_or(Facts::costly())
+            // a permuted result is a strided view of the product's buffer
+            storage: if self.perm.is_some() {
+                Storage::Strided
+            } else {
+                base.storage
+            },
+            ..base
         }
     }
 
@@ -68,22 +81,34 @@ impl Rule for Fused {
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        let name = self.name();
         let base = rule(&self.base)?;
-        let y = match &self.view {
-            Some(shape) => {
-                // the product's own type, then a view of its fresh output
-                // (the epilogue still runs in place)
-                let ty = base.infer(&[&TensorType::of(args[0]), &TensorType::of(args[1])])?;
-                let y = base.run(&args[..2], &ty, cx)?;
-                y.reshape(shape.as_slice()).op(&self.name())?
-            }
-            None => base.run(&args[..2], out, cx)?,
-        };
+        // the product's own type, then views of its fresh output
+        let ty = base.infer(&[&TensorType::of(args[0]), &TensorType::of(args[1])])?;
+        let mut y = base.run(&args[..2], &ty, cx)?;
+        if let Some(shape) = &self.view {
+            y = y.reshape(shape.as_slice()).op(&name)?;
+        }
         let bias = args.get(2).copied();
         if epilogue::applies(&y, bias) {
-            // `y` is the product's fresh output, read by nothing else yet.
-            epilogue::apply(&y, bias, self.relu).op(&self.name())?;
-            return Ok(y);
+            // `y` is the product's fresh output, read by nothing else yet;
+            // the bias is laid over it as the permute would lay it
+            let bias = match (bias, &self.perm) {
+                (Some(b), Some(p)) => Some(
+                    b.broadcast_as(out.shape.as_slice())
+                        .and_then(|b| b.permute(inverse(p)))
+                        .op(&name)?,
+                ),
+                (b, _) => b.cloned(),
+            };
+            epilogue::apply(&y, bias.as_ref(), self.relu).op(&name)?;
+            return match &self.perm {
+                Some(p) => y.permute(p.as_slice()).op(&name),
+                None => Ok(y),
+            };
+        }
+        if let Some(p) = &self.perm {
+            y = y.permute(p.as_slice()).op(&name)?;
         }
         let y = match bias {
             Some(b) => Binary::Add.run(&[&y, b], out, cx)?,
@@ -110,6 +135,15 @@ impl Rule for Fused {
     }
 }
 
+/// The permutation that undoes `p`.
+fn inverse(p: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; p.len()];
+    for (i, &a) in p.iter().enumerate() {
+        inv[a] = i;
+    }
+    inv
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +157,7 @@ mod tests {
         let f = Fused {
             base: Prim::Matmul,
             view: None,
+            perm: None,
             bias: true,
             relu: true,
         };

@@ -18,7 +18,7 @@ pub(crate) enum Front {
     /// All of it: nothing batched follows its last convolution.
     All,
     /// The part before the cut.
-    Part(Split),
+    Part(Box<Split>),
 }
 
 /// A program cut in two: `front` maps the program's inputs to the values
@@ -84,8 +84,8 @@ pub(crate) fn split_after_convs(g: &Graph, batched: &[bool]) -> Front {
         };
         head.inputs.push(v);
     }
-    Front::Part(Split {
+    Front::Part(Box::new(Split {
         front,
         head: head.eliminate_dead_code(),
-    })
+    }))
 }

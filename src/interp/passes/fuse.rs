@@ -30,9 +30,9 @@ fn users(g: &Graph) -> Vec<Vec<VarId>> {
     users
 }
 
-/// The same computation with every `relu?(reshape?(product) + bias?)`
-/// chain (with a bias or a ReLU) as one `fused` node, inside map bodies
-/// too.
+/// The same computation with every
+/// `relu?(permute?(reshape?(product)) + bias?)` chain (with a bias or a
+/// ReLU) as one `fused` node, inside map bodies too.
 /// A chain is fused only where each intermediate has that one user and
 /// is not an output; the bias may be any operand the add broadcasts to
 /// the product's shape.
@@ -58,10 +58,18 @@ pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
         if !facts::of_node(&g, v).is_some_and(|f| f.epilogue) {
             continue;
         }
-        let (mut end, mut view, mut bias, mut relu) = (v, None, None, false);
+        let (mut end, mut view, mut perm, mut bias, mut relu) = (v, None, None, None, false);
+        // the views a batching rule puts between a product and its
+        // epilogue: `(B N) C -> B N C`, then a permute (`B N C -> B C N`);
+        // the epilogue runs on the product's own layout
         if let Some(u) = sole(end) {
             if let Prim::Shape(ShapeOp::Reshape(shape)) = &g.nodes[u].prim {
                 (end, view) = (u, Some(shape.clone()));
+            }
+        }
+        if let Some(u) = sole(end) {
+            if let Prim::Shape(ShapeOp::Permute(p)) = &g.nodes[u].prim {
+                (end, perm) = (u, Some(p.clone()));
             }
         }
         if let Some(u) = sole(end) {
@@ -87,6 +95,7 @@ pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
         g.nodes[end].prim = Prim::Fused(Box::new(Fused {
             base,
             view,
+            perm,
             bias: bias.is_some(),
             relu,
         }));

@@ -12,6 +12,7 @@
 //! of its own.
 
 mod fuse;
+mod layout;
 mod remat;
 mod simplify;
 mod slices;

@@ -1,32 +1,20 @@
 //! Local simplifications the transforms leave room for: slices of one
-//! cotangent placed side by side (`slices`), reshapes of
+//! cotangent placed side by side (`slices`), products computed in the
+//! layouts their operands and readers have (`layout`), reshapes of
 //! reshapes, permutes of permutes, multiplications by broadcast ones or
-//! additions of broadcast zeros (the seed of a gradient, an unused bias),
-//! transposed products computed in the layout they are read in, and a
+//! additions of broadcast zeros (the seed of a gradient, an unused bias), and a
 //! node computed twice (common subexpressions: a transform re-emits the
 //! forward pass, JVP and VJP rules each take an `exp` of one value). The
 //! first of the passes that prepare a graph to run; dead code goes last.
 //! Which nodes may never be merged (inputs, random draws, user code) is
 //! each primitive's fact (`rules::facts`).
 
+use super::layout;
 use super::slices::place_slices;
 use crate::ir::ops::{Binary, ShapeOp, Unary};
-use crate::ir::{Graph, Node, Prim};
+use crate::ir::{Graph, Prim};
 use crate::rules::facts;
 use std::collections::HashMap;
-
-/// Inner dimensions up to this make a product bound by writing its output
-/// (about `k / 2` flops per byte written, where this machine's balance is
-/// near 8), so the output's layout decides its speed; above, the GEMM's
-/// preferred orientation does (`[32, 64] @ [64, 512]` took 1.7x as long as
-/// `[512, 64] @ [64, 32]`), and the product is left as written.
-const MAX_WRITE_BOUND_K: usize = 8;
-
-/// Whether `p` swaps the last two axes and keeps the others.
-fn swaps_last_two(p: &[usize]) -> bool {
-    let r = p.len();
-    r >= 2 && p[r - 2] == r - 1 && p[r - 1] == r - 2 && p[..r - 2].iter().enumerate().all(|(i, &j)| i == j)
-}
 
 /// Whether `v` is the scalar `value`, possibly reshaped or broadcast.
 fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
@@ -65,122 +53,9 @@ impl Seen {
     }
 }
 
-/// Every `(a @ b)^T` (a permute swapping the last two axes of a product
-/// nothing else reads) as `b^T @ a^T`, so the product is written in the
-/// layout it is read in: a linear layer's per-sample weight gradient
-/// comes out of its VJP as `(x^T @ ct)^T`, `[B, in, out]` then
-/// permuted, and `[16, 27648, 1] @ [16, 1, 10]` took twice as long as
-/// `[16, 10, 1] @ [16, 1, 27648]` (the permutes of the operands are
-/// views, and undo the permutes that made them). Products of operands
-/// of equal rank and a short inner dimension only.
-fn transpose_products(old: &Graph) -> Graph {
-    let mut readers = vec![0usize; old.nodes.len()];
-    for n in &old.nodes {
-        for &a in &n.args {
-            readers[a] += 1;
-        }
-    }
-    for &o in &old.outputs {
-        readers[o] += 1;
-    }
-    let swapped = |n: &Node| match &n.prim {
-        Prim::Shape(ShapeOp::Permute(p)) if swaps_last_two(p) => {
-            let (mut m, mut split) = (n.args[0], None);
-            if let Prim::Shape(ShapeOp::Reshape(_)) = old.nodes[m].prim {
-                // `[M, N] -> [*lead, M2, N]`: a batching rule's folded
-                // rows split back out, the columns kept
-                let src = old.nodes[m].args[0];
-                let (from, to) = (&old.nodes[src].ty.shape, &old.nodes[m].ty.shape);
-                if readers[m] != 1 || from.len() != 2 || to.len() < 3 || to.last() != from.last() {
-                    return None;
-                }
-                (m, split) = (src, Some(m));
-            }
-            if old.nodes[m].prim != Prim::Matmul || readers[m] != 1 {
-                return None;
-            }
-            let (a, b) = (&old.nodes[old.nodes[m].args[0]].ty, &old.nodes[old.nodes[m].args[1]].ty);
-            // Equal ranks: `[.., m, k] @ [k, n]` runs as one GEMM over
-            // the folded leading axes, which the swapped form would not.
-            // Split rows make the swapped form a batch of products, each
-            // as bound by its writes as the whole.
-            let ranks = match split {
-                Some(_) => a.rank() == 2 && b.rank() == 2,
-                None => a.rank() == b.rank(),
-            };
-            (ranks && a.shape[a.rank() - 1] <= MAX_WRITE_BOUND_K).then_some((m, split))
-        }
-        _ => None,
-    };
-    let deferred: std::collections::HashSet<usize> = old
-        .nodes
-        .iter()
-        .filter_map(swapped)
-        .flat_map(|(m, split)| std::iter::once(m).chain(split))
-        .collect();
-    if deferred.is_empty() {
-        return old.clone();
-    }
-    let mut g = Graph {
-        consts: old.consts.clone(),
-        ..Graph::default()
-    };
-    let mut remap = vec![usize::MAX; old.nodes.len()];
-    let transposed = |g: &mut Graph, v: usize| {
-        let mut shape = g.nodes[v].ty.shape.clone();
-        let r = shape.len();
-        shape.swap(r - 2, r - 1);
-        let mut p: Vec<usize> = (0..r).collect();
-        p.swap(r - 2, r - 1);
-        g.nodes.push(Node {
-            prim: Prim::Shape(ShapeOp::Permute(p)),
-            args: vec![v],
-            ty: g.nodes[v].ty.with_shape(shape),
-        });
-        g.nodes.len() - 1
-    };
-    for (v, n) in old.nodes.iter().enumerate() {
-        if deferred.contains(&v) {
-            continue;
-        }
-        let node = match swapped(n) {
-            Some((m, split)) => {
-                let (mut a, b) = (remap[old.nodes[m].args[0]], remap[old.nodes[m].args[1]]);
-                if let Some(r) = split {
-                    // a: [M, K] -> [*lead, M2, K], its rows split as the product's were
-                    let mut shape = old.nodes[r].ty.shape.clone();
-                    *shape.last_mut().expect("rank 3 or more") = g.nodes[a].ty.shape[1];
-                    g.nodes.push(Node {
-                        prim: Prim::Shape(ShapeOp::Reshape(shape.clone())),
-                        args: vec![a],
-                        ty: g.nodes[a].ty.with_shape(shape),
-                    });
-                    a = g.nodes.len() - 1;
-                }
-                // b^T [N, K] @ a^T [*lead, K, M2] = [*lead, N, M2]
-                let args = vec![transposed(&mut g, b), transposed(&mut g, a)];
-                Node {
-                    prim: Prim::Matmul,
-                    args,
-                    ty: n.ty.clone(),
-                }
-            }
-            None => Node {
-                args: n.args.iter().map(|&a| remap[a]).collect(),
-                ..n.clone()
-            },
-        };
-        g.nodes.push(node);
-        remap[v] = g.nodes.len() - 1;
-    }
-    g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
-    g.outputs = old.outputs.iter().map(|&v| remap[v]).collect();
-    g
-}
-
 /// The same computation with local redundancies removed (then dead code).
 pub(crate) fn simplify(old: &Graph) -> Graph {
-    let mut g = transpose_products(&place_slices(old));
+    let mut g = layout::products_in_place(&place_slices(old));
     let mut same: Vec<usize> = (0..g.nodes.len()).collect();
     let mut seen = Seen::default();
     for v in 0..g.nodes.len() {
