@@ -26,7 +26,7 @@ const MIN_KEPT: usize = 64 << 20;
 
 /// Buffers up to this size come from the heap (glibc's own maximum for
 /// its dynamic threshold on 64-bit targets).
-const HEAP_BUFFERS: usize = 32 << 20;
+const HEAP_BUFFERS: usize = 2 << 20;
 
 /// Keeps at least `peak` bytes of freed memory in the process.
 pub(super) fn keep(peak: usize) {

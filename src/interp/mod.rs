@@ -116,6 +116,15 @@ fn run_inner(
             }
         };
         held.take(&t);
+        if log::log_enabled!(log::Level::Trace) {
+            log::trace!(
+                "run: node {v} {} {:?}: {:.1} MiB held, {:.1} MiB resident",
+                node.prim.name(),
+                node.ty.shape,
+                held.bytes as f64 / (1u64 << 20) as f64,
+                resident_mib()
+            );
+        }
         vals[v] = Some(t);
         live += 1;
         stats.peak_values = stats.peak_values.max(live);
@@ -129,7 +138,12 @@ fn run_inner(
         for a in dead {
             if let Some(t) = vals[a].take() {
                 live -= 1;
-                held.release(&t);
+                // the caller holds its arguments, the graph its captured
+                // tensors: their memory stays however early the run is
+                // done with them
+                if !g.nodes[a].prim.is_leaf() {
+                    held.release(&t);
+                }
             }
         }
     }
@@ -141,6 +155,15 @@ fn run_inner(
         .ok_or_else(|| Error::internal("run", "an output was not computed"))?;
     stats.copied_bytes = copies.bytes() - copied_before;
     Ok((outs, stats))
+}
+
+/// The process's resident memory in MiB (Linux; 0 elsewhere), for the
+/// trace-level log of a run.
+fn resident_mib() -> f64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<f64>().ok()));
+    pages.unwrap_or(0.0) * 4096.0 / (1u64 << 20) as f64
 }
 
 /// The buffers behind the live values: for each, how many live values

@@ -228,6 +228,31 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
     a.matmul(b)
 }
 
+/// Elements [`bmm`] allocates besides its result for `nb` products `[m, k]
+/// @ [k, n]` with column-major (transposed) operands where `a_t` and
+/// `b_t` say: the copies `by_row_major_rhs` makes, the partial sums of a
+/// product split along its inner dimension, and gemm's packed right-hand
+/// panels (at most `k x n`). The memory plan's view of this kernel, kept
+/// beside it so the two change together.
+pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_t: bool) -> usize {
+    let parts = split_k((nb, m, n, k));
+    let spread = nb >= 2 * max_threads();
+    let copies = if b_t && !spread && parts == 1 && !one_thread(m, n, k) {
+        let copy_a = if a_t { 0 } else { m * k };
+        (k * n).min(copy_a + 2 * m * n)
+    } else {
+        0
+    };
+    let partial = if parts > 1 { parts * m * n } else { 0 };
+    // gemm packs the right-hand side in panels of up to 512 rows per thread
+    let packed = if m > 32 {
+        k.min(512) * n * max_threads().min(nb.max(1))
+    } else {
+        0
+    };
+    copies + partial + packed
+}
+
 /// `a @ b` for a column-major `b`, which gemm packs slowly when it splits
 /// one product over the threads (a linear
 /// layer's `x @ W^T`, [64, 9216] @ [9216, 128]: 3.1 ms, against 0.7 ms for

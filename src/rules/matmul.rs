@@ -55,28 +55,33 @@ impl Rule for Matmul {
         // As `run` lays its operands out: the left operand folded into one
         // GEMM is made contiguous; equal batch axes are read in place (up
         // to rank 3, merged by a copy above it); broadcast batch axes are
-        // materialised on both sides.
+        // materialised on both sides. Then the product's own copies and
+        // packing (`kernels::bmm::scratch`; a strided operand is taken for
+        // a transposed one).
         let (a, b) = (args[0], args[1]);
         let (ra, rb) = (a.ty.rank(), b.ty.rank());
-        let batch = &out.shape[..out.rank() - 2];
-        if rb == 2 && ra > 2 {
-            Workspace::copies(a.copy_if_strided())
+        let batch: usize = out.shape[..out.rank() - 2].iter().product();
+        let (m, k, n) = (a.ty.shape[ra - 2], a.ty.shape[ra - 1], b.ty.shape[rb - 1]);
+        let copies = if rb == 2 && ra > 2 {
+            a.copy_if_strided()
         } else if ra == rb && a.ty.shape[..ra - 2] == b.ty.shape[..rb - 2] {
-            Workspace::copies(if ra > 3 {
+            if ra > 3 {
                 a.copy_if_strided() + b.copy_if_strided()
             } else {
                 0
-            })
+            }
         } else {
             let whole = |t: &TensorType| {
-                let m: usize = t.shape[t.rank() - 2..].iter().product();
-                batch
-                    .iter()
-                    .product::<usize>()
-                    .saturating_mul(m)
-                    .saturating_mul(t.dtype.size_in_bytes())
+                let mat: usize = t.shape[t.rank() - 2..].iter().product();
+                batch.saturating_mul(mat).saturating_mul(t.dtype.size_in_bytes())
             };
-            Workspace::copies(whole(a.ty).saturating_add(whole(b.ty)))
+            whole(a.ty).saturating_add(whole(b.ty))
+        };
+        let (nb, m) = if rb == 2 && ra > 2 { (1, batch * m) } else { (batch, m) };
+        let scratch = bmm::scratch((nb, m, k, n), !a.contiguous, !b.contiguous);
+        Workspace {
+            copies,
+            scratch: scratch.saturating_mul(out.dtype.size_in_bytes()),
         }
     }
 

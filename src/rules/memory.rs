@@ -8,7 +8,8 @@
 //! buffers its kernel allocates ([`super::Rule::workspace`]) are held
 //! beside everything live. A map's body counts at its own peak while the
 //! map runs (its workspace). Inputs and constants are counted as
-//! contiguous buffers of their own.
+//! contiguous buffers of their own, held for the whole run: the caller
+//! holds its arguments, and the graph its captured tensors.
 
 use super::facts::{bytes, Arg, Storage, Workspace};
 use super::rule;
@@ -79,7 +80,7 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
         for a in dead {
             let b = buffer[a];
             views[b] -= 1;
-            if views[b] == 0 {
+            if views[b] == 0 && !g.nodes[b].prim.is_leaf() {
                 live = live.saturating_sub(size[b]);
             }
         }
