@@ -354,6 +354,35 @@ impl PoolOp {
     }
 }
 
+// ---- place
+
+/// A concatenation lowered to writes in place: a buffer of the result
+/// type, then each piece written into it as soon as it is made (and
+/// dropped), rather than every piece held until one concatenation copies
+/// them all (a chunked `vmap`'s result was held twice).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum PlaceOp {
+    /// Zeros of this type, the buffer the writes fill.
+    Empty(TensorType),
+    /// Operand 0 (an `Empty`, or the write before) with operand 1 written
+    /// at `offset` along `axis`, in place; the result is operand 0's buffer.
+    Write {
+        /// The axis the pieces are laid along.
+        axis: usize,
+        /// Where along it this piece starts.
+        offset: usize,
+    },
+}
+
+impl PlaceOp {
+    pub(crate) fn name(&self) -> String {
+        match self {
+            PlaceOp::Empty(t) => format!("empty[{:?}]", t.shape),
+            PlaceOp::Write { axis, offset } => format!("write[axis={axis},offset={offset}]"),
+        }
+    }
+}
+
 // ---- random
 
 /// Values uniform in `[0, 1)` of a fixed shape and dtype, drawn anew at

@@ -2,7 +2,7 @@
 //! `ops.rs` / `conv.rs` beside this file; their rules are in `crate::rules`.
 
 use super::conv::ConvOp;
-use super::ops::{Binary, Compare, IndexOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
+use super::ops::{Binary, Compare, IndexOp, PlaceOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
 use super::options::Opts;
 use super::{Graph, TensorType};
 use candle_core::Tensor;
@@ -48,6 +48,10 @@ pub(crate) enum Prim {
     /// A convolution or matrix product with its epilogue (bias, ReLU),
     /// made by the fusion pass (`interp::passes`) on graphs about to run.
     Fused(Box<Fused>),
+    /// A result written in place piece by piece as the pieces are made: a
+    /// concatenation lowered by the executable's passes (`interp::passes`),
+    /// so its pieces are not all held beside it.
+    Place(PlaceOp),
 }
 
 impl Prim {
@@ -76,6 +80,7 @@ impl Prim {
             Prim::Custom(c) => format!("custom[{}]", c.name),
             Prim::Random(r) => r.name(),
             Prim::Fused(f) => f.name(),
+            Prim::Place(p) => p.name(),
         }
     }
 

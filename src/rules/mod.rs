@@ -26,6 +26,7 @@ pub(crate) mod index;
 pub(crate) mod map;
 pub(crate) mod matmul;
 pub(crate) mod memory;
+pub(crate) mod place;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod random;
@@ -143,6 +144,7 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Custom(r) => r,
         Prim::Random(r) => r,
         Prim::Fused(r) => r.as_ref(),
+        Prim::Place(r) => r,
         Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_) => {
             return Err(Error::internal(prim.name(), "a leaf has no rules"))
         }

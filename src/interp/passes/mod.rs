@@ -5,7 +5,8 @@
 //!    transposed products, slices of one cotangent placed side by side),
 //!    common subexpressions merged, dead code removed;
 //! 2. `fuse`: a product's bias add and ReLU fused into it;
-//! 3. `remat`: cheap values recomputed before late readers where that
+//! 3. `stream`: concatenations written in place as their pieces come;
+//! 4. `remat`: cheap values recomputed before late readers where that
 //!    lowers the planned peak.
 //!
 //! Each reads the facts of the primitives (`rules::facts`), never a list
@@ -16,6 +17,7 @@ mod layout;
 mod remat;
 mod simplify;
 mod slices;
+mod stream;
 
 pub(crate) use simplify::simplify;
 
@@ -24,5 +26,5 @@ use crate::ir::Graph;
 /// `g` prepared to run: simplified, fused, and rematerialised where that
 /// lowers its peak.
 pub(crate) fn prepare(g: &Graph) -> Graph {
-    remat::rematerialise(fuse::fuse_epilogues(&simplify(g)))
+    remat::rematerialise(stream::stream_concats(&fuse::fuse_epilogues(&simplify(g))))
 }

@@ -1,0 +1,102 @@
+//! Concatenations lowered to writes in place. A concatenation holds every
+//! piece until the last is made, then copies them all: a `vmap` run in
+//! chunks held its result twice (the chunks' pieces and their
+//! concatenation), so `chunk_size` raised the peak it was meant to lower.
+//! Here a concatenation of pieces nothing else reads becomes a buffer of
+//! its result and one write per piece, placed right after the piece is
+//! made, so each piece is dropped as soon as it is written.
+
+use crate::ir::ops::{PlaceOp, ShapeOp};
+use crate::ir::{Graph, Node, Prim, TensorType, VarId};
+use crate::rules::facts::bytes;
+
+/// Concatenations smaller than this stay as they are: their pieces are
+/// small, and a write per piece costs a node each.
+const MIN_BYTES: usize = 64 << 10;
+
+/// Where each piece of a streamed concatenation goes: its concatenation,
+/// the axis and offset, and whether it is the first piece made.
+#[derive(Clone, Copy)]
+struct Piece {
+    concat: VarId,
+    axis: usize,
+    offset: usize,
+    first: bool,
+}
+
+/// The pieces of every concatenation worth streaming, by node.
+fn pieces(g: &Graph) -> Vec<Option<Piece>> {
+    let n = g.nodes.len();
+    let mut readers = vec![0usize; n];
+    for node in &g.nodes {
+        for &a in &node.args {
+            readers[a] += 1;
+        }
+    }
+    for &o in &g.outputs {
+        readers[o] += 1;
+    }
+    let mut out = vec![None; n];
+    for (c, node) in g.nodes.iter().enumerate() {
+        let Prim::Shape(ShapeOp::Concat(axis)) = node.prim else {
+            continue;
+        };
+        let own = |&a: &VarId| readers[a] == 1 && !g.nodes[a].prim.is_leaf();
+        if node.args.len() < 2 || bytes(&node.ty) < MIN_BYTES || !node.args.iter().all(own) {
+            continue;
+        }
+        let first = node.args.iter().copied().min();
+        let mut offset = 0;
+        for &a in &node.args {
+            out[a] = Some(Piece {
+                concat: c,
+                axis,
+                offset,
+                first: Some(a) == first,
+            });
+            offset += g.ty(a).shape[axis];
+        }
+    }
+    out
+}
+
+/// `g` with its concatenations of pieces it reads once written in place.
+pub(super) fn stream_concats(old: &Graph) -> Graph {
+    let pieces = pieces(old);
+    if pieces.iter().all(Option::is_none) {
+        return old.clone();
+    }
+    let mut g = Graph {
+        consts: old.consts.clone(),
+        ..Graph::default()
+    };
+    let push = |g: &mut Graph, prim: Prim, args: Vec<VarId>, ty: TensorType| {
+        g.nodes.push(Node { prim, args, ty });
+        g.nodes.len() - 1
+    };
+    let mut remap = vec![usize::MAX; old.nodes.len()];
+    // each streamed concatenation's buffer so far
+    let mut filled = vec![usize::MAX; old.nodes.len()];
+    for (v, node) in old.nodes.iter().enumerate() {
+        if pieces.iter().any(|p| p.is_some_and(|p| p.concat == v)) {
+            remap[v] = filled[v];
+            continue;
+        }
+        let args = node.args.iter().map(|&a| remap[a]).collect();
+        remap[v] = push(&mut g, node.prim.clone(), args, node.ty.clone());
+        if let Some(p) = pieces[v] {
+            let ty = old.ty(p.concat).clone();
+            if p.first {
+                filled[p.concat] = push(&mut g, Prim::Place(PlaceOp::Empty(ty.clone())), vec![], ty.clone());
+            }
+            let write = Prim::Place(PlaceOp::Write {
+                axis: p.axis,
+                offset: p.offset,
+            });
+            filled[p.concat] = push(&mut g, write, vec![filled[p.concat], remap[v]], ty);
+        }
+    }
+    g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
+    g.outputs = old.outputs.iter().map(|&v| remap[v]).collect();
+    g
+}
