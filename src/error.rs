@@ -69,15 +69,21 @@ pub enum Error {
     /// machine's available memory): refused before it runs, where it would
     /// otherwise abort the process when an allocation fails.
     #[error(
-        "run: the graph needs {} at its peak (values alive at once), more than the limit of {}; run the batch in chunks (vmap(..).chunk_size(k)), use a smaller batch, or raise Options::memory_limit",
+        "{op}: the graph needs {} at its peak (values alive at once), more than the limit of {}; {}",
         fmt_bytes(*.needed),
-        fmt_bytes(*.limit)
+        fmt_bytes(*.limit),
+        memory_remedy(*.floor, *.limit)
     )]
     Memory {
+        /// What was about to run (`call`, `vjp pullback`, `linearize`, ...).
+        op: &'static str,
         /// Bytes the interpreter's plan holds at its peak.
         needed: usize,
         /// The limit it was checked against.
         limit: usize,
+        /// Bytes no schedule can do without: the graph's arguments,
+        /// captured tensors and results.
+        floor: usize,
     },
     /// A primitive or case that a transform cannot handle (for example a
     /// missing batching rule in strict mode).
@@ -131,6 +137,18 @@ pub enum Error {
 fn fmt_shapes(shapes: &[Vec<usize>]) -> String {
     let parts: Vec<String> = shapes.iter().map(|s| format!("{s:?}")).collect();
     parts.join(" and ")
+}
+
+/// What to do about a plan over the limit: where the arguments and results
+/// alone exceed it, nothing but a smaller batch or a higher limit helps.
+fn memory_remedy(floor: usize, limit: usize) -> String {
+    if floor > limit {
+        return format!(
+            "its arguments, captured tensors and results alone take {}, so no schedule fits: use a smaller batch or raise Options::memory_limit",
+            fmt_bytes(floor)
+        );
+    }
+    "run the batch in smaller chunks (vmap(..).chunk_size(k); a vmap that is not strict and has no chunk size chooses chunks that fit by itself), use a smaller batch, or raise Options::memory_limit".into()
 }
 
 fn fmt_bytes(b: usize) -> String {

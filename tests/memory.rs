@@ -126,3 +126,103 @@ fn calls_refuse_a_plan_over_the_limit_before_running() {
     assert_eq!(g.run(&[x()]).unwrap()[0].dims(), &[16]);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// One example's work: `x` ([16]) spread over a `[4096, 16]` temporary
+/// (256 KiB), summed back. A batch of 64 holds 16 MiB of temporaries.
+fn spread(x: Tracer) -> candle_func::Result<Tracer> {
+    x.broadcast_as((4096, 16))?.exp()?.sum(0)
+}
+
+fn batch() -> Tensor {
+    Tensor::randn(0f32, 1., (64, 16), &Device::Cpu).unwrap()
+}
+
+/// Over the limit as a whole batch, a vmap with no chunk size runs in the
+/// largest chunks that fit, with the numbers of the whole batch; strict
+/// mode keeps the error, which suggests chunks; and the chunk size it
+/// suggests works when set by hand.
+#[test]
+fn a_vmap_over_the_limit_chunks_itself_to_fit() {
+    use candle_func::Schedule;
+    let xs = batch();
+    let want = candle_func::vmap(spread).call(&xs).unwrap();
+    let limit = 4 << 20;
+    let f = candle_func::vmap(spread)
+        .schedule(Schedule::Batched)
+        .memory_limit(limit);
+    let got = f.call(&xs).unwrap();
+    assert_eq!(got.dims(), &[64, 16]);
+    let d = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();
+    assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+    let g = candle_func::make_graph(&f, &xs).unwrap();
+    assert!(g.planned_peak_bytes() <= limit, "{}", g.planned_peak_bytes());
+    assert!(
+        g.nodes().filter(|n| n.name().starts_with("exp")).count() > 1,
+        "chunks: {g}"
+    );
+
+    let strict = candle_func::vmap(spread)
+        .schedule(Schedule::Batched)
+        .memory_limit(limit)
+        .strict(true);
+    let e = strict.call(&xs).unwrap_err();
+    assert!(matches!(e, Error::Memory { op: "call", .. }), "{e}");
+    assert!(e.to_string().contains("chunk_size"), "{e}");
+    let by_hand = strict.chunk_size(4).call(&xs).unwrap();
+    let d = (&by_hand - &want).unwrap().abs().unwrap().max_all().unwrap();
+    assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+}
+
+/// Where the arguments and results alone exceed the limit, no chunking
+/// can help, and the error says so instead of suggesting it.
+#[test]
+fn the_memory_error_suggests_what_can_work() {
+    let xs = batch();
+    let e = candle_func::vmap(spread).memory_limit(1024).call(&xs).unwrap_err();
+    match &e {
+        Error::Memory { floor, limit, .. } => assert!(floor > limit, "{e}"),
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains("no schedule fits"), "{e}");
+    assert!(!e.to_string().contains("chunk_size"), "{e}");
+}
+
+/// `Schedule::Auto` on a large program measures no candidate whose plan
+/// exceeds the limit: over the limit as a whole batch, it measures the
+/// per-example schedule alone; with a limit nothing fits, the call is
+/// refused without a measurement.
+#[test]
+fn auto_measures_nothing_over_the_limit() {
+    use candle_func::planner::schedule_choices;
+    use candle_func::Schedule;
+    // 256 examples of a [1024, 64] temporary: 64 MiB batched
+    let big = |x: Tracer| x.broadcast_as((1024, 64))?.exp()?.sum(0);
+    let xs = Tensor::randn(0f32, 1., (256, 64), &Device::Cpu).unwrap();
+    // this test's decisions (others run beside it)
+    let decided = |before: usize| {
+        let all = schedule_choices();
+        all[before.min(all.len())..]
+            .iter()
+            .filter(|c| c.size == 256)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let before = schedule_choices().len();
+    let got = candle_func::vmap(big).memory_limit(4 << 20).call(&xs).unwrap();
+    assert_eq!(got.dims(), &[256, 64]);
+    let mine = decided(before);
+    assert_eq!(mine.len(), 1, "{mine:?}");
+    assert!(
+        mine[0].timings_ms.iter().all(|(s, _)| *s != Schedule::Batched),
+        "{mine:?}"
+    );
+    assert!(!mine[0].timings_ms.is_empty(), "{mine:?}");
+    let before = schedule_choices().len();
+    let e = candle_func::vmap(big).memory_limit(1).call(&xs).unwrap_err();
+    assert!(matches!(e, Error::Memory { .. }), "{e}");
+    assert!(
+        decided(before).iter().all(|c| c.timings_ms.is_empty()),
+        "{:?}",
+        decided(before)
+    );
+}

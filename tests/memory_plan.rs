@@ -43,6 +43,7 @@ const WORKLOADS: &[&str] = &[
     "dp_tutorial",
     "dp_opacus",
     "dp_lm",
+    "linear_psg_per_example",
 ];
 
 fn labels(b: usize) -> Tensor {
@@ -162,6 +163,14 @@ fn workload(name: &str) -> (Graph, Vec<Tensor>) {
             let (_vm, m, xs, ys) = tiny_lm(32).unwrap();
             let one = |l: &Tracer, y: &Tracer| seq(&l.squeeze(0)?, &y.squeeze(0)?);
             dp(&m, (&xs, &ys), one)
+        }
+        // the case: the per-example schedule's plan had counted
+        // its result once where the run held it twice
+        "linear_psg_per_example" => {
+            let (w, xs) = (images(1024, &[1024]), images(64, &[1024]));
+            let loss = |w: Tracer, x: Tracer| w.matmul(&x.unsqueeze(1)?)?.tanh()?.sum_all();
+            let f = vmap(grad(loss)).in_dims([None, Some(0)]).schedule(Schedule::PerExample);
+            (make_graph(&f, (&w, &xs)).unwrap(), vec![w, xs])
         }
         other => panic!("no workload {other:?}"),
     }

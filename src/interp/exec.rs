@@ -33,8 +33,12 @@ const UNCHECKED_BYTES: usize = 256 << 20;
 #[derive(Debug)]
 pub(crate) struct Executable {
     graph: Graph,
+    /// What runs it, for its errors (`call`, `vjp pullback`, ...).
+    op: &'static str,
     /// The bytes `graph` holds at its peak by its plan.
     peak: usize,
+    /// The bytes its arguments, captured tensors and results take.
+    floor: usize,
     /// Whether running it draws random numbers.
     random: bool,
     /// The seed of the transform that made it, if it has one; `None`
@@ -62,7 +66,9 @@ impl Executable {
     /// A graph the passes have already prepared, as it is.
     pub(crate) fn prepared(graph: Graph) -> Executable {
         Executable {
+            op: "call",
             peak: memory::planned_peak(&graph),
+            floor: memory::floor(&graph),
             random: facts::draws_random(&graph),
             graph,
             seed: None,
@@ -76,6 +82,12 @@ impl Executable {
     pub(crate) fn seeded(mut self, seed: Option<u64>, calls: Arc<AtomicU64>) -> Executable {
         self.seed = seed;
         self.calls = calls;
+        self
+    }
+
+    /// Names what runs the graph in its errors.
+    pub(crate) fn named(mut self, op: &'static str) -> Executable {
+        self.op = op;
         self
     }
 
@@ -101,7 +113,15 @@ impl Executable {
 
     /// An [`Error::Memory`] where the plan needs more than the limit.
     pub(crate) fn check(&self) -> Result<()> {
-        check_peak(self.peak, self.limit)
+        if fits(self.peak, self.limit) {
+            return Ok(());
+        }
+        Err(Error::Memory {
+            op: self.op,
+            needed: self.peak,
+            limit: effective_limit(self.limit).unwrap_or(usize::MAX),
+            floor: self.floor,
+        })
     }
 
     /// The seed of one run (none taken when the graph draws nothing, so
@@ -140,22 +160,21 @@ impl Executable {
     }
 }
 
-/// An [`Error::Memory`] when a plan needing `needed` bytes exceeds `limit`
-/// (`None`: the machine's available memory, read only for a plan above
-/// `UNCHECKED_BYTES`).
-pub(crate) fn check_peak(needed: usize, limit: Option<usize>) -> Result<()> {
-    let limit = match limit {
-        Some(l) => l,
-        None if needed < UNCHECKED_BYTES => return Ok(()),
-        None => match available_memory() {
-            Some(l) => l,
-            None => return Ok(()),
-        },
-    };
-    if needed > limit {
-        return Err(Error::Memory { needed, limit });
+/// Whether a plan needing `needed` bytes fits `limit` (`None`: the
+/// machine's available memory, read only for a plan above
+/// `UNCHECKED_BYTES`, and no limit where it cannot be read).
+pub(crate) fn fits(needed: usize, limit: Option<usize>) -> bool {
+    match limit {
+        Some(l) => needed <= l,
+        None if needed < UNCHECKED_BYTES => true,
+        None => available_memory().is_none_or(|l| needed <= l),
     }
-    Ok(())
+}
+
+/// The limit a plan is checked against: `limit`, else the machine's
+/// available memory (`None` where it cannot be read).
+pub(crate) fn effective_limit(limit: Option<usize>) -> Option<usize> {
+    limit.or_else(available_memory)
 }
 
 /// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.

@@ -265,4 +265,8 @@ pub(crate) struct Opts {
     /// The transform's own seed; `None` draws from the process-wide stream.
     pub(crate) seed: Option<u64>,
     pub(crate) schedule: Schedule,
+    /// The most bytes the call may hold (`None`: the machine's available
+    /// memory): a `vmap` that would exceed it runs in chunks that fit, and
+    /// `Auto` measures no candidate that does not.
+    pub(crate) memory_limit: Option<usize>,
 }

@@ -13,7 +13,7 @@
 
 use super::facts::{bytes, Arg, Storage, Workspace};
 use super::rule;
-use crate::ir::Graph;
+use crate::ir::{Graph, Prim};
 
 /// The most bytes `g` holds at once by its plan.
 pub(crate) fn planned_peak(g: &Graph) -> usize {
@@ -86,4 +86,25 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
         }
     }
     (peak, at)
+}
+
+/// The bytes any run of `g` holds whatever its schedule: its arguments,
+/// its captured tensors and its results (each result's own bytes, where it
+/// is computed).
+pub(crate) fn floor(g: &Graph) -> usize {
+    let leaves: usize = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.prim, Prim::Input(_) | Prim::Const(_)))
+        .map(|n| bytes(&n.ty))
+        .fold(0, usize::saturating_add);
+    let mut outs: Vec<usize> = g
+        .outputs
+        .iter()
+        .copied()
+        .filter(|&o| !g.nodes[o].prim.is_leaf())
+        .collect();
+    outs.sort_unstable();
+    outs.dedup();
+    outs.iter().map(|&o| bytes(g.ty(o))).fold(leaves, usize::saturating_add)
 }

@@ -421,9 +421,10 @@ where
     // backward at every pullback.
     let limit = f.own_options().memory_limit;
     let fwd = Executable::new(&fwd)
+        .named("vjp")
         .seeded(traced.seed, Default::default())
         .limit(limit);
-    let backward = Executable::new(&backward).limit(limit);
+    let backward = Executable::new(&backward).named("vjp pullback").limit(limit);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

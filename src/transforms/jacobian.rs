@@ -217,9 +217,14 @@ fn basis(op: &'static str, leaves: &[Tracer]) -> Result<Vec<Tracer>> {
             .checked_mul(t.dtype().size_in_bytes())?
             .checked_add(acc)
     });
-    if let Err(Error::Memory { needed, limit }) = crate::interp::exec::check_peak(bytes.unwrap_or(usize::MAX), None) {
+    // the limit the call runs under (set on an enclosing transform), else
+    // the machine's available memory
+    let set = leaves.first().and_then(|t| t.b.borrow().given.memory_limit);
+    let needed = bytes.unwrap_or(usize::MAX);
+    if !crate::interp::exec::fits(needed, set) {
+        let limit = crate::interp::exec::effective_limit(set).unwrap_or(usize::MAX);
         let msg = format!(
-            "the standard basis of {n} x {n} elements needs {needed} bytes, more than the {limit} available; differentiate with respect to fewer elements (argnums), or use the other mode"
+            "the standard basis of {n} x {n} elements needs {needed} bytes, more than the {limit} allowed; differentiate with respect to fewer elements (argnums), or use the other mode"
         );
         return Err(Error::unsupported("jacobian basis", op, msg));
     }

@@ -76,6 +76,7 @@ where
     let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
     let n_out = traced.graph.outputs.len();
     let joint = Executable::new(&joint_graph(&traced.graph, device)?)
+        .named("jvp")
         .seeded(traced.seed, Default::default())
         .limit(f.own_options().memory_limit);
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
@@ -309,9 +310,10 @@ where
     // now, the tangent map at every call
     let limit = f.own_options().memory_limit;
     let fwd = Executable::new(&fwd)
+        .named("linearize")
         .seeded(traced.seed, Default::default())
         .limit(limit);
-    let tangent = Executable::new(&tangent).limit(limit);
+    let tangent = Executable::new(&tangent).named("linearized map").limit(limit);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

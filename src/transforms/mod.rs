@@ -364,19 +364,19 @@ where
 impl Graph {
     /// Runs the graph and returns its outputs.
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        Executable::new(self).run(inputs)
+        Executable::new(self).named("Graph::run").run(inputs)
     }
 
     /// [`Graph::run`], also reporting the peak number and size of values
     /// held at once.
     pub fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
-        Executable::new(self).run_with_stats(inputs)
+        Executable::new(self).named("Graph::run").run_with_stats(inputs)
     }
 
     /// [`Graph::run`], also returning the seconds each computed node took,
     /// as `(node index, seconds)`: where a graph spends its time.
     pub fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
-        Executable::new(self).run_profiled(inputs)
+        Executable::new(self).named("Graph::run").run_profiled(inputs)
     }
 
     /// The most bytes a run of the graph holds at once by its plan:

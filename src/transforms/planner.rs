@@ -182,7 +182,20 @@ impl Planner for Measured {
         if let Some(r) = cached_choice(&key) {
             return Ok(r);
         }
-        let timings = time_routes(choice)?;
+        let timings = match time_routes(choice) {
+            Ok(t) => t,
+            // No candidate fits the memory limit: the call's own check
+            // reports it, with the default route's plan (no measurement,
+            // nothing recorded).
+            Err(Error::Memory { .. }) => {
+                log::debug!(
+                    "conv route auto: no candidate for {} fits the memory limit",
+                    choice.prim.name()
+                );
+                return Ok(ConvRoute::default());
+            }
+            Err(e) => return Err(e),
+        };
         let chosen = timings
             .iter()
             .min_by(|a, b| a.1.total_cmp(&b.1))
@@ -214,8 +227,15 @@ fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
         .map(|&r| lower(choice, r))
         .collect::<Result<Vec<_>>>()?;
     let types: Vec<TensorType> = choice.args.iter().map(|(t, _)| t.clone()).collect();
-    let best = time_graphs(&graphs, &types, choice.device, AUTO_ROUNDS)?;
-    Ok(choice.candidates.iter().copied().zip(best).collect())
+    let best = time_graphs(&graphs, &types, choice.device, (AUTO_ROUNDS, choice.opts.memory_limit))?;
+    // a candidate over the memory limit was not run
+    Ok(choice
+        .candidates
+        .iter()
+        .copied()
+        .zip(best)
+        .filter(|(_, t)| t.is_finite())
+        .collect())
 }
 
 /// Inputs to time a graph on: standard normal floats, and zeros for
@@ -239,19 +259,31 @@ fn timing_inputs(types: &[TensorType], device: &Device) -> Result<Vec<Tensor>> {
 /// Milliseconds each graph takes on random inputs of `types`: the best of
 /// `rounds` after a warm-up, the graphs taking turns within each round, so
 /// a burst of load on a shared machine does not fall on one of them only.
-fn time_graphs(graphs: &[Graph], types: &[TensorType], device: &Device, rounds: usize) -> Result<Vec<f64>> {
+/// A graph whose plan exceeds the memory `limit` is not run (infinitely
+/// slow); where none fits, the error of the first is returned before any
+/// input is made.
+fn time_graphs(
+    graphs: &[Graph],
+    types: &[TensorType],
+    device: &Device,
+    (rounds, limit): (usize, Option<usize>),
+) -> Result<Vec<f64>> {
     // as a call would run them
-    let exes: Vec<Executable> = graphs.iter().map(Executable::new).collect();
-    for e in &exes {
+    let exes: Vec<Executable> = graphs
+        .iter()
+        .map(|g| Executable::new(g).named("auto timing").limit(limit))
+        .collect();
+    let fit: Vec<bool> = exes.iter().map(|e| e.check().is_ok()).collect();
+    if let Some(e) = exes.first().filter(|_| !fit.contains(&true)) {
         e.check()?;
     }
     let inputs = timing_inputs(types, device)?;
-    for e in &exes {
+    for (e, _) in exes.iter().zip(&fit).filter(|(_, &f)| f) {
         e.run(&inputs)?;
     }
     let mut best = vec![f64::INFINITY; exes.len()];
     for _ in 0..rounds {
-        for (e, b) in exes.iter().zip(best.iter_mut()) {
+        for ((e, b), _) in exes.iter().zip(best.iter_mut()).zip(&fit).filter(|(_, &f)| f) {
             let start = std::time::Instant::now();
             e.run(&inputs)?;
             *b = b.min(start.elapsed().as_secs_f64() * 1e3);
@@ -335,11 +367,10 @@ pub(crate) fn measured_schedule(
     key: &str,
     size: usize,
     candidates: &[(RunAs, Graph)],
-    types: &[TensorType],
-    device: &Device,
+    (types, device, limit): (&[TensorType], &Device, Option<usize>),
 ) -> Result<RunAs> {
     let graphs: Vec<Graph> = candidates.iter().map(|(_, g)| g.clone()).collect();
-    let times = time_graphs(&graphs, types, device, SCHEDULE_ROUNDS)?;
+    let times = time_graphs(&graphs, types, device, (SCHEDULE_ROUNDS, limit))?;
     let (best, _) = candidates
         .iter()
         .zip(&times)
@@ -349,7 +380,13 @@ pub(crate) fn measured_schedule(
     let choice = ScheduleChoice {
         size,
         equations: candidates.first().map_or(0, |(_, g)| g.equation_count()),
-        timings_ms: candidates.iter().map(|(r, _)| public(*r)).zip(times).collect(),
+        // a candidate over the memory limit was not run
+        timings_ms: candidates
+            .iter()
+            .map(|(r, _)| public(*r))
+            .zip(times)
+            .filter(|(_, t)| t.is_finite())
+            .collect(),
         chosen: public(best),
     };
     record_schedule(key.to_string(), choice);

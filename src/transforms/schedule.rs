@@ -10,12 +10,13 @@
 use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Measured};
 use super::segments::{split_after_convs, Front};
 use crate::error::{Error, Result};
+use crate::interp::exec::{self, Executable};
 use crate::ir::options::{Opts, Schedule};
 use crate::ir::{Graph, TensorType, VarId};
-use crate::rules::facts;
 use crate::rules::map::emit_packed;
 use crate::rules::plan::{Planner, RunAs};
 use crate::rules::walk::batch_graph_shared;
+use crate::rules::{facts, memory};
 use crate::rules::{BVal, BatchCx, Builder, TraceCtx};
 use std::hash::{Hash, Hasher};
 
@@ -41,6 +42,7 @@ pub(crate) fn run_batch(
         RunAs::Whole if opts.schedule == Schedule::Auto => auto_schedule(g, b, vals, size, opts)?,
         r => r,
     };
+    let run_as = fit_memory(g, b, vals, size, opts, run_as)?;
     match run_as {
         RunAs::PerExample if per_example_applies(g, vals) => {
             let outs = per_example(g, b, vals, size, opts)?;
@@ -151,7 +153,7 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
     }
     let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
     let measured = lower_candidates(g, b, vals, &types, size, opts)
-        .and_then(|candidates| measured_schedule(&key, size, &candidates, &types, &b.ctx.device));
+        .and_then(|candidates| measured_schedule(&key, size, &candidates, (&types, &b.ctx.device, opts.memory_limit)));
     match measured {
         Ok(r) => Ok(r),
         Err(e) => {
@@ -174,27 +176,97 @@ fn lower_candidates(
     size: usize,
     opts: &Opts,
 ) -> Result<Vec<(RunAs, Graph)>> {
-    let mut candidates = Vec::new();
-    let mut schedules = vec![
-        (RunAs::Whole, Schedule::Batched),
-        (RunAs::PerExample, Schedule::PerExample),
-    ];
+    let mut schedules = vec![RunAs::Whole, RunAs::PerExample];
     if matches!(split(g, vals), Front::Part(_)) {
-        schedules.push((RunAs::ConvsPerExample, Schedule::ConvsPerExample));
+        schedules.push(RunAs::ConvsPerExample);
     }
-    for (run_as, schedule) in schedules {
-        let scratch = Builder::scratch(b.given, TraceCtx::new(b.ctx.device.clone()));
-        let mut sb = scratch.borrow_mut();
-        let ins: Vec<BVal> = types
-            .iter()
-            .zip(vals)
-            .map(|(t, v)| (sb.input(t.clone()), v.1))
-            .collect();
-        let forced = Opts { schedule, ..*opts };
-        let outs = run_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
-        candidates.push((run_as, sb.finish(outs).0.eliminate_dead_code()));
+    schedules
+        .into_iter()
+        .map(|run_as| Ok((run_as, lower_as(g, b, (vals, types), size, opts, run_as)?)))
+        .collect()
+}
+
+/// `g` batched over `size` examples as `run_as` says, in a builder of its
+/// own on fresh inputs of `types`: what the planner measures or plans.
+fn lower_as(
+    g: &Graph,
+    b: &Builder,
+    (vals, types): (&[BVal], &[TensorType]),
+    size: usize,
+    opts: &Opts,
+    run_as: RunAs,
+) -> Result<Graph> {
+    let scratch = Builder::scratch(b.given, TraceCtx::new(b.ctx.device.clone()));
+    let mut sb = scratch.borrow_mut();
+    let ins: Vec<BVal> = types
+        .iter()
+        .zip(vals)
+        .map(|(t, v)| (sb.input(t.clone()), v.1))
+        .collect();
+    // a chunk size (the whole batch where there are no chunks) marks the
+    // schedule decided: no measuring or fitting again inside
+    let (chunk, schedule) = match run_as {
+        RunAs::Chunks(k) => (k, Schedule::Batched),
+        RunAs::PerExample => (size, Schedule::PerExample),
+        RunAs::ConvsPerExample => (size, Schedule::ConvsPerExample),
+        RunAs::Whole => (size, Schedule::Batched),
+    };
+    let forced = Opts {
+        chunk_size: Some(chunk),
+        schedule,
+        ..*opts
+    };
+    let outs = run_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
+    Ok(sb.finish(outs).0.eliminate_dead_code())
+}
+
+/// The memory the crate manages: a batch run whole (or its convolutions
+/// per example) whose plan exceeds the memory limit, in a `vmap` with no
+/// chunk size and not strict, runs in the largest chunks of examples whose
+/// plan fits (said at debug level). Where even one example at a time does
+/// not fit, the schedule is left as it was and the call's own check
+/// reports the plan. Strict mode keeps the error.
+fn fit_memory(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts, run_as: RunAs) -> Result<RunAs> {
+    if opts.strict || opts.chunk_size.is_some() || !matches!(run_as, RunAs::Whole | RunAs::ConvsPerExample) {
+        return Ok(run_as);
     }
-    Ok(candidates)
+    // every value of one example's graph times the batch (inputs shared by
+    // every example counted each time): where even that fits, no lowering
+    // is planned
+    let rough = memory::planned_peak(g).saturating_mul(size);
+    if exec::fits(rough, opts.memory_limit) {
+        return Ok(run_as);
+    }
+    let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
+    let peak = |run_as: RunAs| -> Result<usize> {
+        Ok(Executable::new(&lower_as(g, b, (vals, &types), size, opts, run_as)?).peak())
+    };
+    let whole = peak(run_as)?;
+    if exec::fits(whole, opts.memory_limit) || size < 2 {
+        return Ok(run_as);
+    }
+    // chunks planned to a little under the limit, leaving room for what an
+    // enclosing graph holds beside this vmap
+    let target = exec::effective_limit(opts.memory_limit).map(|l| l - l / 16);
+    // the largest chunk that fits, by bisection: `lo` fits (0: none
+    // known), `hi` does not
+    let (mut lo, mut hi) = (0usize, size);
+    while hi - lo > 1 {
+        let k = lo + (hi - lo) / 2;
+        if exec::fits(peak(RunAs::Chunks(k))?, target) {
+            lo = k;
+        } else {
+            hi = k;
+        }
+    }
+    if lo == 0 {
+        return Ok(run_as);
+    }
+    let limit = exec::effective_limit(opts.memory_limit).unwrap_or(usize::MAX);
+    log::debug!(
+        "vmap: a batch of {size} plans {whole} bytes at its peak, over the memory limit of {limit}; running it in chunks of {lo}"
+    );
+    Ok(RunAs::Chunks(lo))
 }
 
 /// Moves a batched output's batch axis to `out_dim` (materialising an

@@ -114,6 +114,7 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         chunk_size: opts.chunk_size,
         seed: opts.seed,
         schedule: opts.schedule.unwrap_or_default(),
+        memory_limit: opts.memory_limit,
     })
 }
 
