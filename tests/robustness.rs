@@ -328,9 +328,11 @@ fn plans_beyond_the_memory_limit_are_errors_before_running() {
             .call((&w, &xs))
     };
     match psg(1 << 20) {
-        Err(Error::Memory { needed, limit }) => {
+        Err(Error::Memory { needed, limit, floor, .. }) => {
             assert!(needed >= 32 * 64 * 128 * 4, "{needed}");
             assert_eq!(limit, 1 << 20);
+            // the per-sample gradients (the result) alone exceed it
+            assert!(floor >= 32 * 64 * 128 * 4, "{floor}");
         }
         other => panic!("expected a memory error, got {other:?}"),
     }
