@@ -155,7 +155,14 @@ fn fmt_bytes(b: usize) -> String {
     if b == usize::MAX {
         return "more than usize::MAX bytes".into();
     }
-    format!("{:.1} MiB ({b} bytes)", b as f64 / (1u64 << 20) as f64)
+    let (mut v, mut unit) = (b as f64 / 1024.0, "KiB");
+    for next in ["MiB", "GiB", "TiB"] {
+        if v < 1024.0 {
+            break;
+        }
+        (v, unit) = (v / 1024.0, next);
+    }
+    format!("{v:.1} {unit} ({b} bytes)")
 }
 
 /// Each distinct `(argument, axis, size)` once, with the leaves that have
