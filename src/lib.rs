@@ -183,7 +183,7 @@ pub mod settings {
 /// chose, and its decisions saved to a file and loaded again.
 pub mod planner {
     pub use crate::transforms::planner::{
-        auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
+        auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice, AUTO_CACHE_ENV,
     };
 }
 

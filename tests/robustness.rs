@@ -270,9 +270,33 @@ fn malformed_auto_caches_are_refused() {
         let r = candle_func::planner::load_auto_cache(&path);
         assert!(matches!(r, Err(Error::Config { .. })), "{name}: {r:?}");
     }
+    // all or nothing: a good first line is not kept when a later one is bad
+    let half = dir.join("half");
+    let first = "route\trobustness-half\tGrouped\tGrouped=1.5\tconv2d\t[]";
+    std::fs::write(&half, format!("{first}\nschedule\tk\tNowhere\t\t4\t2\n")).unwrap();
+    let r = candle_func::planner::load_auto_cache(&half);
+    assert!(
+        matches!(&r, Err(Error::Config { msg }) if msg.contains("Nowhere") && msg.contains("nothing loaded")),
+        "{r:?}"
+    );
+    let kept = candle_func::planner::auto_choices();
+    assert!(!kept
+        .iter()
+        .any(|c| c.op == "conv2d" && c.timings_ms == vec![(candle_func::ConvRoute::Grouped, 1.5)]));
     let good = dir.join("good");
     std::fs::write(&good, "robustness-key\tGrouped\tGrouped=1.5,Unfold=2\tconv2d\t[]\n").unwrap();
     assert_eq!(candle_func::planner::load_auto_cache(&good).unwrap(), 1);
+    // and a schedule
+    let sched = dir.join("schedule");
+    std::fs::write(
+        &sched,
+        "schedule\trobustness-s\tPerExample\tBatched=9,PerExample=3\t64\t12\n",
+    )
+    .unwrap();
+    assert_eq!(candle_func::planner::load_auto_cache(&sched).unwrap(), 1);
+    assert!(candle_func::planner::schedule_choices()
+        .iter()
+        .any(|c| c.size == 64 && c.equations == 12));
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -330,7 +354,9 @@ fn plans_beyond_the_memory_limit_are_errors_before_running() {
             .call((&w, &xs))
     };
     match psg(1 << 20) {
-        Err(Error::Memory { needed, limit, floor, .. }) => {
+        Err(Error::Memory {
+            needed, limit, floor, ..
+        }) => {
             assert!(needed >= 32 * 64 * 128 * 4, "{needed}");
             assert_eq!(limit, 1 << 20);
             // the per-sample gradients (the result) alone exceed it

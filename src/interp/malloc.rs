@@ -8,9 +8,12 @@
 //! the kernel zeroes it. The torch.func tutorial's ensemble of ten MLPs
 //! took 360 page faults a call that way, and ran no faster batched than
 //! as a loop over the models. So before a graph runs, the thresholds are
-//! set so that buffers up to 32 MiB come from the heap and free memory up
-//! to the largest planned peak run so far (at least 64 MiB) stays in the
+//! set so that buffers up to 2 MiB (glibc's own ceiling for its dynamic
+//! threshold) always come from the heap, and free memory up to the
+//! largest planned peak run so far (at least 64 MiB) stays in the
 //! process: memory the process held at its peak anyway, never more.
+//! Larger buffers stay mapped afresh: `kernels` asks for huge pages for
+//! them, so they fault in 2 MiB at a time rather than 4 KiB.
 //!
 //! Only glibc's malloc is touched, and only its thresholds; a program
 //! with a global allocator of its own (mimalloc, jemalloc) is unaffected.

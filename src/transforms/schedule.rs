@@ -7,7 +7,7 @@
 //! way that applies by the planner, once per program, batch size (to the
 //! next power of two) and device.
 
-use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Measured};
+use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Candidate, Measured, PER_EXAMPLE_SAMPLE};
 use super::segments::{split_after_convs, Front};
 use crate::error::{Error, Result};
 use crate::interp::exec::{self, Executable};
@@ -151,9 +151,8 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
     if let Some(r) = cached_schedule(&key) {
         return Ok(r);
     }
-    let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
-    let measured = lower_candidates(g, b, vals, &types, size, opts)
-        .and_then(|candidates| measured_schedule(&key, size, &candidates, (&types, &b.ctx.device, opts.memory_limit)));
+    let measured = lower_candidates(g, b, vals, size, opts)
+        .and_then(|candidates| measured_schedule(&key, size, candidates, (&b.ctx.device, opts.memory_limit)));
     match measured {
         Ok(r) => Ok(r),
         Err(e) => {
@@ -167,22 +166,44 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
 /// The schedules of `g` (batched, per example, and the convolutions per
 /// example where `g` has any), each lowered in a builder of its own
 /// context (so a loop fallback of the batched lowering is not warned about
-/// when the per-example map runs).
+/// when the per-example map runs); the per-example schedule on a few
+/// examples, its times to be scaled to the batch.
 fn lower_candidates(
     g: &Graph,
     b: &Builder,
     vals: &[BVal],
-    types: &[TensorType],
     size: usize,
     opts: &Opts,
-) -> Result<Vec<(RunAs, Graph)>> {
+) -> Result<Vec<(RunAs, Candidate)>> {
     let mut schedules = vec![RunAs::Whole, RunAs::PerExample];
     if matches!(split(g, vals), Front::Part(_)) {
         schedules.push(RunAs::ConvsPerExample);
     }
     schedules
         .into_iter()
-        .map(|run_as| Ok((run_as, lower_as(g, b, (vals, types), size, opts, run_as)?)))
+        .map(|run_as| {
+            let n = match run_as {
+                RunAs::PerExample => size.min(PER_EXAMPLE_SAMPLE),
+                _ => size,
+            };
+            let types = batch_types(b, vals, n);
+            let graph = lower_as(g, b, (vals, &types), n, opts, run_as)?;
+            let scale = size as f64 / n as f64;
+            Ok((run_as, Candidate { graph, types, scale }))
+        })
+        .collect()
+}
+
+/// The types of the batched values `vals` with a batch of `n` examples.
+fn batch_types(b: &Builder, vals: &[BVal], n: usize) -> Vec<TensorType> {
+    vals.iter()
+        .map(|&(v, bd)| {
+            let mut t = b.ty(v).clone();
+            if let Some(d) = bd {
+                t.shape[d] = n;
+            }
+            t
+        })
         .collect()
 }
 
@@ -237,7 +258,7 @@ fn fit_memory(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts, r
     if exec::fits(rough, opts.memory_limit) {
         return Ok(run_as);
     }
-    let types: Vec<TensorType> = vals.iter().map(|&(v, _)| b.ty(v).clone()).collect();
+    let types = batch_types(b, vals, size);
     let peak = |run_as: RunAs| -> Result<usize> {
         Ok(Executable::new(&lower_as(g, b, (vals, &types), size, opts, run_as)?).peak())
     };
