@@ -108,6 +108,65 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    /// A differential-privacy setting out of its range (a noise multiplier,
+    /// clipping bound, sample rate, δ, target ε, learning rate, batch size,
+    /// clipping group), refused before anything is trained or accounted.
+    #[error("{op}: {setting} must be {expected}, got {value}")]
+    PrivacyConfig {
+        /// The function or method given it (`make_private`, `accountant`).
+        op: &'static str,
+        /// The setting, as the function's argument or field is named
+        /// (`max_grad_norm`, `delta`, `parameter "fc1.weight"`).
+        setting: String,
+        /// What it must be (`finite and > 0`, `in (0, 1)`).
+        expected: String,
+        /// What it was.
+        value: String,
+    },
+    /// The privacy analysis cannot answer for these settings: a target ε
+    /// no noise multiplier reaches, a δ below the accountant's resolution,
+    /// a PRV grid too large, steps the mechanism cannot compose.
+    #[error("{op}: {mechanism} accountant: {msg}")]
+    Accounting {
+        /// The function or method (`epsilon`, `noise_multiplier`).
+        op: &'static str,
+        /// The analysis (`prv`, `rdp`, `gdp`).
+        mechanism: &'static str,
+        /// Why, with the settings that caused it.
+        msg: String,
+    },
+    /// The data or model given to a DP trainer does not fit it (no
+    /// variables to train, a batch larger than the data set, a parameter
+    /// dtype the ranks cannot all-reduce).
+    #[error("{op}: {msg}")]
+    Data {
+        /// The function or method given it.
+        op: &'static str,
+        /// What does not fit, with its sizes, names or dtypes.
+        msg: String,
+    },
+    /// A distributed DP step failed across ranks: a collective that timed
+    /// out, another rank that failed, parameters that drifted apart.
+    #[error("distributed step on rank {rank} of {ranks}: {failure}")]
+    Collective {
+        /// This rank.
+        rank: usize,
+        /// The number of ranks.
+        ranks: usize,
+        /// What failed.
+        failure: CollectiveFailure,
+    },
+    /// Saved state (an accountant's JSON, `Auto`'s decisions file) that
+    /// cannot be written or restored; nothing of a state that fails to
+    /// restore is loaded.
+    #[error("{what}: {msg}")]
+    Checkpoint {
+        /// What was saving or restoring (`Accountant::from_json`,
+        /// `load_auto_cache`).
+        what: &'static str,
+        /// Why, naming the offending field or line.
+        msg: String,
+    },
     /// A symbolic tensor was used outside the trace that made it.
     #[error("trace: {msg}")]
     Trace {
@@ -131,6 +190,60 @@ pub enum Error {
         /// candle's error.
         #[source]
         source: candle_core::Error,
+    },
+}
+
+/// How a distributed DP step failed (see [`Error::Collective`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveFailure {
+    /// A collective waited past its timeout for the other ranks: one has
+    /// died or hung. The job is aborted after this is printed, since MPI
+    /// cannot cancel a collective.
+    #[error("{op} waited more than {waited:?} for the other ranks (one has died or hung); aborting the job")]
+    Timeout {
+        /// The collective (`all-reduce`, `broadcast`).
+        op: String,
+        /// The timeout it ran past.
+        waited: std::time::Duration,
+    },
+    /// Other ranks failed this step (their own errors say why); every rank
+    /// fails it together so none is left waiting in a collective.
+    #[error("{failed} other rank(s) failed this step; see their errors")]
+    RankFailed {
+        /// How many other ranks failed.
+        failed: usize,
+    },
+    /// Ranks hold other parameters than rank 0, bit for bit.
+    #[error(
+        "the parameters of ranks {ranks:?} differ from rank 0's {when} (hashes {hashes:x?}): changed outside \
+         the step, or computed with other arithmetic (another build or CPU)"
+    )]
+    Drift {
+        /// The ranks that differ from rank 0.
+        ranks: Vec<usize>,
+        /// When the check ran (`after a step`).
+        when: String,
+        /// Every rank's parameter hash.
+        hashes: Vec<u64>,
+    },
+    /// Ranks built the trainer from other data or parameter shapes.
+    #[error(
+        "ranks {ranks:?} have another data set or other parameter names, shapes or dtypes than rank 0 \
+         ({here}); every rank must build the same trainer"
+    )]
+    Setup {
+        /// The ranks that differ from rank 0.
+        ranks: Vec<usize>,
+        /// This rank's data and parameters, in brief.
+        here: String,
+    },
+    /// A collective returned something no rank sent (a rank outside the
+    /// communicator, a length or index that does not fit).
+    #[error("{msg}")]
+    Invalid {
+        /// What was wrong.
+        msg: String,
     },
 }
 
@@ -202,6 +315,24 @@ impl Error {
             shapes: shapes.iter().map(|s| s.to_vec()).collect(),
             msg: msg.into(),
         }
+    }
+
+    pub(crate) fn privacy(
+        op: &'static str,
+        setting: impl Into<String>,
+        expected: impl Into<String>,
+        value: impl std::fmt::Display,
+    ) -> Self {
+        Error::PrivacyConfig {
+            op,
+            setting: setting.into(),
+            expected: expected.into(),
+            value: value.to_string(),
+        }
+    }
+
+    pub(crate) fn data(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Data { op, msg: msg.into() }
     }
 
     pub(crate) fn internal(op: impl Into<String>, msg: impl Into<String>) -> Self {

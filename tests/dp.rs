@@ -25,10 +25,10 @@ fn grads(seed: u64, scale: f64) -> BTreeMap<String, Tensor> {
 #[test]
 fn clipping_bounds_norms_and_keeps_small_gradients() {
     let big = grads(1, 10.0);
-    let norms = dp::per_sample_norms(&big).unwrap().to_vec1::<f32>().unwrap();
+    let norms = dp::norm_per_sample(&big).unwrap().to_vec1::<f32>().unwrap();
     assert!(norms.iter().all(|&n| n > 1.0), "{norms:?}");
     let clipped = dp::clip_per_sample(&big, 1.0).unwrap();
-    for n in dp::per_sample_norms(&clipped).unwrap().to_vec1::<f32>().unwrap() {
+    for n in dp::norm_per_sample(&clipped).unwrap().to_vec1::<f32>().unwrap() {
         assert!(n <= 1.0 + 1e-5, "norm {n} above the bound");
         assert!(n > 0.999, "clipped to the bound, got {n}");
     }

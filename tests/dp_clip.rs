@@ -44,7 +44,7 @@ fn params(d: usize, h: usize, o: usize, dtype: DType) -> Params {
 /// The reference: per-sample gradients, Opacus's clipping, summed.
 fn reference(p: &Params, xs: &Tensor, c: f64) -> (Params, Tensor) {
     let per = vmap(grad(loss)).in_dims([None, Some(0)]).call((p, xs)).unwrap();
-    let norms = dp::per_sample_norms(&per).unwrap();
+    let norms = dp::norm_per_sample(&per).unwrap();
     let clipped = dp::clip_per_sample(&per, c).unwrap();
     (
         clipped.into_iter().map(|(k, g)| (k, g.sum(0).unwrap())).collect(),
@@ -233,7 +233,7 @@ fn embeddings_and_attention_of_a_small_gpt() {
         .in_dims([None, Some(0), Some(0)])
         .call((&p, &xs, &ys))
         .unwrap();
-    let norms = dp::per_sample_norms(&per).unwrap();
+    let norms = dp::norm_per_sample(&per).unwrap();
     let mut sorted = norms.to_vec1::<f32>().unwrap();
     sorted.sort_by(f32::total_cmp);
     let c = sorted[b / 2] as f64;
@@ -278,7 +278,7 @@ fn convolutions_take_chunked_norms_or_materialise_whichever_holds_less() {
             ]);
             let xs = randn(&[9, cin, 10, 10], 9, dtype);
             let per = vmap(grad(cnn)).in_dims([None, Some(0)]).call((&p, &xs)).unwrap();
-            let norms = dp::per_sample_norms(&per).unwrap();
+            let norms = dp::norm_per_sample(&per).unwrap();
             let mut sorted = norms.to_vec1::<f32>().unwrap();
             sorted.sort_by(f32::total_cmp);
             let c = sorted[4] as f64;
@@ -290,7 +290,7 @@ fn convolutions_take_chunked_norms_or_materialise_whichever_holds_less() {
             let (full, full_norms, _) = full.call((&p, &xs)).unwrap();
             let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
             assert!(rel(&got_norms, &full_norms) < tol);
-            // per_sample_norms and the reference's clip factors work in f32
+            // norm_per_sample and the reference's clip factors work in f32
             let r = rel(&got_norms.to_dtype(DType::F32).unwrap(), &norms);
             assert!(r < 1e-5, "{dtype:?} norms: {r}");
             for (name, g) in &got {

@@ -5,7 +5,7 @@
 //! optimisers follow PyTorch's formulas, and bad input is refused.
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::accountant::{noise_multiplier_for, Accountant, Mechanism};
+use candle_func::dp::accountant::{noise_multiplier, Accountant, Mechanism};
 use candle_func::dp::{self, rng::Rng, Clipping, DpConfig, Optimizer, PrivacyEngine};
 use candle_func::{grad, vmap, Tracer};
 use candle_nn::VarMap;
@@ -248,7 +248,7 @@ fn make_private_with_epsilon_spends_at_most_the_target() {
         let steps = 2 * t.steps_per_epoch();
         assert_eq!(t.steps_per_epoch(), 10);
         let sigma = t.noise_multiplier();
-        assert_eq!(sigma, noise_multiplier_for(mech, target, delta, 0.1, steps).unwrap());
+        assert_eq!(sigma, noise_multiplier(mech, target, delta, 0.1, steps).unwrap());
         let mut acc = Accountant::new(mech);
         acc.record(sigma, 0.1, steps).unwrap();
         let eps = acc.epsilon(delta).unwrap();
@@ -350,8 +350,10 @@ fn bad_input_is_refused() {
     assert!(with_eps(1.0, 0.0).contains("epochs"));
     assert!(with_eps(1.0, f64::NAN).contains("epochs"));
     // The PRV figure carries its error band (0.01), so 0.005 is out of reach.
-    assert!(with_eps(0.005, 1.0).contains("noise_multiplier_for"));
+    assert!(with_eps(0.005, 1.0).contains("make_private_with_epsilon: prv accountant: no noise multiplier"));
     assert!(with_eps(-1.0, 1.0).contains("target_epsilon"));
+    // An infinite target is refused at once, not searched for.
+    assert!(with_eps(f64::INFINITY, 1.0).contains("target_epsilon must be finite and > 0, got inf"));
     // A wider PRV band lets the search and the trainer's accountant use it.
     let wide = |e: f64| {
         let engine = PrivacyEngine::new().rng(Rng::seeded(0)).eps_error(e);
@@ -446,4 +448,158 @@ fn one_rank_distributed_is_the_single_process_step() {
         .expect("rank 3 of 1 is an error")
         .to_string();
     assert!(msg.contains("rank 3 of 1"), "{msg}");
+}
+
+/// A second rank simulated in process, as rank 0 sees it: it agrees on
+/// everything except where told to disagree on the `nth` hash gathered
+/// (0: the set-up check, 1: the check after the broadcast), or to report
+/// that its part of every step failed.
+struct TwoRanks {
+    differ_at: Option<usize>,
+    fails: bool,
+    gathered: std::cell::Cell<usize>,
+}
+
+impl dp::collective::Collective for TwoRanks {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        2
+    }
+    fn broadcast_u64(&self, _: &mut Vec<u64>) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn broadcast_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_sum_f32(&self, _: &mut [f32]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_sum_f64(&self, data: &mut [f64]) -> candle_func::Result<()> {
+        // the last of the f64s is the count of ranks whose part failed
+        if let (true, Some(last)) = (self.fails, data.last_mut()) {
+            *last += 1.0;
+        }
+        Ok(())
+    }
+    fn all_gather_u64(&self, v: u64) -> candle_func::Result<Vec<u64>> {
+        let n = self.gathered.replace(self.gathered.get() + 1);
+        Ok(vec![v, if self.differ_at == Some(n) { v ^ 1 } else { v }])
+    }
+}
+
+#[test]
+fn dp_failures_are_variants_a_caller_can_match() {
+    use candle_func::dp::collective::CollectiveFailure;
+    use candle_func::Error;
+    let vm = model();
+    let (xs, ys) = data(20);
+    let make = |config: DpConfig, engine: PrivacyEngine| {
+        engine
+            .rng(Rng::seeded(0))
+            .make_private(loss, &vm, dp::Sgd::new(&vm, 0.1, 0.0).unwrap(), (&xs, &ys), config)
+            .map(|_| ())
+            .unwrap_err()
+    };
+    // privacy configuration: the setting and the value that was refused
+    match make(DpConfig::new(5, 1.0, -2.0), PrivacyEngine::new()) {
+        Error::PrivacyConfig {
+            op: "make_private",
+            setting,
+            value,
+            ..
+        } => {
+            assert_eq!((setting.as_str(), value.as_str()), ("max_grad_norm", "-2"))
+        }
+        e => panic!("{e:?}"),
+    }
+    match make(DpConfig::new(5, 1.0, 1.0), PrivacyEngine::new().physical_batch(0)) {
+        Error::PrivacyConfig { setting, value, .. } => {
+            assert_eq!((setting.as_str(), value.as_str()), ("physical_batch", "0"))
+        }
+        e => panic!("{e:?}"),
+    }
+    match make(DpConfig::new(21, 1.0, 1.0), PrivacyEngine::new()) {
+        Error::PrivacyConfig {
+            setting,
+            value,
+            expected,
+            ..
+        } => {
+            assert_eq!((setting.as_str(), value.as_str()), ("batch_size", "21"));
+            assert!(expected.contains("1..=20"), "{expected}");
+        }
+        e => panic!("{e:?}"),
+    }
+    // accounting: a target no noise reaches, with the analysis that said so
+    match noise_multiplier(Mechanism::Rdp, 0.01, 1e-5, 0.5, 10_000) {
+        Err(Error::Accounting {
+            op: "noise_multiplier",
+            mechanism: "rdp",
+            msg,
+        }) => {
+            assert!(msg.contains("0.01") && msg.contains("10000 steps"), "{msg}")
+        }
+        r => panic!("{r:?}"),
+    }
+    // data: nothing to train
+    let empty = VarMap::new();
+    let e = PrivacyEngine::new()
+        .rng(Rng::seeded(0))
+        .make_private(
+            loss,
+            &empty,
+            dp::Sgd::new(&empty, 0.1, 0.0).unwrap(),
+            (&xs, &ys),
+            DpConfig::new(5, 1.0, 1.0),
+        )
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(e, Error::Data { op: "make_private", .. }), "{e:?}");
+    // checkpoint: a saved accountant that does not restore
+    let e = Accountant::from_json(r#"{"mechanism":"rdp","eps_error":0.01,"history":[[1.0,1.5,3]]}"#).unwrap_err();
+    assert!(
+        matches!(&e, Error::Checkpoint { what: "Accountant::from_json", msg } if msg.contains("1.5")),
+        "{e:?}"
+    );
+    // collectives: another set-up, drift after the broadcast, a failed rank
+    let distributed = |differ_at, fails| {
+        let comm = TwoRanks {
+            differ_at,
+            fails,
+            gathered: Default::default(),
+        };
+        trainer(&model(), (&xs, &ys), 3, DpConfig::new(5, 1.0, 1.0), 5).distributed(comm)
+    };
+    match distributed(Some(0), false).err() {
+        Some(Error::Collective {
+            rank: 0,
+            ranks: 2,
+            failure: CollectiveFailure::Setup { ranks, .. },
+        }) => assert_eq!(ranks, [1]),
+        e => panic!("{e:?}"),
+    }
+    match distributed(Some(1), false).err() {
+        Some(Error::Collective {
+            failure: CollectiveFailure::Drift { ranks, when, hashes },
+            ..
+        }) => {
+            assert_eq!(ranks, [1]);
+            assert!(when.contains("broadcast"), "{when}");
+            assert_eq!(hashes.len(), 2);
+            assert_ne!(hashes[0], hashes[1]);
+        }
+        e => panic!("{e:?}"),
+    }
+    let mut t = distributed(None, true).unwrap();
+    match t.step() {
+        Err(Error::Collective {
+            failure: CollectiveFailure::RankFailed { failed: 1 },
+            ..
+        }) => {}
+        r => panic!("{:?}", r.map(|_| ())),
+    }
+    // a failed step spends nothing
+    assert_eq!(t.accountant().steps(), 0);
 }

@@ -157,7 +157,7 @@ fn clipped_against(
         .keys()
         .map(|k| (k.clone(), f.tensors[&format!("grad.{k}")].clone()))
         .collect();
-    let norms = dp::per_sample_norms(&want).unwrap();
+    let norms = dp::norm_per_sample(&want).unwrap();
     let mut sorted = norms.to_vec1::<f32>().unwrap();
     sorted.sort_by(f32::total_cmp);
     let c = sorted[sorted.len() / 2] as f64;

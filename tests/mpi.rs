@@ -11,7 +11,7 @@
 #![cfg(feature = "mpi")]
 
 use candle_core::Tensor;
-use candle_func::dp::collective::Collective;
+use candle_func::dp::collective::{Collective, CollectiveFailure};
 use candle_func::dp::mpi::MpiCollective;
 use candle_func::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
 use candle_func::Tracer;
@@ -121,14 +121,20 @@ fn worker() {
         if rank == size - 1 {
             perturb(&vm, 1e-3); // changed outside the step
         }
-        let msg = t
-            .step()
-            .expect_err("ranks whose parameters drift apart fail")
-            .to_string();
-        assert!(
-            msg.contains("differ from rank 0") && msg.contains(&format!("[{}]", size - 1)),
-            "{msg}"
-        );
+        let e = t.step().expect_err("ranks whose parameters drift apart fail");
+        match &e {
+            candle_func::Error::Collective {
+                failure: CollectiveFailure::Drift { ranks, when, hashes },
+                ..
+            } => {
+                assert_eq!(ranks, &[size - 1], "{e}");
+                assert_eq!(when, "after a step");
+                assert_eq!(hashes.len(), size);
+            }
+            _ => panic!("not a drift: {e:?}"),
+        }
+        let msg = e.to_string();
+        assert!(msg.contains("differ from rank 0"), "{msg}");
         println!("MPI-DRIFT rank={rank} refused: {msg}");
         return;
     }
@@ -221,15 +227,77 @@ fn ranks_whose_parameters_drift_apart_fail() {
     assert_eq!(out.matches("MPI-DRIFT").count(), 2, "{out}");
 }
 
+/// `text` with every run of whitespace made one space (Open MPI aligns its
+/// reports with runs of spaces).
+fn squeeze(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The job failed as `mode` makes it fail, and no other way: the rank
+/// that dies is the one reported with its exit code; the rank that hangs
+/// is waited for by another that reports the timeout and aborts with the
+/// collective's code (70); the panicking rank prints its panic and aborts
+/// the job with 101. In none did a worker report a wrong result.
+fn failed_as_expected(mode: &str, out: &str) -> bool {
+    let s = squeeze(out);
+    let aborted = |code: u32| s.contains(&format!("with errorcode {code}"));
+    let wrong = s.contains("MPI-EXACT") || s.contains("assertion") || s.contains("differ from rank 0");
+    !wrong
+        && match mode {
+            // rank 1 of job [[id,1],1] (Open MPI 4) or [prterun-..@1,1] (5)
+            "die" => s.contains("Exit code: 3") && s.contains(",1] Exit code"),
+            "hang" => {
+                s.contains("waited more than 5s for the other ranks (one has died or hung); aborting the job")
+                    && s.contains("distributed step on rank 0 of 3")
+                    && aborted(70)
+            }
+            "panic" => s.contains("rank 1 panics before the first collective") && aborted(101),
+            _ => false,
+        }
+}
+
 #[test]
 fn a_rank_that_dies_hangs_or_panics_fails_the_others() {
     for mode in ["die", "hang", "panic"] {
         let (ok, out, secs) = mpirun(3, mode);
         assert!(!ok, "{mode}: the job succeeded:\n{out}");
         assert!(secs < 90.0, "{mode}: the job took {secs:.0} s to fail");
-        if mode == "hang" {
-            assert!(out.contains("waited more than 5s"), "{out}");
-        }
+        assert!(
+            failed_as_expected(mode, &out),
+            "{mode}: not the expected failure:\n{out}"
+        );
         eprintln!("{mode}: failed after {secs:.1} s");
     }
+}
+
+/// The check above tells the three failures apart: each one's report
+/// matches its own mode only.
+#[test]
+fn the_failure_checks_tell_the_modes_apart() {
+    let reports = [
+        ("die", "Process name: [[36913,1],1]\n  Exit code:    3"),
+        (
+            "hang",
+            "distributed step on rank 0 of 3: broadcast waited more than 5s for the other ranks \
+             (one has died or hung); aborting the job\nMPI_ABORT was invoked on rank 0 in communicator \
+             MPI_COMM_WORLD\nwith errorcode 70.",
+        ),
+        (
+            "panic",
+            "thread 'worker' panicked at tests/mpi.rs:1:1:\nrank 1 panics before the first collective\n\
+             MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD\nwith errorcode 101.",
+        ),
+    ];
+    for (mode, report) in reports {
+        for (other, _) in reports {
+            assert_eq!(
+                failed_as_expected(other, report),
+                mode == other,
+                "{other} on {mode}'s report"
+            );
+        }
+    }
+    // a job that failed by a wrong result is not the expected failure
+    let wrong = format!("{}\nassertion `left == right` failed", reports[2].1);
+    assert!(!failed_as_expected("panic", &wrong));
 }

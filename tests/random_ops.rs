@@ -1,13 +1,16 @@
 //! Random programs (sequences of operations with random, often bad,
-//! parameters) on random shapes and dtypes, through `jit`, `vmap` and
-//! `grad`: each call gives a result or an `Error`, never a panic.
+//! parameters) on random shapes and dtypes, through `jit`, `vmap`, `grad`,
+//! forward mode (`jvp`) and `vjp` with its pullback: each call gives a
+//! result or an `Error` that is not `Error::Internal` (which means a bug
+//! here), never a panic. `tests/random_dp.rs` does the same for DP
+//! settings.
 //!
 //! CI runs the same 96 cases every time; `CANDLE_FUNC_FUZZ_CASES=20000
 //! cargo test --release --test random_ops -- --nocapture` runs fresh ones
 //! and prints the tally of results and errors by variant.
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::{grad, jit, vmap, Error, Tracer};
+use candle_func::{grad, jit, jvp, vjp, vmap, Error, Tracer};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use std::cell::RefCell;
@@ -20,19 +23,55 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 enum Op {
     Unary(u8),
     Binary(u8),
-    Reduce { kind: u8, axis: i8 },
+    Reduce {
+        kind: u8,
+        axis: i8,
+    },
     Reshape(Vec<usize>),
     Permute(Vec<usize>),
     Unsqueeze(u8),
     Squeeze(i8),
-    Narrow { axis: i8, start: usize, len: usize },
+    Narrow {
+        axis: i8,
+        start: usize,
+        len: usize,
+    },
     Cast(u8),
     Matmul,
     Concat(i8),
-    IndexSelect { axis: i8, index: Vec<u32> },
-    Pool { max: bool, k: usize },
-    Conv { k: usize, pad: usize, dil: usize },
+    IndexSelect {
+        axis: i8,
+        index: Vec<u32>,
+    },
+    Pool {
+        max: bool,
+        k: usize,
+    },
+    Conv {
+        k: usize,
+        pad: usize,
+        dil: usize,
+    },
     Clip,
+    /// sin, cos, silu, gelu (both), erf, softplus, log1p, elu, leaky relu,
+    /// powf, clamp: the transformer and sequence models' maps
+    Seq(u8),
+    Tril(i8),
+    Cumsum(i8),
+    Gather {
+        axis: i8,
+        index: Vec<u32>,
+    },
+    /// `y` where `y > 0`, else `-y` (where_cond), or filled (masked_fill)
+    Select(bool),
+    Var(i8),
+    Stack(u8),
+    ConvT {
+        k: usize,
+        stride: usize,
+        pad: usize,
+    },
+    Argmax(i8),
 }
 
 const DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::U8, DType::U32, DType::I64];
@@ -54,7 +93,48 @@ fn op() -> impl Strategy<Value = Op> {
         (any::<bool>(), 0usize..4).prop_map(|(max, k)| Op::Pool { max, k }),
         (1usize..4, 0usize..3, 1usize..3).prop_map(|(k, pad, dil)| Op::Conv { k, pad, dil }),
         Just(Op::Clip),
+        (0u8..12).prop_map(Op::Seq),
+        (-3i8..3).prop_map(Op::Tril),
+        (-4i8..4).prop_map(Op::Cumsum),
+        (-3i8..3, prop::collection::vec(0u32..6, 0..6)).prop_map(|(axis, index)| Op::Gather { axis, index }),
+        any::<bool>().prop_map(Op::Select),
+        (-4i8..4).prop_map(Op::Var),
+        (0u8..5).prop_map(Op::Stack),
+        (1usize..4, 1usize..3, 0usize..3).prop_map(|(k, stride, pad)| Op::ConvT { k, stride, pad }),
+        (-4i8..4).prop_map(Op::Argmax),
     ]
+}
+
+/// One of the sequence models' elementwise maps.
+fn seq(y: &Tracer, i: u8) -> candle_func::Result<Tracer> {
+    match i {
+        0 => y.sin(),
+        1 => y.cos(),
+        2 => y.silu(),
+        3 => y.gelu(),
+        4 => y.gelu_tanh(),
+        5 => y.erf(),
+        6 => y.softplus(),
+        7 => y.log1p(),
+        8 => y.elu(1.0),
+        9 => y.leaky_relu(0.1),
+        10 => y.powf(2.5),
+        _ => y.clamp(-1.0, 2.0),
+    }
+}
+
+/// A `u32` tensor of `index`, shaped as `y` with `axis` of the index's
+/// length (gather's index; the shape may not fit, on purpose).
+fn gather_index(y: &Tracer, axis: i8, index: &[u32]) -> candle_func::Result<Tensor> {
+    let mut shape = y.dims().to_vec();
+    if let Some(d) = usize::try_from(axis).ok().and_then(|a| shape.get_mut(a)) {
+        *d = index.len();
+    }
+    let n: usize = shape.iter().product();
+    let v: Vec<u32> = (0..n)
+        .map(|i| index.get(i % index.len().max(1)).copied().unwrap_or(0))
+        .collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
 }
 
 fn apply(x: Tracer, ops: &[Op]) -> candle_func::Result<Tracer> {
@@ -112,6 +192,20 @@ fn apply(x: Tracer, ops: &[Op]) -> candle_func::Result<Tracer> {
                 y.conv2d(&w, *pad, 1, *dil, 1)?
             }
             Op::Clip => y.affine(0.5, 0.25)?,
+            Op::Seq(i) => seq(&y, *i)?,
+            Op::Tril(k) => y.tril(*k as i64)?,
+            Op::Cumsum(a) => y.cumsum(*a as isize)?,
+            Op::Gather { axis, index } => y.gather(&gather_index(&y, *axis, index)?, *axis as isize)?,
+            Op::Select(true) => y.gt(0.0)?.where_cond(&y, &y.neg()?)?,
+            Op::Select(false) => y.masked_fill(&y.lt(0.0)?, f64::NEG_INFINITY)?,
+            Op::Var(a) => y.var_keepdim(*a as isize)?,
+            Op::Stack(a) => Tracer::stack(&[&y, &y], *a as usize)?,
+            Op::ConvT { k, stride, pad } => {
+                let c = y.dims().get(1).copied().unwrap_or(1);
+                let w = Tensor::ones((c, 2, *k, *k), y.dtype(), &Device::Cpu).map_err(Error::from)?;
+                y.conv_transpose2d(&w, *pad, 0, *stride, 1, 1)?
+            }
+            Op::Argmax(a) => y.argmax(*a as isize)?,
         };
     }
     Ok(y)
@@ -180,17 +274,34 @@ fn random_programs_give_a_result_or_an_error() {
         &(input(), prop::collection::vec(op(), 1..6)),
         |((dt, shape, seed), ops)| {
             let x = make(DTYPES[dt], &shape, seed);
-            let runs: [(&str, Run); 3] = [
+            let runs: [(&str, Run); 5] = [
                 ("jit", Box::new(|| jit(|x: Tracer| apply(x, &ops)).call(&x))),
                 ("vmap", Box::new(|| vmap(|x: Tracer| apply(x, &ops)).call(&x))),
                 (
                     "grad",
                     Box::new(|| grad(|x: Tracer| apply(x, &ops)?.to_dtype(DType::F32)?.sum_all()).call(&x)),
                 ),
+                // forward mode, along the input itself
+                ("jvp", Box::new(|| Ok(jvp(&|x: Tracer| apply(x, &ops), &x, &x)?.1))),
+                // reverse mode with a pullback called on ones
+                (
+                    "vjp",
+                    Box::new(|| {
+                        let (y, pullback) = vjp(&|x: Tracer| apply(x, &ops), &x)?;
+                        Ok(pullback.call(&y.ones_like()?)?.0)
+                    }),
+                ),
             ];
             for (name, run) in runs {
                 match catch_unwind(AssertUnwindSafe(run)) {
                     Ok(Ok(_)) => count(format!("{name}: result")),
+                    Ok(Err(e @ Error::Internal { .. })) => {
+                        count("internal errors".into());
+                        return Err(TestCaseError::fail(format!(
+                            "{name} hit a bug on {:?} {shape:?} with {ops:?}: {e}",
+                            DTYPES[dt]
+                        )));
+                    }
                     Ok(Err(e)) => count(format!("{name}: Error::{}", variant(&e))),
                     Err(_) => {
                         count("panics".into());

@@ -236,7 +236,13 @@ fn dp_settings_that_would_corrupt_gradients_are_errors() {
     g.insert("w".to_string(), rand(&[4, 3], 1));
     for bad in [-1.0, 0.0, f64::NAN, f64::INFINITY] {
         assert!(
-            matches!(dp::clip_per_sample(&g, bad), Err(Error::Config { .. })),
+            matches!(
+                dp::clip_per_sample(&g, bad),
+                Err(Error::PrivacyConfig {
+                    op: "clip_per_sample",
+                    ..
+                })
+            ),
             "max_norm {bad}"
         );
     }
@@ -244,7 +250,7 @@ fn dp_settings_that_would_corrupt_gradients_are_errors() {
     for (noise, batch) in [(-1.0, 4.0), (f64::NAN, 4.0), (1.0, 0.0), (1.0, -2.0), (1.0, f64::NAN)] {
         let r = dp::privatize(&g, 1.0, noise, batch, &mut rng);
         assert!(
-            matches!(r, Err(Error::Config { .. })),
+            matches!(r, Err(Error::PrivacyConfig { op: "privatize", .. })),
             "noise {noise}, batch {batch}: {r:?}"
         );
     }
@@ -268,7 +274,16 @@ fn malformed_auto_caches_are_refused() {
         let path = dir.join(name);
         std::fs::write(&path, format!("{line}\n")).unwrap();
         let r = candle_func::planner::load_auto_cache(&path);
-        assert!(matches!(r, Err(Error::Config { .. })), "{name}: {r:?}");
+        assert!(
+            matches!(
+                r,
+                Err(Error::Checkpoint {
+                    what: "load_auto_cache",
+                    ..
+                })
+            ),
+            "{name}: {r:?}"
+        );
     }
     // all or nothing: a good first line is not kept when a later one is bad
     let half = dir.join("half");
@@ -276,7 +291,7 @@ fn malformed_auto_caches_are_refused() {
     std::fs::write(&half, format!("{first}\nschedule\tk\tNowhere\t\t4\t2\n")).unwrap();
     let r = candle_func::planner::load_auto_cache(&half);
     assert!(
-        matches!(&r, Err(Error::Config { msg }) if msg.contains("Nowhere") && msg.contains("nothing loaded")),
+        matches!(&r, Err(Error::Checkpoint { msg, .. }) if msg.contains("Nowhere") && msg.contains("nothing loaded")),
         "{r:?}"
     );
     let kept = candle_func::planner::auto_choices();

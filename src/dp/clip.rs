@@ -227,12 +227,16 @@ where
 /// bound is finite and positive.
 fn check_groups(of_leaf: &[usize], bounds: &[f64], leaves: usize) -> Result<()> {
     if of_leaf.len() != leaves || of_leaf.iter().any(|&k| k >= bounds.len()) {
-        return Err(Error::Config {
-            msg: format!(
-                "clipped_grad_sum: groups {of_leaf:?} for {leaves} gradient tensors and {} bounds",
-                bounds.len()
-            ),
-        });
+        let expected = format!(
+            "one group below {} (the bounds' count) for each of {leaves} gradient tensors",
+            bounds.len()
+        );
+        return Err(Error::privacy(
+            "clipped_grad_sum",
+            "per_group",
+            expected,
+            format!("{of_leaf:?}"),
+        ));
     }
     bounds.iter().try_for_each(|&c| positive_norm(c))
 }

@@ -49,6 +49,7 @@
 //! Implementing [`Collective`] over it is what that would take; no GPU was
 //! available to test it.
 
+pub use crate::error::CollectiveFailure;
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
@@ -87,8 +88,9 @@ pub(crate) fn broadcast_batch(comm: &dyn Collective, draw: impl FnOnce() -> Vec<
     comm.broadcast_u64(&mut ids)?;
     ids.into_iter()
         .map(|i| {
-            usize::try_from(i).map_err(|_| Error::Config {
-                msg: format!("distributed step: example index {i} from rank 0 exceeds usize"),
+            usize::try_from(i).map_err(|_| {
+                let msg = format!("example index {i} from rank 0 exceeds usize");
+                failed(comm, CollectiveFailure::Invalid { msg })
             })
         })
         .collect()
@@ -109,9 +111,8 @@ pub(crate) fn reduce_sums(
             DType::F32 => f32s.extend(flat.to_vec1::<f32>()?),
             DType::F64 => f64s.extend(flat.to_vec1::<f64>()?),
             dt => {
-                return Err(Error::Config {
-                    msg: format!("distributed step: parameter {k:?} is {dt:?}; only f32 and f64 are all-reduced"),
-                })
+                let msg = format!("parameter {k:?} is {dt:?}; only f32 and f64 are all-reduced");
+                return Err(Error::data("distributed step", msg));
             }
         }
     }
@@ -229,12 +230,11 @@ pub(crate) fn check_same_setup(
         .iter()
         .find(|(_, t)| !matches!(t.dtype(), DType::F32 | DType::F64))
     {
-        return Err(Error::Config {
-            msg: format!(
-                "distributed: parameter {k:?} is {:?}; only f32 and f64 parameters are all-reduced",
-                t.dtype()
-            ),
-        });
+        let msg = format!(
+            "parameter {k:?} is {:?}; only f32 and f64 parameters are all-reduced",
+            t.dtype()
+        );
+        return Err(Error::data("distributed", msg));
     }
     let mut h = Hasher::default();
     for (k, t) in params {
@@ -246,14 +246,17 @@ pub(crate) fn check_same_setup(
     if differ.is_empty() {
         return Ok(());
     }
-    Err(Error::Config {
-        msg: format!(
-            "distributed: ranks {differ:?} have another data set or other parameter names, shapes or dtypes \
-             than rank 0 (xs {:?}, {} parameters here); every rank must build the same trainer",
-            xs.dims(),
-            params.len()
-        ),
-    })
+    let here = format!("xs {:?}, {} parameters here", xs.dims(), params.len());
+    Err(failed(comm, CollectiveFailure::Setup { ranks: differ, here }))
+}
+
+/// `failure` on this rank of `comm`.
+pub(crate) fn failed(comm: &dyn Collective, failure: CollectiveFailure) -> Error {
+    Error::Collective {
+        rank: comm.rank(),
+        ranks: comm.size(),
+        failure,
+    }
 }
 
 /// The ranks whose `hash` differs from rank 0's, and every rank's hash.
@@ -269,11 +272,13 @@ pub(crate) fn check_in_step(comm: &dyn Collective, params: &BTreeMap<String, Ten
     if differ.is_empty() {
         return Ok(());
     }
-    Err(Error::Config {
-        msg: format!(
-            "distributed step: the parameters of ranks {differ:?} differ from rank 0's {when} \
-             (hashes {hashes:x?}): changed outside the step, or computed with other arithmetic \
-             (another build or CPU)"
-        ),
-    })
+    let when = when.to_string();
+    Err(failed(
+        comm,
+        CollectiveFailure::Drift {
+            ranks: differ,
+            when,
+            hashes,
+        },
+    ))
 }

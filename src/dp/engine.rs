@@ -61,7 +61,7 @@ use super::clip::{clipped_grad_sum, ClippedGradSum};
 use super::collective::{self, Collective};
 use super::optim::Optimizer;
 use super::rng::Rng;
-use crate::error::{Error, Result};
+use crate::error::{CollectiveFailure, Error, Result};
 use crate::ir::options::Options;
 use crate::trace::Tracer;
 use crate::transforms::Function;
@@ -186,9 +186,12 @@ impl PrivacyEngine {
         self
     }
 
-    /// Examples per pass (Opacus's `max_physical_batch_size`). The default,
-    /// a quarter of the expected batch, pads at most a quarter of a batch
-    /// per step while keeping passes large.
+    /// Examples per pass (Opacus's `max_physical_batch_size`), at least 1.
+    /// The default, a quarter of the expected batch, pads at most a quarter
+    /// of a batch per step while keeping passes large. Every pass holds
+    /// this many examples (a short one padded with examples weighted 0), so
+    /// that a new Poisson batch size never traces again; more than the data
+    /// set's size is taken as its size, since no batch is larger.
     pub fn physical_batch(mut self, n: usize) -> PrivacyEngine {
         self.physical_batch = Some(n);
         self
@@ -227,13 +230,16 @@ impl PrivacyEngine {
         super::positive("make_private", "noise_multiplier", config.noise_multiplier, true)?;
         let names = super::optim::var_names(varmap)?;
         if names.is_empty() {
-            return Err(Error::Config {
-                msg: "make_private: the VarMap has no variables to train".into(),
-            });
+            return Err(Error::data("make_private", "the VarMap has no variables to train"));
+        }
+        if self.physical_batch == Some(0) {
+            return Err(Error::privacy("make_private", "physical_batch", ">= 1", 0));
         }
         let (of_leaf, bounds) = groups(&names, &config.clipping)?;
         let sensitivity = bounds.iter().map(|c| c * c).sum::<f64>().sqrt();
-        let physical = self.physical_batch.unwrap_or(config.batch_size.div_ceil(4)).max(1);
+        // the default, a quarter of a batch of at least 1, is at least 1;
+        // no logical batch holds more than the n examples there are
+        let physical = self.physical_batch.unwrap_or(config.batch_size.div_ceil(4)).min(n);
         let clip = clipped_grad_sum(Masked(loss), bounds[0])
             .per_group(of_leaf, bounds)
             .ghost(self.ghost)
@@ -294,13 +300,16 @@ impl PrivacyEngine {
         O: Optimizer,
     {
         let q = sample_rate(config.batch_size, examples(data.0, data.1)?)?;
-        if !(epochs.is_finite() && epochs > 0.0) {
-            return Err(Error::Config {
-                msg: format!("make_private_with_epsilon: epochs must be finite and > 0, got {epochs}"),
-            });
-        }
+        super::positive("make_private_with_epsilon", "epochs", epochs, false)?;
         let steps = (epochs * steps_per_epoch(q) as f64).ceil() as usize;
-        let noise_multiplier = noise_multiplier_with(&self.accountant_new()?, target_epsilon, delta, q, steps)?;
+        let noise_multiplier = noise_multiplier_with(
+            "make_private_with_epsilon",
+            &self.accountant_new()?,
+            target_epsilon,
+            delta,
+            q,
+            steps,
+        )?;
         let config = DpConfig {
             noise_multiplier,
             ..config
@@ -334,9 +343,8 @@ fn examples(xs: &Tensor, ys: &Tensor) -> Result<usize> {
 
 fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
     if batch_size == 0 || batch_size > n {
-        return Err(Error::Config {
-            msg: format!("make_private: batch_size must be in 1..={n} (the data set's size), got {batch_size}"),
-        });
+        let expected = format!("in 1..={n} (the data set's size)");
+        return Err(Error::privacy("make_private", "batch_size", expected, batch_size));
     }
     Ok(batch_size as f64 / n as f64)
 }
@@ -347,7 +355,6 @@ fn steps_per_epoch(q: f64) -> usize {
 
 /// Each parameter's group (in name order) and each group's bound.
 fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>)> {
-    let bad = |msg: String| Err(Error::Config { msg });
     match clipping {
         Clipping::Flat(c) => {
             super::positive("make_private", "max_grad_norm", *c, false)?;
@@ -361,21 +368,19 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
                 .iter()
                 .map(|name| {
                     let holds = |p: &str| name == p || name.strip_prefix(p).is_some_and(|r| r.starts_with('.'));
-                    groups.iter().position(|(p, _)| holds(p)).ok_or_else(|| Error::Config {
-                        msg: format!(
-                            "make_private: parameter {name:?} is in no per-layer clipping group (prefixes: {:?})",
-                            groups.iter().map(|g| &g.0).collect::<Vec<_>>()
-                        ),
+                    groups.iter().position(|(p, _)| holds(p)).ok_or_else(|| {
+                        let prefixes: Vec<&String> = groups.iter().map(|g| &g.0).collect();
+                        let expected = format!("in a per-layer clipping group (prefixes: {prefixes:?})");
+                        Error::privacy("make_private", format!("parameter {name:?}"), expected, "in none")
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
             // A group that holds no parameter would add its bound to the
             // sensitivity, and so noise, for nothing: a misspelt prefix.
             if let Some(k) = (0..groups.len()).find(|k| !of_leaf.contains(k)) {
-                return bad(format!(
-                    "make_private: per-layer clipping group {:?} holds no parameter (parameters: {names:?})",
-                    groups[k].0
-                ));
+                let expected = format!("a prefix of some parameter's name (parameters: {names:?})");
+                let setting = format!("per-layer clipping group {:?}", groups[k].0);
+                return Err(Error::privacy("make_private", setting, expected, "a prefix of none"));
             }
             Ok((of_leaf, groups.iter().map(|g| g.1).collect()))
         }
@@ -473,9 +478,11 @@ where
         }
         let grads = grads?; // this rank's own failure first
         if failures > 0.0 {
-            return Err(Error::Config {
-                msg: format!("distributed step: {failures} other rank(s) failed this step; see their errors"),
-            });
+            let (rank, ranks) = self.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+            let failure = CollectiveFailure::RankFailed {
+                failed: failures as usize,
+            };
+            return Err(Error::Collective { rank, ranks, failure });
         }
         // Counted before the update, as Opacus does: an update that fails
         // half-way has still released noisy values.
@@ -585,8 +592,12 @@ where
     /// is not f32/f64.
     pub fn distributed(mut self, comm: impl Collective + 'static) -> Result<Self> {
         if comm.size() == 0 || comm.rank() >= comm.size() {
-            return Err(Error::Config {
-                msg: format!("distributed: rank {} of {} ranks", comm.rank(), comm.size()),
+            return Err(Error::Collective {
+                rank: comm.rank(),
+                ranks: comm.size(),
+                failure: CollectiveFailure::Invalid {
+                    msg: "the communicator's rank is not below its size".into(),
+                },
             });
         }
         let before = super::optim::var_tensors(&self.varmap)?;
@@ -603,9 +614,9 @@ where
     fn pass(&self, chunk: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
         let mut ids: Vec<u32> = Vec::with_capacity(self.physical);
         for &i in chunk {
-            ids.push(u32::try_from(i).map_err(|_| Error::Config {
-                msg: format!("PrivateTrainer: example index {i} exceeds u32"),
-            })?);
+            let id = u32::try_from(i)
+                .map_err(|_| Error::data("PrivateTrainer::step", format!("example index {i} exceeds u32")))?;
+            ids.push(id);
         }
         let pad = self.physical - chunk.len();
         ids.extend(std::iter::repeat_n(ids[0], pad));

@@ -3,7 +3,7 @@
 //! clipping, noise, the update and the accounting in one `step`), built on
 //! the pieces below: the clipping step as one transform
 //! ([`clipped_grad_sum`], with ghost norms where they pay), per-sample
-//! norms and clipping of materialised gradients ([`per_sample_norms`],
+//! norms and clipping of materialised gradients ([`norm_per_sample`],
 //! [`clip_per_sample`], [`privatize`]), the secure generator ([`rng`]),
 //! the optimisers ([`Sgd`], [`Adam`], [`AdamW`]) and the accountants
 //! ([`accountant`]: PRV, RDP, GDP).
@@ -19,10 +19,10 @@
 //! use std::collections::BTreeMap;
 //! let mut per_sample = BTreeMap::new();
 //! per_sample.insert("w".to_string(), Tensor::new(&[[3f32, 4.], [0.3, 0.4]], &Device::Cpu)?);
-//! let norms = dp::per_sample_norms(&per_sample)?;
+//! let norms = dp::norm_per_sample(&per_sample)?;
 //! assert_eq!(norms.to_vec1::<f32>()?, vec![5., 0.5]);
 //! let clipped = dp::clip_per_sample(&per_sample, 1.0)?;
-//! let n = dp::per_sample_norms(&clipped)?.to_vec1::<f32>()?;
+//! let n = dp::norm_per_sample(&clipped)?.to_vec1::<f32>()?;
 //! assert!((n[0] - 1.0).abs() < 1e-4 && (n[1] - 0.5).abs() < 1e-6);
 //! let mut rng = Rng::seeded(0); // reproducible for the example; train with Rng::from_os()
 //! let g = dp::privatize(&per_sample, 1.0, 1.1, 2.0, &mut rng)?; // noisy mean gradient
@@ -54,27 +54,38 @@ use rng::Rng;
 use std::collections::BTreeMap;
 
 /// The L2 norm of each example's gradient across all parameters: `[B]` for
-/// per-sample gradients shaped `[B, ...]`.
-pub fn per_sample_norms(grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
-    let mut total: Option<Tensor> = None;
+/// materialised per-sample gradients shaped `[B, ...]` (to take the norms
+/// from a loss without materialising them, see [`per_sample_grad_norms`]).
+/// An error naming the leaves when they disagree on `B` or one has no
+/// batch axis.
+pub fn norm_per_sample(grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+    const OP: &str = "norm_per_sample";
+    let mut total: Option<(&str, Tensor)> = None;
     for (name, g) in grads {
         if g.rank() == 0 {
-            return Err(Error::shape(
-                "per_sample_norms",
-                &[g.dims()],
-                format!("{name:?} has no batch axis"),
-            ));
+            return Err(Error::shape(OP, &[g.dims()], format!("{name:?} has no batch axis")));
         }
         let sq = g.to_dtype(DType::F32)?.sqr()?.flatten_from(1)?.sum(1)?;
         total = Some(match total {
-            None => sq,
-            Some(t) => (t + sq)?,
+            None => (name, sq),
+            Some((first, t)) if t.dims() == sq.dims() => (first, (t + sq)?),
+            Some((first, _)) => {
+                let msg = format!("{first:?} and {name:?} hold different numbers of examples (axis 0)");
+                return Err(Error::shape(OP, &[grads[first].dims(), g.dims()], msg));
+            }
         });
     }
-    let total = total.ok_or_else(|| Error::Tree {
-        msg: "per_sample_norms: no gradients".into(),
+    let (_, total) = total.ok_or_else(|| Error::Tree {
+        msg: format!("{OP}: no gradients"),
     })?;
     Ok(total.sqrt()?)
+}
+
+/// Renamed [`norm_per_sample`] (beside [`per_sample_grad_norms`], the
+/// transform, the old name read as its twin).
+#[deprecated(since = "0.2.0", note = "renamed dp::norm_per_sample")]
+pub fn per_sample_norms(grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+    norm_per_sample(grads)
 }
 
 /// Scales each example's gradient so its norm is at most `max_norm`
@@ -82,7 +93,7 @@ pub fn per_sample_norms(grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
 /// are unchanged.
 pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Result<BTreeMap<String, Tensor>> {
     positive("clip_per_sample", "max_norm", max_norm, false)?;
-    let norms = per_sample_norms(grads)?;
+    let norms = norm_per_sample(grads)?;
     let factor = (norms.affine(1.0, 1e-6)?.recip()? * max_norm)?.clamp(0f32, 1f32)?;
     grads
         .iter()
@@ -100,14 +111,12 @@ pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Resul
 /// An error naming `op` and `what` unless `v` is finite and positive (or
 /// zero, where `zero_ok`); the one check of every DP hyper-parameter: a negative clipping norm zeroes every gradient,
 /// a NaN one makes them NaN, and an expected batch of 0 divides by zero.
-pub(super) fn positive(op: &str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
+pub(super) fn positive(op: &'static str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
     if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
         return Ok(());
     }
     let want = if zero_ok { "finite and >= 0" } else { "finite and > 0" };
-    Err(Error::Config {
-        msg: format!("{op}: {what} must be {want}, got {v}"),
-    })
+    Err(Error::privacy(op, what, want, v))
 }
 
 /// The private gradient of a batch: per-sample gradients clipped to

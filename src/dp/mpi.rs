@@ -26,7 +26,7 @@
 //! to MPI.
 
 use super::collective::Collective;
-use crate::error::{Error, Result};
+use crate::error::{CollectiveFailure, Error, Result};
 use mpi::collective::SystemOperation;
 use mpi::request::{scope, Request, Scope};
 use mpi::topology::SimpleCommunicator;
@@ -67,14 +67,13 @@ impl MpiCollective {
                 Err(r) => req = r,
             }
             if start.elapsed() > self.timeout {
-                let e = Error::Config {
-                    msg: format!(
-                        "distributed step: {op} on rank {} of {} waited more than {:?} for the other ranks \
-                         (one has died or hung); aborting the job",
-                        self.world.rank(),
-                        self.world.size(),
-                        self.timeout
-                    ),
+                let e = Error::Collective {
+                    rank: self.world.rank() as usize,
+                    ranks: self.world.size() as usize,
+                    failure: CollectiveFailure::Timeout {
+                        op: op.to_string(),
+                        waited: self.timeout,
+                    },
                 };
                 eprintln!("{e}");
                 self.world.abort(70);
@@ -145,8 +144,9 @@ impl Collective for MpiCollective {
     fn broadcast_u64(&self, data: &mut Vec<u64>) -> Result<()> {
         let mut len = [data.len() as u64];
         self.broadcast(&mut len[..]);
-        let len = usize::try_from(len[0]).map_err(|_| Error::Config {
-            msg: format!("distributed step: a broadcast of {} values exceeds usize", len[0]),
+        let len = usize::try_from(len[0]).map_err(|_| {
+            let msg = format!("a broadcast of {} values exceeds usize", len[0]);
+            super::collective::failed(self, CollectiveFailure::Invalid { msg })
         })?;
         data.resize(len, 0);
         self.broadcast(&mut data[..]);

@@ -76,10 +76,11 @@ impl Optimizer for Sgd {
 }
 
 /// The variables of `varmap` by name.
-pub(super) fn vars_of(varmap: &candle_nn::VarMap, op: &str) -> Result<BTreeMap<String, Var>> {
-    let data = varmap.data().lock().map_err(|_| Error::Config {
-        msg: format!("{op}: the VarMap's lock is poisoned"),
-    })?;
+pub(super) fn vars_of(varmap: &candle_nn::VarMap, op: &'static str) -> Result<BTreeMap<String, Var>> {
+    let data = varmap
+        .data()
+        .lock()
+        .map_err(|_| Error::data(op, "the VarMap's lock is poisoned (a thread panicked holding it)"))?;
     Ok(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
@@ -112,7 +113,7 @@ fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g:
 }
 
 /// An error naming `op` unless each hyper-parameter is finite and `>= 0`.
-fn check_hyper(op: &str, values: &[(&str, f64)]) -> Result<()> {
+fn check_hyper(op: &'static str, values: &[(&str, f64)]) -> Result<()> {
     values
         .iter()
         .try_for_each(|&(name, v)| super::positive(op, name, v, true))
@@ -152,11 +153,10 @@ impl Adam {
     /// Other betas (each in `[0, 1)`) and eps (finite, `> 0`).
     pub fn with(mut self, betas: (f64, f64), eps: f64) -> Result<Adam> {
         let beta_ok = |b: f64| (0.0..1.0).contains(&b);
-        if !(beta_ok(betas.0) && beta_ok(betas.1) && eps.is_finite() && eps > 0.0) {
-            return Err(Error::Config {
-                msg: format!("Adam: betas must be in [0, 1) and eps > 0, got {betas:?} and {eps}"),
-            });
+        if !(beta_ok(betas.0) && beta_ok(betas.1)) {
+            return Err(Error::privacy("Adam", "betas", "each in [0, 1)", format!("{betas:?}")));
         }
+        super::positive("Adam", "eps", eps, false)?;
         self.betas = betas;
         self.eps = eps;
         Ok(self)

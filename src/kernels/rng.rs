@@ -71,6 +71,16 @@ impl Rng {
         Ok(Rng { inner, seeded: false })
     }
 
+    /// Renamed [`Rng::seeded`], which says what it is: a stream anyone
+    /// who knows the seed can repeat (train with [`Rng::from_os`]).
+    #[deprecated(
+        since = "0.2.0",
+        note = "renamed Rng::seeded (reproducible, not private); train with Rng::from_os()"
+    )]
+    pub fn new(seed: u64) -> Rng {
+        Rng::seeded(seed)
+    }
+
     /// A generator whose whole stream is determined by `seed`, for
     /// reproducible runs. **Not secure**: anyone who knows the seed knows
     /// the noise.
@@ -133,9 +143,7 @@ impl Rng {
     /// draws scaled by `std / sqrt(draws)`.
     fn noise(&mut self, std: f64, shape: &[usize], dtype: DType, device: &Device, draws: usize) -> Result<Tensor> {
         if !(std.is_finite() && std >= 0.0) {
-            return Err(Error::Config {
-                msg: format!("normal_tensor: the standard deviation must be finite and >= 0, got {std}"),
-            });
+            return Err(Error::privacy("normal_tensor", "std", "finite and >= 0", std));
         }
         let n = shape
             .iter()

@@ -124,6 +124,16 @@ pub trait Module {
         }
     }
 
+    /// Renamed [`Module::forward_eager`] (candle_nn's `forward_t` takes a
+    /// train flag; rustc's suggestion, `forward`, traces instead of running).
+    #[deprecated(since = "0.2.0", note = "renamed Module::forward_eager (not forward, which traces)")]
+    fn forward_t(&self, x: &Tensor) -> Result<Tensor>
+    where
+        Self: Sized,
+    {
+        self.forward_eager(x)
+    }
+
     /// Where [`Module::forward_eager`] keeps its traced graphs. The crate's
     /// layers and [`Sequential`] have one; the default, `None`, traces anew
     /// on every call, which is always correct: a cache is only right for a

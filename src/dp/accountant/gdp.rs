@@ -19,8 +19,10 @@ pub(super) fn epsilon(history: &[(f64, f64, usize)], delta: f64) -> Result<f64> 
         return Ok(0.0);
     };
     if live.iter().any(|&(s, r, _)| s != sigma || r != q) {
-        return Err(Error::Config {
-            msg: "gdp accountant: the noise multiplier and sample rate must stay constant \
+        return Err(Error::Accounting {
+            op: "Accountant::epsilon",
+            mechanism: "gdp",
+            msg: "the noise multiplier and sample rate must stay constant \
                   (the central-limit approximation is for identical steps)"
                 .into(),
         });

@@ -41,9 +41,12 @@
 //! ```
 
 mod gdp;
+mod legacy;
 mod prv;
 mod rdp;
 
+#[allow(deprecated)]
+pub use legacy::RdpAccountant;
 pub use rdp::{compute_rdp, default_orders, eps_from_rdp, MAX_TERMS};
 
 use super::positive;
@@ -81,9 +84,12 @@ impl std::str::FromStr for Mechanism {
             "prv" => Ok(Mechanism::Prv),
             "rdp" => Ok(Mechanism::Rdp),
             "gdp" => Ok(Mechanism::Gdp),
-            _ => Err(Error::Config {
-                msg: format!("accountant: unknown mechanism {s:?} (expected prv, rdp or gdp)"),
-            }),
+            _ => Err(Error::privacy(
+                "Mechanism::from_str",
+                "mechanism",
+                "prv, rdp or gdp",
+                format!("{s:?}"),
+            )),
         }
     }
 }
@@ -116,7 +122,7 @@ impl Accountant {
     /// reported ε is at most this much above the estimate, and the grid
     /// grows as `1 / eps_error`. Must be finite and positive.
     pub fn with_eps_error(mut self, eps_error: f64) -> Result<Accountant> {
-        positive("accountant", "eps_error", eps_error, false)?;
+        positive("Accountant::with_eps_error", "eps_error", eps_error, false)?;
         self.eps_error = eps_error;
         Ok(self)
     }
@@ -149,8 +155,10 @@ impl Accountant {
         }
         match self.history.last_mut() {
             Some((sigma, q, n)) if *sigma == noise_multiplier && *q == sample_rate => {
-                *n = n.checked_add(steps).ok_or_else(|| Error::Config {
-                    msg: "accountant: the step count overflows usize".into(),
+                *n = n.checked_add(steps).ok_or_else(|| Error::Accounting {
+                    op: "Accountant::record",
+                    mechanism: self.mechanism.name(),
+                    msg: format!("{n} + {steps} steps overflow usize"),
                 })?
             }
             _ => self.history.push((noise_multiplier, sample_rate, steps)),
@@ -172,26 +180,27 @@ impl Accountant {
     }
 
     /// `(lower, estimate, upper)` of ε at `delta`. Only PRV has a band; the
-    /// others give the same value three times.
+    /// others give the same value three times. Each is at least 0.
     pub fn epsilon_range(&self, delta: f64) -> Result<(f64, f64, f64)> {
         if !is_valid_delta(delta) {
-            return Err(Error::Config {
-                msg: format!("accountant: delta must be in (0, 1), got {delta}"),
-            });
+            return Err(Error::privacy("Accountant::epsilon", "delta", "in (0, 1)", delta));
         }
-        let same = |e: f64| (e, e, e);
-        match self.mechanism {
-            Mechanism::Rdp => Ok(same(rdp::history_epsilon(&self.history, delta).0)),
-            Mechanism::Gdp => gdp::epsilon(&self.history, delta).map(same),
+        let same = |e: f64| [e, e, e];
+        let [lo, est, hi] = match self.mechanism {
+            Mechanism::Rdp => same(rdp::history_epsilon(&self.history, delta).0),
+            Mechanism::Gdp => same(gdp::epsilon(&self.history, delta)?),
             Mechanism::Prv => {
                 let budget = prv::Budget {
                     eps_error: self.eps_error,
                     delta_error: delta / 1000.0,
                 };
-                let [lo, est, hi] = prv::epsilon(&self.history, delta, budget)?;
-                Ok((lo, est, hi))
+                prv::epsilon(&self.history, delta, budget)?
             }
-        }
+        };
+        // ε is never below 0: a negative figure (PRV's grid at a sample
+        // rate near 0, where Opacus reports it as computed) is rounding
+        let at_least_0 = |e: f64| if e < 0.0 { 0.0 } else { e };
+        Ok((at_least_0(lo), at_least_0(est), at_least_0(hi)))
     }
 
     /// The number of steps recorded.
@@ -225,16 +234,20 @@ impl Accountant {
     /// An accountant from [`Accountant::to_json`]'s output; every entry is
     /// checked as [`Accountant::step`] checks it.
     pub fn from_json(json: &str) -> Result<Accountant> {
-        let bad = |why: &str| Error::Config {
-            msg: format!("accountant: cannot load state: {why}"),
+        let bad = |why: &str| Error::Checkpoint {
+            what: "Accountant::from_json",
+            msg: format!("cannot restore: {why}"),
         };
         let v: serde_json::Value = serde_json::from_str(json).map_err(|e| bad(&e.to_string()))?;
         let mechanism: Mechanism = v["mechanism"]
             .as_str()
             .ok_or_else(|| bad("no \"mechanism\" string"))?
-            .parse()?;
+            .parse()
+            .map_err(|e: Error| bad(&e.to_string()))?;
         let eps_error = v["eps_error"].as_f64().ok_or_else(|| bad("no \"eps_error\" number"))?;
-        let mut acc = Accountant::new(mechanism).with_eps_error(eps_error)?;
+        let mut acc = Accountant::new(mechanism)
+            .with_eps_error(eps_error)
+            .map_err(|e| bad(&e.to_string()))?;
         let entries = v["history"].as_array().ok_or_else(|| bad("no \"history\" list"))?;
         for e in entries {
             let (sigma, q, n) = match e.as_array().map(|a| a.as_slice()) {
@@ -246,7 +259,7 @@ impl Accountant {
             };
             let n = usize::try_from(n).map_err(|_| bad("a step count overflows usize"))?;
             // Pushed as saved, not merged: the history reads back unchanged.
-            check_step(sigma, q)?;
+            check_step(sigma, q).map_err(|err| bad(&format!("history entry {e}: {err}")))?;
             acc.history.push((sigma, q, n));
         }
         Ok(acc)
@@ -271,11 +284,14 @@ fn live(history: &[(f64, f64, usize)]) -> Vec<(f64, f64, usize)> {
 }
 
 fn check_step(noise_multiplier: f64, sample_rate: f64) -> Result<()> {
-    positive("accountant", "noise_multiplier", noise_multiplier, true)?;
+    positive("Accountant::step", "noise_multiplier", noise_multiplier, true)?;
     if !(0.0..=1.0).contains(&sample_rate) {
-        return Err(Error::Config {
-            msg: format!("accountant: sample_rate must be in [0, 1], got {sample_rate}"),
-        });
+        return Err(Error::privacy(
+            "Accountant::step",
+            "sample_rate",
+            "in [0, 1]",
+            sample_rate,
+        ));
     }
     Ok(())
 }
@@ -300,19 +316,31 @@ fn check_step(noise_multiplier: f64, sample_rate: f64) -> Result<()> {
 /// `sample_rate` outside `[0, 1]`). When the noise cannot matter
 /// (`sample_rate = 0` or `steps = 0`) the answer is 0 (Opacus would loop
 /// forever there).
-pub fn noise_multiplier_for(
+pub fn noise_multiplier(
     mechanism: Mechanism,
     target_epsilon: f64,
     delta: f64,
     sample_rate: f64,
     steps: usize,
 ) -> Result<f64> {
-    noise_multiplier_with(&Accountant::new(mechanism), target_epsilon, delta, sample_rate, steps)
+    let template = Accountant::new(mechanism);
+    noise_multiplier_with("noise_multiplier", &template, target_epsilon, delta, sample_rate, steps)
 }
 
-/// [`noise_multiplier_for`] by the analysis and error band of `template`
-/// (its history is ignored).
+/// The previous release's search: RDP only, `None` for a target no noise
+/// reaches and for invalid inputs.
+#[deprecated(
+    since = "0.2.0",
+    note = "use dp::accountant::noise_multiplier(Mechanism::Rdp, target_epsilon, delta, sample_rate, steps), which returns a Result saying why it failed (and takes PRV, Opacus's default)"
+)]
+pub fn noise_multiplier_for(target_epsilon: f64, delta: f64, sample_rate: f64, steps: usize) -> Option<f64> {
+    noise_multiplier(Mechanism::Rdp, target_epsilon, delta, sample_rate, steps).ok()
+}
+
+/// [`noise_multiplier`] by the analysis and error band of `template` (its
+/// history is ignored), its errors naming `op`.
 pub(crate) fn noise_multiplier_with(
+    op: &'static str,
     template: &Accountant,
     target_epsilon: f64,
     delta: f64,
@@ -322,15 +350,11 @@ pub(crate) fn noise_multiplier_with(
     const MAX_SIGMA: f64 = 1e6;
     const EPSILON_TOLERANCE: f64 = 0.01;
     const MAX_HALVINGS: usize = 200;
-    if target_epsilon.is_nan() || target_epsilon <= 0.0 {
-        return Err(Error::Config {
-            msg: format!("noise_multiplier_for: target_epsilon must be > 0, got {target_epsilon}"),
-        });
-    }
+    // an infinite target is reached by no noise at all, which is no
+    // privacy: a bad input rather than a request for sigma = 0
+    positive(op, "target_epsilon", target_epsilon, false)?;
     if !(0.0..=1.0).contains(&sample_rate) {
-        return Err(Error::Config {
-            msg: format!("noise_multiplier_for: sample_rate must be in [0, 1], got {sample_rate}"),
-        });
+        return Err(Error::privacy(op, "sample_rate", "in [0, 1]", sample_rate));
     }
     let mechanism = template.mechanism;
     let eps_at = |sigma: f64| {
@@ -342,18 +366,17 @@ pub(crate) fn noise_multiplier_with(
         acc.epsilon(delta)
     };
     if !is_valid_delta(delta) {
-        return Err(Error::Config {
-            msg: format!("noise_multiplier_for: delta must be in (0, 1), got {delta}"),
-        });
+        return Err(Error::privacy(op, "delta", "in (0, 1)", delta));
     }
     if sample_rate == 0.0 || steps == 0 {
         return Ok(0.0);
     }
-    let unreachable = || Error::Config {
+    let unreachable = || Error::Accounting {
+        op,
+        mechanism: mechanism.name(),
         msg: format!(
-            "noise_multiplier_for: no noise multiplier up to {MAX_SIGMA:e} reaches epsilon \
-             {target_epsilon} at delta {delta:e} ({} accountant, sample rate {sample_rate}, {steps} steps)",
-            mechanism.name()
+            "no noise multiplier up to {MAX_SIGMA:e} reaches epsilon {target_epsilon} at delta {delta:e} \
+             (sample rate {sample_rate}, {steps} steps)"
         ),
     };
     let (mut sigma_low, mut sigma_high, mut eps_high) = (0.0, 10.0, f64::INFINITY);

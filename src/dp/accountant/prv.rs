@@ -127,8 +127,10 @@ fn domain(live: &[(f64, f64, usize)], budget: Budget) -> Result<Domain> {
     let l = safe_half_width(live, total, budget);
     let dt = budget.eps_error / (total as f64 * (12.0 / budget.delta_error).ln() / 2.0).sqrt();
     if !l.is_finite() || !dt.is_finite() || dt <= 0.0 {
-        return Err(Error::Config {
-            msg: format!("prv accountant: no usable grid for {total} steps (half-width {l}, mesh {dt})"),
+        return Err(Error::Accounting {
+            op: "Accountant::epsilon",
+            mechanism: "prv",
+            msg: format!("no usable grid for {total} steps (half-width {l}, mesh {dt})"),
         });
     }
     // Aligned to the mesh: -K dt ..= K dt, 2K + 1 points, made even by one
@@ -136,9 +138,11 @@ fn domain(live: &[(f64, f64, usize)], budget: Budget) -> Result<Domain> {
     let k = (l / dt).ceil();
     let size = 2.0 * k + 2.0;
     if size > MAX_POINTS as f64 {
-        return Err(Error::Config {
+        return Err(Error::Accounting {
+            op: "Accountant::epsilon",
+            mechanism: "prv",
             msg: format!(
-                "prv accountant: {total} steps at eps_error {} need a grid of {size:e} points \
+                "{total} steps at eps_error {} need a grid of {size:e} points \
                  (at most {MAX_POINTS}); raise eps_error",
                 budget.eps_error
             ),
@@ -197,9 +201,11 @@ impl Discrete {
         let mean_c = truncated_mean(&truncated, lo, hi);
         let shift = mean_c - mean_d;
         if !shift.is_finite() || shift.abs() >= half {
-            return Err(Error::Config {
+            return Err(Error::Accounting {
+                op: "Accountant::epsilon",
+                mechanism: "prv",
                 msg: format!(
-                    "prv accountant: the discrete mean ({mean_d:e}) is more than half a mesh \
+                    "the discrete mean ({mean_d:e}) is more than half a mesh \
                      ({half:e}) from the continuous one ({mean_c:e}) for q = {}, sigma = {}",
                     prv.q, prv.sigma
                 ),
@@ -265,9 +271,11 @@ impl Discrete {
         let size = self.pmf.len();
         // Each tail sum below carries rounding of about one ulp per point.
         if f64::EPSILON * size as f64 > delta - budget.delta_error {
-            return Err(Error::Config {
+            return Err(Error::Accounting {
+                op: "Accountant::epsilon",
+                mechanism: "prv",
                 msg: format!(
-                    "prv accountant: delta {delta:e} is too small for a grid of {size} points \
+                    "delta {delta:e} is too small for a grid of {size} points \
                      (rounding would dominate); raise delta or eps_error"
                 ),
             });
@@ -287,8 +295,10 @@ impl Discrete {
         let find = |target: f64| -> Result<f64> {
             let i = neg_delta.partition_point(|&x| x < -target);
             if i == 0 || i == size {
-                return Err(Error::Config {
-                    msg: format!("prv accountant: epsilon at delta {target:e} lies outside the grid"),
+                return Err(Error::Accounting {
+                    op: "Accountant::epsilon",
+                    mechanism: "prv",
+                    msg: format!("epsilon at delta {target:e} lies outside the grid"),
                 });
             }
             Ok(((d1[i] - target) / d2[i]).ln())

@@ -14,6 +14,7 @@
 //! Everything is in `f64` and in log space: the moments overflow `f64` long
 //! before the orders and step counts of real training runs do.
 
+use crate::error::{Error, Result};
 use std::f64::consts::{LN_2, PI};
 
 /// Default RDP orders (Opacus's): 1.1..=10.9 step 0.1, then 12..=63.
@@ -40,12 +41,43 @@ pub fn default_orders() -> Vec<f64> {
 /// limit; the series would give NaN). `steps = 0` gives 0 (where
 /// Opacus would compute `∞ · 0 = NaN` for `σ = 0`).
 ///
-/// Out-of-range inputs give NaN instead of panicking: `q` outside `[0, 1]`,
-/// `σ < 0` or NaN (for every order), and orders that are NaN or `≤ 1`, or
-/// whose series would need more than ten million terms (integer orders above
-/// 10⁷; see [`MAX_TERMS`]). [`eps_from_rdp`] skips NaN entries, so such
-/// orders simply drop out of the minimum.
-pub fn compute_rdp(sample_rate: f64, noise_multiplier: f64, steps: usize, orders: &[f64]) -> Vec<f64> {
+/// An error for `q` outside `[0, 1]`, `σ` negative or NaN, an order NaN or
+/// `≤ 1`, and an order whose series would need more than ten million
+/// terms (integer orders above 10⁷; see [`MAX_TERMS`]).
+pub fn compute_rdp(sample_rate: f64, noise_multiplier: f64, steps: usize, orders: &[f64]) -> Result<Vec<f64>> {
+    const OP: &str = "compute_rdp";
+    if !(0.0..=1.0).contains(&sample_rate) {
+        return Err(Error::privacy(OP, "sample_rate", "in [0, 1]", sample_rate));
+    }
+    if noise_multiplier.is_nan() || noise_multiplier < 0.0 {
+        return Err(Error::privacy(OP, "noise_multiplier", ">= 0", noise_multiplier));
+    }
+    check_orders(OP, orders)?;
+    let rdp = rdp_values(sample_rate, noise_multiplier, steps, orders);
+    match orders.iter().zip(&rdp).find(|(_, r)| r.is_nan()) {
+        Some((alpha, _)) => Err(Error::Accounting {
+            op: OP,
+            mechanism: "rdp",
+            msg: format!(
+                "the series at order {alpha} (q = {sample_rate}, sigma = {noise_multiplier}) needs more than \
+                 {MAX_TERMS} terms; use smaller orders"
+            ),
+        }),
+        None => Ok(rdp),
+    }
+}
+
+/// An error unless every order is above 1 (not NaN).
+fn check_orders(op: &'static str, orders: &[f64]) -> Result<()> {
+    match orders.iter().find(|a| a.is_nan() || **a <= 1.0) {
+        Some(a) => Err(Error::privacy(op, "orders", "each > 1", a)),
+        None => Ok(()),
+    }
+}
+
+/// [`compute_rdp`] without its checks: NaN for an order out of range or a
+/// series given up, which [`best_epsilon`] skips.
+fn rdp_values(sample_rate: f64, noise_multiplier: f64, steps: usize, orders: &[f64]) -> Vec<f64> {
     orders
         .iter()
         .map(|&alpha| {
@@ -65,14 +97,29 @@ pub fn compute_rdp(sample_rate: f64, noise_multiplier: f64, steps: usize, orders
 /// Uses the conversion of Balle et al. (2020, Theorem 21), as Opacus does:
 /// `ε(α) = rdp(α) - (ln δ + ln α) / (α - 1) + ln((α - 1) / α)`, and returns
 /// the smallest over the orders together with the order that attains it (the
-/// first one on ties). Orders `≤ 1` or NaN, and NaN values of ε, are ignored.
+/// first one on ties). NaN values of ε are skipped, as Opacus's
+/// `nanargmin` skips them; where every one is NaN the result is `(∞, NaN)`,
+/// Opacus's "no privacy" answer. When every ε is `∞` (for example `σ = 0`)
+/// the result is `(∞, orders[0])`.
 ///
-/// When no order gives a usable ε (all NaN, or `orders` empty) the result is
-/// `(∞, NaN)`, Opacus's "no privacy" answer. When every ε is `∞` (for
-/// example `σ = 0`) the result is `(∞, orders[0])`. Inputs that are not
-/// meaningful give `(NaN, NaN)`: `orders` and `rdp` of different lengths, or
-/// `delta` outside the open interval `(0, 1)`.
-pub fn eps_from_rdp(orders: &[f64], rdp: &[f64], delta: f64) -> (f64, f64) {
+/// An error for `orders` and `rdp` of different lengths or empty, an order
+/// NaN or `≤ 1`, and `delta` outside the open interval `(0, 1)`.
+pub fn eps_from_rdp(orders: &[f64], rdp: &[f64], delta: f64) -> Result<(f64, f64)> {
+    const OP: &str = "eps_from_rdp";
+    if orders.len() != rdp.len() || orders.is_empty() {
+        let msg = "one RDP value per order, at least one order";
+        return Err(Error::shape(OP, &[&[orders.len()], &[rdp.len()]], msg));
+    }
+    check_orders(OP, orders)?;
+    if !is_valid_delta(delta) {
+        return Err(Error::privacy(OP, "delta", "in (0, 1)", delta));
+    }
+    Ok(best_epsilon(orders, rdp, delta))
+}
+
+/// [`eps_from_rdp`] without its checks: orders out of range skipped, and
+/// `(NaN, NaN)` for an invalid `delta` or mismatched lengths.
+fn best_epsilon(orders: &[f64], rdp: &[f64], delta: f64) -> (f64, f64) {
     if orders.len() != rdp.len() || !is_valid_delta(delta) {
         return (f64::NAN, f64::NAN);
     }
@@ -109,11 +156,11 @@ pub(super) fn history_epsilon(history: &[(f64, f64, usize)], delta: f64) -> (f64
     let orders = default_orders();
     let mut rdp = vec![0.0; orders.len()];
     for &(sigma, q, n) in history {
-        for (total, r) in rdp.iter_mut().zip(compute_rdp(q, sigma, n, &orders)) {
+        for (total, r) in rdp.iter_mut().zip(rdp_values(q, sigma, n, &orders)) {
             *total += r;
         }
     }
-    eps_from_rdp(&orders, &rdp, delta)
+    best_epsilon(&orders, &rdp, delta)
 }
 
 /// Whether `delta` is a usable δ: in the open interval `(0, 1)` (not NaN).

@@ -1,6 +1,16 @@
-use super::super::{noise_multiplier_for, Accountant, Mechanism};
+use super::super::{noise_multiplier, Accountant, Mechanism};
 use super::*;
 use std::f64::consts::LN_2;
+
+/// compute_rdp on inputs it accepts.
+fn crdp(q: f64, sigma: f64, steps: usize, orders: &[f64]) -> Vec<f64> {
+    compute_rdp(q, sigma, steps, orders).unwrap()
+}
+
+/// eps_from_rdp on inputs it accepts.
+fn efr(orders: &[f64], rdp: &[f64], delta: f64) -> (f64, f64) {
+    eps_from_rdp(orders, rdp, delta).unwrap()
+}
 
 fn rel_close(a: f64, b: f64, tol: f64) -> bool {
     (a - b).abs() <= tol * b.abs().max(1e-300)
@@ -51,7 +61,7 @@ fn opacus_fixture_epsilons() {
             .expect("fixture field \"steps\" is not a step count");
         let delta = number(case, "delta");
         let want = number(case, "epsilon");
-        let (eps, _) = eps_from_rdp(&orders, &compute_rdp(q, sigma, steps, &orders), delta);
+        let (eps, _) = efr(&orders, &crdp(q, sigma, steps, &orders), delta);
         assert!(
             rel_close(eps, want, 1e-3),
             "q={q} sigma={sigma} steps={steps} delta={delta}: {eps} vs {want}"
@@ -73,7 +83,7 @@ fn matches_opacus_to_many_digits() {
         (0.1, 0.8, 100, 1e-5, 12.358541266986002, 2.4),
     ];
     for (q, sigma, steps, delta, want, want_order) in cases {
-        let (eps, order) = eps_from_rdp(&orders, &compute_rdp(q, sigma, steps, &orders), delta);
+        let (eps, order) = efr(&orders, &crdp(q, sigma, steps, &orders), delta);
         assert!(rel_close(eps, want, 1e-10), "{eps} vs {want}");
         assert_eq!(order, want_order);
     }
@@ -96,7 +106,7 @@ fn more_noise_less_epsilon() {
     let orders = default_orders();
     let mut last = f64::INFINITY;
     for sigma in [0.5, 0.7, 1.0, 1.5, 2.0, 4.0, 8.0] {
-        let (eps, _) = eps_from_rdp(&orders, &compute_rdp(0.02, sigma, 500, &orders), 1e-5);
+        let (eps, _) = efr(&orders, &crdp(0.02, sigma, 500, &orders), 1e-5);
         assert!(eps < last, "sigma={sigma}: {eps} >= {last}");
         last = eps;
     }
@@ -105,9 +115,9 @@ fn more_noise_less_epsilon() {
 #[test]
 fn zero_sample_rate_is_rdp_zero() {
     let orders = default_orders();
-    let rdp = compute_rdp(0.0, 1.0, 1000, &orders);
+    let rdp = crdp(0.0, 1.0, 1000, &orders);
     assert!(rdp.iter().all(|&r| r == 0.0));
-    let (eps, order) = eps_from_rdp(&orders, &rdp, 1e-5);
+    let (eps, order) = efr(&orders, &rdp, 1e-5);
     let want = orders
         .iter()
         .map(|&a| -(1e-5f64.ln() + a.ln()) / (a - 1.0) + ((a - 1.0) / a).ln())
@@ -120,12 +130,12 @@ fn zero_sample_rate_is_rdp_zero() {
 #[test]
 fn full_batch_is_the_gaussian_mechanism() {
     let orders = [1.5, 2.0, 7.3, 32.0];
-    let rdp = compute_rdp(1.0, 2.0, 10, &orders);
+    let rdp = crdp(1.0, 2.0, 10, &orders);
     for (&a, &r) in orders.iter().zip(&rdp) {
         assert!(rel_close(r, 10.0 * a / 8.0, 1e-15), "{a}: {r}");
     }
     // The series for q just below 1 approach the closed form.
-    let near = compute_rdp(1.0 - 1e-9, 2.0, 10, &orders);
+    let near = crdp(1.0 - 1e-9, 2.0, 10, &orders);
     for ((&a, &r), &n) in orders.iter().zip(&rdp).zip(&near) {
         assert!(rel_close(n, r, 1e-6), "{a}: {n} vs {r}");
     }
@@ -133,7 +143,7 @@ fn full_batch_is_the_gaussian_mechanism() {
     // α only for the classical conversion; check the improved one
     // against a direct minimum instead.
     let orders = default_orders();
-    let (eps, _) = eps_from_rdp(&orders, &compute_rdp(1.0, 5.0, 1, &orders), 1e-5);
+    let (eps, _) = efr(&orders, &crdp(1.0, 5.0, 1, &orders), 1e-5);
     let want = orders
         .iter()
         .map(|&a| a / 50.0 - (1e-5f64.ln() + a.ln()) / (a - 1.0) + ((a - 1.0) / a).ln())
@@ -166,7 +176,7 @@ fn accountant_merges_steps() {
     }
     assert_eq!(acc.history(), &[(1.0, 0.01, 300)]);
     let orders = default_orders();
-    let (want, _) = eps_from_rdp(&orders, &compute_rdp(0.01, 1.0, 300, &orders), 1e-5);
+    let (want, _) = efr(&orders, &crdp(0.01, 1.0, 300, &orders), 1e-5);
     assert_eq!(acc.epsilon(1e-5).unwrap(), want);
 
     // A change of parameters starts a new entry; composition adds RDP.
@@ -176,12 +186,12 @@ fn accountant_merges_steps() {
     acc.step(1.0, 0.01).unwrap();
     assert_eq!(acc.history(), &[(1.0, 0.01, 300), (2.0, 0.05, 200), (1.0, 0.01, 1)]);
     assert_eq!(acc.steps(), 501);
-    let total: Vec<f64> = compute_rdp(0.01, 1.0, 301, &orders)
+    let total: Vec<f64> = crdp(0.01, 1.0, 301, &orders)
         .iter()
-        .zip(compute_rdp(0.05, 2.0, 200, &orders))
+        .zip(crdp(0.05, 2.0, 200, &orders))
         .map(|(a, b)| a + b)
         .collect();
-    let (want, want_order) = eps_from_rdp(&orders, &total, 1e-5);
+    let (want, want_order) = efr(&orders, &total, 1e-5);
     let (eps, order) = history_epsilon(acc.history(), 1e-5);
     assert!(rel_close(eps, want, 1e-12), "{eps} vs {want}");
     assert!(rel_close(acc.epsilon(1e-5).unwrap(), want, 1e-12));
@@ -196,7 +206,7 @@ fn noise_multiplier_round_trips() {
         (8.0, 0.004, 2340),
         (0.5, 0.001, 10000),
     ] {
-        let sigma = noise_multiplier_for(Mechanism::Rdp, target, 1e-5, q, steps).unwrap();
+        let sigma = noise_multiplier(Mechanism::Rdp, target, 1e-5, q, steps).unwrap();
         let eps = history_epsilon(&[(sigma, q, steps)], 1e-5).0;
         // Opacus's contract: at most the target, and within its tolerance.
         assert!(
@@ -210,10 +220,22 @@ fn noise_multiplier_round_trips() {
 
 #[test]
 fn noise_multiplier_unreachable_or_invalid() {
-    let nm = |eps, delta, q, steps| noise_multiplier_for(Mechanism::Rdp, eps, delta, q, steps);
+    let nm = |eps, delta, q, steps| noise_multiplier(Mechanism::Rdp, eps, delta, q, steps);
     // ε at δ = 1e-5 never drops below the conversion's floor (~0.1).
-    let msg = nm(0.05, 1e-5, 0.01, 1000).unwrap_err().to_string();
-    assert!(msg.contains("noise_multiplier_for") && msg.contains("0.05"), "{msg}");
+    let err = nm(0.05, 1e-5, 0.01, 1000).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            crate::Error::Accounting {
+                op: "noise_multiplier",
+                mechanism: "rdp",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(msg.contains("noise_multiplier") && msg.contains("0.05"), "{msg}");
     for (eps, delta, q) in [
         (f64::NAN, 1e-5, 0.01),
         (-1.0, 1e-5, 0.01),
@@ -227,39 +249,71 @@ fn noise_multiplier_unreachable_or_invalid() {
 }
 
 #[test]
-fn out_of_range_inputs_do_not_panic() {
-    let orders = [0.5, 1.0, 1.5, 2.0, f64::NAN, f64::INFINITY, -3.0];
-    for &(q, sigma) in &[(-0.1, 1.0), (1.1, 1.0), (f64::NAN, 1.0), (0.1, -1.0), (0.1, f64::NAN)] {
-        assert!(
-            compute_rdp(q, sigma, 10, &orders).iter().all(|r| r.is_nan()),
-            "q={q} sigma={sigma}"
-        );
+fn out_of_range_inputs_are_errors_naming_the_value() {
+    use crate::Error;
+    let d = default_orders();
+    for (q, sigma, what) in [
+        (-0.1, 1.0, "sample_rate"),
+        (1.1, 1.0, "sample_rate"),
+        (f64::NAN, 1.0, "sample_rate"),
+        (0.1, -1.0, "noise_multiplier"),
+        (0.1, f64::NAN, "noise_multiplier"),
+    ] {
+        match compute_rdp(q, sigma, 10, &d) {
+            Err(Error::PrivacyConfig {
+                op: "compute_rdp",
+                setting,
+                ..
+            }) => assert_eq!(setting, what),
+            r => panic!("q={q} sigma={sigma}: {r:?}"),
+        }
     }
-    let rdp = compute_rdp(0.1, 1.0, 10, &orders);
-    assert!(rdp[0].is_nan() && rdp[1].is_nan() && rdp[4].is_nan() && rdp[6].is_nan());
-    assert!(rdp[2].is_finite() && rdp[3].is_finite());
-    assert_eq!(rdp[5], f64::INFINITY);
-    let (eps, order) = eps_from_rdp(&orders, &rdp, 1e-5);
+    for bad in [0.5, 1.0, f64::NAN, -3.0] {
+        let e = compute_rdp(0.1, 1.0, 10, &[2.0, bad]).unwrap_err();
+        assert!(
+            matches!(&e, Error::PrivacyConfig { setting, .. } if setting == "orders"),
+            "{e:?}"
+        );
+        let e = eps_from_rdp(&[2.0, bad], &[1.0, 1.0], 1e-5).unwrap_err();
+        assert!(e.to_string().contains(&format!("got {bad}")), "{e}");
+    }
+    // An infinite order is Opacus's "no privacy at that order".
+    let rdp = crdp(0.1, 1.0, 10, &[1.5, 2.0, f64::INFINITY]);
+    assert!(rdp[0].is_finite() && rdp[1].is_finite() && rdp[2] == f64::INFINITY);
+    let (eps, order) = efr(&[1.5, 2.0, f64::INFINITY], &rdp, 1e-5);
     assert!(eps.is_finite() && (order == 1.5 || order == 2.0));
+    // An absurd integer order is refused, not looped over (it was NaN).
+    let e = compute_rdp(0.1, 1.0, 1, &[1e18]).unwrap_err();
+    assert!(matches!(e, Error::Accounting { op: "compute_rdp", .. }), "{e:?}");
+    assert!(e.to_string().contains("1000000000000000000"), "{e}");
 
     // No noise: no privacy.
-    let d = default_orders();
-    let (eps, order) = eps_from_rdp(&d, &compute_rdp(0.1, 0.0, 10, &d), 1e-5);
+    let (eps, order) = efr(&d, &crdp(0.1, 0.0, 10, &d), 1e-5);
     assert_eq!((eps, order), (f64::INFINITY, 1.1));
-    assert!(compute_rdp(0.1, 0.0, 0, &d).iter().all(|&r| r == 0.0));
-    assert!(compute_rdp(0.1, f64::INFINITY, 10, &d).iter().all(|&r| r == 0.0));
+    assert!(crdp(0.1, 0.0, 0, &d).iter().all(|&r| r == 0.0));
+    assert!(crdp(0.1, f64::INFINITY, 10, &d).iter().all(|&r| r == 0.0));
+    // NaN RDP values are skipped, as numpy's nanargmin skips them.
+    let (eps, order) = efr(&[2.0, 3.0], &[f64::NAN, 1.0], 1e-5);
+    assert!(eps.is_finite() && order == 3.0);
 
-    // Bad δ or mismatched lengths.
+    // Bad δ, mismatched lengths (NaN before), no orders.
     for delta in [0.0, 1.0, -1.0, f64::NAN] {
-        assert!(eps_from_rdp(&d, &compute_rdp(0.1, 1.0, 10, &d), delta).0.is_nan());
+        let e = eps_from_rdp(&d, &crdp(0.1, 1.0, 10, &d), delta).unwrap_err();
+        assert!(
+            matches!(&e, Error::PrivacyConfig { op: "eps_from_rdp", setting, .. } if setting == "delta"),
+            "{e:?}"
+        );
     }
-    assert!(eps_from_rdp(&[2.0, 3.0], &[1.0], 1e-5).0.is_nan());
-    let (eps, order) = eps_from_rdp(&[], &[], 1e-5);
-    assert!(eps == f64::INFINITY && order.is_nan());
+    let e = eps_from_rdp(&[2.0, 3.0], &[1.0], 1e-5).unwrap_err();
+    assert!(
+        matches!(&e, Error::Shape { shapes, .. } if shapes == &[vec![2], vec![1]]),
+        "{e:?}"
+    );
+    assert!(eps_from_rdp(&[], &[], 1e-5).is_err());
 
     // Extreme but valid parameters stay finite.
     for &(q, sigma) in &[(1e-12, 1.0), (1.0 - 1e-12, 1.0), (0.5, 1e-3), (0.5, 1e4), (1e-300, 0.5)] {
-        let r = compute_rdp(q, sigma, 1, &d);
+        let r = crdp(q, sigma, 1, &d);
         // RDP is non-negative; at q = 1e-300 the values are pure rounding
         // (±1e-313), as they are in Opacus.
         assert!(
@@ -267,8 +321,6 @@ fn out_of_range_inputs_do_not_panic() {
             "q={q} sigma={sigma}: {r:?}"
         );
     }
-    // An absurd integer order is given up, not looped over.
-    assert!(compute_rdp(0.1, 1.0, 1, &[1e18])[0].is_nan());
 
     // The accountant refuses such steps outright.
     let mut acc = Accountant::new(Mechanism::Rdp);
@@ -279,13 +331,44 @@ fn out_of_range_inputs_do_not_panic() {
         (1.0, 1.5),
         (1.0, f64::NAN),
     ] {
-        let msg = acc.step(sigma, q).unwrap_err().to_string();
-        assert!(msg.contains("accountant"), "{msg}");
+        let e = acc.step(sigma, q).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::PrivacyConfig {
+                    op: "Accountant::step",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     }
     assert!(acc.history().is_empty());
     for delta in [0.0, 1.0, f64::NAN] {
         assert!(acc.epsilon(delta).is_err());
     }
+}
+
+#[test]
+#[allow(deprecated)]
+fn the_previous_release_accountant_still_builds_and_agrees() {
+    let mut old = super::super::RdpAccountant::new();
+    let mut new = Accountant::new(Mechanism::Rdp);
+    for _ in 0..50 {
+        old.step(1.1, 0.01);
+        new.step(1.1, 0.01).unwrap();
+    }
+    assert_eq!(old.steps(), 50);
+    assert_eq!(old.history(), new.history());
+    assert_eq!(old.epsilon(1e-5), new.epsilon(1e-5).unwrap());
+    // its documented behaviour: an unchecked step makes ε NaN or infinite
+    old.step(f64::NAN, 0.01);
+    assert!(!old.epsilon(1e-5).is_finite());
+    assert!(old.epsilon(2.0).is_nan());
+    // and the old search: RDP, None where no noise reaches the target
+    let sigma = super::super::noise_multiplier_for(2.0, 1e-5, 0.01, 1000).unwrap();
+    assert_eq!(sigma, noise_multiplier(Mechanism::Rdp, 2.0, 1e-5, 0.01, 1000).unwrap());
+    assert_eq!(super::super::noise_multiplier_for(0.05, 1e-5, 0.01, 1000), None);
 }
 
 #[test]

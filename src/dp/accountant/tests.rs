@@ -138,18 +138,27 @@ fn state_round_trips_and_bad_state_is_refused() {
         r#"{"mechanism":"rdp","eps_error":0.01,"history":[[-1.0,0.1,3]]}"#,
         r#"{"mechanism":"rdp","eps_error":0.01,"history":[[1.0,0.1,-3]]}"#,
     ] {
-        let err = Accountant::from_json(bad).unwrap_err().to_string();
-        assert!(err.contains("accountant"), "{bad}: {err}");
+        let err = Accountant::from_json(bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                crate::Error::Checkpoint {
+                    what: "Accountant::from_json",
+                    ..
+                }
+            ),
+            "{bad}: {err:?}"
+        );
     }
 }
 
 #[test]
-fn noise_multiplier_for_each_mechanism() {
+fn noise_multiplier_each_mechanism() {
     // The digits example's setting: q = 0.0445, 660 steps, ε = 7.67 at σ = 1.
     let (q, steps) = (0.044_537_230_340_988_17, 660);
     let mut sigmas = vec![];
     for m in [Mechanism::Prv, Mechanism::Rdp] {
-        let sigma = noise_multiplier_for(m, 7.669, 1e-5, q, steps).unwrap();
+        let sigma = noise_multiplier(m, 7.669, 1e-5, q, steps).unwrap();
         let mut acc = Accountant::new(m);
         acc.record(sigma, q, steps).unwrap();
         let eps = acc.epsilon(1e-5).unwrap();
@@ -159,7 +168,7 @@ fn noise_multiplier_for_each_mechanism() {
     // PRV needs less noise for the same ε: about σ = 1 for this target.
     assert!(sigmas[0] < sigmas[1], "{sigmas:?}");
     // GDP, constant steps only, reaches its target too.
-    let sigma = noise_multiplier_for(Mechanism::Gdp, 2.0, 1e-5, q, steps).unwrap();
+    let sigma = noise_multiplier(Mechanism::Gdp, 2.0, 1e-5, q, steps).unwrap();
     let mut acc = Accountant::new(Mechanism::Gdp);
     acc.record(sigma, q, steps).unwrap();
     let eps = acc.epsilon(1e-5).unwrap();

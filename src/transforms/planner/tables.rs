@@ -311,8 +311,9 @@ fn take(rows: Vec<Row>) -> usize {
 /// file, one per line, to reload with [`load_auto_cache`] so a later
 /// process skips the measurements.
 pub fn save_auto_cache(path: impl AsRef<Path>) -> Result<()> {
-    write(path.as_ref(), &text()).map_err(|e| Error::Config {
-        msg: format!("save_auto_cache {}: {e}", path.as_ref().display()),
+    write(path.as_ref(), &text()).map_err(|e| Error::Checkpoint {
+        what: "save_auto_cache",
+        msg: format!("{}: {e}", path.as_ref().display()),
     })
 }
 
@@ -321,14 +322,13 @@ pub fn save_auto_cache(path: impl AsRef<Path>) -> Result<()> {
 /// programs and signatures. All or nothing: a malformed line is an error
 /// naming it, and no line of the file is taken.
 pub fn load_auto_cache(path: impl AsRef<Path>) -> Result<usize> {
-    let text = std::fs::read_to_string(path.as_ref()).map_err(|e| Error::Config {
-        msg: format!("load_auto_cache {}: {e}", path.as_ref().display()),
+    let text = std::fs::read_to_string(path.as_ref()).map_err(|e| Error::Checkpoint {
+        what: "load_auto_cache",
+        msg: format!("{}: {e}", path.as_ref().display()),
     })?;
-    let rows = parse(&text).map_err(|line| Error::Config {
-        msg: format!(
-            "load_auto_cache {}: malformed line {line:?} (nothing loaded)",
-            path.as_ref().display()
-        ),
+    let rows = parse(&text).map_err(|line| Error::Checkpoint {
+        what: "load_auto_cache",
+        msg: format!("{}: malformed line {line:?} (nothing loaded)", path.as_ref().display()),
     })?;
     Ok(take(rows))
 }
