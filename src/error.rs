@@ -360,7 +360,7 @@ impl<T> CandleContext<T> for candle_core::Result<T> {
     fn op(self, op: &str) -> Result<T> {
         self.map_err(|source| Error::Candle {
             op: op.to_string(),
-            source,
+            source: without_backtrace(source),
         })
     }
 }
@@ -369,7 +369,27 @@ impl From<candle_core::Error> for Error {
     fn from(source: candle_core::Error) -> Self {
         Error::Candle {
             op: "candle".to_string(),
-            source,
+            source: without_backtrace(source),
         }
+    }
+}
+
+/// candle's error with the backtraces it captures under `RUST_BACKTRACE`
+/// removed: candle prints them in `Display`, so every message of ours that
+/// wraps one would otherwise grow by 40 frames. (A panic's backtrace is
+/// where a Rust user looks for one; an `Error` names its operation.)
+pub(crate) fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    use candle_core::Error as C;
+    match e {
+        C::WithBacktrace { inner, .. } => without_backtrace(*inner),
+        C::Context { inner, context } => C::Context {
+            inner: Box::new(without_backtrace(*inner)),
+            context,
+        },
+        C::WithPath { inner, path } => C::WithPath {
+            inner: Box::new(without_backtrace(*inner)),
+            path,
+        },
+        e => e,
     }
 }

@@ -118,6 +118,26 @@ mod transforms;
 
 mod deprecated;
 
+/// The README's and the chapters' code, run as doc-tests (`cargo test`),
+/// so what a user copies from them compiles and runs.
+#[cfg(doctest)]
+mod doc_chapters {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/transforms.md")]
+    struct Transforms;
+    #[doc = include_str!("../docs/convolutions.md")]
+    struct Convolutions;
+    #[doc = include_str!("../docs/dp.md")]
+    struct Dp;
+    #[doc = include_str!("../docs/sequence_models.md")]
+    struct SequenceModels;
+    #[doc = include_str!("../docs/benchmarks.md")]
+    struct Benchmarks;
+    #[doc = include_str!("../docs/correctness.md")]
+    struct Correctness;
+}
+
 pub use error::{Error, Result};
 pub use ir::{ConvRoute, Graph, Options, Randomness, Schedule};
 pub use ops::{custom_op, custom_op_with_rules, CustomRules};

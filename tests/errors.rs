@@ -59,8 +59,9 @@ fn bad_in_dims() {
         Err(Error::InDims { arg: 0, msg }) => assert!(msg.contains("[4, 3]"), "{msg}"),
         other => panic!("expected InDims, got {other:?}"),
     }
+    // a wrong count is the tree's shape, no one argument's
     let r = vmap(|x: Tracer, y: Tracer| x.add(&y)).in_dims([Some(0)]).call((&x, &x));
-    assert!(matches!(r, Err(Error::InDims { .. })), "{r:?}");
+    assert!(matches!(r, Err(Error::Tree { .. })), "{r:?}");
     let r = vmap(|x: Tracer| x.exp()).in_dims([None::<i32>]).call(&x);
     assert!(matches!(r, Err(Error::InDims { .. })), "{r:?}");
 }

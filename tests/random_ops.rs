@@ -58,6 +58,9 @@ enum Op {
     Seq(u8),
     Tril(i8),
     Cumsum(i8),
+    /// `y` as a `[vocab, dim]` table (or an error if it is not) and ids
+    /// of shape `[2, n]`, some perhaps out of range
+    Embedding(Vec<u32>),
     Gather {
         axis: i8,
         index: Vec<u32>,
@@ -97,6 +100,10 @@ fn op() -> impl Strategy<Value = Op> {
         (-3i8..3).prop_map(Op::Tril),
         (-4i8..4).prop_map(Op::Cumsum),
         (-3i8..3, prop::collection::vec(0u32..6, 0..6)).prop_map(|(axis, index)| Op::Gather { axis, index }),
+        prop::collection::vec(0u32..6, 0..3).prop_map(|mut ids| {
+            ids.extend(ids.clone()); // [2, n]
+            Op::Embedding(ids)
+        }),
         any::<bool>().prop_map(Op::Select),
         (-4i8..4).prop_map(Op::Var),
         (0u8..5).prop_map(Op::Stack),
@@ -195,6 +202,12 @@ fn apply(x: Tracer, ops: &[Op]) -> candle_func::Result<Tracer> {
             Op::Seq(i) => seq(&y, *i)?,
             Op::Tril(k) => y.tril(*k as i64)?,
             Op::Cumsum(a) => y.cumsum(*a as isize)?,
+            Op::Embedding(ids) => {
+                let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
+                    .and_then(|t| t.reshape((2, ids.len() / 2)))
+                    .map_err(Error::from)?;
+                y.embedding(&ids)?
+            }
             Op::Gather { axis, index } => y.gather(&gather_index(&y, *axis, index)?, *axis as isize)?,
             Op::Select(true) => y.gt(0.0)?.where_cond(&y, &y.neg()?)?,
             Op::Select(false) => y.masked_fill(&y.lt(0.0)?, f64::NEG_INFINITY)?,

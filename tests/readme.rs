@@ -1,16 +1,145 @@
-//! The README's "Bring a candle model" section is the guide whose code runs
-//! as a doc-test (`docs/bring_a_candle_model.md`, `nn::candle_models`): the
-//! same text, less the doc-test's hidden lines.
+//! The README and the chapters under `docs/` tell the truth about the
+//! crate: their Rust code runs as doc-tests (`lib.rs` includes each file;
+//! the guide is `nn::candle_models`), an excerpt marked `rust,ignore` is
+//! the text of the file it names, every chapter is linked, and the
+//! README's list of the crate's root names the root's every export.
+
+use std::path::Path;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+fn chapters() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".md"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// A fenced block: its info string and its lines.
+type Block = (String, Vec<String>);
+
+/// The fenced blocks of a markdown text.
+fn blocks(md: &str) -> Vec<Block> {
+    let (mut out, mut open): (Vec<Block>, Option<Block>) = (vec![], None);
+    for line in md.lines() {
+        match (line.strip_prefix("```"), open.take()) {
+            (Some(_), Some(b)) => out.push(b),
+            (Some(info), None) => open = Some((info.trim().to_string(), vec![])),
+            (None, Some(mut b)) => {
+                b.1.push(line.to_string());
+                open = Some(b);
+            }
+            (None, None) => {}
+        }
+    }
+    out
+}
 
 #[test]
-fn the_readme_shows_the_tested_guide() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let guide = std::fs::read_to_string(root.join("docs/bring_a_candle_model.md")).unwrap();
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let visible: Vec<&str> = guide.lines().filter(|l| !l.starts_with("# ")).collect();
-    let shown = visible.join("\n");
+fn the_readme_is_a_first_read() {
+    let n = read("README.md").lines().count();
+    assert!(n <= 250, "README.md has {n} lines; details belong in docs/");
+}
+
+#[test]
+fn every_chapter_is_linked_and_its_code_runs() {
+    let readme = read("README.md");
+    let lib = read("src/lib.rs");
+    let nn = read("src/nn/mod.rs");
+    for ch in chapters() {
+        assert!(readme.contains(&format!("(docs/{ch})")), "README.md links no docs/{ch}");
+        let included = format!("include_str!(\"../docs/{ch}\")");
+        let guide = format!("include_str!(\"../../docs/{ch}\")");
+        assert!(
+            lib.contains(&included) || nn.contains(&guide),
+            "docs/{ch}'s code is not run as a doc-test (include it in lib.rs's doc_chapters)"
+        );
+    }
+    assert!(lib.contains("include_str!(\"../README.md\")"));
+    // rustdoc compiles an unlabelled block as Rust: label every block
+    for file in std::iter::once("README.md".to_string()).chain(chapters().iter().map(|c| format!("docs/{c}"))) {
+        for (info, _) in blocks(&read(&file)) {
+            assert!(!info.is_empty(), "{file}: a code block without a language");
+        }
+    }
+}
+
+#[test]
+fn an_ignored_excerpt_is_the_text_of_the_file_it_names() {
+    for file in std::iter::once("README.md".to_string()).chain(chapters().iter().map(|c| format!("docs/{c}"))) {
+        for (info, body) in blocks(&read(&file)) {
+            if !info.contains("ignore") {
+                continue;
+            }
+            let source = body[0]
+                .strip_prefix("// ")
+                .and_then(|s| s.split_whitespace().next())
+                .unwrap_or_else(|| panic!("{file}: an ignored block must start with `// <file it is taken from>`"));
+            let text = read(source);
+            let lines: Vec<&str> = text.lines().map(str::trim).collect();
+            for l in body[1..]
+                .iter()
+                .map(|l| l.trim())
+                .filter(|l| !l.is_empty() && *l != "// ...")
+            {
+                assert!(lines.contains(&l), "{file}: `{l}` is not in {source}");
+            }
+        }
+    }
+}
+
+/// The names `src/lib.rs` exports at the root: its top-level `pub use`
+/// items and `pub mod`s (not those inside the re-exporting modules, nor the
+/// deprecated aliases).
+fn root_names() -> Vec<String> {
+    let lib = read("src/lib.rs");
+    let (mut names, mut depth, mut stmt) = (Vec::new(), 0i32, String::new());
+    for line in lib.lines().filter(|l| !l.trim_start().starts_with("//")) {
+        let t = line.trim();
+        if depth == 0 && (t.starts_with("pub use") || !stmt.is_empty()) {
+            stmt.push_str(t);
+            if t.ends_with(';') {
+                if !stmt.contains("deprecated::") {
+                    let list = stmt.rsplit("::").next().unwrap().trim_end_matches(';');
+                    let list = list.trim_start_matches('{').trim_end_matches('}');
+                    names.extend(list.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()));
+                }
+                stmt.clear();
+            }
+        } else if depth == 0 && t.starts_with("pub mod ") {
+            names.push(t["pub mod ".len()..].trim_end_matches([';', '{', ' ']).to_string());
+        }
+        depth += line.matches('{').count() as i32 - line.matches('}').count() as i32;
+    }
+    names
+}
+
+#[test]
+fn the_readme_shows_the_final_root() {
+    let readme = read("README.md");
+    let section = readme
+        .split("## The crate's root")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("README.md has no \"The crate's root\" section");
+    let names = root_names();
     assert!(
-        readme.contains(&shown),
-        "README.md's guide differs from docs/bring_a_candle_model.md"
+        names.len() > 20 && names.iter().any(|n| n == "vmap") && names.iter().any(|n| n == "dp"),
+        "{names:?}"
     );
+    for n in &names {
+        assert!(
+            section.contains(&format!("`{n}`")),
+            "the README's root list omits `{n}`"
+        );
+    }
 }

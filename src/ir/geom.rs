@@ -1,7 +1,7 @@
 //! The window geometry of a convolution, shared by the convolution
 //! primitives and the kernels that run them.
 
-use candle_core::{bail, Result};
+use candle_core::Result;
 
 /// Window geometry of an N-d convolution (N = 1, 2 or 3; each Vec has length N).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -55,13 +55,28 @@ impl ConvGeom {
 
     /// [`Self::out_spatial`] with errors attributed to the calling operation.
     pub(crate) fn out_spatial_for(&self, op: &str, spatial: &[usize]) -> Result<Vec<usize>> {
-        self.validate(op)?;
+        // Not `bail!`: that captures a backtrace into the message.
+        self.fit(spatial)
+            .map_err(|why| candle_core::Error::Msg(format!("{op}: {why}")))
+    }
+
+    /// Checks that the four vectors agree in length (1..=3) and that kernel,
+    /// stride and dilation are positive.
+    pub(crate) fn validate(&self, op: &str) -> Result<()> {
+        self.check()
+            .map_err(|why| candle_core::Error::Msg(format!("{op}: {why}")))
+    }
+
+    /// The output spatial size, or why there is none in the user's terms
+    /// (the setting and its value, the input size), without an op name.
+    pub(crate) fn fit(&self, spatial: &[usize]) -> std::result::Result<Vec<usize>, String> {
+        self.check()?;
         if spatial.len() != self.ndim() {
-            bail!(
-                "{op}: spatial size {spatial:?} has {} dims but the geometry is {}-d ({self:?})",
+            return Err(format!(
+                "an input of spatial size {spatial:?} ({} dims) for a {}-d window ({self})",
                 spatial.len(),
                 self.ndim()
-            )
+            ));
         }
         (0..self.ndim())
             .map(|i| {
@@ -71,33 +86,53 @@ impl ConvGeom {
                     .and_then(|s| s.checked_add(1));
                 let padded = self.padding[i].checked_mul(2).and_then(|p| p.checked_add(spatial[i]));
                 let (Some(span), Some(padded)) = (span, padded) else {
-                    bail!("{op}: the window or the padding overflows in spatial dim {i} ({self:?})")
+                    return Err(format!(
+                        "the window or the padding overflows in spatial dim {i} ({self})"
+                    ));
                 };
                 if padded < span {
-                    bail!(
-                        "{op}: window of span {span} (kernel {}, dilation {}) does not fit padded size {padded} \
-                         in spatial dim {i} (input spatial {spatial:?}, {self:?})",
-                        self.kernel[i],
-                        self.dilation[i]
-                    )
+                    return Err(format!(
+                        "the window spans {span} (kernel {}, dilation {}) but spatial dim {i} of the input is {} \
+                         ({padded} with padding {} on each side): input spatial size {spatial:?}, {self}",
+                        self.kernel[i], self.dilation[i], spatial[i], self.padding[i]
+                    ));
                 }
                 Ok((padded - span) / self.stride[i] + 1)
             })
             .collect()
     }
 
-    /// Checks that the four vectors agree in length (1..=3) and that kernel,
-    /// stride and dilation are positive.
-    pub(crate) fn validate(&self, op: &str) -> Result<()> {
+    /// Lengths 1..=3 and agreeing; kernel, stride and dilation positive.
+    /// The message names the offending setting and its value.
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
         let n = self.ndim();
         let lens = [self.stride.len(), self.padding.len(), self.dilation.len()];
         if !(1..=3).contains(&n) || lens.iter().any(|&l| l != n) {
-            bail!("{op}: geometry vectors must all have length 1, 2 or 3, got {self:?}")
+            return Err(format!(
+                "kernel, stride, padding and dilation must all have 1, 2 or 3 entries, got {self}"
+            ));
         }
-        let positive = |v: &[usize]| v.iter().all(|&x| x > 0);
-        if !positive(&self.kernel) || !positive(&self.stride) || !positive(&self.dilation) {
-            bail!("{op}: kernel, stride and dilation must be positive, got {self:?}")
+        for (name, v) in [
+            ("kernel", &self.kernel),
+            ("stride", &self.stride),
+            ("dilation", &self.dilation),
+        ] {
+            if v.contains(&0) {
+                return Err(format!("{name} must be positive, got {name} {v:?} ({self})"));
+            }
         }
         Ok(())
+    }
+}
+
+/// `kernel [3, 3], stride [1, 1], padding [0, 0], dilation [1, 1]`: the
+/// settings as a user passed them, for messages.
+impl std::fmt::Display for ConvGeom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "kernel {:?}, stride {:?}, padding {:?}, dilation {:?}",
+            self.kernel, self.stride, self.padding, self.dilation
+        )
     }
 }

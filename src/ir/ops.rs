@@ -244,9 +244,9 @@ impl ShapeOp {
 pub(crate) enum IndexOp {
     /// `x.index_select(idx, axis)`: `idx` is 1-D; the result takes
     /// `x[.., idx[k], ..]` along `axis`.
-    IndexSelect(usize),
+    IndexSelect(usize, Lookup),
     /// `x.gather(idx, axis)`: `idx` has x's rank; `out[.., k, ..] = x[.., idx[.., k, ..], ..]`.
-    Gather(usize),
+    Gather(usize, Lookup),
     /// The adjoint of index-select: `src` rows added into `size` rows at
     /// `idx` along `axis` (zeros elsewhere).
     IndexAdd {
@@ -265,11 +265,23 @@ pub(crate) enum IndexOp {
     },
 }
 
+/// What the user asked for when an index primitive was recorded: its
+/// errors (an id out of range) name that operation, also after batching
+/// turned an embedding's selection into a gather.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    /// `index_select` or `gather` itself.
+    Index,
+    /// An embedding: rows of a `[vocab, dim]` table by token id.
+    Embedding,
+}
+
 impl IndexOp {
     pub(crate) fn name(&self) -> String {
+        let tag = |l: &Lookup| if *l == Lookup::Embedding { ",embedding" } else { "" };
         match self {
-            IndexOp::IndexSelect(a) => format!("index_select[axis={a}]"),
-            IndexOp::Gather(a) => format!("gather[axis={a}]"),
+            IndexOp::IndexSelect(a, l) => format!("index_select[axis={a}{}]", tag(l)),
+            IndexOp::Gather(a, l) => format!("gather[axis={a}{}]", tag(l)),
             IndexOp::IndexAdd { axis, size } => format!("index_add[axis={axis},size={size}]"),
             IndexOp::ScatterAdd { axis, size } => format!("scatter_add[axis={axis},size={size}]"),
         }

@@ -1,5 +1,6 @@
 //! Hand-written compute kernels that candle lacks or that per-sample
-//! gradients need in explicit form.
+//! gradients need in explicit form: candle `CustomOp`s on concrete
+//! tensors, nothing symbolic (the layer below the rules).
 //!
 //! * [`mod@unfold`]: im2col / col2im ([`unfold::unfold`] / [`unfold::fold`])
 //!   for 1-, 2- and 3-d windows and a convolution built on them
@@ -7,17 +8,26 @@
 //! * [`rows`]: the same im2col with one row per output position
 //!   ([`rows::unfold_rows`]) and its adjoint, so that a convolution and its
 //!   gradients over a whole batch are single GEMMs.
-//! * [`transpose`]: contiguous copies of batched transposes (candle copies
-//!   those element by element).
 //! * [`shift`]: stride-1 convolutions and both their gradients as one GEMM
 //!   per kernel tap on the input's own grid, with no im2col at all.
-//! * [`pool`]: 2D max-pooling forward, its gradient and the gradient's
-//!   adjoint, for any kernel and stride.
 //! * [`bmm`]: batched matrix products with the batch spread over threads
-//!   (candle splits each small product over all threads instead).
-//! * [`compare`]: a tensor against a scalar (ReLU's gradient mask).
+//!   (candle splits each small product over all threads instead), reading
+//!   stacked and transposed operands in place.
+//! * [`epilogue`]: a bias add and/or a ReLU applied in place to a fresh
+//!   product's output (the fused nodes' second half).
 //! * [`outer`]: batched outer products (`[B, M, 1] @ [B, 1, N]`), the
 //!   per-sample weight gradient of a linear layer.
+//! * [`pool`]: 2D max-pooling forward, its gradient and the gradient's
+//!   adjoint, for any kernel and stride.
+//! * [`transpose`]: contiguous copies of batched transposes (candle copies
+//!   those element by element).
+//! * [`fastmath`]: vectorised exp, tanh, erf and GELU and its gradient;
+//!   [`softmax`]: the last-axis softmax; [`scale`]: one factor per row (DP's
+//!   clip factors).
+//! * [`compare`]: a tensor against a scalar (ReLU's gradient mask).
+//! * `rng` and `ziggurat`: the seeded and the OS-keyed ChaCha12 streams and
+//!   the Gaussian samplers DP's noise draws from; `copies`: the count of
+//!   bytes a run copied to change a layout.
 //!
 //! Each is a multi-threaded CPU kernel for f32/f64 with a generic
 //! candle-op fallback on every other device and dtype.

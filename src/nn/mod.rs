@@ -185,11 +185,26 @@ pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, 
                     ),
                 })
             }
-            Some(o) if o.dims() != t.dims() || o.dtype() != t.dtype() => {
+            Some(o) if o.dims() != t.dims() => {
                 return Err(Error::Shape {
                     op: "functional_call",
                     shapes: vec![o.dims().to_vec(), t.dims().to_vec()],
-                    msg: format!("parameter {name:?} replaced by a tensor of another shape or dtype"),
+                    msg: format!(
+                        "parameter {name:?} is {:?} but was replaced by a tensor of shape {:?}",
+                        o.dims(),
+                        t.dims()
+                    ),
+                })
+            }
+            Some(o) if o.dtype() != t.dtype() => {
+                return Err(Error::DType {
+                    op: "functional_call",
+                    dtypes: vec![o.dtype(), t.dtype()],
+                    msg: format!(
+                        "parameter {name:?} is {:?} but was replaced by a {:?} tensor",
+                        o.dtype(),
+                        t.dtype()
+                    ),
                 })
             }
             Some(_) => {}

@@ -42,8 +42,7 @@ impl Embedding {
 impl Module for Embedding {
     fn forward_with(&self, p: &Params, ids: &Tracer) -> Result<Tracer> {
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, ids)?;
-        let rows = w.index_select(&ids.flatten_all()?, 0)?;
-        rows.reshape([ids.dims(), &[w.dims()[1]]].concat())
+        w.embedding(ids)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
         param_map(&self.prefix, &[("weight", Some(&self.weight))])

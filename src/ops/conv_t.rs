@@ -23,22 +23,37 @@ impl Tracer {
         let w = w.to_tracer(self)?;
         let nd = geom.ndim();
         let shapes = [self.dims(), w.dims()];
-        if self.rank() != nd + 2 || w.rank() != nd + 2 || groups == 0 || w.dims()[0] != self.dims()[1] {
-            return Err(Error::shape(
-                "conv_transpose",
-                &shapes,
-                format!("expected x [N, Cin, ..] and w [Cin, Cout/groups, ..] of {nd} spatial dims, groups >= 1"),
+        let bad = |why: String| Err(Error::shape("conv_transpose", &shapes, why));
+        if self.rank() != nd + 2 || w.rank() != nd + 2 {
+            return bad(format!(
+                "a {nd}-d transposed convolution takes x [N, Cin, ..{nd} dims] and w [Cin, Cout/groups, ..{nd} dims]"
+            ));
+        }
+        if w.dims()[0] != self.dims()[1] {
+            return bad(format!(
+                "x has {} channels but w's first dim (its input channels) is {}",
+                self.dims()[1],
+                w.dims()[0]
+            ));
+        }
+        if groups == 0 || !self.dims()[1].is_multiple_of(groups) {
+            return bad(format!(
+                "groups must be positive and divide the {} input channels, got groups = {groups}",
+                self.dims()[1]
             ));
         }
         geom.kernel = w.dims()[2..].to_vec();
+        // checked here, in the user's terms, before the primitive's own
+        // checks see the transposed (gradient) shapes
+        if let Err(why) = geom.check() {
+            return bad(why);
+        }
         let mut out = Vec::with_capacity(nd);
         for i in 0..nd {
             let (s, p, d, k) = (geom.stride[i], geom.padding[i], geom.dilation[i], geom.kernel[i]);
             if output_padding >= s && output_padding >= d {
-                return Err(Error::shape(
-                    "conv_transpose",
-                    &shapes,
-                    format!("output_padding {output_padding} must be smaller than the stride {s} or the dilation {d}"),
+                return bad(format!(
+                    "output_padding {output_padding} must be smaller than the stride {s} or the dilation {d}"
                 ));
             }
             // (S - 1) s - 2 p + d (k - 1) + output_padding + 1, checked
@@ -48,14 +63,13 @@ impl Tracer {
                 .and_then(|v| v.checked_add(d.checked_mul(k.checked_sub(1)?)?))
                 .and_then(|v| v.checked_add(output_padding + 1))
                 .and_then(|v| v.checked_sub(p.checked_mul(2)?))
-                .filter(|&v| v > 0)
-                .ok_or_else(|| {
-                    Error::shape(
-                        "conv_transpose",
-                        &shapes,
-                        format!("no output size along spatial dim {i}"),
-                    )
-                })?;
+                .filter(|&v| v > 0);
+            let Some(size) = size else {
+                return bad(format!(
+                    "no output along spatial dim {i}: (size {} - 1) x stride {s} - 2 x padding {p} + dilation {d} x (kernel {k} - 1) + output_padding {output_padding} + 1 is not positive",
+                    self.dims()[2 + i]
+                ));
+            };
             out.push(size);
         }
         let op = ConvOp::GradInput {

@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::ir::conv::ConvOp;
-use crate::ir::ops::{Binary, Compare, IndexOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
+use crate::ir::ops::{Binary, Compare, IndexOp, Lookup, PoolOp, Reduce, ShapeOp, Unary, Uniform};
 use crate::ir::{ConvGeom, Prim};
 use crate::rules::norm_axis;
 use crate::trace::{Operand, Tracer};
@@ -306,7 +306,7 @@ impl Tracer {
         // panics on overflow in debug builds: that is a shape error here
         let s = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shape.into_shape(n)))
             .map_err(|_| Error::shape("reshape", &[self.dims()], "the target's element count overflows usize"))?
-            .map_err(|e| Error::shape("reshape", &[self.dims()], e.to_string()))?;
+            .map_err(|e| reshape_error(self.dims(), n, e))?;
         if s.dims() == self.dims() {
             return Ok(self.clone());
         }
@@ -410,14 +410,30 @@ impl Tracer {
     pub fn index_select(&self, idx: impl Operand, axis: impl Axis) -> Result<Tracer> {
         let axis = axis.index("index_select", self.dims())?;
         let i = idx.to_tracer(self)?;
-        self.emit(Prim::Index(IndexOp::IndexSelect(axis)), &[&i])
+        self.emit(Prim::Index(IndexOp::IndexSelect(axis, Lookup::Index)), &[&i])
+    }
+    /// Rows of this `[vocab, dim]` table for integer `ids` of any shape:
+    /// `[ids.., dim]` (an embedding lookup; `torch.nn.functional.embedding`).
+    /// An id outside `0..vocab` is an error naming `embedding`.
+    pub fn embedding(&self, ids: impl Operand) -> Result<Tracer> {
+        if self.rank() != 2 {
+            return Err(Error::shape(
+                "embedding",
+                &[self.dims()],
+                "the table must be [vocab, dim]",
+            ));
+        }
+        let ids = ids.to_tracer(self)?;
+        let flat = ids.flatten_all()?;
+        let rows = self.emit(Prim::Index(IndexOp::IndexSelect(0, Lookup::Embedding)), &[&flat])?;
+        rows.reshape([ids.dims(), &[self.dims()[1]]].concat())
     }
     /// Gathers along `axis`: `idx` has this tensor's rank, and the result its
     /// shape (as candle's and PyTorch's `gather`).
     pub fn gather(&self, idx: impl Operand, axis: impl Axis) -> Result<Tracer> {
         let axis = axis.index("gather", self.dims())?;
         let i = idx.to_tracer(self)?;
-        self.emit(Prim::Index(IndexOp::Gather(axis)), &[&i])
+        self.emit(Prim::Index(IndexOp::Gather(axis, Lookup::Index)), &[&i])
     }
 
     /// Matrix product over the last two axes; leading axes broadcast.
@@ -512,4 +528,20 @@ impl Tracer {
         let (kernel, stride) = (kernel.to_usize2(), stride.to_usize2());
         self.emit(Prim::Pool(PoolOp::AvgPool2d { kernel, stride }), &[])
     }
+}
+
+/// A failed reshape in the user's terms: the source shape and both element
+/// counts (candle says "buffer of size 9 which is compatible with shape
+/// [5, 2]", which reads as the opposite).
+fn reshape_error(dims: &[usize], n: usize, e: candle_core::Error) -> Error {
+    let msg = match crate::error::without_backtrace(e) {
+        candle_core::Error::ShapeMismatch { shape, .. } => format!(
+            "cannot reshape {dims:?} ({n} elements) into {:?} ({} elements)",
+            shape.dims(),
+            shape.elem_count()
+        ),
+        // a shape with a hole `()` the element count does not divide
+        other => format!("cannot reshape {dims:?} ({n} elements): {other}"),
+    };
+    Error::shape("reshape", &[dims], msg)
 }

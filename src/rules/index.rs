@@ -4,7 +4,7 @@
 use super::facts::{bytes, Arg, Facts, Workspace};
 use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::ops::IndexOp;
+use crate::ir::ops::{IndexOp, Lookup};
 use crate::ir::{Prim, TensorType, VarId};
 use candle_core::{DType, Tensor};
 
@@ -34,10 +34,15 @@ fn in_range(idx: &Tensor, size: usize, op: &'static str) -> Result<()> {
     );
     if lo < 0 || hi >= size as i64 {
         let bad = if lo < 0 { lo } else { hi };
+        let msg = if op == "embedding" {
+            format!("token id {bad} is out of range for a table of {size} rows (valid ids 0..{size})")
+        } else {
+            format!("index {bad} is out of range for an axis of size {size}")
+        };
         return Err(Error::Shape {
             op,
             shapes: vec![idx.dims().to_vec()],
-            msg: format!("index {bad} is out of range for an axis of size {size}"),
+            msg,
         });
     }
     Ok(())
@@ -49,7 +54,7 @@ impl Rule for IndexOp {
         let (x, idx) = (args[0], args[1]);
         let (xs, is) = (x.shape.as_slice(), idx.shape.as_slice());
         match *self {
-            IndexOp::IndexSelect(axis) => {
+            IndexOp::IndexSelect(axis, _) => {
                 check_index_dtype("index_select", idx)?;
                 if axis >= xs.len() || is.len() != 1 {
                     return Err(Error::shape(
@@ -62,7 +67,7 @@ impl Rule for IndexOp {
                 d[axis] = is[0];
                 Ok(x.with_shape(d))
             }
-            IndexOp::Gather(axis) => {
+            IndexOp::Gather(axis, _) => {
                 check_index_dtype("gather", idx)?;
                 let fits = axis < xs.len()
                     && is.len() == xs.len()
@@ -114,7 +119,7 @@ impl Rule for IndexOp {
         // contiguous operands, and the range check's i64 copy of the indices
         let copies = x.copy_if_strided() + idx.copy_if_strided() + 8 * idx.ty.elem_count();
         let scratch = match self {
-            IndexOp::IndexSelect(_) | IndexOp::Gather(_) => 0,
+            IndexOp::IndexSelect(..) | IndexOp::Gather(..) => 0,
             // the zeros added into, beside the result
             IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } => bytes(out),
         };
@@ -125,19 +130,23 @@ impl Rule for IndexOp {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
         let (kind, size) = match *self {
-            IndexOp::IndexSelect(axis) => ("index_select", x.dims()[axis]),
-            IndexOp::Gather(axis) => ("gather", x.dims()[axis]),
+            // the selected axis is the table's vocabulary wherever batching moved it
+            IndexOp::IndexSelect(axis, Lookup::Embedding) | IndexOp::Gather(axis, Lookup::Embedding) => {
+                ("embedding", x.dims()[axis])
+            }
+            IndexOp::IndexSelect(axis, _) => ("index_select", x.dims()[axis]),
+            IndexOp::Gather(axis, _) => ("gather", x.dims()[axis]),
             IndexOp::IndexAdd { axis, .. } => ("index_add", out.shape[axis]),
             IndexOp::ScatterAdd { axis, .. } => ("scatter_add", out.shape[axis]),
         };
         in_range(idx, size, kind)?;
         match *self {
-            IndexOp::IndexSelect(axis) => x
+            IndexOp::IndexSelect(axis, _) => x
                 .contiguous()
                 .op(&op)?
                 .index_select(&idx.contiguous().op(&op)?, axis)
                 .op(&op),
-            IndexOp::Gather(axis) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
+            IndexOp::Gather(axis, _) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
             IndexOp::IndexAdd { axis, .. } => Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
                 .and_then(|z| z.index_add(&idx.contiguous()?, &x.contiguous()?, axis))
                 .op(&op),
@@ -151,9 +160,9 @@ impl Rule for IndexOp {
         let (x, idx) = (args[0], args[1]);
         let out = match (*self, idx.1) {
             // B x.. with a shared index: select along the shifted axis.
-            (IndexOp::IndexSelect(axis), None) => {
+            (IndexOp::IndexSelect(axis, l), None) => {
                 let xb = cx.front(x)?;
-                cx.b.emit(Prim::Index(IndexOp::IndexSelect(axis + 1)), &[xb, idx.0])?
+                cx.b.emit(Prim::Index(IndexOp::IndexSelect(axis + 1, l)), &[xb, idx.0])?
             }
             // A per-example index: B K -> B 1.. K 1.. -> B x..(K at axis), then gather.
             // A shared table and a per-example index (an embedding of each
@@ -162,18 +171,18 @@ impl Rule for IndexOp {
             // from the table broadcast to every example instead copied it
             // once per example inside the kernel (1.5 GB at B=32 for a
             // 45 MiB vocabulary).
-            (IndexOp::IndexSelect(axis), Some(_)) if x.1.is_none() => {
+            (IndexOp::IndexSelect(axis, l), Some(_)) if x.1.is_none() => {
                 let ib = cx.front(idx)?;
                 let k = cx.b.dims(ib)[1];
                 let flat = cx.b.reshape(ib, vec![cx.size * k])?;
-                let y = cx.b.emit(Prim::Index(IndexOp::IndexSelect(axis)), &[x.0, flat])?;
+                let y = cx.b.emit(Prim::Index(IndexOp::IndexSelect(axis, l)), &[x.0, flat])?;
                 let mut split = cx.b.dims(y);
                 split.splice(axis..=axis, [cx.size, k]);
                 let y = cx.b.reshape(y, split)?;
                 cx.b.move_axis(y, axis, 0)?
             }
             // Both per example: B K -> B 1.. K 1.. -> broadcast, then gather.
-            (IndexOp::IndexSelect(axis), Some(_)) => {
+            (IndexOp::IndexSelect(axis, l), Some(_)) => {
                 let xb = cx.front(x)?;
                 let ib = cx.front(idx)?;
                 let mut target = cx.b.dims(xb);
@@ -184,12 +193,12 @@ impl Rule for IndexOp {
                 unit[axis + 1] = k;
                 let ib = cx.b.reshape(ib, unit)?;
                 let ib = cx.b.broadcast(ib, target)?;
-                cx.b.emit(Prim::Index(IndexOp::Gather(axis + 1)), &[xb, ib])?
+                cx.b.emit(Prim::Index(IndexOp::Gather(axis + 1, l)), &[xb, ib])?
             }
-            (IndexOp::Gather(axis), _) => {
+            (IndexOp::Gather(axis, l), _) => {
                 let xb = cx.materialize(x)?;
                 let ib = cx.materialize(idx)?;
-                cx.b.emit(Prim::Index(IndexOp::Gather(axis + 1)), &[xb, ib])?
+                cx.b.emit(Prim::Index(IndexOp::Gather(axis + 1, l)), &[xb, ib])?
             }
             (IndexOp::IndexAdd { axis, size }, None) => {
                 let xb = cx.front(x)?;
@@ -220,17 +229,21 @@ impl Rule for IndexOp {
         let (x, idx) = (args[0], args[1]);
         let xs = b.dims(x);
         let g = match *self {
-            IndexOp::IndexSelect(axis) => {
+            IndexOp::IndexSelect(axis, _) => {
                 let op = IndexOp::IndexAdd { axis, size: xs[axis] };
                 b.emit(Prim::Index(op), &[ct, idx])?
             }
-            IndexOp::Gather(axis) => {
+            IndexOp::Gather(axis, _) => {
                 let op = IndexOp::ScatterAdd { axis, size: xs[axis] };
                 let g = b.emit(Prim::Index(op), &[ct, idx])?;
                 pad_to(b, g, &xs)?
             }
-            IndexOp::IndexAdd { axis, .. } => b.emit(Prim::Index(IndexOp::IndexSelect(axis)), &[ct, idx])?,
-            IndexOp::ScatterAdd { axis, .. } => b.emit(Prim::Index(IndexOp::Gather(axis)), &[ct, idx])?,
+            IndexOp::IndexAdd { axis, .. } => {
+                b.emit(Prim::Index(IndexOp::IndexSelect(axis, Lookup::Index)), &[ct, idx])?
+            }
+            IndexOp::ScatterAdd { axis, .. } => {
+                b.emit(Prim::Index(IndexOp::Gather(axis, Lookup::Index)), &[ct, idx])?
+            }
         };
         Ok(Some(vec![Some(g), None]))
     }

@@ -15,12 +15,22 @@ use candle_core::Tensor;
 
 fn pooled(kind: &'static str, (k, s): Window, x: &[usize]) -> Result<Vec<usize>> {
     let ((kh, kw), (sh, sw)) = (k, s);
-    if x.len() != 4 || kh == 0 || kw == 0 || sh == 0 || sw == 0 || x[2] < kh || x[3] < kw {
-        return Err(Error::shape(
-            kind,
-            &[x],
-            format!("needs [N, C, H, W] with H >= {kh}, W >= {kw} and a non-zero stride"),
-        ));
+    let why = if x.len() != 4 {
+        Some(format!("the input must be [N, C, H, W], got rank {}", x.len()))
+    } else if kh == 0 || kw == 0 {
+        Some(format!("the kernel must be positive, got kernel ({kh}, {kw})"))
+    } else if sh == 0 || sw == 0 {
+        Some(format!("the stride must be positive, got stride ({sh}, {sw})"))
+    } else if x[2] < kh || x[3] < kw {
+        Some(format!(
+            "the kernel ({kh}, {kw}) is larger than the input's H x W = ({}, {})",
+            x[2], x[3]
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(Error::shape(kind, &[x], why));
     }
     Ok(vec![x[0], x[1], (x[2] - kh) / sh + 1, (x[3] - kw) / sw + 1])
 }

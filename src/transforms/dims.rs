@@ -126,14 +126,19 @@ fn describe(def: &TreeDef) -> String {
     }
 }
 
+/// Which top-level entry a dims tree does not fit (none: the count of
+/// entries is wrong), and why.
+pub(crate) type Misfit = (Option<usize>, String);
+
 impl Dims {
     /// The axis of every leaf, per top-level entry of `defs` (arguments or
-    /// outputs); on a mismatch the entry's index and why.
-    pub(crate) fn per_leaf(&self, defs: &[&TreeDef], what: &str) -> Result<Vec<Vec<Option<isize>>>, (usize, String)> {
-        let count = |n: usize| -> Result<(), (usize, String)> {
+    /// outputs); on a mismatch the entry's index (none when the count of
+    /// entries is wrong, which is no one entry's fault) and why.
+    pub(crate) fn per_leaf(&self, defs: &[&TreeDef], what: &str) -> Result<Vec<Vec<Option<isize>>>, Misfit> {
+        let count = |n: usize| -> Result<(), Misfit> {
             match n == defs.len() {
                 true => Ok(()),
-                false => Err((0, format!("{n} entries given for {} {what}", defs.len()))),
+                false => Err((None, format!("{n} entries given for {} {what}", defs.len()))),
             }
         };
         match self {
@@ -147,7 +152,7 @@ impl Dims {
                 let mut all = Vec::with_capacity(defs.len());
                 for (i, (def, d)) in defs.iter().zip(v).enumerate() {
                     let mut leaves = Vec::with_capacity(def.leaf_count());
-                    d.expand(def, "", &mut leaves).map_err(|m| (i, m))?;
+                    d.expand(def, "", &mut leaves).map_err(|m| (Some(i), m))?;
                     all.push(leaves);
                 }
                 Ok(all)

@@ -150,6 +150,8 @@ pub struct ValueAux;
 /// arguments `W`, returning what the mode `M` says.
 pub struct GradOf<F, W = Wrt<0>, M = Plain> {
     f: F,
+    // the user's operation its errors name (`hvp` when it computes one)
+    op: &'static str,
     _sel: PhantomData<fn() -> (W, M)>,
 }
 
@@ -175,19 +177,33 @@ pub type Grad<F, W = Wrt<0>, M = Plain> = Transformed<GradOf<F, W, M>>;
 /// # Ok::<(), candle_func::Error>(())
 /// ```
 pub fn grad<F>(f: F) -> Grad<F> {
-    Transformed::new(GradOf { f, _sel: PhantomData })
+    named_grad(f, "grad")
+}
+
+/// [`grad`] whose errors name `op`, the transform built on it.
+pub(crate) fn named_grad<F>(f: F, op: &'static str) -> Grad<F> {
+    Transformed::new(GradOf {
+        f,
+        op,
+        _sel: PhantomData,
+    })
 }
 
 /// The value of `f` and its gradient, computed together: the result is
 /// `(value, grads)`.
 pub fn value_and_grad<F>(f: F) -> Grad<F, Wrt<0>, Value> {
-    Transformed::new(GradOf { f, _sel: PhantomData })
+    Transformed::new(GradOf {
+        f,
+        op: "value_and_grad",
+        _sel: PhantomData,
+    })
 }
 
 impl<F, W, M> Grad<F, W, M> {
     fn with<W2, M2>(self) -> Grad<F, W2, M2> {
         self.map(|k| GradOf {
             f: k.f,
+            op: k.op,
             _sel: PhantomData,
         })
     }
@@ -240,7 +256,12 @@ struct Differentiated<O, G> {
     grads: G,
 }
 
-fn differentiate<S, F, W>(f: &F, options: &Options, args: S) -> Result<Differentiated<F::Output, W::Grads>>
+fn differentiate<S, F, W>(
+    f: &F,
+    op: &'static str,
+    options: &Options,
+    args: S,
+) -> Result<Differentiated<F::Output, W::Grads>>
 where
     S: ArgList,
     F: Function<S>,
@@ -248,12 +269,12 @@ where
 {
     let (leaves, defs) = args.flatten_args();
     let outer =
-        innermost(&leaves).ok_or_else(|| Error::unsupported("grad", "grad", "the function has no tensor arguments"))?;
+        innermost(&leaves).ok_or_else(|| Error::unsupported(op, "grad", "the function has no tensor arguments"))?;
     let types: Vec<Vec<TensorType>> = leaves
         .iter()
         .map(|a| a.iter().map(|t| t.ty.clone()).collect())
         .collect();
-    options.check_not_vmap("grad")?;
+    options.check_not_vmap(op)?;
     let given = options.inherit(&outer.borrow().given);
     outer.borrow().ctx.offer_seed(options.seed);
     let (g, captures, out_def) = trace_inner(f, &outer, (given, true, false), &defs, &types)?;
@@ -264,7 +285,7 @@ where
         .unwrap_or(TensorType::new(vec![0], candle_core::DType::F32));
     if loss.rank() != 0 {
         return Err(Error::shape(
-            "grad",
+            op,
             &[&loss.shape],
             "the differentiated function must return a scalar (shape [])",
         ));
@@ -274,7 +295,7 @@ where
     // integer gradient would be zeros or ones with no meaning).
     if !loss.dtype.is_float() {
         return Err(Error::DType {
-            op: "grad",
+            op,
             dtypes: vec![loss.dtype],
             msg: "the differentiated function must return a floating-point scalar".into(),
         });
@@ -282,7 +303,7 @@ where
     for &arg in &sel {
         if let Some(t) = leaves[arg].iter().find(|t| !t.ty.dtype.is_float()) {
             return Err(Error::DType {
-                op: "grad",
+                op,
                 dtypes: vec![t.ty.dtype],
                 msg: format!(
                     "argument {arg} is differentiated but holds a {:?} tensor: gradients are taken with respect to floating-point tensors only (choose others with argnums)",
@@ -326,14 +347,14 @@ where
 impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Transform<S> for GradOf<F, W, Plain> {
     type Output = W::Grads;
     fn apply(&self, options: &Options, args: S) -> Result<W::Grads> {
-        Ok(differentiate::<S, F, W>(&self.f, options, args)?.grads)
+        Ok(differentiate::<S, F, W>(&self.f, self.op, options, args)?.grads)
     }
 }
 
 impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>> Transform<S> for GradOf<F, W, Aux> {
     type Output = (W::Grads, A);
     fn apply(&self, options: &Options, args: S) -> Result<(W::Grads, A)> {
-        let d = differentiate::<S, F, W>(&self.f, options, args)?;
+        let d = differentiate::<S, F, W>(&self.f, self.op, options, args)?;
         Ok((d.grads, d.out.1))
     }
 }
@@ -341,7 +362,7 @@ impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>
 impl<S: ArgList, F: Function<S, Output = Tracer>, W: Argnums<S>> Transform<S> for GradOf<F, W, Value> {
     type Output = (Tracer, W::Grads);
     fn apply(&self, options: &Options, args: S) -> Result<(Tracer, W::Grads)> {
-        let d = differentiate::<S, F, W>(&self.f, options, args)?;
+        let d = differentiate::<S, F, W>(&self.f, self.op, options, args)?;
         Ok((d.out, d.grads))
     }
 }
@@ -351,7 +372,7 @@ impl<S: ArgList, A: SymTree, F: Function<S, Output = (Tracer, A)>, W: Argnums<S>
 {
     type Output = ((Tracer, A), W::Grads);
     fn apply(&self, options: &Options, args: S) -> Result<((Tracer, A), W::Grads)> {
-        let d = differentiate::<S, F, W>(&self.f, options, args)?;
+        let d = differentiate::<S, F, W>(&self.f, self.op, options, args)?;
         Ok((d.out, d.grads))
     }
 }

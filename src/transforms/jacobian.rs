@@ -7,7 +7,7 @@
 //! are `[*out, *in]` ([`SymTree::Nest`]). All are [`Function`]s, so they
 //! nest under `vmap` (per-example Jacobians) and each other.
 
-use super::grad::{grad, Argnums, Aux, Plain, Wrt, Wrt2, Wrt3, Wrt4};
+use super::grad::{grad, named_grad, Argnums, Aux, Plain, Wrt, Wrt2, Wrt3, Wrt4};
 use super::jvp::{named_jvp_fn, named_vjp_fn};
 use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, SymTree, TensorTree};
@@ -599,7 +599,11 @@ impl<A: SymTree, F: Function<(A,), Output = Tracer>> Transform<(A, A)> for HvpOf
     type Output = A;
     fn apply(&self, options: &Options, (x, v): (A, A)) -> Result<A> {
         // only the tangent: the gradient's last products are dead code
-        Function::apply(&named_jvp_fn(grad(ByRef(&self.f)), "hvp").options(*options), (x, v)).map(|(_, hv)| hv)
+        Function::apply(
+            &named_jvp_fn(named_grad(ByRef(&self.f), "hvp"), "hvp").options(*options),
+            (x, v),
+        )
+        .map(|(_, hv)| hv)
     }
 }
 
@@ -624,7 +628,10 @@ pub fn vhp_fn<F>(f: F) -> VhpFn<F> {
 impl<A: SymTree, F: Function<(A,), Output = Tracer>> Transform<(A, A)> for VhpOf<F> {
     type Output = A;
     fn apply(&self, options: &Options, (x, v): (A, A)) -> Result<A> {
-        Function::apply(&named_vjp_fn(grad(ByRef(&self.f)), "vhp").options(*options), (x, v))
+        Function::apply(
+            &named_vjp_fn(named_grad(ByRef(&self.f), "vhp"), "vhp").options(*options),
+            (x, v),
+        )
     }
 }
 

@@ -149,9 +149,12 @@ fn leaf_out_dims(dims: &Dims, def: &TreeDef) -> Result<Vec<Option<isize>>> {
         TreeDef::Tuple(c) => c.iter().collect(),
         d => vec![d],
     };
-    let per_top = dims
-        .per_leaf(&tops, "outputs")
-        .map_err(|(output, msg)| Error::OutDims { output, msg })?;
+    let per_top = dims.per_leaf(&tops, "outputs").map_err(|(output, msg)| match output {
+        Some(output) => Error::OutDims { output, msg },
+        None => Error::Tree {
+            msg: format!("vmap: out_dims: {msg}"),
+        },
+    })?;
     Ok(per_top.into_iter().flatten().collect())
 }
 
@@ -163,10 +166,15 @@ impl<S: ArgList, F: Function<S>> Transform<S> for VmapOf<F> {
         let dims = self
             .in_dims
             .per_leaf(&defs.iter().collect::<Vec<_>>(), "arguments")
-            .map_err(|(arg, msg)| Error::InDims { arg, msg })?;
-        let outer = innermost(&leaves).ok_or_else(|| Error::InDims {
-            arg: 0,
-            msg: "vmap needs at least one tensor argument".into(),
+            .map_err(|(arg, msg)| match arg {
+                Some(arg) => Error::InDims { arg, msg },
+                // a count that does not match is the tree's shape, not an argument's
+                None => Error::Tree {
+                    msg: format!("vmap: in_dims: {msg}"),
+                },
+            })?;
+        let outer = innermost(&leaves).ok_or_else(|| Error::Tree {
+            msg: "vmap: the function has no tensor argument to map over".into(),
         })?;
         let ins = batched_inputs(&outer, (&leaves, &defs), &dims)?;
         let given = options.inherit(&outer.borrow().given);

@@ -387,12 +387,12 @@ fn bad_shapes_are_errors() {
     // Mismatched vector lengths, zero stride, too many dims.
     let mut bad = g2.clone();
     bad.padding = vec![0];
-    assert!(err(unfold(&x, &bad)).contains("length"));
+    assert!(err(unfold(&x, &bad)).contains("entries"));
     assert!(err(unfold(&x, &ConvGeom::uniform(2, 3, 0, 0, 1))).contains("positive"));
     assert!(ConvGeom::uniform(4, 1, 0, 1, 1).out_spatial(&[1; 4]).is_err());
     // Window larger than the padded input.
-    assert!(err(unfold(&x, &ConvGeom::uniform(2, 4, 0, 1, 2))).contains("does not fit"));
-    assert!(err(unfold_generic(&x, &ConvGeom::uniform(2, 6, 0, 1, 1))).contains("does not fit"));
+    assert!(err(unfold(&x, &ConvGeom::uniform(2, 4, 0, 1, 2))).contains("spans"));
+    assert!(err(unfold_generic(&x, &ConvGeom::uniform(2, 6, 0, 1, 1))).contains("spans"));
     // fold: wrong L, wrong rank, rows not a multiple of prod(kernel).
     let cols = unfold(&x, &g2).unwrap();
     assert!(err(fold(&cols, &g2, &[6, 5])).contains("fold"));

@@ -152,9 +152,7 @@ fn batch_unfold(cx: &mut BatchCx, geom: &ConvGeom, groups: usize, x: BVal, w: BV
     // B Cout Cin/g k.. -> B 1 g Cout/g (Cin/g K)
     let wm = cx.b.reshape(wb, vec![size, 1, groups, cout / groups, ck])?;
     let y = cx.b.emit(Prim::Matmul, &[wm, cols])?; // B N g Cout/g L
-    let o = geom
-        .out_spatial(&xd[2..])
-        .map_err(|e| Error::shape("conv", &[&xd], e.to_string()))?;
+    let o = geom.fit(&xd[2..]).map_err(|why| Error::shape("conv", &[&xd], why))?;
     // B N g Cout/g L -> B N Cout O..
     let y = cx.b.reshape(y, [&[size, n, cout], &o[..]].concat())?;
     Ok((y, Some(0)))
@@ -179,9 +177,7 @@ fn batch_rows(cx: &mut BatchCx, geom: &ConvGeom, xf: VarId, w: BVal) -> Result<B
     // B (N L) Cout -> B N L Cout -> B N Cout L -> B N Cout O..
     let y = cx.b.reshape(y, vec![size, n, l, cout])?;
     let y = cx.b.permute(y, vec![0, 1, 3, 2])?;
-    let o = geom
-        .out_spatial(&xd[2..])
-        .map_err(|e| Error::shape("conv", &[&xd], e.to_string()))?;
+    let o = geom.fit(&xd[2..]).map_err(|why| Error::shape("conv", &[&xd], why))?;
     Ok((cx.b.reshape(y, [&[size, n, cout], &o[..]].concat())?, Some(0)))
 }
 

@@ -46,8 +46,7 @@ pub(super) fn out_spatial(op: &'static str, geom: &ConvGeom, x: &[usize]) -> Res
             format!("a {nd}-D window needs an input of rank {}", nd + 2),
         ));
     }
-    geom.out_spatial(&x[2..])
-        .map_err(|e| Error::shape(op, &[x], e.to_string()))
+    geom.fit(&x[2..]).map_err(|why| Error::shape(op, &[x], why))
 }
 
 fn infer_conv(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Result<TensorType> {
@@ -61,29 +60,8 @@ fn infer_conv(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Result<Te
         });
     }
     let (x, w) = (args[0].shape.as_slice(), args[1].shape.as_slice());
-    let nd = geom.kernel.len();
-    let fits = w.len() == nd + 2
-        && x.len() == nd + 2
-        && groups > 0
-        && w[2..] == geom.kernel[..]
-        && w[1].checked_mul(groups) == Some(x[1])
-        && w[0] % groups == 0;
-    if !fits {
-        // The usual cause under vmap: the closure sees one example, without
-        // the N axis a convolution wants.
-        let hint = if x.len() + 1 == nd + 2 {
-            "; the input has no N axis: inside vmap the function sees one example, so add one with x.unsqueeze(0)"
-        } else {
-            ""
-        };
-        return Err(Error::shape(
-            "conv",
-            &[x, w],
-            format!(
-                "expected input [N, C, ..{nd} dims] and weight [Cout, C/{groups}, {:?}]{hint}",
-                geom.kernel
-            ),
-        ));
+    if let Some(why) = conv_misfit(geom, groups, x, w) {
+        return Err(Error::shape("conv", &[x, w], why));
     }
     let mut out = vec![x[0], w[0]];
     out.extend(out_spatial("conv", geom, x)?);
@@ -94,9 +72,7 @@ fn infer_fold(geom: &ConvGeom, spatial: &[usize], args: &[&TensorType]) -> Resul
     arity("fold", args, 1)?;
     let c = args[0].shape.as_slice();
     let k: usize = geom.kernel_numel();
-    let o = geom
-        .out_spatial(spatial)
-        .map_err(|e| Error::shape("fold", &[c], e.to_string()))?;
+    let o = geom.fit(spatial).map_err(|why| Error::shape("fold", &[c], why))?;
     let l = checked_product("fold", &[c], &o)?;
     if c.len() != 3 || k == 0 || !c[1].is_multiple_of(k) || c[2] != l || spatial.len() != geom.kernel.len() {
         return Err(Error::shape(
@@ -158,4 +134,47 @@ fn infer_grad_weight(geom: &ConvGeom, groups: usize, args: &[&TensorType]) -> Re
         ));
     }
     Ok(TensorType::new(w, dt))
+}
+
+/// Why input `x` and weight `w` do not make a convolution, in the user's
+/// terms (which size disagrees with which), or `None` if they do.
+fn conv_misfit(geom: &ConvGeom, groups: usize, x: &[usize], w: &[usize]) -> Option<String> {
+    let nd = geom.kernel.len();
+    if w.len() != nd + 2 || x.len() != nd + 2 {
+        // The usual cause under vmap: the closure sees one example, without
+        // the N axis a convolution wants.
+        let hint = if x.len() + 1 == nd + 2 {
+            "; the input has no N axis: inside vmap the function sees one example, so add one with x.unsqueeze(0)"
+        } else {
+            ""
+        };
+        return Some(format!(
+            "a {nd}-d convolution takes an input [N, C, ..{nd} dims] and a weight [Cout, C/groups, ..{nd} dims]{hint}"
+        ));
+    }
+    if groups == 0 {
+        return Some("groups must be positive, got 0".into());
+    }
+    if w[2..] != geom.kernel[..] {
+        return Some(format!(
+            "the weight's kernel {:?} is not the geometry's {:?}",
+            &w[2..],
+            geom.kernel
+        ));
+    }
+    if w[1].checked_mul(groups) != Some(x[1]) {
+        return Some(format!(
+            "the input has {} channels but the weight takes {} per group x {groups} groups = {}",
+            x[1],
+            w[1],
+            w[1].saturating_mul(groups)
+        ));
+    }
+    if !w[0].is_multiple_of(groups) {
+        return Some(format!(
+            "the weight's {} output channels are not divisible by groups = {groups}",
+            w[0]
+        ));
+    }
+    None
 }
