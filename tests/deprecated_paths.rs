@@ -1,0 +1,87 @@
+//! A program written against the previous release's paths still builds
+//! for one release and computes what the new paths compute: every moved or
+//! renamed item keeps a deprecated alias (the warnings are the point, so
+//! they are allowed here and nowhere else).
+#![allow(deprecated)]
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::nn::Module;
+use candle_func::{dp, grad, vmap, Tracer};
+use common::rand;
+use std::collections::BTreeMap;
+
+fn same(a: &Tensor, b: &Tensor) {
+    let d = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(d == 0.0, "the old path differs by {d}");
+}
+
+#[test]
+fn moved_functions_and_types_work_at_their_old_paths() {
+    let x = rand(&[3], 1);
+    let f = |x: Tracer| x.tanh()?.sum_all();
+    // the *_fn forms at the root, and their types
+    let old: candle_func::HvpFn<_> = candle_func::hvp_fn(f);
+    let new = candle_func::jacobian::hvp_fn(f);
+    same(&old.call((&x, &x)).unwrap(), &new.call((&x, &x)).unwrap());
+    let old: candle_func::JvpFn<_> = candle_func::jvp_fn(|x: Tracer| x.exp());
+    let (_, t) = old.call((&x, &x)).unwrap();
+    same(&t, &candle_func::jvp(&|x: Tracer| x.exp(), &x, &x).unwrap().1);
+    // trees and dims
+    let dims: candle_func::Dims = vec![candle_func::DimTree::from(0)].into();
+    let ys = vmap(|x: Tracer| x.exp()).in_dims(dims).call(rand(&[2, 3], 2)).unwrap();
+    assert_eq!(ys.dims(), &[2, 3]);
+    // settings and the planner
+    assert_eq!(candle_func::cache_capacity(), candle_func::settings::cache_capacity());
+    assert_eq!(candle_func::ROUTE_ENV, candle_func::settings::ROUTE_ENV);
+    assert_eq!(
+        candle_func::auto_choices().len(),
+        candle_func::planner::auto_choices().len()
+    );
+    // the graph's types
+    let g = candle_func::make_graph(&|x: Tracer| x.exp(), &x).unwrap();
+    let t: candle_func::TensorType = g.input_types()[0].clone();
+    assert_eq!(t.shape, vec![3]);
+    let _: Option<candle_func::RunStats> = None;
+    // a gradient's type names
+    let _: candle_func::Grad<fn(Tracer) -> candle_func::Result<Tracer>> = grad(|x: Tracer| x.sum_all());
+    // Options' getters
+    let o = candle_func::Options::new().chunk_size(4);
+    assert_eq!(o.get_chunk_size(), o.chunk_size);
+}
+
+#[test]
+fn renamed_dp_items_work_under_their_old_names() {
+    let grads = BTreeMap::from([("w".to_string(), rand(&[4, 3], 1))]);
+    same(
+        &dp::per_sample_norms(&grads).unwrap(),
+        &dp::norm_per_sample(&grads).unwrap(),
+    );
+    let old = dp::accountant::noise_multiplier_for(2.0, 1e-5, 0.01, 1000).unwrap();
+    let new = dp::accountant::noise_multiplier(dp::accountant::Mechanism::Rdp, 2.0, 1e-5, 0.01, 1000).unwrap();
+    assert_eq!(old, new);
+    // the old seeded generator's name draws the new one's stream
+    let (mut a, mut b) = (dp::rng::Rng::new(7), dp::rng::Rng::seeded(7));
+    let shape = [5];
+    same(
+        &a.normal_tensor(1.0, &shape, DType::F32, &Device::Cpu).unwrap(),
+        &b.normal_tensor(1.0, &shape, DType::F32, &Device::Cpu).unwrap(),
+    );
+}
+
+#[test]
+fn forward_t_runs_the_module_eagerly() {
+    let vs = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vs, DType::F32, &Device::Cpu);
+    let lin = candle_func::nn::linear(4, 2, vb.pp("fc")).unwrap();
+    let x = rand(&[3, 4], 3);
+    same(&lin.forward_t(&x).unwrap(), &lin.forward_eager(&x).unwrap());
+}
