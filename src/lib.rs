@@ -167,8 +167,8 @@ pub mod transform {
 /// Forward mode and the Jacobian family: the composable `*_fn` forms
 /// (`jvp_fn(f)` and `vjp_fn(f)` as functions of primals and tangents or
 /// cotangents, `hvp_fn` and `vhp_fn`) and the types the transforms at the
-/// crate's root return ([`jacfwd`](crate::jacfwd), [`hessian`](crate::hessian),
-/// [`linearize`](crate::linearize), ...).
+/// crate's root return ([`jacfwd`], [`hessian`],
+/// [`linearize`], ...).
 pub mod jacobian {
     pub use crate::transforms::jacobian::{
         hvp_fn, vhp_fn, Hessian, HessianOf, HvpFn, HvpOf, JacMode, Jacfwd, JacfwdOf, Jacrev, JacrevOf, VhpFn, VhpOf,
@@ -179,8 +179,8 @@ pub mod jacobian {
 }
 
 /// Arguments and results as trees: a tensor, tuples, `Vec`s and
-/// `String`-keyed maps of trees ([`TensorTree`](tree::TensorTree) for
-/// tensors, [`SymTree`](tree::SymTree) for tracers), and `in_dims` /
+/// `String`-keyed maps of trees ([`tree::TensorTree`] for
+/// tensors, [`tree::SymTree`] for tracers), and `in_dims` /
 /// `out_dims` given per argument or as a [`DimTree`](tree::DimTree).
 pub mod tree {
     pub use crate::transforms::dims::{DimTree, Dims};
@@ -207,7 +207,7 @@ pub mod planner {
     };
 }
 
-/// A traced graph, as [`make_graph`](crate::make_graph) returns it: its
+/// A traced graph, as [`make_graph`] returns it: its
 /// nodes and types, running it, and what a run held and how long each node
 /// took.
 pub mod graph {
@@ -215,7 +215,7 @@ pub mod graph {
     pub use crate::ir::{ConvGeom, CustomKernel, Graph, NodeView, TensorType};
 }
 
-/// The traits behind [`Tracer`](crate::Tracer)'s arguments: an operand
+/// The traits behind [`Tracer`]'s arguments: an operand
 /// that is a tracer or a captured tensor, an axis or a set of axes.
 pub mod tracer {
     pub use crate::ops::{Axes, Axis};

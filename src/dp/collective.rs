@@ -2,7 +2,7 @@
 //!
 //! [`PrivateTrainer::distributed`](super::PrivateTrainer::distributed)
 //! gives a trainer a [`Collective`] (with the `mpi` feature,
-//! [`MpiCollective`](super::mpi::MpiCollective) over an MPI communicator).
+//! `dp::mpi::MpiCollective` over an MPI communicator).
 //! Every rank holds the whole data set; rank 0's initial parameters are
 //! broadcast to the others when the trainer is made distributed (as
 //! PyTorch's DistributedDataParallel does), and each step then runs as
