@@ -167,6 +167,18 @@ pub enum Error {
         /// Why, naming the offending field or line.
         msg: String,
     },
+    /// A pretrained model's folder that cannot be used: `config.json`
+    /// missing, a field missing, of the wrong type or asking for what the
+    /// crate does not implement; a weight missing or of another shape than
+    /// the configuration implies.
+    #[error("{what}: {msg}")]
+    Model {
+        /// The file and field, or the weight (`bert config.json field
+        /// "hidden_act"`, `weight "bert.pooler.dense.weight"`).
+        what: String,
+        /// What is wrong, with the values found and expected.
+        msg: String,
+    },
     /// A symbolic tensor was used outside the trace that made it.
     #[error("trace: {msg}")]
     Trace {

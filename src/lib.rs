@@ -59,7 +59,8 @@
 //! * [`custom_op`] and [`custom_op_with_rules`]: a candle function inside
 //!   a trace, with the user's own derivative and batching rules.
 //! * Modules: [`nn`] (layers, losses, `functional_call`), [`dp`]
-//!   (differentially private training), [`transform`] (the transformed
+//!   (differentially private training), [`models`] (pretrained Hugging
+//!   Face checkpoints: BERT, RoBERTa, GPT-2, the Llama family), [`transform`] (the transformed
 //!   functions' types), [`jacobian`] (forward mode and the Jacobian
 //!   family's types and `*_fn` forms), [`tree`] (argument trees and
 //!   `in_dims`), [`settings`] (process-wide defaults), [`planner`] (what
@@ -110,6 +111,7 @@ mod error;
 mod interp;
 mod ir;
 mod kernels;
+pub mod models;
 pub mod nn;
 mod ops;
 mod rules;
@@ -136,6 +138,8 @@ mod doc_chapters {
     struct Benchmarks;
     #[doc = include_str!("../docs/correctness.md")]
     struct Correctness;
+    #[doc = include_str!("../docs/models.md")]
+    struct Models;
 }
 
 pub use error::{Error, Result};

@@ -6,7 +6,7 @@
 //!
 //! Bottom to top (`error` is shared by all), one module per layer:
 //! `ir` ← `kernels` ← `rules` ← `interp` ← `trace` ← `ops` ← `transforms` ←
-//! `nn` ← `dp` ← `lib.rs` (with the root's re-exporting modules and the
+//! `nn` ← `dp` ← `models` ← `lib.rs` (with the root's re-exporting modules and the
 //! deprecated names).
 
 use std::collections::HashMap;
@@ -27,7 +27,8 @@ fn rank(module: &str) -> Option<usize> {
         "transforms" => 7,
         "nn" => 8,
         "dp" => 9,
-        "lib" | "deprecated" => 10,
+        "models" => 10,
+        "lib" | "deprecated" => 11,
         _ => return None,
     })
 }

@@ -44,6 +44,9 @@ pub(crate) enum Unary {
     Affine(f64, f64),
     /// conversion to another dtype
     Cast(DType),
+    /// the value unchanged, with no derivative: its cotangent and tangent
+    /// are zero (JAX's `stop_gradient`, PyTorch's `detach`)
+    StopGradient,
 }
 
 impl Unary {
@@ -66,6 +69,7 @@ impl Unary {
             Unary::Powf(e) => format!("powf[{e}]"),
             Unary::Affine(m, a) => format!("affine[mul={m},add={a}]"),
             Unary::Cast(dt) => format!("cast[{}]", format!("{dt:?}").to_lowercase()),
+            Unary::StopGradient => "stop_gradient".into(),
         }
     }
 }

@@ -63,11 +63,15 @@ fn bias_init(fan_in: usize) -> Init {
     Init::Uniform { lo: -bound, up: bound }
 }
 
-/// `y = x W^T + b` over the last axis; `W: [out, in]`.
+/// `y = x W^T + b` over the last axis; `W: [out, in]` (or `y = x W + b`
+/// with `W: [in, out]`, Hugging Face's `Conv1D` in GPT-2, made by
+/// [`Linear::from_tensors_in_out`]).
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
     prefix: String,
+    // the weight is stored [in, out]: its gradient keeps that layout
+    in_out: bool,
     cache: EagerCache,
 }
 
@@ -79,6 +83,7 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
         weight,
         bias,
         prefix: vb.prefix(),
+        in_out: false,
         cache: EagerCache::default(),
     })
 }
@@ -90,6 +95,7 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
         weight,
         bias: None,
         prefix: vb.prefix(),
+        in_out: false,
         cache: EagerCache::default(),
     })
 }
@@ -102,7 +108,18 @@ impl Linear {
             weight,
             bias,
             prefix: prefix.to_string(),
+            in_out: false,
             cache: EagerCache::default(),
+        }
+    }
+
+    /// A linear layer whose weight is stored `[in, out]` (Hugging Face's
+    /// `Conv1D`, GPT-2's projections): `y = x W + b`. The parameter and its
+    /// gradient keep the checkpoint's layout.
+    pub fn from_tensors_in_out(weight: Tensor, bias: Option<Tensor>, prefix: &str) -> Linear {
+        Linear {
+            in_out: true,
+            ..Linear::from_tensors(weight, bias, prefix)
         }
     }
 }
@@ -112,8 +129,15 @@ impl Module for Linear {
         Some(&self.cache)
     }
     fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
+        if x.rank() == 1 {
+            // one feature vector, as PyTorch's Linear takes it
+            return self.forward_with(p, &x.unsqueeze(0)?)?.squeeze(0);
+        }
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
-        let y = x.matmul(&w.t()?)?;
+        let y = match self.in_out {
+            true => x.matmul(&w)?,
+            false => x.matmul(&w.t()?)?,
+        };
         match &self.bias {
             Some(b) => y.add(&p.get(&full_name(&self.prefix, "bias"), b, x)?),
             None => Ok(y),

@@ -30,12 +30,14 @@
 
 #[doc = include_str!("../../docs/bring_a_candle_model.md")]
 pub mod candle_models {}
+mod attention;
 mod convert;
 mod layers;
 pub mod loss;
 mod norm;
 mod transformer;
 
+pub use attention::{attend, mask_value, merge_heads, split_heads, AttentionMask};
 pub use convert::{conv_transpose1d, conv_transpose2d, ConvTranspose};
 pub use layers::{
     conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_no_bias, seq, Activation,

@@ -19,6 +19,8 @@ use std::collections::BTreeMap;
 pub struct Embedding {
     weight: Tensor,
     prefix: String,
+    // PyTorch's `padding_idx`: this row gets no gradient
+    padding_idx: Option<usize>,
     cache: EagerCache,
 }
 
@@ -29,20 +31,49 @@ pub fn embedding(vocab: usize, dim: usize, vb: VarBuilder) -> Result<Embedding> 
 }
 
 impl Embedding {
+    /// The table `[vocab, dim]` as `p` gives it (replaced by name, or the
+    /// layer's own), in `like`'s trace: for lookups other than by id, such
+    /// as the first `T` rows of a position table, or a tied output head.
+    pub fn table(&self, p: &Params, like: &Tracer) -> Result<Tracer> {
+        p.get(&full_name(&self.prefix, "weight"), &self.weight, like)
+    }
+
     /// An embedding over an existing table `[vocab, dim]`, sharing it.
     pub fn from_tensors(weight: Tensor, prefix: &str) -> Embedding {
         Embedding {
             weight,
             prefix: prefix.to_string(),
+            padding_idx: None,
             cache: EagerCache::default(),
         }
+    }
+
+    /// PyTorch's `padding_idx`: row `idx` is looked up as it is but gets no
+    /// gradient (Hugging Face's BERT, RoBERTa and Llama set it to
+    /// `pad_token_id`). An index outside the table is an error.
+    pub fn with_padding_idx(mut self, idx: usize) -> Result<Embedding> {
+        let rows = self.weight.dims()[0];
+        if idx >= rows {
+            return Err(Error::shape(
+                "embedding",
+                &[self.weight.dims()],
+                format!("padding_idx {idx} is outside the table of {rows} rows"),
+            ));
+        }
+        self.padding_idx = Some(idx);
+        Ok(self)
     }
 }
 
 impl Module for Embedding {
     fn forward_with(&self, p: &Params, ids: &Tracer) -> Result<Tracer> {
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, ids)?;
-        w.embedding(ids)
+        let rows = w.embedding(ids)?;
+        let Some(pad) = self.padding_idx else { return Ok(rows) };
+        // the padding row's value, cut off from the gradient, where the
+        // ids are `pad`: one row held apart, not the table
+        let pad_row = w.narrow(0, pad, 1)?.stop_gradient()?.squeeze(0)?; // D
+        ids.eq(pad as f64)?.unsqueeze(ids.rank())?.where_cond(&pad_row, &rows)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
         param_map(&self.prefix, &[("weight", Some(&self.weight))])

@@ -92,6 +92,11 @@ impl Tracer {
         self.emit(Prim::Unary(u), &[])
     }
 
+    /// The same values with no derivative: gradients and tangents through
+    /// it are zero (JAX's `stop_gradient`, PyTorch's `detach`).
+    pub fn stop_gradient(&self) -> Result<Tracer> {
+        self.unary(Unary::StopGradient)
+    }
     /// `-x`
     pub fn neg(&self) -> Result<Tracer> {
         self.unary(Unary::Neg)

@@ -19,7 +19,10 @@ impl Rule for Unary {
         if let Unary::Cast(dt) = self {
             return Ok(args[0].with_shape(args[0].shape.clone()).cast(*dt));
         }
-        let needs_float = !matches!(self, Unary::Neg | Unary::Abs | Unary::Relu | Unary::Sqr);
+        let needs_float = !matches!(
+            self,
+            Unary::Neg | Unary::Abs | Unary::Relu | Unary::Sqr | Unary::StopGradient
+        );
         if needs_float && !is_float(args[0].dtype) {
             return Err(Error::DType {
                 op: "unary",
@@ -94,6 +97,9 @@ impl Rule for Unary {
             Unary::Powf(e) => x.powf(*e),
             Unary::Affine(m, a) => x.affine(*m, *a),
             Unary::Cast(dt) => x.to_dtype(*dt),
+            // a copy, not the operand's buffer: every result is fresh to
+            // the passes that write into one in place
+            Unary::StopGradient => x.copy(),
         };
         r.op(&self.name())
     }
@@ -125,6 +131,8 @@ impl Rule for Unary {
 fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Result<Option<VarId>> {
     use Binary::{Div, Mul};
     let g = match u {
+        // no derivative: nothing flows back (or forward)
+        Unary::StopGradient => return Ok(None),
         Unary::Neg => b.un(Unary::Neg, ct)?,
         Unary::Exp => b.bin(Mul, ct, out)?,
         Unary::Log => b.bin(Div, ct, x)?,

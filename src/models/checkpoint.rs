@@ -1,0 +1,189 @@
+//! A Hugging Face checkpoint folder as it is laid out on the Hub:
+//! `config.json` and the weights, one `model.safetensors` or several shards
+//! listed by `model.safetensors.index.json`.
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::de::DeserializeOwned;
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+/// A checkpoint folder's configuration and weights, read once; the models'
+/// `load` functions build from it. Weights are converted to the dtype
+/// asked for when a model takes them (a bf16 or f16 checkpoint loads as
+/// f32, say).
+pub struct Checkpoint {
+    dir: PathBuf,
+    config: serde_json::Value,
+    tensors: HashMap<String, Tensor>,
+    dtype: DType,
+}
+
+fn bad(what: impl Into<String>, msg: impl Into<String>) -> Error {
+    Error::Model {
+        what: what.into(),
+        msg: msg.into(),
+    }
+}
+
+impl Checkpoint {
+    /// Reads `dir/config.json` and the weights in `dir` onto `device`,
+    /// to be used as `dtype` (f32, f64, f16 or bf16).
+    pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Checkpoint> {
+        let dir = dir.as_ref().to_path_buf();
+        if !dtype.is_float() {
+            return Err(bad(
+                format!("checkpoint {}", dir.display()),
+                format!("a model's dtype must be a float type, got {dtype:?}"),
+            ));
+        }
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|e| bad(config_path.display().to_string(), format!("cannot be read: {e}")))?;
+        let config: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| bad(config_path.display().to_string(), format!("is not JSON: {e}")))?;
+        if !config.is_object() {
+            return Err(bad(config_path.display().to_string(), "is not a JSON object"));
+        }
+        let mut tensors = HashMap::new();
+        for file in weight_files(&dir)? {
+            let loaded = candle_core::safetensors::load(&file, device).map_err(|e| {
+                bad(
+                    file.display().to_string(),
+                    format!("cannot be read as safetensors: {e}"),
+                )
+            })?;
+            tensors.extend(loaded);
+        }
+        Ok(Checkpoint {
+            dir,
+            config,
+            tensors,
+            dtype,
+        })
+    }
+
+    /// The folder this was read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `config.json` as it was read.
+    pub fn config(&self) -> &serde_json::Value {
+        &self.config
+    }
+
+    /// The dtype the models built from this checkpoint compute in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `config.json`'s `model_type` (`bert`, `gpt2`, `llama`, ...).
+    pub fn model_type(&self) -> Result<String> {
+        match self.config.get("model_type") {
+            Some(serde_json::Value::String(s)) => Ok(s.clone()),
+            Some(v) => Err(self.field_error("model_type", format!("expected a string, got {v}"))),
+            None => Err(self.field_error("model_type", "missing")),
+        }
+    }
+
+    /// The names of the weights in the folder, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let set: BTreeSet<&str> = self.tensors.keys().map(String::as_str).collect();
+        set.into_iter().collect()
+    }
+
+    /// `config.json` parsed into `T`; an error names the field that failed.
+    pub fn parse_config<T: DeserializeOwned>(&self, model: &str) -> Result<T> {
+        serde_path_to_error::deserialize(self.config.clone()).map_err(|e| {
+            let field = e.path().to_string();
+            bad(format!("{model} config.json field \"{field}\""), e.inner().to_string())
+        })
+    }
+
+    /// An error about config field `field`.
+    pub(crate) fn field_error(&self, field: &str, msg: impl Into<String>) -> Error {
+        bad(
+            format!("{} field \"{field}\"", self.dir.join("config.json").display()),
+            msg,
+        )
+    }
+
+    /// Whether the folder holds weight `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Weight `name`, which the configuration says is `shape`, in the
+    /// checkpoint's compute dtype.
+    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.tensors.get(name).ok_or_else(|| {
+            bad(
+                format!("weight \"{name}\""),
+                format!(
+                    "missing from {} (the configuration implies {shape:?}); it holds {} weights",
+                    self.dir.display(),
+                    self.tensors.len()
+                ),
+            )
+        })?;
+        if t.dims() != shape {
+            return Err(bad(
+                format!("weight \"{name}\""),
+                format!(
+                    "is {:?} in the checkpoint but the configuration implies {shape:?}",
+                    t.dims()
+                ),
+            ));
+        }
+        if !t.dtype().is_float() {
+            return Err(bad(
+                format!("weight \"{name}\""),
+                format!("is {:?}, not a float tensor", t.dtype()),
+            ));
+        }
+        Ok(t.to_dtype(self.dtype)?)
+    }
+}
+
+/// `model.safetensors`, or the shards an index lists (each once).
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|_| {
+        bad(
+            format!("checkpoint {}", dir.display()),
+            "holds neither model.safetensors nor model.safetensors.index.json",
+        )
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(index.display().to_string(), format!("is not JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad(index.display().to_string(), "has no \"weight_map\" object"))?;
+    let mut files = BTreeSet::new();
+    for (name, file) in map {
+        let f = file.as_str().ok_or_else(|| {
+            bad(
+                index.display().to_string(),
+                format!("weight \"{name}\" maps to {file}, not a file name"),
+            )
+        })?;
+        // a shard is a file of this folder, never a path out of it
+        if f.contains('/') || f.contains('\\') || f == ".." {
+            return Err(bad(
+                index.display().to_string(),
+                format!("shard \"{f}\" is not a file name"),
+            ));
+        }
+        files.insert(dir.join(f));
+    }
+    if files.is_empty() {
+        return Err(bad(index.display().to_string(), "lists no shards"));
+    }
+    Ok(files.into_iter().collect())
+}

@@ -1,0 +1,393 @@
+//! The Llama family (Hugging Face's `LlamaForCausalLM`, and the Mistral
+//! and Qwen2 configurations): RMSNorm, rotary embeddings in the
+//! rotate-half layout with `rope_theta`, SwiGLU, grouped-query and
+//! multi-query attention (`num_key_value_heads`), q/k/v biases (Qwen2,
+//! or `attention_bias`), and a tied or untied head.
+
+use super::{as_batch, unsupported, Act, Checkpoint};
+use crate::error::Result;
+use crate::nn::{
+    attend, merge_heads, rope, rotary_tables, split_heads, AttentionMask, Embedding, Linear, Module, Params, RmsNorm,
+};
+use crate::trace::{Operand, Tracer};
+use candle_core::Tensor;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// The fields of a Llama, Mistral or Qwen2 `config.json` this crate reads.
+#[derive(Clone, Debug, Deserialize)]
+pub struct LlamaConfig {
+    /// `llama`, `mistral` or `qwen2`.
+    pub model_type: String,
+    /// Rows of the embedding.
+    pub vocab_size: usize,
+    /// Features per token.
+    pub hidden_size: usize,
+    /// Features of the SwiGLU layer.
+    pub intermediate_size: usize,
+    /// Blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key and value heads (the query heads' count when absent).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Features per head (`hidden_size / num_attention_heads` when absent).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// The SwiGLU gate's activation.
+    #[serde(default = "silu")]
+    pub hidden_act: String,
+    /// The longest sequence.
+    pub max_position_embeddings: usize,
+    /// The RMS norms' epsilon.
+    #[serde(default = "llama_eps")]
+    pub rms_norm_eps: f64,
+    /// The rotary base (transformers 4.x writes it here).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// Must be absent or null: scaled rotary embeddings are not implemented.
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// transformers 5.x's rotary settings: `rope_theta` and `rope_type`
+    /// (only `default` is implemented).
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Biases on q, k, v and o (Llama); Qwen2 has q, k, v biases always.
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    /// Biases on the SwiGLU projections.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// The output head is the embedding.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Mistral's (and Qwen2's, when `use_sliding_window`) attention window.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Qwen2: whether `sliding_window` applies.
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// The padding token: its embedding row gets no gradient (PyTorch's
+    /// `padding_idx`, as Hugging Face builds the table).
+    #[serde(default)]
+    pub pad_token_id: Option<usize>,
+    /// Must be absent or 1: a partial rotary embedding is not implemented.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+}
+
+fn silu() -> String {
+    "silu".into()
+}
+fn llama_eps() -> f64 {
+    1e-6
+}
+
+/// What a config resolves to, checked.
+struct Resolved {
+    kv_heads: usize,
+    head_dim: usize,
+    theta: f64,
+    qkv_bias: bool,
+    o_bias: bool,
+    window: Option<usize>,
+    act: Act,
+}
+
+impl LlamaConfig {
+    fn resolve(&self) -> Result<Resolved> {
+        let m = self.model_type.as_str();
+        if !matches!(m, "llama" | "mistral" | "qwen2") {
+            return Err(unsupported(
+                m,
+                "model_type",
+                format!("\"{m}\" is not a Llama-family model this crate implements (llama, mistral, qwen2)"),
+            ));
+        }
+        let act = Act::parse(m, "hidden_act", &self.hidden_act)?;
+        let heads = self.num_attention_heads;
+        let kv_heads = self.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(unsupported(
+                m,
+                "num_key_value_heads",
+                format!("{kv_heads} key/value heads must divide the {heads} attention heads"),
+            ));
+        }
+        let head_dim = match self.head_dim {
+            Some(h) => h,
+            None if self.hidden_size.is_multiple_of(heads) => self.hidden_size / heads,
+            None => {
+                return Err(unsupported(
+                    m,
+                    "num_attention_heads",
+                    format!("{heads} heads do not divide hidden_size {}", self.hidden_size),
+                ))
+            }
+        };
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(unsupported(
+                m,
+                "head_dim",
+                format!("the rotary embedding needs an even head size, got {head_dim}"),
+            ));
+        }
+        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(unsupported(
+                m,
+                "rope_scaling",
+                "scaled rotary embeddings are not implemented",
+            ));
+        }
+        if self.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+            return Err(unsupported(
+                m,
+                "partial_rotary_factor",
+                "a partial rotary embedding is not implemented",
+            ));
+        }
+        let theta = self.theta(m)?;
+        let (qkv_bias, o_bias) = match (m, self.attention_bias) {
+            ("qwen2", _) => (true, false),
+            (_, Some(b)) => (b, b),
+            _ => (false, false),
+        };
+        let window = match m {
+            "qwen2" if !self.use_sliding_window => None,
+            _ => self.sliding_window,
+        };
+        Ok(Resolved {
+            kv_heads,
+            head_dim,
+            theta,
+            qkv_bias,
+            o_bias,
+            window,
+            act,
+        })
+    }
+
+    /// `rope_theta` at the top level (transformers 4.x) or inside
+    /// `rope_parameters` (5.x), whose `rope_type` must be `default`.
+    fn theta(&self, m: &str) -> Result<f64> {
+        let nested = match &self.rope_parameters {
+            None | Some(serde_json::Value::Null) => None,
+            Some(p) => {
+                match p.get("rope_type").and_then(|t| t.as_str()) {
+                    None | Some("default") => {}
+                    Some(other) => {
+                        return Err(unsupported(
+                            m,
+                            "rope_parameters.rope_type",
+                            format!("\"{other}\" is not implemented (only \"default\")"),
+                        ))
+                    }
+                }
+                match p.get("rope_theta") {
+                    None => None,
+                    Some(v) => Some(v.as_f64().ok_or_else(|| {
+                        unsupported(m, "rope_parameters.rope_theta", format!("expected a number, got {v}"))
+                    })?),
+                }
+            }
+        };
+        let theta = nested.or(self.rope_theta).unwrap_or(10000.0);
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(unsupported(
+                m,
+                "rope_theta",
+                format!("must be a positive number, got {theta}"),
+            ));
+        }
+        Ok(theta)
+    }
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    post_norm: RmsNorm,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+fn proj(ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+    let w = ck.weight(&format!("{name}.weight"), &[out, inp])?;
+    let b = match bias {
+        true => Some(ck.weight(&format!("{name}.bias"), &[out])?),
+        false => None,
+    };
+    Ok(Linear::from_tensors(w, b, name))
+}
+
+fn rms(ck: &Checkpoint, name: &str, d: usize, eps: f64) -> Result<RmsNorm> {
+    Ok(RmsNorm::from_tensors(
+        ck.weight(&format!("{name}.weight"), &[d])?,
+        eps,
+        name,
+    ))
+}
+
+impl Block {
+    fn load(ck: &Checkpoint, c: &LlamaConfig, r: &Resolved, name: &str) -> Result<Block> {
+        let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
+        let (qd, kvd) = (c.num_attention_heads * r.head_dim, r.kv_heads * r.head_dim);
+        let a = |leaf: &str| format!("{name}.self_attn.{leaf}");
+        let mlp = |leaf: &str| format!("{name}.mlp.{leaf}");
+        Ok(Block {
+            input_norm: rms(ck, &format!("{name}.input_layernorm"), d, eps)?,
+            q: proj(ck, &a("q_proj"), qd, d, r.qkv_bias)?,
+            k: proj(ck, &a("k_proj"), kvd, d, r.qkv_bias)?,
+            v: proj(ck, &a("v_proj"), kvd, d, r.qkv_bias)?,
+            o: proj(ck, &a("o_proj"), d, qd, r.o_bias)?,
+            post_norm: rms(ck, &format!("{name}.post_attention_layernorm"), d, eps)?,
+            gate: proj(ck, &mlp("gate_proj"), f, d, c.mlp_bias)?,
+            up: proj(ck, &mlp("up_proj"), f, d, c.mlp_bias)?,
+            down: proj(ck, &mlp("down_proj"), d, f, c.mlp_bias)?,
+        })
+    }
+
+    fn params(&self, into: &mut BTreeMap<String, Tensor>) {
+        for l in [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down] {
+            into.extend(l.params());
+        }
+        into.extend(self.input_norm.params());
+        into.extend(self.post_norm.params());
+    }
+}
+
+/// A Llama-family causal language model: logits `[.., T, vocab]`.
+pub struct LlamaForCausalLM {
+    config: LlamaConfig,
+    r: Resolved,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    // None: tied to the embedding
+    head: Option<Linear>,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl LlamaForCausalLM {
+    /// A Llama, Mistral or Qwen2 checkpoint (`model.*`, `lm_head` unless
+    /// tied).
+    pub fn load(ck: &Checkpoint) -> Result<LlamaForCausalLM> {
+        let c: LlamaConfig = ck.parse_config("llama")?;
+        let r = c.resolve()?;
+        let d = c.hidden_size;
+        let blocks = (0..c.num_hidden_layers)
+            .map(|i| Block::load(ck, &c, &r, &format!("model.layers.{i}")))
+            .collect::<Result<Vec<_>>>()?;
+        let mut embed = Embedding::from_tensors(
+            ck.weight("model.embed_tokens.weight", &[c.vocab_size, d])?,
+            "model.embed_tokens",
+        );
+        if let Some(pad) = c.pad_token_id {
+            embed = embed.with_padding_idx(pad)?;
+        }
+        let head = match c.tie_word_embeddings {
+            true => None,
+            false => Some(proj(ck, "lm_head", c.vocab_size, d, false)?),
+        };
+        let norm = rms(ck, "model.norm", d, c.rms_norm_eps)?;
+        let dev = embed
+            .params()
+            .values()
+            .next()
+            .map(|t| t.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
+        let (cos, sin) = rotary_tables(r.head_dim, c.max_position_embeddings, r.theta, ck.dtype(), &dev)?;
+        Ok(LlamaForCausalLM {
+            norm,
+            cos,
+            sin,
+            embed,
+            blocks,
+            head,
+            r,
+            config: c,
+        })
+    }
+
+    /// The configuration read from `config.json`.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Logits `[.., T, vocab]` of token ids `[T]` or `[B, T]` and their
+    /// attention mask.
+    pub fn forward_masked(&self, ids: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
+        self.forward_full(&Params::own(), ids, mask)
+    }
+
+    /// [`Self::forward_masked`] with parameters replaced by name.
+    pub fn forward_full(&self, p: &Params, ids: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
+        let c = &self.config;
+        let m = c.model_type.as_str();
+        let b = as_batch("llama", ids, mask, c.max_position_embeddings)?;
+        let t = b.ids.dims()[1];
+        if let Some(w) = self.r.window.filter(|&w| w < t) {
+            return Err(unsupported(
+                m,
+                "sliding_window",
+                format!("a window of {w} tokens is shorter than the sequence of {t}: sliding-window attention is not implemented"),
+            ));
+        }
+        let (cos, sin) = (self.cos.to_tracer(&b.ids)?, self.sin.to_tracer(&b.ids)?);
+        let attn_mask = AttentionMask {
+            causal: true,
+            keep: b.keep.clone(),
+        };
+        let scale = 1.0 / (self.r.head_dim as f64).sqrt();
+        let mut h = self.embed.forward_with(p, &b.ids)?; // N T D
+        for blk in &self.blocks {
+            let x = blk.input_norm.forward_with(p, &h)?;
+            let q = rope(
+                &split_heads(&blk.q.forward_with(p, &x)?, c.num_attention_heads)?,
+                &cos,
+                &sin,
+            )?;
+            let k = rope(&split_heads(&blk.k.forward_with(p, &x)?, self.r.kv_heads)?, &cos, &sin)?;
+            let v = split_heads(&blk.v.forward_with(p, &x)?, self.r.kv_heads)?;
+            let a = merge_heads(&attend(&q, &k, &v, &attn_mask, scale)?)?;
+            h = h.add(&blk.o.forward_with(p, &a)?)?;
+            let x = blk.post_norm.forward_with(p, &h)?;
+            let gated = self
+                .r
+                .act
+                .apply(&blk.gate.forward_with(p, &x)?)?
+                .mul(&blk.up.forward_with(p, &x)?)?;
+            h = h.add(&blk.down.forward_with(p, &gated)?)?;
+        }
+        let h = self.norm.forward_with(p, &h)?;
+        let logits = match &self.head {
+            Some(head) => head.forward_with(p, &h)?,
+            None => h.matmul(&self.embed.table(p, &h)?.t()?)?,
+        };
+        b.finish(logits)
+    }
+}
+
+impl Module for LlamaForCausalLM {
+    fn forward_with(&self, p: &Params, ids: &Tracer) -> Result<Tracer> {
+        self.forward_full(p, ids, None)
+    }
+    fn params(&self) -> BTreeMap<String, Tensor> {
+        let mut all = BTreeMap::new();
+        all.extend(self.embed.params());
+        for b in &self.blocks {
+            b.params(&mut all);
+        }
+        all.extend(self.norm.params());
+        if let Some(h) = &self.head {
+            all.extend(h.params());
+        }
+        all
+    }
+}

@@ -1,0 +1,118 @@
+//! Attention as Hugging Face's models compute it, in pieces a user can
+//! assemble: heads split and merged, grouped-query attention (fewer key and
+//! value heads than query heads, each shared by a group of consecutive
+//! query heads), a causal mask and a padding mask. (The rotate-half
+//! rotary embedding is [`super::rope`].)
+
+use crate::error::{Error, Result};
+use crate::trace::Tracer;
+use candle_core::DType;
+
+/// `[N, T, H * Dh] -> [N, H, T, Dh]`.
+pub fn split_heads(x: &Tracer, heads: usize) -> Result<Tracer> {
+    let d = x.dims();
+    if d.len() != 3 || heads == 0 || !d[2].is_multiple_of(heads) {
+        return Err(Error::shape(
+            "split_heads",
+            &[d],
+            format!("expected [N, T, D] with D a multiple of the {heads} heads"),
+        ));
+    }
+    // N T (H Dh) -> N T H Dh -> N H T Dh
+    x.reshape((d[0], d[1], heads, d[2] / heads))?.permute(&[0, 2, 1, 3])
+}
+
+/// `[N, H, T, Dh] -> [N, T, H * Dh]`.
+pub fn merge_heads(x: &Tracer) -> Result<Tracer> {
+    let d = x.dims();
+    if d.len() != 4 {
+        return Err(Error::shape("merge_heads", &[d], "expected [N, H, T, Dh]"));
+    }
+    // N H T Dh -> N T H Dh -> N T (H Dh)
+    x.permute(&[0, 2, 1, 3])?.reshape((d[0], d[2], d[1] * d[3]))
+}
+
+/// The most negative finite value of `dtype`: what Hugging Face adds to a
+/// hidden score, so that a query whose keys are all hidden averages them
+/// (where `-inf` would give NaN).
+pub fn mask_value(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => f64::MIN,
+        DType::F16 => -65504.0,
+        DType::BF16 => -3.3895313892515355e38,
+        _ => f32::MIN as f64,
+    }
+}
+
+/// What attention may not look at.
+#[derive(Clone, Default)]
+pub struct AttentionMask {
+    /// Hide the keys after each query (a decoder).
+    pub causal: bool,
+    /// `[N, T]`, nonzero for a real token and 0 for padding (Hugging
+    /// Face's `attention_mask`): padded keys are hidden.
+    pub keep: Option<Tracer>,
+}
+
+/// `softmax(q k^T * scale + mask) v` over `q [N, H, T, Dh]` and `k`, `v`
+/// `[N, Hkv, T, Dh]` where `Hkv` divides `H` (grouped-query attention:
+/// query head `h` reads key/value head `h / (H / Hkv)`, as Hugging Face's
+/// `repeat_kv`; `Hkv = 1` is multi-query attention). Hidden scores get
+/// [`mask_value`], as in Hugging Face's eager attention.
+pub fn attend(q: &Tracer, k: &Tracer, v: &Tracer, mask: &AttentionMask, scale: f64) -> Result<Tracer> {
+    let (qd, kd) = (q.dims(), k.dims());
+    let fits = qd.len() == 4
+        && kd.len() == 4
+        && v.dims() == kd
+        && qd[0] == kd[0]
+        && qd[2] == kd[2]
+        && qd[3] == kd[3]
+        && kd[1] > 0
+        && qd[1].is_multiple_of(kd[1]);
+    if !fits {
+        return Err(Error::shape(
+            "attention",
+            &[qd, kd, v.dims()],
+            "expected q [N, H, T, Dh] and k, v [N, Hkv, T, Dh] with Hkv dividing H",
+        ));
+    }
+    let (n, h, t) = (qd[0], qd[1], qd[2]);
+    let group = h / kd[1];
+    let (k, v) = (repeat_kv(k, group)?, repeat_kv(v, group)?);
+    let fill = mask_value(q.dtype());
+    let mut scores = q.matmul(&k.transpose(2, 3)?)?.affine(scale, 0.0)?; // N H T T
+    if mask.causal {
+        let pos = Tracer::arange(q, 0, t as i64, DType::U32)?;
+        let after = pos
+            .unsqueeze(0)?
+            .broadcast_as((t, t))?
+            .gt(&pos.unsqueeze(1)?.broadcast_as((t, t))?)?;
+        scores = scores.masked_fill(&after, fill)?;
+    }
+    if let Some(keep) = &mask.keep {
+        if keep.dims() != [n, t] {
+            return Err(Error::shape(
+                "attention",
+                &[keep.dims(), &[n, t]],
+                "the attention mask must be [N, T], as the token ids",
+            ));
+        }
+        // N T -> N 1 1 T: one row of hidden keys for every head and query
+        let hidden = keep.eq(0.0)?.reshape((n, 1, 1, t))?;
+        scores = scores.masked_fill(&hidden, fill)?;
+    }
+    scores.softmax(-1)?.matmul(&v)
+}
+
+/// `[N, Hkv, T, Dh] -> [N, Hkv * group, T, Dh]`, each head repeated
+/// `group` times in place (Hugging Face's `repeat_kv`).
+fn repeat_kv(x: &Tracer, group: usize) -> Result<Tracer> {
+    if group == 1 {
+        return Ok(x.clone());
+    }
+    let d = x.dims().to_vec();
+    // N Hkv T Dh -> N Hkv 1 T Dh -> N Hkv g T Dh -> N (Hkv g) T Dh
+    x.unsqueeze(2)?
+        .broadcast_as((d[0], d[1], group, d[2], d[3]))?
+        .reshape((d[0], d[1] * group, d[2], d[3]))
+}

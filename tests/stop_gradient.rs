@@ -1,0 +1,63 @@
+//! `Tracer::stop_gradient` passes values and blocks derivatives in every
+//! transform, and an embedding's `padding_idx` row is looked up as it is
+//! but gets no gradient (PyTorch's semantics).
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use candle_func::nn::{Embedding, Module};
+use candle_func::{grad, jit, jvp, vmap, Tracer};
+use common::rand;
+
+fn close(a: &Tensor, b: &Tensor) {
+    let d = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(d < 1e-6, "differ by {d}");
+}
+
+#[test]
+fn stop_gradient_blocks_every_derivative_and_keeps_values() {
+    let x = rand(&[5], 1);
+    // d/dx sum(sg(x) * x) = sg(x) = x, where without it it would be 2x
+    let f = |x: Tracer| x.stop_gradient()?.mul(&x)?.sum_all();
+    close(&grad(f).call(&x).unwrap(), &x);
+    close(&jit(|x: Tracer| x.stop_gradient()).call(&x).unwrap(), &x);
+    let (y, t) = jvp(&|x: Tracer| x.stop_gradient()?.exp(), &x, &x.ones_like().unwrap()).unwrap();
+    close(&y, &x.exp().unwrap());
+    close(&t, &x.zeros_like().unwrap());
+    // per example
+    let xs = rand(&[3, 5], 2);
+    close(&vmap(grad(f)).call(&xs).unwrap(), &xs);
+}
+
+#[test]
+fn a_padding_row_is_looked_up_but_gets_no_gradient() {
+    let table = rand(&[6, 4], 3);
+    let plain = Embedding::from_tensors(table.clone(), "emb");
+    let padded = Embedding::from_tensors(table.clone(), "emb")
+        .with_padding_idx(0)
+        .unwrap();
+    let ids = Tensor::new(&[0u32, 2, 0, 5], &Device::Cpu).unwrap();
+    let run = |m: &Embedding| jit(|i: Tracer| m.forward(&i)).call(&ids).unwrap();
+    close(&run(&padded), &run(&plain));
+    let g = grad(|t: Tracer, i: Tracer| {
+        let p = std::collections::BTreeMap::from([("emb.weight".to_string(), t)]);
+        padded
+            .forward_with(&candle_func::nn::Params::with(&p), &i)?
+            .sqr()?
+            .sum_all()
+    })
+    .call((&table, &ids))
+    .unwrap();
+    let rows = g.to_vec2::<f32>().unwrap();
+    assert!(rows[0].iter().all(|&v| v == 0.0), "the padding row got {:?}", rows[0]);
+    assert!(rows[2].iter().any(|&v| v != 0.0) && rows[5].iter().any(|&v| v != 0.0));
+    assert!(rows[1].iter().all(|&v| v == 0.0));
+    assert!(Embedding::from_tensors(table, "emb").with_padding_idx(6).is_err());
+}
