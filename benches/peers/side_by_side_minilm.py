@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""MiniLM at real size beside Hugging Face's PyTorch and Opacus, in paired
+rounds: each round runs, for each variant, `bench_minilm.py` and then
+`examples/bench_minilm.rs`, each in a fresh process (the peak resident
+memory each prints is that process's), at one thread each and at two.
+
+    CANDLE_FUNC_MINILM="$(scripts/fetch_minilm.sh)" PY="$HOME/peers/bin/python" \
+        python3 benches/peers/side_by_side_minilm.py [ROUNDS] [REPS]
+
+from the repository root (build first: cargo build --release --example
+bench_minilm). Prints each ratio's median, min and max over the rounds and
+the last round's figures. Below 1 favours this crate.
+"""
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = os.environ.get("PY", "python3")
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+REPS = sys.argv[2] if len(sys.argv) > 2 else "5"
+# ours, theirs
+PAIRS = [("forward", "forward"), ("step", "step"), ("psg", "psg_hooks"), ("dp", "dp_ghost")]
+
+
+def parse(out):
+    m = re.search(r"RESULT (\S+) median(?:_ms)? ([0-9.]+)(?: ms)? first_ms ([0-9.]+) peak_rss_mib ([0-9.]+)", out)
+    if not m:
+        raise SystemExit(f"no RESULT line in:\n{out}")
+    return float(m.group(2)), float(m.group(3)), float(m.group(4))
+
+
+def run(cmd, threads):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), PEER_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    return parse(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout)
+
+
+def main():
+    ours_bin = os.path.join(ROOT, "target", "release", "examples", "bench_minilm")
+    ratios, last = {}, {}
+    for r in range(ROUNDS):
+        for threads in (1, 2):
+            got = {}
+            for mine, theirs in PAIRS:
+                got[("peer", theirs)] = run([PY, os.path.join(ROOT, "benches", "peers", "bench_minilm.py"), theirs, REPS], threads)
+                got[("ours", mine)] = run([ours_bin, "--variant", mine, "--reps", REPS], threads)
+            t = lambda side, v: got[(side, v)][0]
+            m = lambda side, v: got[(side, v)][2]
+            out = {
+                "forward: ours / HF PyTorch": t("ours", "forward") / t("peer", "forward"),
+                "training step: ours / HF PyTorch": t("ours", "step") / t("peer", "step"),
+                "per-sample gradients: ours / Opacus hooks, time": t("ours", "psg") / t("peer", "psg_hooks"),
+                "per-sample gradients: ours / Opacus hooks, peak RSS": m("ours", "psg") / m("peer", "psg_hooks"),
+                "DP step (ghost): ours / Opacus ghost, time": t("ours", "dp") / t("peer", "dp_ghost"),
+                "DP step (ghost): ours / Opacus ghost, peak RSS": m("ours", "dp") / m("peer", "dp_ghost"),
+                "DP step / our training step, time": t("ours", "dp") / t("ours", "step"),
+                "DP step / our training step, peak RSS": m("ours", "dp") / m("ours", "step"),
+                "Opacus ghost step / HF training step, time": t("peer", "dp_ghost") / t("peer", "step"),
+            }
+            for k, v in out.items():
+                ratios.setdefault((threads, k), []).append(v)
+            last[threads] = got
+            print(f"round {r + 1}, {threads} thread(s): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
+    print("\n| threads | ratio | median | min | max |\n| --- | --- | --- | --- | --- |")
+    for (threads, k), v in ratios.items():
+        print(f"| {threads} | {k} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    print("\nlast round (ms median / first call ms / peak RSS MiB):")
+    for threads, got in last.items():
+        for (side, v), (ms, first, rss) in got.items():
+            print(f"  {threads} thread(s) {side} {v}: {ms:.1f} / {first:.0f} / {rss:.0f}")
+
+
+if __name__ == "__main__":
+    main()
