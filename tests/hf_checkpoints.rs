@@ -297,3 +297,40 @@ fn an_example_with_no_real_token_attends_evenly_and_pools_to_zeros() {
         .iter()
         .all(|&v| v == 0.0));
 }
+
+#[test]
+fn forward_mode_through_a_pretrained_model_agrees_with_finite_differences() {
+    // f64 weights: a central difference is then exact to ~1e-9
+    let ck = Checkpoint::load(fixture("llama_lm"), DType::F64, &Device::Cpu).unwrap();
+    let m = LlamaForCausalLM::load(&ck).unwrap();
+    let params = candle_func::nn::Module::params(&m);
+    let ids = Tensor::new(&[3u32, 14, 15, 9, 26], &Device::Cpu).unwrap();
+    let f = |p: std::collections::BTreeMap<String, Tracer>| {
+        let ids = ids.clone();
+        m.forward_full(
+            &candle_func::nn::Params::with(&p),
+            &candle_func::tracer::Operand::to_tracer(&ids, p.values().next().unwrap())?,
+            None,
+        )?
+        .sum_all()
+    };
+    let tangent: std::collections::BTreeMap<String, Tensor> = params
+        .iter()
+        .map(|(k, v)| (k.clone(), v.ones_like().unwrap()))
+        .collect();
+    let (_, t) = candle_func::jvp(&f, &params, &tangent).unwrap();
+    let shifted = |eps: f64| -> f64 {
+        let p: std::collections::BTreeMap<String, Tensor> = params
+            .iter()
+            .map(|(k, v)| (k.clone(), v.affine(1.0, eps).unwrap()))
+            .collect();
+        jit(f).call(&p).unwrap().to_scalar::<f64>().unwrap()
+    };
+    let eps = 1e-6;
+    let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps);
+    let t = t.to_scalar::<f64>().unwrap();
+    assert!(
+        (t - fd).abs() <= 1e-5 * fd.abs().max(1.0),
+        "jvp {t} against finite differences {fd}"
+    );
+}
