@@ -334,3 +334,62 @@ fn forward_mode_through_a_pretrained_model_agrees_with_finite_differences() {
         "jvp {t} against finite differences {fd}"
     );
 }
+
+#[test]
+fn the_dp_trainer_fine_tunes_a_pretrained_classifier() {
+    use candle_func::dp::{self, DpConfig, PrivacyEngine};
+    use candle_func::nn::{cross_entropy, Params, Reduction};
+    let m = load_bert(&fixture("bert_cls")).unwrap();
+    // every weight a variable the optimiser updates, under its checkpoint name
+    let varmap = candle_nn::VarMap::new();
+    for (name, t) in candle_func::nn::Module::params(&m) {
+        varmap
+            .data()
+            .lock()
+            .unwrap()
+            .insert(name, candle_core::Var::from_tensor(&t).unwrap());
+    }
+    let before: Vec<f32> = varmap.data().lock().unwrap()["classifier.weight"]
+        .as_tensor()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    // each example's ids and mask as one [2, T] tensor
+    let (n, t) = (12usize, 6usize);
+    let ids: Vec<u32> = (0..n * t).map(|i| 2 + (i as u32 * 7) % 90).collect();
+    let keep: Vec<u32> = (0..n * t).map(|i| u32::from(i % t < 3 + (i / t) % 4)).collect();
+    let ids = Tensor::from_vec(ids, (n, 1, t), &Device::Cpu).unwrap();
+    let keep = Tensor::from_vec(keep, (n, 1, t), &Device::Cpu).unwrap();
+    let xs = Tensor::cat(&[ids, keep], 1).unwrap();
+    let ys = Tensor::from_vec((0..n as u32).map(|i| i % 3).collect(), n, &Device::Cpu).unwrap();
+    let loss = |p: std::collections::BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        let (ids, mask) = (x.narrow(0, 0, 1)?.squeeze(0)?, x.narrow(0, 1, 1)?.squeeze(0)?);
+        let logits = m.forward_full(&Params::with(&p), &ids, Some(&mask), None)?;
+        cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
+    };
+    let mut trainer = PrivacyEngine::new()
+        .rng(dp::rng::Rng::seeded(1))
+        .physical_batch(4)
+        .make_private(
+            loss,
+            &varmap,
+            dp::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
+            (&xs, &ys),
+            DpConfig::new(6, 1.0, 1.0),
+        )
+        .unwrap();
+    for _ in 0..trainer.steps_per_epoch() {
+        trainer.step().unwrap();
+    }
+    let after: Vec<f32> = varmap.data().lock().unwrap()["classifier.weight"]
+        .as_tensor()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_ne!(before, after, "the classifier did not move");
+    assert!(after.iter().all(|v| v.is_finite()));
+    let eps = trainer.epsilon(1e-5).unwrap();
+    assert!(eps.is_finite() && eps > 0.0, "epsilon {eps}");
+}

@@ -4,9 +4,11 @@
 //! The encoder is shared with [RoBERTa](super::roberta), which counts
 //! positions differently.
 
-use super::{as_batch, unsupported, Act, Batch, Checkpoint, ID_DTYPE};
+use super::{activation, as_batch, unsupported, Batch, Checkpoint, ID_DTYPE};
 use crate::error::Result;
-use crate::nn::{attend, merge_heads, split_heads, AttentionMask, Embedding, LayerNorm, Linear, Module, Params};
+use crate::nn::{
+    Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params, PostNormBlock, SelfAttention,
+};
 use crate::trace::Tracer;
 use candle_core::Tensor;
 use serde::Deserialize;
@@ -68,7 +70,7 @@ fn bert_eps() -> f64 {
 
 impl BertConfig {
     /// Refuses what this crate does not implement, naming the field.
-    pub(crate) fn check(&self, model: &str) -> Result<Act> {
+    pub(crate) fn check(&self, model: &str) -> Result<Activation> {
         if let Some(kind) = self.position_embedding_type.as_deref() {
             if kind != "absolute" {
                 return Err(unsupported(
@@ -97,7 +99,7 @@ impl BertConfig {
                 format!("{heads} heads do not divide hidden_size {}", self.hidden_size),
             ));
         }
-        Act::parse(model, "hidden_act", &self.hidden_act)
+        activation(model, "hidden_act", &self.hidden_act)
     }
 
     /// Classes of a classification head: `num_labels`, else `id2label`'s
@@ -136,57 +138,28 @@ pub(crate) fn embedding(ck: &Checkpoint, name: &str, rows: usize, d: usize) -> R
     Ok(Embedding::from_tensors(w, name))
 }
 
-/// One post-norm block: `x = LN(x + attn(x))`, `x = LN(x + ff(x))`.
-struct Block {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    attn_out: Linear,
-    attn_norm: LayerNorm,
-    inter: Linear,
-    out: Linear,
-    out_norm: LayerNorm,
-}
-
-impl Block {
-    fn load(ck: &Checkpoint, c: &BertConfig, name: &str) -> Result<Block> {
-        let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.layer_norm_eps);
-        Ok(Block {
-            q: linear(ck, &format!("{name}.attention.self.query"), d, d)?,
-            k: linear(ck, &format!("{name}.attention.self.key"), d, d)?,
-            v: linear(ck, &format!("{name}.attention.self.value"), d, d)?,
-            attn_out: linear(ck, &format!("{name}.attention.output.dense"), d, d)?,
-            attn_norm: layer_norm(ck, &format!("{name}.attention.output.LayerNorm"), d, eps)?,
-            inter: linear(ck, &format!("{name}.intermediate.dense"), f, d)?,
-            out: linear(ck, &format!("{name}.output.dense"), d, f)?,
-            out_norm: layer_norm(ck, &format!("{name}.output.LayerNorm"), d, eps)?,
-        })
-    }
-
-    fn forward(&self, p: &Params, x: &Tracer, mask: &AttentionMask, heads: usize, act: Act) -> Result<Tracer> {
-        let proj = |l: &Linear| split_heads(&l.forward_with(p, x)?, heads);
-        let (q, k, v) = (proj(&self.q)?, proj(&self.k)?, proj(&self.v)?);
-        let scale = 1.0 / ((x.dims()[2] / heads) as f64).sqrt();
-        let a = merge_heads(&attend(&q, &k, &v, mask, scale)?)?;
-        let h = self
-            .attn_norm
-            .forward_with(p, &x.add(&self.attn_out.forward_with(p, &a)?)?)?;
-        let ff = self
-            .out
-            .forward_with(p, &act.apply(&self.inter.forward_with(p, &h)?)?)?;
-        self.out_norm.forward_with(p, &h.add(&ff)?)
-    }
-
-    fn params(&self, into: &mut BTreeMap<String, Tensor>) {
-        into.extend(self.q.params());
-        into.extend(self.k.params());
-        into.extend(self.v.params());
-        into.extend(self.attn_out.params());
-        into.extend(self.attn_norm.params());
-        into.extend(self.inter.params());
-        into.extend(self.out.params());
-        into.extend(self.out_norm.params());
-    }
+/// One of BERT's post-norm blocks under Hugging Face's names.
+fn block(ck: &Checkpoint, c: &BertConfig, act: Activation, name: &str) -> Result<PostNormBlock> {
+    let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.layer_norm_eps);
+    let a = |leaf: &str| format!("{name}.attention.{leaf}");
+    let attn = SelfAttention::separate(
+        linear(ck, &a("self.query"), d, d)?,
+        linear(ck, &a("self.key"), d, d)?,
+        linear(ck, &a("self.value"), d, d)?,
+        linear(ck, &a("output.dense"), d, d)?,
+        c.num_attention_heads,
+        c.num_attention_heads,
+    )?;
+    Ok(PostNormBlock::new(
+        attn,
+        layer_norm(ck, &a("output.LayerNorm"), d, eps)?,
+        (
+            linear(ck, &format!("{name}.intermediate.dense"), f, d)?,
+            act,
+            linear(ck, &format!("{name}.output.dense"), d, f)?,
+        ),
+        layer_norm(ck, &format!("{name}.output.LayerNorm"), d, eps)?,
+    ))
 }
 
 /// The BERT-family encoder: embeddings, blocks and an optional pooler,
@@ -194,13 +167,12 @@ impl Block {
 pub(crate) struct Encoder {
     pub(crate) config: BertConfig,
     model: &'static str,
-    act: Act,
     positions: Positions,
     words: Embedding,
     position_table: Embedding,
     types: Embedding,
     emb_norm: LayerNorm,
-    blocks: Vec<Block>,
+    blocks: Vec<PostNormBlock>,
     pub(crate) pooler: Option<Linear>,
 }
 
@@ -228,7 +200,7 @@ impl Encoder {
         let d = c.hidden_size;
         let e = |leaf: &str| format!("{pre}embeddings.{leaf}");
         let blocks = (0..c.num_hidden_layers)
-            .map(|i| Block::load(ck, c, &format!("{pre}encoder.layer.{i}")))
+            .map(|i| block(ck, c, act, &format!("{pre}encoder.layer.{i}")))
             .collect::<Result<Vec<_>>>()?;
         let pooler = match pooler {
             true => Some(linear(ck, &format!("{pre}pooler.dense"), d, d)?),
@@ -252,7 +224,6 @@ impl Encoder {
             blocks,
             pooler,
             model,
-            act,
             positions,
             config,
         })
@@ -298,7 +269,7 @@ impl Encoder {
             keep: b.keep.clone(),
         };
         for block in &self.blocks {
-            h = block.forward(p, &h, &attn_mask, c.num_attention_heads, self.act)?;
+            h = block.forward(p, &h, &attn_mask)?;
         }
         b.finish(h)
     }
@@ -333,7 +304,7 @@ impl Encoder {
         all.extend(self.types.params());
         all.extend(self.emb_norm.params());
         for b in &self.blocks {
-            b.params(&mut all);
+            all.extend(b.params());
         }
         if let Some(pl) = &self.pooler {
             all.extend(pl.params());

@@ -4,9 +4,9 @@
 //! output head tied to `wte`.
 
 use super::bert::layer_norm;
-use super::{as_batch, unsupported, Act, Checkpoint};
+use super::{activation, as_batch, unsupported, Checkpoint};
 use crate::error::Result;
-use crate::nn::{attend, merge_heads, split_heads, AttentionMask, Embedding, LayerNorm, Linear, Module, Params};
+use crate::nn::{Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params, SelfAttention};
 use crate::trace::Tracer;
 use candle_core::Tensor;
 use serde::Deserialize;
@@ -57,8 +57,7 @@ fn yes() -> bool {
 
 struct Block {
     ln_1: LayerNorm,
-    c_attn: Linear,
-    c_proj: Linear,
+    attn: SelfAttention,
     ln_2: LayerNorm,
     c_fc: Linear,
     mlp_proj: Linear,
@@ -76,8 +75,11 @@ impl Block {
         let f = c.n_inner.unwrap_or(4 * d);
         Ok(Block {
             ln_1: layer_norm(ck, &format!("{name}.ln_1"), d, eps)?,
-            c_attn: conv1d(ck, &format!("{name}.attn.c_attn"), d, 3 * d)?,
-            c_proj: conv1d(ck, &format!("{name}.attn.c_proj"), d, d)?,
+            attn: SelfAttention::fused(
+                conv1d(ck, &format!("{name}.attn.c_attn"), d, 3 * d)?,
+                conv1d(ck, &format!("{name}.attn.c_proj"), d, d)?,
+                c.n_head,
+            )?,
             ln_2: layer_norm(ck, &format!("{name}.ln_2"), d, eps)?,
             c_fc: conv1d(ck, &format!("{name}.mlp.c_fc"), d, f)?,
             mlp_proj: conv1d(ck, &format!("{name}.mlp.c_proj"), f, d)?,
@@ -85,7 +87,8 @@ impl Block {
     }
 
     fn params(&self, into: &mut BTreeMap<String, Tensor>) {
-        for m in [&self.c_attn, &self.c_proj, &self.c_fc, &self.mlp_proj] {
+        into.extend(self.attn.params());
+        for m in [&self.c_fc, &self.mlp_proj] {
             into.extend(m.params());
         }
         into.extend(self.ln_1.params());
@@ -96,7 +99,7 @@ impl Block {
 /// GPT-2 with its language-modelling head: logits `[.., T, vocab]`.
 pub struct Gpt2LmHeadModel {
     config: Gpt2Config,
-    act: Act,
+    act: Activation,
     wte: Embedding,
     wpe: Embedding,
     blocks: Vec<Block>,
@@ -108,7 +111,7 @@ impl Gpt2LmHeadModel {
     /// it); the head is `wte`.
     pub fn load(ck: &Checkpoint) -> Result<Gpt2LmHeadModel> {
         let c: Gpt2Config = ck.parse_config("gpt2")?;
-        let act = Act::parse("gpt2", "activation_function", &c.activation_function)?;
+        let act = activation("gpt2", "activation_function", &c.activation_function)?;
         if !c.tie_word_embeddings {
             return Err(unsupported(
                 "gpt2",
@@ -174,8 +177,6 @@ impl Gpt2LmHeadModel {
         let (d, heads) = (c.n_embd, c.n_head);
         for (i, blk) in self.blocks.iter().enumerate() {
             let x = blk.ln_1.forward_with(p, &h)?;
-            let qkv = blk.c_attn.forward_with(p, &x)?; // N T 3D
-            let part = |k: usize| split_heads(&qkv.narrow(2, k * d, d)?, heads);
             let mut scale = if c.scale_attn_weights {
                 1.0 / ((d / heads) as f64).sqrt()
             } else {
@@ -184,12 +185,11 @@ impl Gpt2LmHeadModel {
             if c.scale_attn_by_inverse_layer_idx {
                 scale /= (i + 1) as f64;
             }
-            let a = merge_heads(&attend(&part(0)?, &part(1)?, &part(2)?, &attn_mask, scale)?)?;
-            h = h.add(&blk.c_proj.forward_with(p, &a)?)?;
+            h = h.add(&blk.attn.forward(p, &x, &attn_mask, scale, None)?)?;
             let x = blk.ln_2.forward_with(p, &h)?;
             let ff = blk
                 .mlp_proj
-                .forward_with(p, &self.act.apply(&blk.c_fc.forward_with(p, &x)?)?)?;
+                .forward_with(p, &self.act.forward_with(p, &blk.c_fc.forward_with(p, &x)?)?)?;
             h = h.add(&ff)?;
         }
         let h = self.ln_f.forward_with(p, &h)?;

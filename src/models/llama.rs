@@ -4,11 +4,9 @@
 //! multi-query attention (`num_key_value_heads`), q/k/v biases (Qwen2,
 //! or `attention_bias`), and a tied or untied head.
 
-use super::{as_batch, unsupported, Act, Checkpoint};
+use super::{activation, as_batch, unsupported, Checkpoint};
 use crate::error::Result;
-use crate::nn::{
-    attend, merge_heads, rope, rotary_tables, split_heads, AttentionMask, Embedding, Linear, Module, Params, RmsNorm,
-};
+use crate::nn::{rotary_tables, Activation, AttentionMask, Embedding, Linear, Module, Params, RmsNorm, SelfAttention};
 use crate::trace::{Operand, Tracer};
 use candle_core::Tensor;
 use serde::Deserialize;
@@ -92,7 +90,7 @@ struct Resolved {
     qkv_bias: bool,
     o_bias: bool,
     window: Option<usize>,
-    act: Act,
+    act: Activation,
 }
 
 impl LlamaConfig {
@@ -105,7 +103,7 @@ impl LlamaConfig {
                 format!("\"{m}\" is not a Llama-family model this crate implements (llama, mistral, qwen2)"),
             ));
         }
-        let act = Act::parse(m, "hidden_act", &self.hidden_act)?;
+        let act = activation(m, "hidden_act", &self.hidden_act)?;
         let heads = self.num_attention_heads;
         let kv_heads = self.num_key_value_heads.unwrap_or(heads);
         if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
@@ -206,10 +204,7 @@ impl LlamaConfig {
 
 struct Block {
     input_norm: RmsNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    attn: SelfAttention,
     post_norm: RmsNorm,
     gate: Linear,
     up: Linear,
@@ -241,10 +236,14 @@ impl Block {
         let mlp = |leaf: &str| format!("{name}.mlp.{leaf}");
         Ok(Block {
             input_norm: rms(ck, &format!("{name}.input_layernorm"), d, eps)?,
-            q: proj(ck, &a("q_proj"), qd, d, r.qkv_bias)?,
-            k: proj(ck, &a("k_proj"), kvd, d, r.qkv_bias)?,
-            v: proj(ck, &a("v_proj"), kvd, d, r.qkv_bias)?,
-            o: proj(ck, &a("o_proj"), d, qd, r.o_bias)?,
+            attn: SelfAttention::separate(
+                proj(ck, &a("q_proj"), qd, d, r.qkv_bias)?,
+                proj(ck, &a("k_proj"), kvd, d, r.qkv_bias)?,
+                proj(ck, &a("v_proj"), kvd, d, r.qkv_bias)?,
+                proj(ck, &a("o_proj"), d, qd, r.o_bias)?,
+                c.num_attention_heads,
+                r.kv_heads,
+            )?,
             post_norm: rms(ck, &format!("{name}.post_attention_layernorm"), d, eps)?,
             gate: proj(ck, &mlp("gate_proj"), f, d, c.mlp_bias)?,
             up: proj(ck, &mlp("up_proj"), f, d, c.mlp_bias)?,
@@ -253,7 +252,8 @@ impl Block {
     }
 
     fn params(&self, into: &mut BTreeMap<String, Tensor>) {
-        for l in [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down] {
+        into.extend(self.attn.params());
+        for l in [&self.gate, &self.up, &self.down] {
             into.extend(l.params());
         }
         into.extend(self.input_norm.params());
@@ -348,21 +348,10 @@ impl LlamaForCausalLM {
         let mut h = self.embed.forward_with(p, &b.ids)?; // N T D
         for blk in &self.blocks {
             let x = blk.input_norm.forward_with(p, &h)?;
-            let q = rope(
-                &split_heads(&blk.q.forward_with(p, &x)?, c.num_attention_heads)?,
-                &cos,
-                &sin,
-            )?;
-            let k = rope(&split_heads(&blk.k.forward_with(p, &x)?, self.r.kv_heads)?, &cos, &sin)?;
-            let v = split_heads(&blk.v.forward_with(p, &x)?, self.r.kv_heads)?;
-            let a = merge_heads(&attend(&q, &k, &v, &attn_mask, scale)?)?;
-            h = h.add(&blk.o.forward_with(p, &a)?)?;
+            h = h.add(&blk.attn.forward(p, &x, &attn_mask, scale, Some((&cos, &sin)))?)?;
             let x = blk.post_norm.forward_with(p, &h)?;
-            let gated = self
-                .r
-                .act
-                .apply(&blk.gate.forward_with(p, &x)?)?
-                .mul(&blk.up.forward_with(p, &x)?)?;
+            let gate = self.r.act.forward_with(p, &blk.gate.forward_with(p, &x)?)?;
+            let gated = gate.mul(&blk.up.forward_with(p, &x)?)?;
             h = h.add(&blk.down.forward_with(p, &gated)?)?;
         }
         let h = self.norm.forward_with(p, &h)?;

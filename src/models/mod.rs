@@ -45,52 +45,19 @@ pub mod roberta;
 pub use checkpoint::Checkpoint;
 
 use crate::error::{Error, Result};
-use crate::nn::{cross_entropy, Reduction};
+use crate::nn::{cross_entropy, Activation, Reduction};
 use crate::trace::Tracer;
 use candle_core::DType;
 
-/// Hugging Face's `hidden_act` / `activation_function` values this crate
-/// implements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Act {
-    Gelu,
-    GeluTanh,
-    Relu,
-    Silu,
-    QuickGelu,
-}
-
-impl Act {
-    /// The activation a config names; an unknown one is an error naming
-    /// `field` and the ones implemented.
-    pub(crate) fn parse(model: &str, field: &str, name: &str) -> Result<Act> {
-        Ok(match name {
-            "gelu" => Act::Gelu,
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Act::GeluTanh,
-            "relu" => Act::Relu,
-            "silu" | "swish" => Act::Silu,
-            "quick_gelu" => Act::QuickGelu,
-            other => {
-                return Err(Error::Model {
-                    what: format!("{model} config.json field \"{field}\""),
-                    msg: format!(
-                        "\"{other}\" is not implemented (gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu, swish, quick_gelu are)"
-                    ),
-                })
-            }
-        })
-    }
-
-    pub(crate) fn apply(self, x: &Tracer) -> Result<Tracer> {
-        match self {
-            Act::Gelu => x.gelu(),
-            Act::GeluTanh => x.gelu_tanh(),
-            Act::Relu => x.relu(),
-            Act::Silu => x.silu(),
-            // x * sigmoid(1.702 x)
-            Act::QuickGelu => x.mul(&x.affine(1.702, 0.0)?.sigmoid()?),
-        }
-    }
+/// The activation a config's `field` names, or an error naming the field
+/// and the names implemented.
+pub(crate) fn activation(model: &str, field: &str, name: &str) -> Result<Activation> {
+    Activation::from_hf(name).ok_or_else(|| Error::Model {
+        what: format!("{model} config.json field \"{field}\""),
+        msg: format!(
+            "\"{name}\" is not implemented (gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu, swish, quick_gelu, tanh, sigmoid are)"
+        ),
+    })
 }
 
 /// An error about a config field, for the models' checks after parsing.

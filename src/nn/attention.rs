@@ -1,12 +1,17 @@
 //! Attention as Hugging Face's models compute it, in pieces a user can
 //! assemble: heads split and merged, grouped-query attention (fewer key and
 //! value heads than query heads, each shared by a group of consecutive
-//! query heads), a causal mask and a padding mask. (The rotate-half
-//! rotary embedding is [`super::rope`].)
+//! query heads), a causal mask and a padding mask; self-attention with
+//! separate or fused projections; and a post-norm encoder block. (The
+//! rotate-half rotary embedding is [`super::rope`].)
 
+use super::layers::{Activation, Linear};
+use super::norm::LayerNorm;
+use super::{Module, Params};
 use crate::error::{Error, Result};
 use crate::trace::Tracer;
-use candle_core::DType;
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
 
 /// `[N, T, H * Dh] -> [N, H, T, Dh]`.
 pub fn split_heads(x: &Tracer, heads: usize) -> Result<Tracer> {
@@ -115,4 +120,150 @@ fn repeat_kv(x: &Tracer, group: usize) -> Result<Tracer> {
     x.unsqueeze(2)?
         .broadcast_as((d[0], d[1], group, d[2], d[3]))?
         .reshape((d[0], d[1] * group, d[2], d[3]))
+}
+
+/// The query, key and value projections: three layers, or one fused layer
+/// whose output is the three side by side (GPT-2's `c_attn`).
+enum Qkv {
+    Separate(Box<[Linear; 3]>),
+    Fused(Linear),
+}
+
+/// Self-attention as Hugging Face's models run it: q, k and v projections
+/// (separate, or one fused projection split in three), `heads` query heads
+/// over `kv_heads` key/value heads (grouped-query attention), optional
+/// rotary embeddings on q and k, [`attend`], and the output projection.
+pub struct SelfAttention {
+    qkv: Qkv,
+    o: Linear,
+    heads: usize,
+    kv_heads: usize,
+}
+
+impl SelfAttention {
+    /// Separate projections `q [H Dh, D]`, `k`, `v` `[Hkv Dh, D]` and
+    /// `o [D, H Dh]`; `kv_heads` must divide `heads`.
+    pub fn separate(q: Linear, k: Linear, v: Linear, o: Linear, heads: usize, kv_heads: usize) -> Result<Self> {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(Error::shape(
+                "attention",
+                &[],
+                format!("{kv_heads} key/value heads must divide {heads} query heads"),
+            ));
+        }
+        Ok(SelfAttention {
+            qkv: Qkv::Separate(Box::new([q, k, v])),
+            o,
+            heads,
+            kv_heads,
+        })
+    }
+
+    /// One fused projection `D -> 3 D` (queries, keys, values side by side)
+    /// and the output projection, `heads` heads.
+    pub fn fused(qkv: Linear, o: Linear, heads: usize) -> Result<Self> {
+        if heads == 0 {
+            return Err(Error::shape("attention", &[], "needs at least one head"));
+        }
+        Ok(SelfAttention {
+            qkv: Qkv::Fused(qkv),
+            o,
+            heads,
+            kv_heads: heads,
+        })
+    }
+
+    /// `[N, T, D] -> [N, T, D]`, scores scaled by `scale`, with `rotary`
+    /// `(cos, sin)` tables ([`super::rope`]) applied to q and k when given.
+    pub fn forward(
+        &self,
+        p: &Params,
+        x: &Tracer,
+        mask: &AttentionMask,
+        scale: f64,
+        rotary: Option<(&Tracer, &Tracer)>,
+    ) -> Result<Tracer> {
+        let (q, k, v) = match &self.qkv {
+            Qkv::Separate(l) => (
+                l[0].forward_with(p, x)?,
+                l[1].forward_with(p, x)?,
+                l[2].forward_with(p, x)?,
+            ),
+            Qkv::Fused(qkv) => {
+                let all = qkv.forward_with(p, x)?; // N T 3D
+                let d = all.dims()[2] / 3;
+                (all.narrow(2, 0, d)?, all.narrow(2, d, d)?, all.narrow(2, 2 * d, d)?)
+            }
+        };
+        let (mut q, mut k) = (split_heads(&q, self.heads)?, split_heads(&k, self.kv_heads)?);
+        let v = split_heads(&v, self.kv_heads)?;
+        if let Some((cos, sin)) = rotary {
+            q = super::rope(&q, cos, sin)?;
+            k = super::rope(&k, cos, sin)?;
+        }
+        self.o.forward_with(p, &merge_heads(&attend(&q, &k, &v, mask, scale)?)?)
+    }
+
+    /// The projections' parameters by name.
+    pub fn params(&self) -> BTreeMap<String, Tensor> {
+        let mut all = self.o.params();
+        match &self.qkv {
+            Qkv::Separate(l) => l.iter().for_each(|l| all.extend(l.params())),
+            Qkv::Fused(l) => all.extend(l.params()),
+        }
+        all
+    }
+}
+
+/// A post-norm encoder block (BERT's, the original Transformer's):
+/// `x = norm1(x + attn(x))`, then `x = norm2(x + down(act(up(x))))`.
+pub struct PostNormBlock {
+    attn: SelfAttention,
+    attn_norm: LayerNorm,
+    up: Linear,
+    down: Linear,
+    out_norm: LayerNorm,
+    act: Activation,
+}
+
+impl PostNormBlock {
+    /// A block from its parts (each under the names of its checkpoint).
+    pub fn new(
+        attn: SelfAttention,
+        attn_norm: LayerNorm,
+        (up, act, down): (Linear, Activation, Linear),
+        out_norm: LayerNorm,
+    ) -> Self {
+        PostNormBlock {
+            attn,
+            attn_norm,
+            up,
+            down,
+            out_norm,
+            act,
+        }
+    }
+
+    /// `[N, T, D] -> [N, T, D]`, attention scaled by `1 / sqrt(head size)`.
+    pub fn forward(&self, p: &Params, x: &Tracer, mask: &AttentionMask) -> Result<Tracer> {
+        let scale = 1.0 / ((x.dims()[2] / self.attn.heads) as f64).sqrt();
+        let h = self
+            .attn_norm
+            .forward_with(p, &x.add(&self.attn.forward(p, x, mask, scale, None)?)?)?;
+        let ff = self
+            .down
+            .forward_with(p, &self.act.forward_with(p, &self.up.forward_with(p, &h)?)?)?;
+        self.out_norm.forward_with(p, &h.add(&ff)?)
+    }
+
+    /// Every part's parameters by name.
+    pub fn params(&self) -> BTreeMap<String, Tensor> {
+        let mut all = self.attn.params();
+        for l in [&self.up, &self.down] {
+            all.extend(l.params());
+        }
+        all.extend(self.attn_norm.params());
+        all.extend(self.out_norm.params());
+        all
+    }
 }

@@ -331,6 +331,27 @@ pub enum Activation {
     Elu(f64),
     /// `log(1 + e^x)`
     Softplus,
+    /// `x * sigmoid(1.702 x)` (Hugging Face's `quick_gelu`)
+    QuickGelu,
+}
+
+impl Activation {
+    /// The activation a Hugging Face config names (`hidden_act`,
+    /// `activation_function`): `gelu`, `gelu_new` / `gelu_pytorch_tanh` /
+    /// `gelu_fast` (the tanh form), `relu`, `silu` / `swish`, `quick_gelu`,
+    /// `tanh`, `sigmoid`; `None` for any other.
+    pub fn from_hf(name: &str) -> Option<Activation> {
+        Some(match name {
+            "gelu" => Activation::Gelu,
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
+            "relu" => Activation::Relu,
+            "silu" | "swish" => Activation::Silu,
+            "quick_gelu" => Activation::QuickGelu,
+            "tanh" => Activation::Tanh,
+            "sigmoid" => Activation::Sigmoid,
+            _ => return None,
+        })
+    }
 }
 
 impl Module for Activation {
@@ -345,6 +366,7 @@ impl Module for Activation {
             Activation::LeakyRelu(s) => x.leaky_relu(*s),
             Activation::Elu(a) => x.elu(*a),
             Activation::Softplus => x.softplus(),
+            Activation::QuickGelu => x.mul(&x.affine(1.702, 0.0)?.sigmoid()?),
         }
     }
     fn params(&self) -> BTreeMap<String, Tensor> {

@@ -37,7 +37,7 @@ pub mod loss;
 mod norm;
 mod transformer;
 
-pub use attention::{attend, mask_value, merge_heads, split_heads, AttentionMask};
+pub use attention::{attend, mask_value, merge_heads, split_heads, AttentionMask, PostNormBlock, SelfAttention};
 pub use convert::{conv_transpose1d, conv_transpose2d, ConvTranspose};
 pub use layers::{
     conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_no_bias, seq, Activation,

@@ -1,6 +1,8 @@
-//! `Tracer::stop_gradient` passes values and blocks derivatives in every
-//! transform, and an embedding's `padding_idx` row is looked up as it is
-//! but gets no gradient (PyTorch's semantics).
+//! The pieces the pretrained models are built from: `Tracer::stop_gradient`
+//! passes values and blocks derivatives in every transform, an embedding's
+//! `padding_idx` row is looked up as it is but gets no gradient (PyTorch's
+//! semantics), and `nn::SelfAttention`'s fused projection (GPT-2's) equals
+//! its three separate slices.
 
 mod common;
 
@@ -60,4 +62,38 @@ fn a_padding_row_is_looked_up_but_gets_no_gradient() {
     assert!(rows[2].iter().any(|&v| v != 0.0) && rows[5].iter().any(|&v| v != 0.0));
     assert!(rows[1].iter().all(|&v| v == 0.0));
     assert!(Embedding::from_tensors(table, "emb").with_padding_idx(6).is_err());
+}
+
+#[test]
+fn fused_and_separate_attention_projections_agree() {
+    use candle_func::nn::{AttentionMask, Linear, Params, SelfAttention};
+    // one fused [D, 3D] (GPT-2's layout) against its three [D, D] slices
+    let (d, heads) = (8, 2);
+    let w = rand(&[d, 3 * d], 4);
+    let b = rand(&[3 * d], 5);
+    let o = || Linear::from_tensors(rand(&[d, d], 6), None, "o");
+    let fused = SelfAttention::fused(
+        Linear::from_tensors_in_out(w.clone(), Some(b.clone()), "qkv"),
+        o(),
+        heads,
+    )
+    .unwrap();
+    let part = |k: usize| {
+        let wk = w.narrow(1, k * d, d).unwrap().t().unwrap().contiguous().unwrap();
+        Linear::from_tensors(wk, Some(b.narrow(0, k * d, d).unwrap()), "p")
+    };
+    let separate = SelfAttention::separate(part(0), part(1), part(2), o(), heads, heads).unwrap();
+    let mask = AttentionMask {
+        causal: true,
+        keep: None,
+    };
+    let x = rand(&[1, 5, d], 7);
+    let run = |a: &SelfAttention| {
+        jit(|x: Tracer| a.forward(&Params::own(), &x, &mask, 0.5, None))
+            .call(&x)
+            .unwrap()
+    };
+    close(&run(&fused), &run(&separate));
+    // grouped-query: key/value heads must divide the query heads
+    assert!(SelfAttention::separate(part(0), part(1), part(2), o(), 3, 2).is_err());
 }
