@@ -10,7 +10,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::nn::{self, functional_call, load_params, stack_params, unstack_params, Module, Reduction};
+use candle_func::dp::{Optimizer, Sgd};
+use candle_func::nn::{
+    self, functional_call, load_params, stack_params, stack_vars, unstack_params, Module, Reduction,
+};
 use candle_func::{grad, vmap, Tracer};
 use common::{arg, digits, digits_cnn};
 use std::collections::BTreeMap;
@@ -40,14 +43,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|vm| digits_cnn(candle_nn::VarBuilder::from_varmap(vm, DType::F32, &dev)))
         .collect::<candle_func::Result<Vec<_>>>()?;
     let refs: Vec<&nn::Sequential> = models.iter().collect();
-    let mut stacked = stack_params(&refs)?; // name -> [M, ...]
+    // name -> [M, ...] as variables; one SGD trains every model's slice
+    let stacked_vars = stack_vars(&refs)?;
+    let mut sgd = Sgd::new(&stacked_vars, lr, momentum)?;
+    let mut stacked = stack_params(&refs)?;
     let template = &models[0];
     let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         nn::cross_entropy(&functional_call(template, &p, &x)?, &y, Reduction::Mean)
     };
     let step_grads = vmap(grad(loss)); // every argument batched over the models
     let one_grad = grad(loss);
-    let mut velocity: Option<Params> = None;
     let mut rng = candle_func::dp::rng::Rng::seeded(7);
     let steps = train.len() / batch;
     let (mut t_vmap, mut t_loop, mut timed) = (0f64, 0f64, 0usize);
@@ -85,7 +90,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "vmapped and looped gradients differ by {diff:.2e} (relative)"
                 );
             }
-            sgd(&mut stacked, &g, &mut velocity, lr, momentum)?;
+            sgd.step(&g)?;
+            stacked = current(&stacked_vars);
         }
         println!(
             "epoch {epoch:>2}: mean test accuracy {:.4}",
@@ -119,19 +125,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn sgd(p: &mut Params, g: &Params, velocity: &mut Option<Params>, lr: f64, momentum: f64) -> candle_core::Result<()> {
-    let mut v_new = BTreeMap::new();
-    for (k, gk) in g {
-        let v = match velocity.as_ref().and_then(|v| v.get(k)) {
-            Some(prev) => ((prev * momentum)? + gk)?,
-            None => gk.clone(),
-        };
-        let updated = (&p[k] - (&v * lr)?)?;
-        p.insert(k.clone(), updated);
-        v_new.insert(k.clone(), v);
-    }
-    *velocity = Some(v_new);
-    Ok(())
+/// The stacked variables' current values.
+fn current(vars: &candle_nn::VarMap) -> Params {
+    let data = vars.data().lock().expect("the VarMap's lock");
+    data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
 }
 
 /// `|vmapped - looped| / |looped|` over every parameter's gradient of

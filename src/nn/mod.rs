@@ -215,6 +215,25 @@ pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, 
     model.forward_with(&Params::with(params), x)
 }
 
+/// [`stack_params`] as the variables of a new `VarMap`: name -> `[M, ...]`,
+/// so that `dp`'s optimisers (`Sgd`, `Adam`, `AdamW`, built over this map)
+/// train a whole ensemble at once, each model with its own slice of every
+/// moment, as `M` optimisers would. The variables are copies: training
+/// them leaves the models' own tensors alone ([`unstack_params`] reads the
+/// trained ones back).
+pub fn stack_vars<M: Module + ?Sized>(models: &[&M]) -> Result<candle_nn::VarMap> {
+    let varmap = candle_nn::VarMap::new();
+    {
+        let mut data = varmap.data().lock().map_err(|_| Error::Tree {
+            msg: "stack_vars: the new VarMap's lock is poisoned".into(),
+        })?;
+        for (name, t) in stack_params(models)? {
+            data.insert(name, candle_core::Var::from_tensor(&t)?);
+        }
+    }
+    Ok(varmap)
+}
+
 /// Stacks the parameters of several models of the same architecture on a new
 /// leading axis: name -> `[M, ...]`, for ensembling with `vmap` (like
 /// `torch.func.stack_module_state`). The stack is detached from candle's
