@@ -9,18 +9,11 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_func::nn::Module;
 use candle_func::{dp, grad, vmap, Tracer};
-use common::rand;
+use common::{max_diff, rand};
 use std::collections::BTreeMap;
 
 fn same(a: &Tensor, b: &Tensor) {
-    let d = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_diff(a, b) as f32;
     assert!(d == 0.0, "the old path differs by {d}");
 }
 

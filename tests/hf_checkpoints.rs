@@ -5,6 +5,10 @@
 //! is an `Error::Model` or a shape error naming the field, the weight or
 //! the shapes.
 
+mod common;
+
+use common::max_diff;
+
 use candle_core::{DType, Device, Tensor};
 use candle_func::models::bert::{BertForSequenceClassification, BertModel};
 use candle_func::models::llama::LlamaForCausalLM;
@@ -100,14 +104,7 @@ fn a_sharded_and_a_bf16_checkpoint_load_as_the_single_file_does() {
     let m = load_bert(&dir).unwrap();
     let got = logits(&m, &ids, &mask).unwrap();
     assert_eq!(got.dtype(), DType::F32);
-    let d = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_diff(&got, &want) as f32;
     assert!(d < 5e-2, "bf16 weights moved the logits by {d}");
 }
 

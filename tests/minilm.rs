@@ -7,6 +7,10 @@
 //! sentence-transformers. Runs when `CANDLE_FUNC_MINILM` names the folder
 //! (CI fetches it and sets it).
 
+mod common;
+
+use common::max_diff;
+
 use candle_core::{DType, Device, Tensor};
 use candle_func::models::bert::BertModel;
 use candle_func::models::{l2_normalize, mean_pool, Checkpoint};
@@ -98,14 +102,7 @@ fn minilm_embeds_fortunes_as_sentence_transformers_does() {
         ("vmap", vmap(embed).call((&ids, &mask)).unwrap()),
         ("batch", jit(embed).call((&ids, &mask)).unwrap()),
     ] {
-        let d = (&got - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_diff(&got, &want) as f32;
         println!("{how}: largest difference from sentence-transformers {d:.2e}");
         assert!(d < 1e-4, "{how}: embeddings differ by {d}");
     }

@@ -9,17 +9,10 @@ mod common;
 use candle_core::{Device, Tensor};
 use candle_func::nn::{Embedding, Module};
 use candle_func::{grad, jit, jvp, vmap, Tracer};
-use common::rand;
+use common::{max_diff, rand};
 
 fn close(a: &Tensor, b: &Tensor) {
-    let d = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_diff(a, b) as f32;
     assert!(d < 1e-6, "differ by {d}");
 }
 

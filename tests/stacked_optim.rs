@@ -8,7 +8,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_func::dp::{self, Optimizer};
 use candle_func::nn::{self, stack_vars, unstack_params};
-use common::rand;
+use common::{max_diff, rand};
 use std::collections::BTreeMap;
 
 const M: usize = 3;
@@ -68,14 +68,7 @@ fn a_stacked_optimiser_equals_one_per_model() {
         for (m, slice) in unstack_params(&values(&stacked)).unwrap().iter().enumerate() {
             for (k, t) in slice {
                 let own = &values(&varmaps[m])[k];
-                let d = (t - own)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let d = max_diff(t, own) as f32;
                 assert!(d < 1e-6, "{name}: model {m} {k} differs by {d}");
             }
         }
