@@ -4,7 +4,7 @@
 //! The encoder is shared with [RoBERTa](super::roberta), which counts
 //! positions differently.
 
-use super::{activation, as_batch, unsupported, Batch, Checkpoint, ID_DTYPE};
+use super::{activation, as_batch, first_token, unsupported, Batch, Checkpoint, ID_DTYPE};
 use crate::error::Result;
 use crate::nn::{
     Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params, PostNormBlock, SelfAttention,
@@ -259,8 +259,9 @@ impl Encoder {
                 }
                 self.types.forward_with(p, &tt)?
             }
-            // type 0 everywhere: its row, broadcast
-            None => self.types.forward_with(p, &Tracer::arange(&b.ids, 0, 1, ID_DTYPE)?)?,
+            // type 0 everywhere: its row, broadcast (as the first T
+            // position rows are read)
+            None => self.types.table(p, &b.ids)?.narrow(0, 0, 1)?,
         };
         let x = words.broadcast_add(&pos)?.broadcast_add(&types)?;
         let mut h = self.emb_norm.forward_with(p, &x)?;
@@ -293,8 +294,7 @@ impl Encoder {
             .pooler
             .as_ref()
             .ok_or_else(|| unsupported(self.model, "pooler", "this model was loaded without its pooler"))?;
-        let first = hidden.narrow(hidden.rank() - 2, 0, 1)?.squeeze(hidden.rank() - 2)?;
-        pooler.forward_with(p, &first)?.tanh()
+        pooler.forward_with(p, &first_token(hidden)?)?.tanh()
     }
 
     pub(crate) fn params(&self) -> BTreeMap<String, Tensor> {

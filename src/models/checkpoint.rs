@@ -17,6 +17,7 @@ pub struct Checkpoint {
     config: serde_json::Value,
     tensors: HashMap<String, Tensor>,
     dtype: DType,
+    device: Device,
 }
 
 fn bad(what: impl Into<String>, msg: impl Into<String>) -> Error {
@@ -60,6 +61,7 @@ impl Checkpoint {
             config,
             tensors,
             dtype,
+            device: device.clone(),
         })
     }
 
@@ -76,6 +78,11 @@ impl Checkpoint {
     /// The dtype the models built from this checkpoint compute in.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The device the weights were read onto.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// `config.json`'s `model_type` (`bert`, `gpt2`, `llama`, ...).

@@ -296,13 +296,7 @@ impl LlamaForCausalLM {
             false => Some(proj(ck, "lm_head", c.vocab_size, d, false)?),
         };
         let norm = rms(ck, "model.norm", d, c.rms_norm_eps)?;
-        let dev = embed
-            .params()
-            .values()
-            .next()
-            .map(|t| t.device().clone())
-            .unwrap_or(candle_core::Device::Cpu);
-        let (cos, sin) = rotary_tables(r.head_dim, c.max_position_embeddings, r.theta, ck.dtype(), &dev)?;
+        let (cos, sin) = rotary_tables(r.head_dim, c.max_position_embeddings, r.theta, ck.dtype(), ck.device())?;
         Ok(LlamaForCausalLM {
             norm,
             cos,

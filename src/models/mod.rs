@@ -52,11 +52,14 @@ use candle_core::DType;
 /// The activation a config's `field` names, or an error naming the field
 /// and the names implemented.
 pub(crate) fn activation(model: &str, field: &str, name: &str) -> Result<Activation> {
-    Activation::from_hf(name).ok_or_else(|| Error::Model {
-        what: format!("{model} config.json field \"{field}\""),
-        msg: format!(
-            "\"{name}\" is not implemented (gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu, swish, quick_gelu, tanh, sigmoid are)"
-        ),
+    Activation::from_hf(name).ok_or_else(|| {
+        unsupported(
+            model,
+            field,
+            format!(
+                "\"{name}\" is not implemented (gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu, swish, quick_gelu, tanh, sigmoid are)"
+            ),
+        )
     })
 }
 
@@ -123,6 +126,16 @@ impl Batch {
             Ok(y)
         }
     }
+}
+
+/// The first token's hidden state, `[.., T, D] -> [.., D]` (BERT's `[CLS]`,
+/// RoBERTa's `<s>`: what their poolers and heads read).
+pub(crate) fn first_token(hidden: &Tracer) -> Result<Tracer> {
+    let ax = hidden
+        .rank()
+        .checked_sub(2)
+        .ok_or_else(|| Error::shape("first_token", &[hidden.dims()], "expected hidden states [.., T, D]"))?;
+    hidden.narrow(ax, 0, 1)?.squeeze(ax)
 }
 
 /// Mean of the hidden states `[.., T, D]` over the real tokens of `mask`

@@ -5,7 +5,7 @@
 //! head (a tanh dense layer on the first token, then `out_proj`).
 
 use super::bert::{encoder_prefix, linear, BertConfig, Encoder, Positions};
-use super::{unsupported, Checkpoint};
+use super::{first_token, unsupported, Checkpoint};
 use crate::error::Result;
 use crate::nn::{Linear, Module, Params};
 use crate::trace::Tracer;
@@ -92,9 +92,7 @@ impl RobertaForSequenceClassification {
     /// [`Self::forward_masked`] with parameters replaced by name.
     pub fn forward_full(&self, p: &Params, ids: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
         let h = self.roberta.enc.forward(p, ids, mask, None)?;
-        // the first token (<s>)
-        let first = h.narrow(h.rank() - 2, 0, 1)?.squeeze(h.rank() - 2)?;
-        let x = self.dense.forward_with(p, &first)?.tanh()?;
+        let x = self.dense.forward_with(p, &first_token(&h)?)?.tanh()?;
         self.out_proj.forward_with(p, &x)
     }
 }
