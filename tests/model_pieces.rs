@@ -90,3 +90,84 @@ fn fused_and_separate_attention_projections_agree() {
     // grouped-query: key/value heads must divide the query heads
     assert!(SelfAttention::separate(part(0), part(1), part(2), o(), 3, 2).is_err());
 }
+
+#[test]
+fn the_pieces_refuse_bad_shapes_and_propagate_nan() {
+    use candle_core::DType;
+    use candle_func::models::{causal_lm_loss, l2_normalize, mean_pool, Checkpoint};
+    use candle_func::nn::{attend, merge_heads, split_heads, stack_vars, AttentionMask};
+    use candle_func::Error;
+    let shape_err = |r: candle_func::Result<Tensor>, op: &str| match r {
+        Err(Error::Shape { op: o, .. }) if o == op => {}
+        other => panic!(
+            "{op}: expected a shape error, got {:?}",
+            other.map(|t| t.dims().to_vec())
+        ),
+    };
+    let ids = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+    // pooling: hidden [T, D] with a mask of another length
+    shape_err(
+        jit(|h: Tracer, m: Tracer| mean_pool(&h, &m)).call((&rand(&[3, 4], 1), &rand(&[2], 2))),
+        "mean_pool",
+    );
+    shape_err(
+        jit(|x: Tracer| l2_normalize(&x.sum_all()?)).call(rand(&[3], 1)),
+        "l2_normalize",
+    );
+    // the loss: logits of another length than the ids, and a single token
+    shape_err(
+        jit(|l: Tracer, i: Tracer| causal_lm_loss(&l, &i, None)).call((&rand(&[4, 5], 1), &ids)),
+        "causal_lm_loss",
+    );
+    let one = Tensor::new(&[1u32], &Device::Cpu).unwrap();
+    shape_err(
+        jit(|l: Tracer, i: Tracer| causal_lm_loss(&l, &i, None)).call((&rand(&[1, 5], 1), &one)),
+        "causal_lm_loss",
+    );
+    // heads that do not divide the features, queries and keys that disagree
+    shape_err(
+        jit(|x: Tracer| split_heads(&x, 3)).call(rand(&[1, 2, 8], 1)),
+        "split_heads",
+    );
+    shape_err(
+        jit(|x: Tracer| split_heads(&x, 0)).call(rand(&[1, 2, 8], 1)),
+        "split_heads",
+    );
+    shape_err(jit(|x: Tracer| merge_heads(&x)).call(rand(&[2, 8], 1)), "merge_heads");
+    let none = AttentionMask::default();
+    shape_err(
+        jit(|q: Tracer, k: Tracer| attend(&q, &k, &k, &none, 1.0))
+            .call((&rand(&[1, 3, 4, 2], 1), &rand(&[1, 2, 4, 2], 2))),
+        "attention",
+    );
+    let wrong = jit(|q: Tracer| {
+        let mask = AttentionMask {
+            causal: false,
+            keep: Some(candle_func::tracer::Operand::to_tracer(
+                &Tensor::ones((1, 5), DType::U32, &Device::Cpu)?,
+                &q,
+            )?),
+        };
+        attend(&q, &q, &q, &mask, 1.0)
+    });
+    shape_err(wrong.call(rand(&[1, 2, 4, 2], 1)), "attention");
+    // an embedding table that is not [vocab, dim]
+    shape_err(
+        jit(|t: Tracer, i: Tracer| t.embedding(&i)).call((&rand(&[2, 3, 4], 1), &ids)),
+        "embedding",
+    );
+    // NaN propagates through pooling, as in PyTorch
+    let nan = Tensor::new(&[[f32::NAN, 1.0], [2.0, 3.0]], &Device::Cpu).unwrap();
+    let mask = Tensor::new(&[1u32, 1], &Device::Cpu).unwrap();
+    let pooled = jit(|h: Tracer, m: Tracer| mean_pool(&h, &m))
+        .call((&nan, &mask))
+        .unwrap();
+    assert!(pooled.to_vec1::<f32>().unwrap()[0].is_nan());
+    // a checkpoint computed in an integer dtype, and an ensemble of no models
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/bert_cls");
+    assert!(matches!(
+        Checkpoint::load(&dir, DType::U32, &Device::Cpu),
+        Err(Error::Model { .. })
+    ));
+    assert!(stack_vars::<Embedding>(&[]).is_err());
+}
