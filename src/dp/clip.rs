@@ -161,17 +161,23 @@ impl<F, M> ClipOf<F, M> {
         F: Function<S, Output = Tracer>,
     {
         positive_norm(self.max_norm)?;
-        options.check_not_vmap("clipped_grad_sum")?;
         let dims = match &self.in_dims {
             Some(d) => d.clone(),
             None => Dims::Each((0..args.flatten_args().1.len()).map(|i| (i > 0).then_some(0)).collect()),
         };
-        // vmap(value_and_grad(loss)) batched whole: the ghost rules read
-        // the batched graph's products, which a per-example or chunked
-        // schedule would hide behind a loop
-        let per = vmap(value_and_grad(ByRef(&self.loss)))
+        // vmap(value_and_grad(loss)) batched whole by default: the ghost
+        // rules read the batched graph's products, which a per-example or
+        // chunked schedule (when asked for) hides behind a loop, so that
+        // every per-sample gradient is materialised
+        let mut per = vmap(value_and_grad(ByRef(&self.loss)))
             .in_dims(dims)
-            .schedule(Schedule::Batched);
+            .schedule(options.schedule.unwrap_or(Schedule::Batched));
+        if let Some(k) = options.chunk_size {
+            per = per.chunk_size(k);
+        }
+        if let Some(r) = options.randomness {
+            per = per.randomness(r);
+        }
         let (losses, grads) = per.apply(args)?;
         let mut leaves = Vec::new();
         let def = grads.flatten_into(&mut leaves);
@@ -182,6 +188,7 @@ impl<F, M> ClipOf<F, M> {
                 "a per-example gradient has no batch axis",
             ));
         }
+        unreached(&leaves, &def)?;
         Ok((losses, leaves, def))
     }
 }
@@ -221,6 +228,30 @@ where
             .collect::<Result<Vec<_>>>()?;
         Ok((total(&sq)?.sqrt()?, losses))
     }
+}
+
+/// An error naming the first parameter the loss never reaches: its
+/// gradient would be zero whatever the data (a frozen layer left
+/// trainable, an adapter the forward pass does not apply), which would
+/// spend noise on it and train nothing.
+fn unreached(leaves: &[Tracer], def: &TreeDef) -> Result<()> {
+    let paths = def.leaf_paths();
+    for (g, path) in leaves.iter().zip(&paths) {
+        if ghost::structural_zero(&g.b.borrow(), g.id) {
+            let name = if path.is_empty() {
+                "the parameters"
+            } else {
+                path.as_str()
+            };
+            return Err(Error::privacy(
+                "clipped_grad_sum",
+                format!("parameter {name:?}"),
+                "reached by the loss (freeze it, or use it in the loss)",
+                "never reached: its gradient is zero whatever the data",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// An error unless every leaf has a group, every group a bound, and every

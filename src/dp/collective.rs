@@ -215,7 +215,8 @@ fn tree_hash<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Re
     Ok(h.0)
 }
 
-/// An error unless every rank has the same data set (`xs`, `ys`), the
+/// An error unless every rank has the same data set (each example tensor
+/// by its path in the examples' tree), the
 /// same parameter names, shapes and dtypes, and f32/f64 parameters only
 /// (what the all-reduce carries): checked once, before anything is
 /// broadcast, since ranks that disagree on sizes would pair collectives
@@ -223,8 +224,7 @@ fn tree_hash<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Re
 pub(crate) fn check_same_setup(
     comm: &dyn Collective,
     params: &BTreeMap<String, Tensor>,
-    xs: &Tensor,
-    ys: &Tensor,
+    data: &[(String, Tensor)],
 ) -> Result<()> {
     if let Some((k, t)) = params
         .iter()
@@ -241,12 +241,13 @@ pub(crate) fn check_same_setup(
         h.bytes(k.as_bytes());
         h.header(t);
     }
-    h.word(tree_hash([("xs", xs), ("ys", ys)])?);
+    h.word(tree_hash(data.iter().map(|(k, t)| (k.as_str(), t)))?);
     let (differ, _) = differing(comm, h.0)?;
     if differ.is_empty() {
         return Ok(());
     }
-    let here = format!("xs {:?}, {} parameters here", xs.dims(), params.len());
+    let dims: Vec<(&str, &[usize])> = data.iter().map(|(k, t)| (k.as_str(), t.dims())).collect();
+    let here = format!("examples {dims:?}, {} parameters here", params.len());
     Err(failed(comm, CollectiveFailure::Setup { ranks: differ, here }))
 }
 

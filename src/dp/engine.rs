@@ -20,6 +20,11 @@
 //! 5. **The update** by any [`Optimizer`] (DP-SGD, DP-Adam, DP-AdamW).
 //! 6. **Accounting**: the step is recorded with `(σ, q)`.
 //!
+//! The examples may be any tree of tensors ([`PrivacyEngine::make_private_examples`]),
+//! only some parameters may train ([`PrivacyEngine::trainable`]; LoRA
+//! adapters are `nn::Lora`), the bound may adapt ([`DpConfig::adaptive`]),
+//! and the whole state saves and resumes ([`PrivateTrainer::save`]).
+//!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_func::dp::{self, DpConfig, PrivacyEngine};
@@ -51,23 +56,29 @@
 //! }
 //! assert!(trainer.epsilon(1e-5)? <= 3.0);
 //! assert_eq!(trainer.traced_signatures(), 1); // every pass has the physical batch's shape
-//! let checkpoint = trainer.accountant().to_json(); // resume with Accountant::from_json
-//! # let _ = checkpoint;
+//! let dir = std::env::temp_dir().join(format!("candle_func_doc_dp_{}", std::process::id()));
+//! trainer.save(&dir)?; // parameters, moments, accountant, step count: `resume` reads them
+//! # std::fs::remove_dir_all(&dir).unwrap();
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
 use super::accountant::{noise_multiplier_with, Accountant, Mechanism};
-use super::clip::{clipped_grad_sum, ClippedGradSum};
-use super::collective::{self, Collective};
+use super::adaptive::{Adaptive, AdaptiveClipping};
+use super::clip::clipped_grad_sum;
 use super::optim::Optimizer;
 use super::rng::Rng;
-use crate::error::{CollectiveFailure, Error, Result};
+use super::trainable::{under, Trainable};
+pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
+use super::trainer::{Examples, Masked};
+use crate::error::{Error, Result};
 use crate::ir::options::Options;
 use crate::trace::Tracer;
+use crate::transforms::tree::{TensorTree, TreeDef};
 use crate::transforms::Function;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 
 /// How per-example gradients are bounded.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,6 +91,9 @@ pub enum Clipping {
     /// (`"fc1"` holds `fc1.weight` and `fc1.bias`). Every parameter must
     /// belong to a group.
     PerLayer(Vec<(String, f64)>),
+    /// The whole gradient to a bound that tracks a quantile of the norms
+    /// (see [`AdaptiveClipping`]).
+    Adaptive(AdaptiveClipping),
 }
 
 /// The privacy parameters of [`PrivacyEngine::make_private`].
@@ -100,6 +114,24 @@ impl DpConfig {
             batch_size,
             noise_multiplier,
             clipping: Clipping::Flat(max_grad_norm),
+        }
+    }
+
+    /// Adaptive flat clipping (see [`AdaptiveClipping`]): `noise_multiplier`
+    /// is the `σ` the accountant records, shared between the gradient and
+    /// the count of unclipped examples.
+    ///
+    /// ```
+    /// use candle_func::dp::{AdaptiveClipping, DpConfig};
+    /// // start at C = 1, keep the median example unclipped
+    /// let config = DpConfig::adaptive(64, 1.1, AdaptiveClipping::new(1.0, 0.5));
+    /// # let _ = config;
+    /// ```
+    pub fn adaptive(batch_size: usize, noise_multiplier: f64, spec: AdaptiveClipping) -> DpConfig {
+        DpConfig {
+            batch_size,
+            noise_multiplier,
+            clipping: Clipping::Adaptive(spec),
         }
     }
 
@@ -124,6 +156,7 @@ pub struct PrivacyEngine {
     physical_batch: Option<usize>,
     eps_error: Option<f64>,
     options: Options,
+    trainable: Trainable,
 }
 
 impl Default for PrivacyEngine {
@@ -144,6 +177,7 @@ impl PrivacyEngine {
             physical_batch: None,
             eps_error: None,
             options: Options::new(),
+            trainable: Trainable::all(),
         }
     }
 
@@ -197,9 +231,23 @@ impl PrivacyEngine {
         self
     }
 
-    /// Options for the transforms inside (convolution route, strict mode).
+    /// Options for the transforms inside: the convolution route, strict
+    /// mode, and the inner `vmap`'s schedule, chunk size and randomness
+    /// (`Randomness::Different` for a loss with dropout). The ghost rules
+    /// read the batched graph: a per-example schedule or a chunk size
+    /// materialises every per-sample gradient instead.
     pub fn options(mut self, options: Options) -> PrivacyEngine {
         self.options = options;
+        self
+    }
+
+    /// Which of the `VarMap`'s variables train (default: all). The others
+    /// are frozen: constants of the traced loss, with no per-sample
+    /// gradient, no noise, no update and no optimiser state. A prefix that
+    /// holds no variable is an error, and so is a trainable variable the
+    /// loss never reaches (its gradient would be zero whatever the data).
+    pub fn trainable(mut self, trainable: Trainable) -> PrivacyEngine {
+        self.trainable = trainable;
         self
     }
 
@@ -207,12 +255,15 @@ impl PrivacyEngine {
     /// `y` without a batch axis), over the variables of `varmap`, stepping
     /// `optimizer`, on the data set `(xs, ys)` (examples along axis 0; `ys`
     /// of whatever dtype the loss reads, u32 class ids for
-    /// `nn::cross_entropy`).
+    /// `nn::cross_entropy`). `params` holds every variable by name, the
+    /// frozen ones (see [`PrivacyEngine::trainable`]) as constants.
     ///
     /// Write the closure's argument types out, `|p: BTreeMap<String,
     /// Tracer>, x: Tracer, y: Tracer|`: the bound is the crate's
     /// [`Function`] trait, which Rust cannot infer closure arguments from.
-    /// A `&loss` works too, to share one closure between trainers.
+    /// A `&loss` works too, to share one closure between trainers. For
+    /// examples of more than two tensors, see
+    /// [`PrivacyEngine::make_private_examples`].
     pub fn make_private<F, O>(
         self,
         loss: F,
@@ -225,7 +276,94 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
         O: Optimizer,
     {
-        let n = examples(xs, ys)?;
+        let leaves = vec![("xs".to_string(), xs.clone()), ("ys".to_string(), ys.clone())];
+        self.build(
+            loss,
+            varmap,
+            optimizer,
+            (leaves, TreeDef::Tuple(vec![TreeDef::Leaf; 2])),
+            config,
+        )
+    }
+
+    /// A trainer whose examples are any tree of tensors sharing a leading
+    /// example axis (`(ids [N, T], mask [N, T], labels [N])`, a map of
+    /// named tensors), and whose `loss(params, example)` takes ONE
+    /// example's tree (every leaf without its example axis). Sampling,
+    /// virtual batches, clipping and accounting are those of
+    /// [`PrivacyEngine::make_private`].
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_func::dp::{self, DpConfig, PrivacyEngine, Trainable};
+    /// use candle_func::{nn, Tracer};
+    /// use std::collections::BTreeMap;
+    /// let dev = Device::Cpu;
+    /// let varmap = candle_nn::VarMap::new();
+    /// let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    /// let emb = nn::embedding(50, 8, vb.pp("emb"))?;
+    /// let head = nn::linear(8, 2, vb.pp("head"))?;
+    /// let ids = Tensor::from_vec((0..60u32).map(|i| i % 50).collect(), (20, 3), &dev)?;
+    /// let mask = Tensor::ones((20, 3), DType::F32, &dev)?;
+    /// let labels = Tensor::from_vec((0..20u32).map(|i| i % 2).collect(), 20, &dev)?;
+    /// // one example: its ids, its mask and its label
+    /// let loss = |p: BTreeMap<String, Tracer>, (ids, mask, y): (Tracer, Tracer, Tracer)| {
+    ///     let p = nn::Params::with(&p);
+    ///     let h = emb.forward_with(&p, &ids)?; // [T, 8]
+    ///     let pooled = h.broadcast_mul(&mask.unsqueeze(1)?)?.sum_keepdim(0)?; // [1, 8]
+    ///     let logits = head.forward_with(&p, &pooled)?;
+    ///     nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    /// };
+    /// let mut trainer = PrivacyEngine::new()
+    ///     .rng(dp::rng::Rng::seeded(0))
+    ///     .trainable(Trainable::prefixes(&["head"])) // the embedding stays as it is
+    ///     .make_private_examples(
+    ///         loss,
+    ///         &varmap,
+    ///         dp::Sgd::new(&varmap, 0.1, 0.0)?,
+    ///         &(&ids, &mask, &labels),
+    ///         DpConfig::new(5, 1.0, 1.0),
+    ///     )?;
+    /// trainer.step()?;
+    /// assert_eq!(trainer.trainable_names(), ["head.bias", "head.weight"]);
+    /// assert_eq!(trainer.noise_dimension()?, 8 * 2 + 2);
+    /// # use candle_func::nn::Module;
+    /// # Ok::<(), candle_func::Error>(())
+    /// ```
+    pub fn make_private_examples<F, O, D>(
+        self,
+        loss: F,
+        varmap: &VarMap,
+        optimizer: O,
+        data: &D,
+        config: DpConfig,
+    ) -> Result<PrivateTrainer<F, O, D::Sym>>
+    where
+        D: TensorTree + ?Sized,
+        F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
+        O: Optimizer,
+    {
+        let mut tensors = Vec::new();
+        let def = data.flatten_into(&mut tensors);
+        let paths = def
+            .leaf_paths()
+            .into_iter()
+            .map(|p| if p.is_empty() { "examples".into() } else { p });
+        let leaves = paths.zip(tensors).collect();
+        self.build(loss, varmap, optimizer, (leaves, def), config)
+    }
+
+    /// The trainer for either form of the examples.
+    fn build<F, O, S>(
+        self,
+        loss: F,
+        varmap: &VarMap,
+        optimizer: O,
+        (leaves, def): (Vec<(String, Tensor)>, TreeDef),
+        config: DpConfig,
+    ) -> Result<PrivateTrainer<F, O, S>> {
+        let data = Examples::new(leaves)?;
+        let n = data.n;
         let q = sample_rate(config.batch_size, n)?;
         super::positive("make_private", "noise_multiplier", config.noise_multiplier, true)?;
         let names = super::optim::var_names(varmap)?;
@@ -235,12 +373,25 @@ impl PrivacyEngine {
         if self.physical_batch == Some(0) {
             return Err(Error::privacy("make_private", "physical_batch", ">= 1", 0));
         }
-        let (of_leaf, bounds) = groups(&names, &config.clipping)?;
+        let (trainable, frozen_names) = self.trainable.split(&names)?;
+        let (of_leaf, bounds) = groups(&trainable, &config.clipping)?;
         let sensitivity = bounds.iter().map(|c| c * c).sum::<f64>().sqrt();
         // the default, a quarter of a batch of at least 1, is at least 1;
         // no logical batch holds more than the n examples there are
         let physical = self.physical_batch.unwrap_or(config.batch_size.div_ceil(4)).min(n);
-        let clip = clipped_grad_sum(Masked(loss), bounds[0])
+        let adaptive = match &config.clipping {
+            Clipping::Adaptive(spec) => Some(Adaptive::new(spec, config.noise_multiplier, q * n as f64)?),
+            _ => None,
+        };
+        let mut frozen = super::optim::var_tensors(varmap)?;
+        frozen.retain(|k, _| frozen_names.contains(k));
+        let masked = Masked {
+            loss,
+            def,
+            frozen,
+            form: PhantomData,
+        };
+        let clip = clipped_grad_sum(masked, bounds[0])
             .per_group(of_leaf, bounds)
             .ghost(self.ghost)
             .options(self.options);
@@ -260,11 +411,11 @@ impl PrivacyEngine {
         Ok(PrivateTrainer {
             clip,
             varmap: varmap.clone(),
+            trainable,
             optimizer,
             accountant,
             rng,
-            xs: xs.clone(),
-            ys: ys.clone(),
+            data,
             sample_rate: q,
             noise_multiplier: config.noise_multiplier,
             sensitivity,
@@ -272,9 +423,12 @@ impl PrivacyEngine {
             secure_mode: self.secure_mode,
             bound: match config.clipping {
                 Clipping::Flat(c) => Some(c),
+                Clipping::Adaptive(_) => Some(1.0),
                 Clipping::PerLayer(_) => None,
             },
+            adaptive,
             comm: None,
+            steps: 0,
         })
     }
 
@@ -293,13 +447,51 @@ impl PrivacyEngine {
         optimizer: O,
         data: (&Tensor, &Tensor),
         config: DpConfig,
-        (target_epsilon, delta, epochs): (f64, f64, f64),
+        target: (f64, f64, f64),
     ) -> Result<PrivateTrainer<F, O>>
     where
         F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
         O: Optimizer,
     {
-        let q = sample_rate(config.batch_size, examples(data.0, data.1)?)?;
+        let n = Examples::new(vec![("xs".into(), data.0.clone()), ("ys".into(), data.1.clone())])?.n;
+        let config = self.for_epsilon(config, n, target)?;
+        self.make_private(loss, varmap, optimizer, data, config)
+    }
+
+    /// [`PrivacyEngine::make_private_examples`] with the noise multiplier
+    /// chosen for `(target_epsilon, delta, epochs)` as
+    /// [`PrivacyEngine::make_private_with_epsilon`] chooses it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn make_private_examples_with_epsilon<F, O, D>(
+        self,
+        loss: F,
+        varmap: &VarMap,
+        optimizer: O,
+        data: &D,
+        config: DpConfig,
+        target: (f64, f64, f64),
+    ) -> Result<PrivateTrainer<F, O, D::Sym>>
+    where
+        D: TensorTree + ?Sized,
+        F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
+        O: Optimizer,
+    {
+        let mut tensors = Vec::new();
+        data.flatten_into(&mut tensors);
+        let n = Examples::new(tensors.into_iter().map(|t| (String::new(), t)).collect())?.n;
+        let config = self.for_epsilon(config, n, target)?;
+        self.make_private_examples(loss, varmap, optimizer, data, config)
+    }
+
+    /// `config` with the noise multiplier that spends `target_epsilon` at
+    /// `delta` over `epochs` epochs of `n` examples.
+    fn for_epsilon(
+        &self,
+        config: DpConfig,
+        n: usize,
+        (target_epsilon, delta, epochs): (f64, f64, f64),
+    ) -> Result<DpConfig> {
+        let q = sample_rate(config.batch_size, n)?;
         super::positive("make_private_with_epsilon", "epochs", epochs, false)?;
         let steps = (epochs * steps_per_epoch(q) as f64).ceil() as usize;
         let noise_multiplier = noise_multiplier_with(
@@ -310,11 +502,10 @@ impl PrivacyEngine {
             q,
             steps,
         )?;
-        let config = DpConfig {
+        Ok(DpConfig {
             noise_multiplier,
             ..config
-        };
-        self.make_private(loss, varmap, optimizer, data, config)
+        })
     }
 }
 
@@ -329,18 +520,6 @@ impl PrivacyEngine {
     }
 }
 
-/// The number of examples, the same in `xs` and `ys`.
-fn examples(xs: &Tensor, ys: &Tensor) -> Result<usize> {
-    match (xs.dims().first(), ys.dims().first()) {
-        (Some(&a), Some(&b)) if a == b && a > 0 => Ok(a),
-        _ => Err(Error::shape(
-            "make_private",
-            &[xs.dims(), ys.dims()],
-            "inputs and targets need the same, non-zero number of examples along axis 0",
-        )),
-    }
-}
-
 fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
     if batch_size == 0 || batch_size > n {
         let expected = format!("in 1..={n} (the data set's size)");
@@ -349,7 +528,7 @@ fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
     Ok(batch_size as f64 / n as f64)
 }
 
-fn steps_per_epoch(q: f64) -> usize {
+pub(super) fn steps_per_epoch(q: f64) -> usize {
     ((1.0 / q).round() as usize).max(1)
 }
 
@@ -360,6 +539,9 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
             super::positive("make_private", "max_grad_norm", *c, false)?;
             Ok((vec![0; names.len()], vec![*c]))
         }
+        // the bound is carried by the examples' weights (1 / C): the
+        // transform clips the scaled gradients to 1
+        Clipping::Adaptive(_) => Ok((vec![0; names.len()], vec![1.0])),
         Clipping::PerLayer(groups) => {
             for (p, c) in groups {
                 super::positive("make_private", &format!("the bound of group {p:?}"), *c, false)?;
@@ -367,8 +549,7 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
             let of_leaf = names
                 .iter()
                 .map(|name| {
-                    let holds = |p: &str| name == p || name.strip_prefix(p).is_some_and(|r| r.starts_with('.'));
-                    groups.iter().position(|(p, _)| holds(p)).ok_or_else(|| {
+                    groups.iter().position(|(p, _)| under(name, p)).ok_or_else(|| {
                         let prefixes: Vec<&String> = groups.iter().map(|g| &g.0).collect();
                         let expected = format!("in a per-layer clipping group (prefixes: {prefixes:?})");
                         Error::privacy("make_private", format!("parameter {name:?}"), expected, "in none")
@@ -385,305 +566,4 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
             Ok((of_leaf, groups.iter().map(|g| g.1).collect()))
         }
     }
-}
-
-/// The per-example loss times the example's weight (1, or 0 for padding):
-/// a padded example's gradient is exactly zero, so it adds nothing.
-struct Masked<F>(F);
-
-impl<F> Function<(BTreeMap<String, Tracer>, Tracer, Tracer, Tracer)> for Masked<F>
-where
-    F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
-{
-    type Output = Tracer;
-
-    fn apply(&self, (p, x, y, w): (BTreeMap<String, Tracer>, Tracer, Tracer, Tracer)) -> Result<Tracer> {
-        let l = self.0.apply((p, x, y))?;
-        l.mul(&w.to_dtype(l.dtype())?)
-    }
-}
-
-/// What one private step did.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepInfo {
-    /// The logical (Poisson) batch size.
-    pub batch_size: usize,
-    /// Passes of the physical batch size it took (on this rank, when
-    /// distributed).
-    pub passes: usize,
-    /// The mean loss over the batch's examples (NaN for an empty batch).
-    pub mean_loss: f64,
-    /// The fraction of the batch's examples whose gradient norm exceeded
-    /// the bound (flat clipping; NaN per layer or for an empty batch).
-    pub clipped_fraction: f64,
-}
-
-/// A DP-SGD training loop's state: the clipping transform, the optimiser,
-/// the accountant and the generator (see the module docs for one step).
-pub struct PrivateTrainer<F, O> {
-    clip: ClippedGradSum<Masked<F>>,
-    varmap: VarMap,
-    optimizer: O,
-    accountant: Accountant,
-    rng: Rng,
-    xs: Tensor,
-    ys: Tensor,
-    sample_rate: f64,
-    noise_multiplier: f64,
-    sensitivity: f64,
-    physical: usize,
-    secure_mode: bool,
-    bound: Option<f64>,
-    comm: Option<Box<dyn Collective>>,
-}
-
-impl<F, O> PrivateTrainer<F, O>
-where
-    F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
-    O: Optimizer,
-{
-    /// One private step: sample, clip in passes, add noise once, update,
-    /// account. Distributed ([`PrivateTrainer::distributed`]), each rank
-    /// clips its share of the logical batch and the step ends with every
-    /// rank's parameters checked equal.
-    pub fn step(&mut self) -> Result<StepInfo> {
-        let n = self.xs.dims()[0];
-        let (q, rng) = (self.sample_rate, &mut self.rng);
-        let (idx, mine) = match &self.comm {
-            Some(c) => {
-                let idx = collective::broadcast_batch(c.as_ref(), || rng.poisson_sample(n, q))?;
-                let mine = collective::shard(&idx, c.rank(), c.size());
-                (idx, mine)
-            }
-            None => {
-                let idx = rng.poisson_sample(n, q);
-                (idx.clone(), idx)
-            }
-        };
-        let params = super::optim::var_tensors(&self.varmap)?;
-        // Distributed, a local failure must not leave the other ranks in a
-        // collective: it is carried into the all-reduce as a flag, and
-        // every rank fails the step together.
-        let local = self.clip_share(&mine, &params);
-        let (sum, loss_sum, over, failed) = match (local, &self.comm) {
-            (Ok((s, l, o)), _) => (s, l, o, None),
-            (Err(e), None) => return Err(e),
-            (Err(e), Some(_)) => (zeros(&params)?, 0.0, 0.0, Some(e)),
-        };
-        let mut counts = [loss_sum, over, failed.is_some() as u8 as f64];
-        let grads = self.noisy_mean(sum, n, &mut counts, failed.is_none());
-        let [loss_sum, over, failures] = counts;
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        let grads = grads?; // this rank's own failure first
-        if failures > 0.0 {
-            let (rank, ranks) = self.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
-            let failure = CollectiveFailure::RankFailed {
-                failed: failures as usize,
-            };
-            return Err(Error::Collective { rank, ranks, failure });
-        }
-        // Counted before the update, as Opacus does: an update that fails
-        // half-way has still released noisy values.
-        self.accountant.step(self.noise_multiplier, self.sample_rate)?;
-        self.optimizer.step(&grads)?;
-        if let Some(c) = &self.comm {
-            collective::check_in_step(c.as_ref(), &super::optim::var_tensors(&self.varmap)?, "after a step")?;
-        }
-        let b = idx.len() as f64;
-        Ok(StepInfo {
-            batch_size: idx.len(),
-            passes: mine.len().div_ceil(self.physical),
-            mean_loss: if idx.is_empty() { f64::NAN } else { loss_sum / b },
-            clipped_fraction: match (self.bound, idx.is_empty()) {
-                (Some(_), false) => over / b,
-                _ => f64::NAN,
-            },
-        })
-    }
-
-    /// This rank's clipped sum over `mine` in passes of the physical size,
-    /// its summed loss and how many norms exceeded the flat bound.
-    fn clip_share(
-        &self,
-        mine: &[usize],
-        params: &BTreeMap<String, Tensor>,
-    ) -> Result<(BTreeMap<String, Tensor>, f64, f64)> {
-        let mut sum: Option<BTreeMap<String, Tensor>> = None;
-        let (mut loss_sum, mut over) = (0.0, 0usize);
-        for chunk in mine.chunks(self.physical) {
-            let (xs, ys, w) = self.pass(chunk)?;
-            let (clipped, norms, losses) = self.clip.call((params, &xs, &ys, &w))?;
-            loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-            if let Some(c) = self.bound {
-                let real = norms.narrow(0, 0, chunk.len())?.to_dtype(DType::F64)?;
-                over += real.to_vec1::<f64>()?.iter().filter(|&&v| v > c).count();
-            }
-            sum = Some(match sum {
-                None => clipped,
-                Some(s) => add_trees(s, &clipped)?,
-            });
-        }
-        let sum = match sum {
-            Some(s) => s,
-            None => zeros(params)?,
-        };
-        Ok((sum, loss_sum, over as f64))
-    }
-
-    /// `(sum + noise) / (q N)`, the noise drawn once: alone, in one pass per
-    /// tensor; distributed, rank 0 adds it to its own sum before the sums
-    /// (and `counts`) are all-reduced.
-    ///
-    /// `counts` are all-reduced with the sums, the last of them the number
-    /// of ranks that failed. A rank that failed (`!ok`, or drawing its
-    /// noise) adds no noise but still takes part, so no rank waits.
-    fn noisy_mean(
-        &mut self,
-        sum: BTreeMap<String, Tensor>,
-        n: usize,
-        counts: &mut [f64],
-        ok: bool,
-    ) -> Result<BTreeMap<String, Tensor>> {
-        let expected = self.sample_rate * n as f64;
-        let std = self.noise_multiplier * self.sensitivity;
-        let first = ok && self.comm.as_ref().is_none_or(|c| c.rank() == 0);
-        let scale = if self.comm.is_some() { 1.0 } else { 1.0 / expected };
-        let mut noisy = BTreeMap::new();
-        let mut failed = None;
-        for (k, s) in sum {
-            let s = match (first, &self.comm) {
-                (false, _) => s,
-                (true, None) => self.rng.add_noise(&s, std, scale, self.secure_mode)?,
-                // rank 0 still joins the all-reduce, flagged, if it fails
-                (true, Some(_)) => match self.rng.add_noise(&s, std, scale, self.secure_mode) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        failed.get_or_insert(e);
-                        s
-                    }
-                },
-            };
-            noisy.insert(k, s);
-        }
-        let Some(c) = &self.comm else {
-            return Ok(noisy);
-        };
-        if failed.is_some() {
-            counts[counts.len() - 1] += 1.0;
-        }
-        let total = collective::reduce_sums(c.as_ref(), noisy, counts)?;
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        total
-            .into_iter()
-            .map(|(k, t)| Ok((k, t.affine(1.0 / expected, 0.0)?)))
-            .collect()
-    }
-
-    /// This trainer spread over the ranks of `comm` (see
-    /// [`super::collective`]): every rank must build it from the same data
-    /// set and configuration, and call `step` in lockstep. Rank 0's
-    /// parameters are broadcast to the others first; only rank 0's
-    /// generator draws (the batch and the noise). An error, on every rank,
-    /// if the ranks' data sets or parameter shapes differ, or a parameter
-    /// is not f32/f64.
-    pub fn distributed(mut self, comm: impl Collective + 'static) -> Result<Self> {
-        if comm.size() == 0 || comm.rank() >= comm.size() {
-            return Err(Error::Collective {
-                rank: comm.rank(),
-                ranks: comm.size(),
-                failure: CollectiveFailure::Invalid {
-                    msg: "the communicator's rank is not below its size".into(),
-                },
-            });
-        }
-        let before = super::optim::var_tensors(&self.varmap)?;
-        collective::check_same_setup(&comm, &before, &self.xs, &self.ys)?;
-        collective::broadcast_vars(&comm, &super::optim::vars_of(&self.varmap, "distributed")?)?;
-        let params = super::optim::var_tensors(&self.varmap)?;
-        collective::check_in_step(&comm, &params, "after the broadcast of rank 0's parameters")?;
-        self.comm = Some(Box::new(comm));
-        Ok(self)
-    }
-
-    /// One pass's inputs, targets and weights: the chunk's examples padded
-    /// to the physical size with copies of its first, weighted 0.
-    fn pass(&self, chunk: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
-        let mut ids: Vec<u32> = Vec::with_capacity(self.physical);
-        for &i in chunk {
-            let id = u32::try_from(i)
-                .map_err(|_| Error::data("PrivateTrainer::step", format!("example index {i} exceeds u32")))?;
-            ids.push(id);
-        }
-        let pad = self.physical - chunk.len();
-        ids.extend(std::iter::repeat_n(ids[0], pad));
-        let weights: Vec<f32> = (0..self.physical).map(|i| (i < chunk.len()) as u8 as f32).collect();
-        let dev = self.xs.device();
-        let ids = Tensor::from_vec(ids, self.physical, dev)?;
-        Ok((
-            self.xs.index_select(&ids, 0)?,
-            self.ys.index_select(&ids, 0)?,
-            Tensor::from_vec(weights, self.physical, dev)?,
-        ))
-    }
-
-    /// The ε spent so far at `delta`, by the engine's accountant.
-    pub fn epsilon(&self, delta: f64) -> Result<f64> {
-        self.accountant.epsilon(delta)
-    }
-
-    /// The accountant (save its [`Accountant::to_json`] with a checkpoint).
-    pub fn accountant(&self) -> &Accountant {
-        &self.accountant
-    }
-
-    /// Replaces the accountant, to resume a run from a checkpoint.
-    pub fn set_accountant(&mut self, accountant: Accountant) {
-        self.accountant = accountant;
-    }
-
-    /// The optimiser (for its learning rate).
-    pub fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
-    }
-
-    /// How many input shapes the clipping step has traced: 1 after any
-    /// number of steps, whatever their Poisson sizes, since every pass has
-    /// the physical batch's shape.
-    pub fn traced_signatures(&self) -> usize {
-        self.clip.traced_signatures()
-    }
-
-    /// The noise multiplier `σ` in use.
-    pub fn noise_multiplier(&self) -> f64 {
-        self.noise_multiplier
-    }
-
-    /// The sample rate `q = batch_size / N`.
-    pub fn sample_rate(&self) -> f64 {
-        self.sample_rate
-    }
-
-    /// Steps per epoch: `1 / q` rounded, at least 1.
-    pub fn steps_per_epoch(&self) -> usize {
-        steps_per_epoch(self.sample_rate)
-    }
-}
-
-fn zeros(params: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
-    params.iter().map(|(k, p)| Ok((k.clone(), p.zeros_like()?))).collect()
-}
-
-fn add_trees(mut a: BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
-    for (k, v) in a.iter_mut() {
-        let other = b.get(k).ok_or_else(|| Error::Internal {
-            op: "PrivateTrainer::step".into(),
-            msg: format!("the clipped sums disagree on {k:?}"),
-        })?;
-        *v = (&*v + other)?;
-    }
-    Ok(a)
 }

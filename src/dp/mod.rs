@@ -31,17 +31,23 @@
 //! ```
 
 pub mod accountant;
+mod adaptive;
+mod checkpoint;
 mod clip;
 pub mod collective;
 mod engine;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod optim;
+mod trainable;
+mod trainer;
+pub use adaptive::AdaptiveClipping;
 pub use clip::{
     clipped_grad_sum, per_sample_grad_norms, ClipOf, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms,
 };
-pub use engine::{Clipping, DpConfig, PrivacyEngine, PrivateTrainer, StepInfo};
-pub use optim::{Adam, AdamW, Optimizer, Sgd};
+pub use engine::{Clipping, DpConfig, ExampleLoss, PrivacyEngine, PrivateTrainer, StepInfo, XsYs};
+pub use optim::{Adam, AdamW, Optimizer, OptimizerState, Sgd};
+pub use trainable::Trainable;
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
 /// permutations).
 pub mod rng {

@@ -3,6 +3,7 @@
 //! DP-Adam and DP-AdamW: everything they do after the noise is
 //! post-processing of private values, at no privacy cost.
 
+use super::trainable::under;
 use crate::error::{Error, Result};
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
@@ -16,10 +17,102 @@ macro_rules! lr_field {
 
         fn set_lr(&mut self, lr: f64) -> Result<()> {
             super::positive("set_lr", "lr", lr, true)?;
+            self.groups.rescale(self.lr, lr);
             self.lr = lr;
             Ok(())
         }
     };
+}
+
+/// An optimiser's state for a checkpoint: its tensors (moments) and its
+/// numbers (learning rates, step count, hyper-parameters) by name.
+#[derive(Clone, Debug, Default)]
+pub struct OptimizerState {
+    /// Which optimiser (`"sgd"`, `"adam"`, `"adamw"`).
+    pub kind: String,
+    /// Per-variable tensors, named `{what}/{variable}` (`m/fc.weight`).
+    pub tensors: BTreeMap<String, Tensor>,
+    /// Scalars by name.
+    pub scalars: BTreeMap<String, f64>,
+}
+
+fn state_error(msg: String) -> Error {
+    Error::Checkpoint {
+        what: "Optimizer::load_state",
+        msg,
+    }
+}
+
+impl OptimizerState {
+    /// The scalar `name`, an error naming it when missing.
+    fn scalar(&self, name: &str) -> Result<f64> {
+        self.scalars
+            .get(name)
+            .copied()
+            .ok_or_else(|| state_error(format!("the saved {} state has no {name:?}", self.kind)))
+    }
+
+    /// An error unless the saved hyper-parameter `name` is `value`: a
+    /// resumed run with other settings is another run.
+    fn same(&self, name: &str, value: f64) -> Result<()> {
+        let saved = self.scalar(name)?;
+        if saved.to_bits() != value.to_bits() {
+            return Err(state_error(format!("{name} was {saved} when saved, is {value} now")));
+        }
+        Ok(())
+    }
+
+    /// The tensors saved under `what/`, each checked against its variable.
+    fn per_var(&self, what: &str, vars: &BTreeMap<String, Var>) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for (k, t) in &self.tensors {
+            let Some(name) = k.strip_prefix(what).and_then(|r| r.strip_prefix('/')) else {
+                continue;
+            };
+            match vars.get(name) {
+                Some(v) if v.dims() == t.dims() => out.insert(name.to_string(), t.to_dtype(v.dtype())?),
+                Some(v) => {
+                    let msg = format!("{k:?} is {:?}, the variable {:?}", t.dims(), v.dims());
+                    return Err(state_error(msg));
+                }
+                None => return Err(state_error(format!("{k:?} names no variable of the optimiser"))),
+            };
+        }
+        Ok(out)
+    }
+
+    fn kind_is(&self, kind: &str) -> Result<()> {
+        if self.kind != kind {
+            return Err(state_error(format!("saved by {:?}, loaded into {kind:?}", self.kind)));
+        }
+        Ok(())
+    }
+}
+
+/// `groups`' learning rates as scalars `group/{prefix}/lr`.
+fn group_scalars(groups: &Groups, into: &mut BTreeMap<String, f64>) {
+    for (p, lr, _) in &groups.0 {
+        into.insert(format!("group/{p}/lr"), *lr);
+    }
+}
+
+/// `groups`' learning rates read back (the groups themselves must match).
+fn load_groups(groups: &mut Groups, state: &OptimizerState) -> Result<()> {
+    let saved = state.scalars.keys().filter(|k| k.starts_with("group/")).count();
+    if saved != groups.0.len() {
+        return Err(state_error(format!(
+            "{saved} parameter groups saved, {} now",
+            groups.0.len()
+        )));
+    }
+    for g in &mut groups.0 {
+        g.1 = state.scalar(&format!("group/{}/lr", g.0))?;
+    }
+    Ok(())
+}
+
+fn unsupported_state() -> Error {
+    state_error("this optimiser does not save its state".into())
 }
 
 /// An optimiser stepping a `VarMap`'s variables by name.
@@ -28,21 +121,35 @@ pub trait Optimizer {
     /// Every gradient must name a variable; variables without a gradient
     /// are left alone.
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()>;
-    /// The learning rate.
+    /// The learning rate (of the variables in no group).
     fn lr(&self) -> f64;
     /// Sets the learning rate (for schedules); an error unless it is
-    /// finite and `>= 0`.
+    /// finite and `>= 0`. Each parameter group's rate is scaled by the
+    /// same factor (set to `lr` when the old rate was 0).
     fn set_lr(&mut self, lr: f64) -> Result<()>;
+    /// The state to save with a checkpoint (an error by default, for an
+    /// optimiser that cannot).
+    fn state(&self) -> Result<OptimizerState> {
+        Err(unsupported_state())
+    }
+    /// Restores a [`Optimizer::state`]: all of it, or nothing and an error
+    /// naming what does not match (another optimiser, other
+    /// hyper-parameters or groups, a moment of another shape).
+    fn load_state(&mut self, _state: &OptimizerState) -> Result<()> {
+        Err(unsupported_state())
+    }
 }
 
 /// Stochastic gradient descent with momentum (PyTorch's formulation:
-/// `v = momentum v + g; w -= lr v`), applied to named variables.
+/// `g += wd w; v = momentum v + g; w -= lr v`, weight decay only in a
+/// group that sets it), applied to named variables.
 #[derive(Debug)]
 pub struct Sgd {
     vars: BTreeMap<String, Var>,
     lr: f64,
     momentum: f64,
     velocity: BTreeMap<String, Tensor>,
+    groups: Groups,
 }
 
 impl Sgd {
@@ -54,7 +161,15 @@ impl Sgd {
             lr,
             momentum,
             velocity: BTreeMap::new(),
+            groups: Groups::default(),
         })
+    }
+
+    /// A parameter group: the variables under `prefix` step with their own
+    /// learning rate and (L2, added to the gradient) weight decay.
+    pub fn group(mut self, prefix: &str, lr: f64, weight_decay: f64) -> Result<Sgd> {
+        self.groups.add("Sgd::group", &self.vars, prefix, lr, weight_decay)?;
+        Ok(self)
     }
 }
 
@@ -64,13 +179,41 @@ impl Optimizer for Sgd {
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "sgd", name, g)?;
+            let (lr, wd) = self.groups.of(name, (self.lr, 0.0));
+            let g = if wd != 0.0 { (g + (var.as_tensor() * wd)?)? } else { g };
             let v = match self.velocity.get(name) {
                 Some(prev) if self.momentum != 0.0 => ((prev * self.momentum)? + &g)?,
                 _ => g,
             };
-            var.set(&(var.as_tensor() - (&v * self.lr)?)?)?;
+            var.set(&(var.as_tensor() - (&v * lr)?)?)?;
             self.velocity.insert(name.clone(), v);
         }
+        Ok(())
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        let mut scalars = BTreeMap::from([("lr".to_string(), self.lr), ("momentum".to_string(), self.momentum)]);
+        group_scalars(&self.groups, &mut scalars);
+        let tensors = self
+            .velocity
+            .iter()
+            .map(|(k, v)| (format!("velocity/{k}"), v.clone()))
+            .collect();
+        Ok(OptimizerState {
+            kind: "sgd".into(),
+            tensors,
+            scalars,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        state.kind_is("sgd")?;
+        state.same("momentum", self.momentum)?;
+        let velocity = state.per_var("velocity", &self.vars)?;
+        let lr = state.scalar("lr")?;
+        let mut groups = self.groups.clone();
+        load_groups(&mut groups, state)?;
+        (self.velocity, self.lr, self.groups) = (velocity, lr, groups);
         Ok(())
     }
 }
@@ -119,6 +262,56 @@ fn check_hyper(op: &'static str, values: &[(&str, f64)]) -> Result<()> {
         .try_for_each(|&(name, v)| super::positive(op, name, v, true))
 }
 
+/// Parameter groups (`torch.optim`'s): variables under a prefix take their
+/// own learning rate and weight decay, the rest the optimiser's.
+#[derive(Clone, Debug, Default)]
+struct Groups(Vec<(String, f64, f64)>);
+
+impl Groups {
+    /// The group of `name`'s `(lr, weight_decay)`, or `base`.
+    fn of(&self, name: &str, base: (f64, f64)) -> (f64, f64) {
+        self.0
+            .iter()
+            .find(|(p, _, _)| under(name, p))
+            .map_or(base, |&(_, lr, wd)| (lr, wd))
+    }
+
+    /// A new group, checked: finite non-negative hyper-parameters, a
+    /// prefix that holds a variable and is not already a group's.
+    fn add(&mut self, op: &'static str, vars: &BTreeMap<String, Var>, prefix: &str, lr: f64, wd: f64) -> Result<()> {
+        check_hyper(op, &[("lr", lr), ("weight_decay", wd)])?;
+        if !vars.keys().any(|n| under(n, prefix)) {
+            let names: Vec<&String> = vars.keys().take(8).collect();
+            let expected = format!("a prefix of some variable's name (variables: {names:?}..)");
+            return Err(Error::privacy(
+                op,
+                format!("group {prefix:?}"),
+                expected,
+                "a prefix of none",
+            ));
+        }
+        if self.0.iter().any(|(p, _, _)| under(prefix, p) || under(p, prefix)) {
+            return Err(Error::privacy(
+                op,
+                format!("group {prefix:?}"),
+                "apart from every other group",
+                "overlapping",
+            ));
+        }
+        self.0.push((prefix.to_string(), lr, wd));
+        Ok(())
+    }
+
+    /// Every group's learning rate scaled as the base one moves from `old`
+    /// to `new` (what a schedule does to each of `torch.optim`'s groups);
+    /// from 0, each group is set to `new`.
+    fn rescale(&mut self, old: f64, new: f64) {
+        for g in &mut self.0 {
+            g.1 = if old > 0.0 { g.1 * (new / old) } else { new };
+        }
+    }
+}
+
 /// Adam (PyTorch's formulation with bias correction):
 /// `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, `w -= lr m^ /
 /// (sqrt(v^) + eps)`, without weight decay.
@@ -128,10 +321,13 @@ pub struct Adam {
     lr: f64,
     betas: (f64, f64),
     eps: f64,
-    /// Decoupled weight decay (AdamW's): `w *= 1 - lr wd` before the update.
+    /// Weight decay: decoupled (AdamW's, `w *= 1 - lr wd` before the
+    /// update) or, for Adam, L2 added to the gradient (PyTorch's Adam).
     weight_decay: f64,
+    decoupled: bool,
     steps: i32,
     moments: BTreeMap<String, (Tensor, Tensor)>,
+    groups: Groups,
 }
 
 impl Adam {
@@ -145,9 +341,19 @@ impl Adam {
             betas: (0.9, 0.999),
             eps: 1e-8,
             weight_decay: 0.0,
+            decoupled: false,
             steps: 0,
             moments: BTreeMap::new(),
+            groups: Groups::default(),
         })
+    }
+
+    /// A parameter group: the variables under `prefix` step with their own
+    /// learning rate and weight decay (L2, added to the gradient, as
+    /// PyTorch's Adam has it).
+    pub fn group(mut self, prefix: &str, lr: f64, weight_decay: f64) -> Result<Adam> {
+        self.groups.add("Adam::group", &self.vars, prefix, lr, weight_decay)?;
+        Ok(self)
     }
 
     /// Other betas (each in `[0, 1)`) and eps (finite, `> 0`).
@@ -172,6 +378,12 @@ impl Optimizer for Adam {
         let (c1, c2) = (1.0 - b1.powi(self.steps), 1.0 - b2.powi(self.steps));
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "adam", name, g)?;
+            let (lr, wd) = self.groups.of(name, (self.lr, self.weight_decay));
+            let g = if wd != 0.0 && !self.decoupled {
+                (g + (var.as_tensor() * wd)?)?
+            } else {
+                g
+            };
             let (m, v) = match self.moments.remove(name) {
                 Some((m, v)) => (
                     ((m * b1)? + (&g * (1.0 - b1))?)?,
@@ -182,14 +394,72 @@ impl Optimizer for Adam {
             let denom = ((&v / c2)?.sqrt()? + self.eps)?;
             let update = ((&m / c1)? / denom)?;
             let w = var.as_tensor();
-            let w = if self.weight_decay != 0.0 {
-                (w * (1.0 - self.lr * self.weight_decay))?
+            let w = if wd != 0.0 && self.decoupled {
+                (w * (1.0 - lr * wd))?
             } else {
                 w.clone()
             };
-            var.set(&(w - (update * self.lr)?)?)?;
+            var.set(&(w - (update * lr)?)?)?;
             self.moments.insert(name.clone(), (m, v));
         }
+        Ok(())
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        let mut scalars: BTreeMap<String, f64> = [
+            ("lr", self.lr),
+            ("steps", f64::from(self.steps)),
+            ("beta1", self.betas.0),
+            ("beta2", self.betas.1),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        group_scalars(&self.groups, &mut scalars);
+        let mut tensors = BTreeMap::new();
+        for (k, (m, v)) in &self.moments {
+            tensors.insert(format!("m/{k}"), m.clone());
+            tensors.insert(format!("v/{k}"), v.clone());
+        }
+        let kind = if self.decoupled { "adamw" } else { "adam" };
+        Ok(OptimizerState {
+            kind: kind.into(),
+            tensors,
+            scalars,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        state.kind_is(if self.decoupled { "adamw" } else { "adam" })?;
+        for (k, v) in [
+            ("beta1", self.betas.0),
+            ("beta2", self.betas.1),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+        ] {
+            state.same(k, v)?;
+        }
+        let (m, v) = (state.per_var("m", &self.vars)?, state.per_var("v", &self.vars)?);
+        if m.keys().ne(v.keys()) {
+            return Err(state_error(
+                "the first and second moments name different variables".into(),
+            ));
+        }
+        let steps = state.scalar("steps")?;
+        if !(steps >= 0.0 && steps <= f64::from(i32::MAX) && steps.fract() == 0.0) {
+            return Err(state_error(format!("steps {steps} is not a count")));
+        }
+        let lr = state.scalar("lr")?;
+        let mut groups = self.groups.clone();
+        load_groups(&mut groups, state)?;
+        self.moments = m
+            .into_iter()
+            .zip(v.into_values())
+            .map(|((k, m), v)| (k, (m, v)))
+            .collect();
+        (self.steps, self.lr, self.groups) = (steps as i32, lr, groups);
         Ok(())
     }
 }
@@ -206,6 +476,16 @@ impl AdamW {
         check_hyper("AdamW", &[("lr", lr), ("weight_decay", weight_decay)])?;
         let mut adam = Adam::new(varmap, lr)?;
         adam.weight_decay = weight_decay;
+        adam.decoupled = true;
+        Ok(AdamW(adam))
+    }
+
+    /// A parameter group: the variables under `prefix` step with their own
+    /// learning rate and decoupled weight decay (a head trained faster than
+    /// the body, biases and norms without decay).
+    pub fn group(self, prefix: &str, lr: f64, weight_decay: f64) -> Result<AdamW> {
+        let mut adam = self.0;
+        adam.groups.add("AdamW::group", &adam.vars, prefix, lr, weight_decay)?;
         Ok(AdamW(adam))
     }
 
@@ -226,5 +506,36 @@ impl Optimizer for AdamW {
 
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
         self.0.step(grads)
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        self.0.state()
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        self.0.load_state(state)
+    }
+}
+
+/// A boxed optimiser, so that one trainer type can take any of them.
+impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
+    fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
+        (**self).step(grads)
+    }
+
+    fn lr(&self) -> f64 {
+        (**self).lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        (**self).set_lr(lr)
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        (**self).state()
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        (**self).load_state(state)
     }
 }

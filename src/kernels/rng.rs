@@ -96,6 +96,28 @@ impl Rng {
         self.seeded
     }
 
+    /// A seeded generator's exact position (key, stream, word), to resume
+    /// its stream from a checkpoint; `None` for an OS-keyed one, whose key
+    /// must never be written down: ChaCha seeks backwards as easily as
+    /// forwards, so the key would give away every draw already made.
+    pub(crate) fn state(&self) -> Option<([u8; 32], u64, u128)> {
+        self.seeded.then(|| {
+            (
+                self.inner.get_seed(),
+                self.inner.get_stream(),
+                self.inner.get_word_pos(),
+            )
+        })
+    }
+
+    /// The seeded generator at a position [`Rng::state`] gave.
+    pub(crate) fn from_state((key, stream, word): ([u8; 32], u64, u128)) -> Rng {
+        let mut inner = ChaCha12Rng::from_seed(key);
+        inner.set_stream(stream);
+        inner.set_word_pos(word);
+        Rng { inner, seeded: true }
+    }
+
     /// The next 64 uniformly random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.inner.next_u64()

@@ -213,4 +213,14 @@ impl Module for Gpt2LmHeadModel {
         all.extend(self.ln_f.params());
         all
     }
+
+    fn in_out_weights(&self) -> Vec<String> {
+        let mut all = Vec::new();
+        for b in &self.blocks {
+            all.extend(b.attn.in_out_weights());
+            all.extend(b.c_fc.in_out_weights());
+            all.extend(b.mlp_proj.in_out_weights());
+        }
+        all
+    }
 }

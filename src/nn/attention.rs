@@ -204,6 +204,16 @@ impl SelfAttention {
         self.o.forward_with(p, &merge_heads(&attend(&q, &k, &v, mask, scale)?)?)
     }
 
+    /// The weights stored `[in, out]` (see [`Module::in_out_weights`]).
+    pub fn in_out_weights(&self) -> Vec<String> {
+        let mut all = self.o.in_out_weights();
+        match &self.qkv {
+            Qkv::Separate(l) => l.iter().for_each(|l| all.extend(l.in_out_weights())),
+            Qkv::Fused(l) => all.extend(l.in_out_weights()),
+        }
+        all
+    }
+
     /// The projections' parameters by name.
     pub fn params(&self) -> BTreeMap<String, Tensor> {
         let mut all = self.o.params();

@@ -134,10 +134,15 @@ impl Module for Linear {
             return self.forward_with(p, &x.unsqueeze(0)?)?.squeeze(0);
         }
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
-        let y = match self.in_out {
+        let mut y = match self.in_out {
             true => x.matmul(&w)?,
             false => x.matmul(&w.t()?)?,
         };
+        if let Some(lora) = p.adapters() {
+            if let Some(d) = lora.delta(p, &self.prefix, x)? {
+                y = y.add(&d)?;
+            }
+        }
         match &self.bias {
             Some(b) => y.add(&p.get(&full_name(&self.prefix, "bias"), b, x)?),
             None => Ok(y),
@@ -146,6 +151,13 @@ impl Module for Linear {
 
     fn params(&self) -> BTreeMap<String, Tensor> {
         collect(&self.prefix, &self.weight, &self.bias)
+    }
+
+    fn in_out_weights(&self) -> Vec<String> {
+        match self.in_out {
+            true => vec![full_name(&self.prefix, "weight")],
+            false => Vec::new(),
+        }
     }
 }
 

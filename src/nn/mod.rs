@@ -33,6 +33,7 @@ pub mod candle_models {}
 mod attention;
 mod convert;
 mod layers;
+mod lora;
 pub mod loss;
 mod norm;
 mod transformer;
@@ -43,6 +44,7 @@ pub use layers::{
     conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_no_bias, seq, Activation,
     AvgPool2d, Conv, ConvConfig, Dropout, Flatten, Linear, MaxPool2d, Sequential,
 };
+pub use lora::{Lora, LoraConfig};
 pub use loss::{bce_with_logits, cross_entropy, cross_entropy_with, huber, l1, mse, nll, CrossEntropy, Reduction};
 pub use norm::{
     batch_norm, group_norm, layer_norm, layer_norm_no_bias, rms_norm, BatchNorm, GroupNorm, LayerNorm, RmsNorm,
@@ -64,19 +66,38 @@ use std::collections::BTreeMap;
 #[derive(Clone, Copy, Default)]
 pub struct Params<'a> {
     overrides: Option<&'a BTreeMap<String, Tracer>>,
+    lora: Option<&'a Lora>,
 }
 
 impl<'a> Params<'a> {
     /// The module's own parameters.
     pub fn own() -> Self {
-        Params { overrides: None }
+        Params {
+            overrides: None,
+            lora: None,
+        }
     }
 
     /// Parameters replaced by `overrides` where a name matches.
     pub fn with(overrides: &'a BTreeMap<String, Tracer>) -> Self {
         Params {
             overrides: Some(overrides),
+            lora: None,
         }
+    }
+
+    /// These parameters with `lora`'s adapters applied to the layers it
+    /// adapts (their `A` and `B` read by name like any parameter).
+    pub fn lora(self, lora: &'a Lora) -> Self {
+        Params {
+            lora: Some(lora),
+            ..self
+        }
+    }
+
+    /// The adapters these parameters apply, if any.
+    pub(crate) fn adapters(&self) -> Option<&'a Lora> {
+        self.lora
     }
 
     /// The parameter `name`: the replacement if one is given (it must have
@@ -104,6 +125,13 @@ pub trait Module {
 
     /// Sets training mode (dropout is active only in training mode).
     fn train(&self, _on: bool) {}
+
+    /// The names of the weights stored `[in, out]` rather than `[out, in]`
+    /// (GPT-2's `Conv1D`), so that adapters ([`Lora`]) know which of a
+    /// weight's axes is its input. None by default.
+    fn in_out_weights(&self) -> Vec<String> {
+        Vec::new()
+    }
 
     /// Runs the module with its own parameters.
     fn forward(&self, x: &Tracer) -> Result<Tracer> {
@@ -215,6 +243,52 @@ pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, 
     model.forward_with(&Params::with(params), x)
 }
 
+/// Whether `prefix` holds `name`: the name itself or a `.`-separated head
+/// of it (`"fc1"` holds `fc1.weight`, not `fc10.weight`).
+pub(crate) fn under(name: &str, prefix: &str) -> bool {
+    name == prefix || name.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'))
+}
+
+/// A module's parameters as the variables of a new `VarMap`, under the
+/// module's names: one call from a loaded checkpoint to something
+/// `dp`'s trainer and optimisers train. A parameter that already is a
+/// variable is shared (training it moves the module too); any other is
+/// copied once. Add a new head with `VarBuilder::from_varmap` on the
+/// returned map.
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// use candle_func::nn::{self, Module};
+/// let varmap = candle_nn::VarMap::new();
+/// let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let body = nn::linear(4, 8, vb.pp("body"))?;
+/// let vars = nn::varmap_of(&body)?;
+/// let head_vb = candle_nn::VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+/// let _head = nn::linear(8, 2, head_vb.pp("head"))?;
+/// let mut names: Vec<String> = vars.data().lock().unwrap().keys().cloned().collect();
+/// names.sort();
+/// assert_eq!(names, ["body.bias", "body.weight", "head.bias", "head.weight"]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn varmap_of<M: Module + ?Sized>(model: &M) -> Result<candle_nn::VarMap> {
+    varmap_from("varmap_of", model.params())
+}
+
+/// A new `VarMap` holding `params` as variables (shared where they
+/// already are variables).
+fn varmap_from(op: &str, params: BTreeMap<String, Tensor>) -> Result<candle_nn::VarMap> {
+    let varmap = candle_nn::VarMap::new();
+    {
+        let mut data = varmap.data().lock().map_err(|_| Error::Tree {
+            msg: format!("{op}: the new VarMap's lock is poisoned"),
+        })?;
+        for (name, t) in params {
+            data.insert(name, candle_core::Var::from_tensor(&t)?);
+        }
+    }
+    Ok(varmap)
+}
+
 /// [`stack_params`] as the variables of a new `VarMap`: name -> `[M, ...]`,
 /// so that `dp`'s optimisers (`Sgd`, `Adam`, `AdamW`, built over this map)
 /// train a whole ensemble at once, each model with its own slice of every
@@ -222,16 +296,7 @@ pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, 
 /// them leaves the models' own tensors alone ([`unstack_params`] reads the
 /// trained ones back).
 pub fn stack_vars<M: Module + ?Sized>(models: &[&M]) -> Result<candle_nn::VarMap> {
-    let varmap = candle_nn::VarMap::new();
-    {
-        let mut data = varmap.data().lock().map_err(|_| Error::Tree {
-            msg: "stack_vars: the new VarMap's lock is poisoned".into(),
-        })?;
-        for (name, t) in stack_params(models)? {
-            data.insert(name, candle_core::Var::from_tensor(&t)?);
-        }
-    }
-    Ok(varmap)
+    varmap_from("stack_vars", stack_params(models)?)
 }
 
 /// Stacks the parameters of several models of the same architecture on a new

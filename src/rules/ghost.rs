@@ -393,3 +393,18 @@ pub(crate) fn no_rule(b: &Builder, viewed: &Viewed) -> Option<String> {
         p => Some(p.name()),
     }
 }
+
+/// Whether `v` is zero by construction: a zero literal through shape
+/// changes and casts, what a gradient is for an input the loss never
+/// reaches (and no data can make anything else).
+pub(crate) fn structural_zero(b: &Builder, mut v: VarId) -> bool {
+    loop {
+        let n = &b.nodes[v];
+        match (&n.prim, n.args.as_slice()) {
+            (Prim::Scalar(x), []) => return *x == 0.0,
+            (Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Permute(_) | ShapeOp::Broadcast(_)), [s])
+            | (Prim::Unary(Unary::Cast(_)), [s]) => v = *s,
+            _ => return false,
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! The private training loop's state and its step (see [`super::engine`]
+//! for what one step does): the examples as a tree of tensors sharing a
+//! leading example axis, the trainable parameters, the frozen ones as
+//! constants of the traced loss.
+
+use super::accountant::Accountant;
+use super::adaptive::Adaptive;
+use super::clip::ClippedGradSum;
+use super::collective::{self, Collective};
+use super::optim::Optimizer;
+use super::rng::Rng;
+use crate::error::{CollectiveFailure, Error, Result};
+use crate::trace::{Operand, Tracer};
+use crate::transforms::tree::{SymTree, TreeDef};
+use crate::transforms::Function;
+use candle_core::{DType, Tensor};
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+
+/// The example form of [`PrivacyEngine::make_private`](super::PrivacyEngine::make_private):
+/// one input and one target per example, a loss `(params, x, y)`. (The
+/// tree form, [`make_private_examples`](super::PrivacyEngine::make_private_examples),
+/// has the example's symbolic tree in its place.)
+#[derive(Clone, Copy, Debug)]
+pub struct XsYs;
+
+/// The per-example loss times the example's weight (1, or 0 for padding):
+/// a padded example's gradient is exactly zero, so it adds nothing. The
+/// frozen parameters join the trainable ones as constants, so the loss
+/// sees every parameter by name and differentiates only what trains.
+pub(super) struct Masked<F, S> {
+    pub(super) loss: F,
+    pub(super) def: TreeDef,
+    pub(super) frozen: BTreeMap<String, Tensor>,
+    pub(super) form: PhantomData<fn() -> S>,
+}
+
+type Args = (BTreeMap<String, Tracer>, Vec<Tracer>, Tracer);
+
+impl<F, S> Masked<F, S> {
+    /// The trainable parameters with the frozen ones lifted into `like`'s
+    /// trace as constants.
+    fn all_params(&self, mut p: BTreeMap<String, Tracer>, like: &Tracer) -> Result<BTreeMap<String, Tracer>> {
+        for (k, t) in &self.frozen {
+            p.insert(k.clone(), t.to_tracer(like)?);
+        }
+        Ok(p)
+    }
+}
+
+fn weighted(l: Tracer, w: &Tracer) -> Result<Tracer> {
+    l.mul(&w.to_dtype(l.dtype())?)
+}
+
+/// A per-example loss a [`PrivateTrainer`] takes, for the example form `S`:
+/// implemented for every [`Function`] of `(params, example tree)` (with `S`
+/// the tree) and of `(params, x, y)` (with `S` = [`XsYs`]), which is all
+/// it is for.
+pub trait ExampleLoss<S> {
+    /// The loss of one example from its leaves, rebuilt by `def`.
+    #[doc(hidden)]
+    fn example_loss(&self, params: BTreeMap<String, Tracer>, leaves: Vec<Tracer>, def: &TreeDef) -> Result<Tracer>;
+}
+
+impl<F, S> ExampleLoss<S> for F
+where
+    S: SymTree,
+    F: Function<(BTreeMap<String, Tracer>, S), Output = Tracer>,
+{
+    fn example_loss(&self, p: BTreeMap<String, Tracer>, leaves: Vec<Tracer>, def: &TreeDef) -> Result<Tracer> {
+        self.apply((p, S::unflatten_from(def, &mut leaves.into_iter())?))
+    }
+}
+
+impl<F> ExampleLoss<XsYs> for F
+where
+    F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
+{
+    fn example_loss(&self, p: BTreeMap<String, Tracer>, leaves: Vec<Tracer>, _: &TreeDef) -> Result<Tracer> {
+        let [x, y]: [Tracer; 2] = leaves.try_into().map_err(|l: Vec<Tracer>| {
+            Error::internal(
+                "PrivateTrainer",
+                format!("{} example tensors, expected xs and ys", l.len()),
+            )
+        })?;
+        self.apply((p, x, y))
+    }
+}
+
+impl<F: ExampleLoss<S>, S> Function<Args> for Masked<F, S> {
+    type Output = Tracer;
+
+    fn apply(&self, (p, leaves, w): Args) -> Result<Tracer> {
+        let p = self.all_params(p, &w)?;
+        weighted(self.loss.example_loss(p, leaves, &self.def)?, &w)
+    }
+}
+
+/// What one private step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepInfo {
+    /// The logical (Poisson) batch size.
+    pub batch_size: usize,
+    /// Passes of the physical batch size it took (on this rank, when
+    /// distributed).
+    pub passes: usize,
+    /// The mean loss over the batch's examples (NaN for an empty batch).
+    pub mean_loss: f64,
+    /// The fraction of the batch's examples whose gradient norm exceeded
+    /// the bound (flat clipping; NaN per layer or for an empty batch).
+    pub clipped_fraction: f64,
+    /// The flat bound this step clipped to (adaptive clipping moves it
+    /// after every step; NaN per layer).
+    pub clip_bound: f64,
+}
+
+/// The data set: each leaf of the examples' tree with its path, axis 0
+/// the example.
+pub(super) struct Examples {
+    pub(super) leaves: Vec<(String, Tensor)>,
+    pub(super) n: usize,
+}
+
+impl Examples {
+    /// The leaves, checked to share a non-zero number of examples on axis 0.
+    pub(super) fn new(leaves: Vec<(String, Tensor)>) -> Result<Examples> {
+        let first = leaves.first().and_then(|(_, t)| t.dims().first().copied());
+        let n = match first {
+            Some(n) if n > 0 && leaves.iter().all(|(_, t)| t.dims().first() == Some(&n)) => n,
+            _ => {
+                let dims: Vec<&[usize]> = leaves.iter().map(|(_, t)| t.dims()).collect();
+                let paths: Vec<&str> = leaves.iter().map(|(p, _)| p.as_str()).collect();
+                return Err(Error::shape(
+                    "make_private",
+                    &dims,
+                    format!(
+                        "every example tensor ({paths:?}) needs the same, non-zero number of examples along axis 0"
+                    ),
+                ));
+            }
+        };
+        Ok(Examples { leaves, n })
+    }
+}
+
+/// A DP-SGD training loop's state: the clipping transform, the optimiser,
+/// the accountant and the generator (see the module docs for one step).
+/// `S` is the example's form: [`XsYs`] for `make_private`, the examples'
+/// symbolic tree for `make_private_examples`.
+pub struct PrivateTrainer<F, O, S = XsYs> {
+    pub(super) clip: ClippedGradSum<Masked<F, S>>,
+    pub(super) varmap: VarMap,
+    pub(super) trainable: Vec<String>,
+    pub(super) optimizer: O,
+    pub(super) accountant: Accountant,
+    pub(super) rng: Rng,
+    pub(super) data: Examples,
+    pub(super) sample_rate: f64,
+    pub(super) noise_multiplier: f64,
+    pub(super) sensitivity: f64,
+    pub(super) physical: usize,
+    pub(super) secure_mode: bool,
+    pub(super) bound: Option<f64>,
+    pub(super) adaptive: Option<Adaptive>,
+    pub(super) comm: Option<Box<dyn Collective>>,
+    /// Steps taken (restored by `resume`).
+    pub(super) steps: u64,
+}
+
+impl<F, O, S> PrivateTrainer<F, O, S>
+where
+    F: ExampleLoss<S>,
+    O: Optimizer,
+{
+    /// One private step: sample, clip in passes, add noise once, update,
+    /// account. Distributed ([`PrivateTrainer::distributed`]), each rank
+    /// clips its share of the logical batch and the step ends with every
+    /// rank's parameters checked equal.
+    pub fn step(&mut self) -> Result<StepInfo> {
+        let n = self.data.n;
+        let (q, rng) = (self.sample_rate, &mut self.rng);
+        let (idx, mine) = match &self.comm {
+            Some(c) => {
+                let idx = collective::broadcast_batch(c.as_ref(), || rng.poisson_sample(n, q))?;
+                let mine = collective::shard(&idx, c.rank(), c.size());
+                (idx, mine)
+            }
+            None => {
+                let idx = rng.poisson_sample(n, q);
+                (idx.clone(), idx)
+            }
+        };
+        let params = self.params_now()?;
+        // Distributed, a local failure must not leave the other ranks in a
+        // collective: it is carried into the all-reduce as a flag, and
+        // every rank fails the step together.
+        let local = self.clip_share(&mine, &params);
+        let (sum, loss_sum, over, failed) = match (local, &self.comm) {
+            (Ok((s, l, o)), _) => (s, l, o, None),
+            (Err(e), None) => return Err(e),
+            (Err(e), Some(_)) => (zeros(&params)?, 0.0, 0.0, Some(e)),
+        };
+        let clip_bound = self.clip_bound();
+        // adaptive clipping's count of unclipped examples, noised once
+        let mut unclipped = mine.len() as f64 - over;
+        let draws = self.comm.as_ref().is_none_or(|c| c.rank() == 0);
+        if let (Some(a), true) = (&self.adaptive, draws) {
+            unclipped += a.count_noise(&mut self.rng);
+        }
+        let mut counts = [loss_sum, over, unclipped, failed.is_some() as u8 as f64];
+        let grads = self.noisy_mean(sum, n, &mut counts, failed.is_none());
+        let [loss_sum, over, unclipped, failures] = counts;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let grads = grads?; // this rank's own failure first
+        if failures > 0.0 {
+            let (rank, ranks) = self.comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+            let failure = CollectiveFailure::RankFailed {
+                failed: failures as usize,
+            };
+            return Err(Error::Collective { rank, ranks, failure });
+        }
+        // Counted before the update, as Opacus does: an update that fails
+        // half-way has still released noisy values.
+        self.accountant.step(self.noise_multiplier, self.sample_rate)?;
+        self.optimizer.step(&grads)?;
+        if let Some(a) = &mut self.adaptive {
+            a.update(unclipped, self.sample_rate * n as f64);
+        }
+        self.steps += 1;
+        if let Some(c) = &self.comm {
+            collective::check_in_step(c.as_ref(), &self.params_now()?, "after a step")?;
+        }
+        let b = idx.len() as f64;
+        Ok(StepInfo {
+            batch_size: idx.len(),
+            passes: mine.len().div_ceil(self.physical),
+            mean_loss: if idx.is_empty() { f64::NAN } else { loss_sum / b },
+            clipped_fraction: match (self.bound, idx.is_empty()) {
+                (Some(_), false) => over / b,
+                _ => f64::NAN,
+            },
+            clip_bound,
+        })
+    }
+
+    /// This rank's clipped sum over `mine` in passes of the physical size,
+    /// its summed loss and how many norms exceeded the flat bound.
+    fn clip_share(
+        &self,
+        mine: &[usize],
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(BTreeMap<String, Tensor>, f64, f64)> {
+        let mut sum: Option<BTreeMap<String, Tensor>> = None;
+        let (mut loss_sum, mut over) = (0.0, 0usize);
+        for chunk in mine.chunks(self.physical) {
+            let (examples, w) = self.pass(chunk)?;
+            let (clipped, norms, losses) = self.clip.call((params, &examples, &w))?;
+            // the losses came weighted by 1 / C under adaptive clipping
+            loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()? * self.unit();
+            if let Some(c) = self.bound {
+                let real = norms.narrow(0, 0, chunk.len())?.to_dtype(DType::F64)?;
+                over += real.to_vec1::<f64>()?.iter().filter(|&&v| v > c).count();
+            }
+            sum = Some(match sum {
+                None => clipped,
+                Some(s) => add_trees(s, &clipped)?,
+            });
+        }
+        let sum = match sum {
+            Some(s) => s,
+            None => zeros(params)?,
+        };
+        Ok((sum, loss_sum, over as f64))
+    }
+
+    /// `(sum + noise) / (q N)`, the noise drawn once: alone, in one pass per
+    /// tensor; distributed, rank 0 adds it to its own sum before the sums
+    /// (and `counts`) are all-reduced.
+    ///
+    /// `counts` are all-reduced with the sums, the last of them the number
+    /// of ranks that failed. A rank that failed (`!ok`, or drawing its
+    /// noise) adds no noise but still takes part, so no rank waits.
+    fn noisy_mean(
+        &mut self,
+        sum: BTreeMap<String, Tensor>,
+        n: usize,
+        counts: &mut [f64],
+        ok: bool,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let expected = self.sample_rate * n as f64;
+        // adaptive: the sum is of gradients scaled by 1 / C, clipped to 1
+        let (std, unit) = match &self.adaptive {
+            Some(a) => (a.grad_sigma, a.bound),
+            None => (self.noise_multiplier * self.sensitivity, 1.0),
+        };
+        let first = ok && self.comm.as_ref().is_none_or(|c| c.rank() == 0);
+        let scale = if self.comm.is_some() { 1.0 } else { unit / expected };
+        let mut noisy = BTreeMap::new();
+        let mut failed = None;
+        for (k, s) in sum {
+            let s = match (first, &self.comm) {
+                (false, _) => s,
+                (true, None) => self.rng.add_noise(&s, std, scale, self.secure_mode)?,
+                // rank 0 still joins the all-reduce, flagged, if it fails
+                (true, Some(_)) => match self.rng.add_noise(&s, std, scale, self.secure_mode) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        s
+                    }
+                },
+            };
+            noisy.insert(k, s);
+        }
+        let Some(c) = &self.comm else {
+            return Ok(noisy);
+        };
+        if failed.is_some() {
+            counts[counts.len() - 1] += 1.0;
+        }
+        let total = collective::reduce_sums(c.as_ref(), noisy, counts)?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        total
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.affine(unit / expected, 0.0)?)))
+            .collect()
+    }
+
+    /// This trainer spread over the ranks of `comm` (see
+    /// [`super::collective`]): every rank must build it from the same data
+    /// set and configuration, and call `step` in lockstep. Rank 0's
+    /// parameters are broadcast to the others first; only rank 0's
+    /// generator draws (the batch and the noise). An error, on every rank,
+    /// if the ranks' data sets or parameter shapes differ, or a parameter
+    /// is not f32/f64.
+    pub fn distributed(mut self, comm: impl Collective + 'static) -> Result<Self> {
+        if comm.size() == 0 || comm.rank() >= comm.size() {
+            return Err(Error::Collective {
+                rank: comm.rank(),
+                ranks: comm.size(),
+                failure: CollectiveFailure::Invalid {
+                    msg: "the communicator's rank is not below its size".into(),
+                },
+            });
+        }
+        let before = self.params_now()?;
+        collective::check_same_setup(&comm, &before, &self.data.leaves)?;
+        // every variable, the frozen ones too: they are constants of the
+        // traced loss, which shares their storage and is traced at the
+        // first step, after this
+        collective::broadcast_vars(&comm, &super::optim::vars_of(&self.varmap, "distributed")?)?;
+        collective::check_in_step(&comm, &self.params_now()?, "after the broadcast of rank 0's parameters")?;
+        self.comm = Some(Box::new(comm));
+        Ok(self)
+    }
+}
+
+impl<F, O, S> PrivateTrainer<F, O, S> {
+    /// The adaptive bound `C` the examples are scaled by (`1 / C` as their
+    /// weight), 1 for a fixed bound.
+    fn unit(&self) -> f64 {
+        self.adaptive.as_ref().map_or(1.0, |a| a.bound)
+    }
+
+    /// The flat bound the next step clips to (moved after every step by
+    /// adaptive clipping); NaN for per-layer clipping.
+    pub fn clip_bound(&self) -> f64 {
+        match (&self.adaptive, self.bound) {
+            (Some(a), _) => a.bound,
+            (None, Some(c)) => c,
+            (None, None) => f64::NAN,
+        }
+    }
+
+    /// The trainable parameters' current values by name.
+    pub(super) fn params_now(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut all = super::optim::var_tensors(&self.varmap)?;
+        all.retain(|k, _| self.trainable.contains(k));
+        if all.len() != self.trainable.len() {
+            let gone: Vec<&String> = self.trainable.iter().filter(|k| !all.contains_key(*k)).collect();
+            return Err(Error::data(
+                "PrivateTrainer::step",
+                format!("trainable variables {gone:?} were removed from the VarMap"),
+            ));
+        }
+        Ok(all)
+    }
+
+    /// Sets the trainable variable `name` (shape and dtype checked by the
+    /// caller).
+    pub(super) fn set_param(&self, name: &str, t: &Tensor) -> Result<()> {
+        let vars = super::optim::vars_of(&self.varmap, "PrivateTrainer::resume")?;
+        let var = vars
+            .get(name)
+            .ok_or_else(|| Error::data("PrivateTrainer::resume", format!("the VarMap has no {name:?}")))?;
+        var.set(t)?;
+        Ok(())
+    }
+
+    /// Steps taken, counting those before a [`PrivateTrainer::resume`].
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// One pass's examples and weights: the chunk's examples padded to the
+    /// physical size with copies of its first, weighted 0.
+    fn pass(&self, chunk: &[usize]) -> Result<(Vec<Tensor>, Tensor)> {
+        let mut ids: Vec<u32> = Vec::with_capacity(self.physical);
+        for &i in chunk {
+            let id = u32::try_from(i)
+                .map_err(|_| Error::data("PrivateTrainer::step", format!("example index {i} exceeds u32")))?;
+            ids.push(id);
+        }
+        let pad = self.physical - chunk.len();
+        ids.extend(std::iter::repeat_n(ids[0], pad));
+        let w = (1.0 / self.unit()) as f32;
+        let weights: Vec<f32> = (0..self.physical)
+            .map(|i| if i < chunk.len() { w } else { 0.0 })
+            .collect();
+        let dev = self.data.leaves[0].1.device();
+        let ids = Tensor::from_vec(ids, self.physical, dev)?;
+        let examples = self
+            .data
+            .leaves
+            .iter()
+            .map(|(_, t)| Ok(t.index_select(&ids, 0)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((examples, Tensor::from_vec(weights, self.physical, dev)?))
+    }
+
+    /// The ε spent so far at `delta`, by the engine's accountant.
+    pub fn epsilon(&self, delta: f64) -> Result<f64> {
+        self.accountant.epsilon(delta)
+    }
+
+    /// The accountant ([`PrivateTrainer::save`] saves it with the rest).
+    pub fn accountant(&self) -> &Accountant {
+        &self.accountant
+    }
+
+    /// Replaces the accountant (to resume the whole run, see
+    /// [`PrivateTrainer::resume`]).
+    pub fn set_accountant(&mut self, accountant: Accountant) {
+        self.accountant = accountant;
+    }
+
+    /// The optimiser (for its learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+
+    /// How many input shapes the clipping step has traced: 1 after any
+    /// number of steps, whatever their Poisson sizes, since every pass has
+    /// the physical batch's shape.
+    pub fn traced_signatures(&self) -> usize {
+        self.clip.traced_signatures()
+    }
+
+    /// The noise multiplier `σ` in use.
+    pub fn noise_multiplier(&self) -> f64 {
+        self.noise_multiplier
+    }
+
+    /// The sample rate `q = batch_size / N`.
+    pub fn sample_rate(&self) -> f64 {
+        self.sample_rate
+    }
+
+    /// Steps per epoch: `1 / q` rounded, at least 1.
+    pub fn steps_per_epoch(&self) -> usize {
+        super::engine::steps_per_epoch(self.sample_rate)
+    }
+
+    /// The names of the parameters that train (and are noised), sorted;
+    /// the rest of the `VarMap` is frozen.
+    pub fn trainable_names(&self) -> &[String] {
+        &self.trainable
+    }
+
+    /// How many coordinates the noise is added to: the trainable
+    /// parameters' element count, the `d` of the privacy statement.
+    pub fn noise_dimension(&self) -> Result<usize> {
+        Ok(self.params_now()?.values().map(Tensor::elem_count).sum())
+    }
+}
+
+fn zeros(params: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+    params.iter().map(|(k, p)| Ok((k.clone(), p.zeros_like()?))).collect()
+}
+
+fn add_trees(mut a: BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+    for (k, v) in a.iter_mut() {
+        let other = b.get(k).ok_or_else(|| Error::Internal {
+            op: "PrivateTrainer::step".into(),
+            msg: format!("the clipped sums disagree on {k:?}"),
+        })?;
+        *v = (&*v + other)?;
+    }
+    Ok(a)
+}

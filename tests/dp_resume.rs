@@ -1,0 +1,192 @@
+//! A private trainer saved and resumed ends bit-identical to one that
+//! never stopped (seeded); a folder that does not fit is an error and
+//! loads nothing.
+
+use candle_core::{Device, Tensor};
+use candle_func::dp::{self, rng::Rng, AdaptiveClipping, DpConfig, PrivacyEngine, Trainable};
+use candle_func::{nn, Error, Tracer};
+use candle_nn::VarMap;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+type Map = BTreeMap<String, Tracer>;
+
+fn model() -> VarMap {
+    let vm = VarMap::new();
+    let mut rng = Rng::seeded(4);
+    for (name, shape) in [("body.weight", (6, 4)), ("head.weight", (3, 6))] {
+        let v: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.normal() as f32 * 0.5).collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+        vm.data()
+            .lock()
+            .unwrap()
+            .insert(name.into(), candle_core::Var::from_tensor(&t).unwrap());
+    }
+    vm
+}
+
+fn loss(p: Map, (x, y): (Tracer, Tracer)) -> candle_func::Result<Tracer> {
+    let h = x.unsqueeze(0)?.matmul(&p["body.weight"].t()?)?.tanh()?;
+    let logits = h.matmul(&p["head.weight"].t()?)?;
+    nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+}
+
+type Loss = fn(Map, (Tracer, Tracer)) -> candle_func::Result<Tracer>;
+
+fn data() -> (Tensor, Tensor) {
+    let mut rng = Rng::seeded(5);
+    let xs: Vec<f32> = (0..60 * 4).map(|_| rng.normal() as f32).collect();
+    (
+        Tensor::from_vec(xs, (60, 4), &Device::Cpu).unwrap(),
+        Tensor::from_vec((0..60u32).map(|i| i % 3).collect(), 60, &Device::Cpu).unwrap(),
+    )
+}
+
+fn dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("candle_func_resume_{tag}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn values(vm: &VarMap) -> BTreeMap<String, Vec<u32>> {
+    let data = vm.data().lock().unwrap();
+    data.iter()
+        .map(|(k, v)| {
+            let f: Vec<f32> = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            (k.clone(), f.iter().map(|x| x.to_bits()).collect())
+        })
+        .collect()
+}
+
+fn trainer(
+    vm: &VarMap,
+    d: &(Tensor, Tensor),
+    config: &DpConfig,
+    seed: u64,
+    adamw: bool,
+) -> dp::PrivateTrainer<Loss, Box<dyn dp::Optimizer>, (Tracer, Tracer)> {
+    let opt: Box<dyn dp::Optimizer> = if adamw {
+        Box::new(dp::AdamW::new(vm, 0.05, 0.01).unwrap().group("head", 0.1, 0.0).unwrap())
+    } else {
+        Box::new(dp::Sgd::new(vm, 0.2, 0.9).unwrap())
+    };
+    PrivacyEngine::new()
+        .rng(Rng::seeded(seed))
+        .physical_batch(5)
+        .trainable(if adamw {
+            Trainable::all()
+        } else {
+            Trainable::prefixes(&["head"])
+        })
+        .make_private_examples(loss as Loss, vm, opt, &(&d.0, &d.1), config.clone())
+        .unwrap()
+}
+
+#[test]
+fn a_resumed_seeded_run_ends_bit_identical_to_one_that_never_stopped() {
+    let d = data();
+    let configs = [
+        (DpConfig::new(12, 1.1, 0.7), false),
+        (DpConfig::adaptive(12, 0.3, AdaptiveClipping::new(0.5, 0.6)), true),
+    ];
+    for (k, (config, adamw)) in configs.iter().enumerate() {
+        let whole = model();
+        let mut straight = trainer(&whole, &d, config, 21, *adamw);
+        // lr schedules are state too: halve it half-way in both runs
+        for i in 0..6 {
+            if i == 3 {
+                straight.optimizer_mut().set_lr(0.02).unwrap();
+            }
+            straight.step().unwrap();
+        }
+        let halves = model();
+        let mut first = trainer(&halves, &d, config, 21, *adamw);
+        for _ in 0..3 {
+            first.step().unwrap();
+        }
+        first.optimizer_mut().set_lr(0.02).unwrap();
+        let folder = dir(&format!("same{k}"));
+        first.save(&folder).unwrap();
+        drop(first);
+        // a fresh trainer on a fresh model, another seed: all from the folder
+        let fresh = model();
+        let mut second = trainer(&fresh, &d, config, 999, *adamw);
+        second.resume(&folder).unwrap();
+        assert_eq!(second.steps(), 3);
+        for _ in 0..3 {
+            second.step().unwrap();
+        }
+        assert_eq!(values(&fresh), values(&whole), "config {k}: the resumed run differs");
+        assert_eq!(second.epsilon(1e-5).unwrap(), straight.epsilon(1e-5).unwrap());
+        assert_eq!(second.clip_bound().to_bits(), straight.clip_bound().to_bits());
+        assert_eq!(second.steps(), 6);
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
+}
+
+#[test]
+fn a_folder_that_does_not_fit_is_an_error_and_loads_nothing() {
+    let d = data();
+    let config = DpConfig::new(12, 1.1, 0.7);
+    let vm = model();
+    let mut t = trainer(&vm, &d, &config, 1, true);
+    t.step().unwrap();
+    let folder = dir("bad");
+    t.save(&folder).unwrap();
+    let check = |config: &DpConfig, adamw: bool, d: &(Tensor, Tensor), named: &str| {
+        let other = model();
+        let before = values(&other);
+        let mut u = trainer(&other, d, config, 1, adamw);
+        let err = u.resume(&folder).expect_err(named);
+        assert!(
+            matches!(err, Error::Checkpoint { .. }) && err.to_string().contains(named),
+            "{named}: {err}"
+        );
+        assert_eq!(
+            values(&other),
+            before,
+            "{named}: a failed resume changed the parameters"
+        );
+        assert_eq!(u.steps(), 0);
+    };
+    check(&DpConfig::new(12, 1.2, 0.7), true, &d, "noise_multiplier");
+    check(&DpConfig::new(15, 1.1, 0.7), true, &d, "sample_rate");
+    check(&config, false, &d, "trainable");
+    let short = (d.0.narrow(0, 0, 50).unwrap(), d.1.narrow(0, 0, 50).unwrap());
+    check(&DpConfig::new(10, 1.1, 0.7), true, &short, "examples");
+    // a corrupt state.json, and a missing parameter file
+    let state = folder.join("state.json");
+    let text = std::fs::read_to_string(&state).unwrap();
+    std::fs::write(&state, &text[..text.len() / 2]).unwrap();
+    check(&config, true, &d, "state.json");
+    std::fs::write(&state, &text).unwrap();
+    std::fs::remove_file(folder.join("params.safetensors")).unwrap();
+    check(&config, true, &d, "params.safetensors");
+    std::fs::remove_dir_all(&folder).unwrap();
+}
+
+#[test]
+fn an_os_keyed_generator_is_never_written_down() {
+    let d = data();
+    let vm = model();
+    let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+    let mut t = PrivacyEngine::new()
+        .make_private_examples(loss as Loss, &vm, sgd, &(&d.0, &d.1), DpConfig::new(12, 1.0, 1.0))
+        .unwrap();
+    t.step().unwrap();
+    let folder = dir("os");
+    t.save(&folder).unwrap();
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("state.json")).unwrap()).unwrap();
+    assert!(state["rng"].is_null(), "{}", state["rng"]);
+    assert_eq!(state["steps"], 1);
+    let vm2 = model();
+    let sgd = dp::Sgd::new(&vm2, 0.1, 0.0).unwrap();
+    let mut u = PrivacyEngine::new()
+        .make_private_examples(loss as Loss, &vm2, sgd, &(&d.0, &d.1), DpConfig::new(12, 1.0, 1.0))
+        .unwrap();
+    u.resume(&folder).unwrap();
+    assert_eq!(values(&vm2), values(&vm));
+    assert_eq!(u.epsilon(1e-5).unwrap(), t.epsilon(1e-5).unwrap());
+    std::fs::remove_dir_all(&folder).unwrap();
+}

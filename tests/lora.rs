@@ -1,0 +1,250 @@
+//! LoRA adapters on every pretrained family: the identity at start (B = 0),
+//! the merged export equal to the adapted model, ghost norms of the
+//! adapters equal to materialised ones, the DP trainer training adapters
+//! alone, and bad settings named.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine, Trainable};
+use candle_func::models::bert::BertForSequenceClassification;
+use candle_func::models::gpt2::Gpt2LmHeadModel;
+use candle_func::models::llama::LlamaForCausalLM;
+use candle_func::models::roberta::RobertaForSequenceClassification;
+use candle_func::models::Checkpoint;
+use candle_func::nn::{self, Lora, LoraConfig, Module, Params};
+use candle_func::{jit, Error, Tracer};
+use common::max_diff;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+type Map = BTreeMap<String, Tracer>;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+fn load(name: &str, dir: &Path) -> Box<dyn Module> {
+    let ck = Checkpoint::load(dir, DType::F32, &Device::Cpu).unwrap();
+    match name {
+        "bert_cls" => Box::new(BertForSequenceClassification::load(&ck).unwrap()),
+        "roberta_cls" => Box::new(RobertaForSequenceClassification::load(&ck).unwrap()),
+        "gpt2_lm" => Box::new(Gpt2LmHeadModel::load(&ck).unwrap()),
+        _ => Box::new(LlamaForCausalLM::load(&ck).unwrap()),
+    }
+}
+
+/// Each family with the layers peft's examples adapt in it.
+const FAMILIES: [(&str, &[&str]); 4] = [
+    ("bert_cls", &["query", "value"]),
+    ("roberta_cls", &["query", "value"]),
+    ("gpt2_lm", &["c_attn"]),
+    ("llama_lm", &["q_proj", "v_proj"]),
+];
+
+fn ids(n: usize, t: usize) -> Tensor {
+    let v: Vec<u32> = (0..n * t).map(|i| 3 + ((i * 5 + i / t) % 40) as u32).collect();
+    Tensor::from_vec(v, (n, t), &Device::Cpu).unwrap()
+}
+
+/// The model's output on `ids` with the adapters applied.
+fn adapted(m: &dyn Module, lora: &Lora, ids: &Tensor) -> Tensor {
+    jit(|x: Tracer| m.forward_with(&Params::own().lora(lora), &x))
+        .call(ids)
+        .unwrap()
+}
+
+fn plain(m: &dyn Module, ids: &Tensor) -> Tensor {
+    jit(|x: Tracer| m.forward(&x)).call(ids).unwrap()
+}
+
+fn randomise_b(varmap: &candle_nn::VarMap, seed: u64) {
+    for (k, v) in varmap.data().lock().unwrap().iter() {
+        if k.ends_with("lora_B.weight") {
+            v.set(&common::rand(v.dims(), seed).affine(0.5, 0.0).unwrap()).unwrap();
+        }
+    }
+}
+
+#[test]
+fn adapters_start_as_the_identity_and_merge_into_the_base_names() {
+    for (name, targets) in FAMILIES {
+        let m = load(name, &fixture(name));
+        let varmap = nn::varmap_of(m.as_ref()).unwrap();
+        let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(2, 4.0, targets)).unwrap();
+        assert!(!lora.layers().is_empty());
+        assert!(
+            lora.layers().iter().all(|l| targets.iter().any(|t| l.ends_with(t))),
+            "{name}"
+        );
+        let x = ids(2, 5);
+        let base = plain(m.as_ref(), &x);
+        assert_eq!(
+            max_diff(&adapted(m.as_ref(), &lora, &x), &base),
+            0.0,
+            "{name}: B = 0 changes the model"
+        );
+        // trained adapters, merged and saved under the base names, reload
+        // as a plain checkpoint of the same family
+        randomise_b(&varmap, 7);
+        let moved = adapted(m.as_ref(), &lora, &x);
+        assert!(max_diff(&moved, &base) > 1e-5, "{name}: the adapters do nothing");
+        let dir = std::env::temp_dir().join(format!("candle_func_lora_{name}_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).unwrap();
+        lora.save_merged(&varmap, dir.join("model.safetensors")).unwrap();
+        let merged = load(name, &dir);
+        let names: Vec<String> = merged.params().into_keys().collect();
+        assert_eq!(
+            names,
+            m.params().into_keys().collect::<Vec<_>>(),
+            "{name}: merged names"
+        );
+        let d = max_diff(&plain(merged.as_ref(), &x), &moved);
+        assert!(d < 1e-5, "{name}: the merged model differs from the adapted one by {d}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn ghost_norms_of_the_adapters_equal_the_materialised_ones() {
+    for (name, targets) in FAMILIES {
+        let m = load(name, &fixture(name));
+        let varmap = nn::varmap_of(m.as_ref()).unwrap();
+        let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(3, 6.0, targets)).unwrap();
+        randomise_b(&varmap, 3);
+        let adapters: BTreeMap<String, Tensor> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.contains(".lora_"))
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        let loss = |p: Map, x: Tracer| {
+            let y = m.forward_with(&Params::with(&p).lora(&lora), &x.unsqueeze(0)?)?;
+            y.sqr()?.mean_all()
+        };
+        let x = ids(4, 6);
+        let (g, n, _) = dp::clipped_grad_sum(loss, 0.05).call((&adapters, &x)).unwrap();
+        let (g0, n0, _) = dp::clipped_grad_sum(loss, 0.05)
+            .ghost(false)
+            .call((&adapters, &x))
+            .unwrap();
+        let scale = common::max_abs(&n0);
+        assert!(scale > 0.0, "{name}");
+        assert!(max_diff(&n, &n0) <= 1e-5 * scale, "{name}: norms {n} vs {n0}");
+        for (k, v) in &g0 {
+            let d = max_diff(&g[k], v);
+            assert!(d <= 1e-5 * common::max_abs(v).max(1e-3), "{name} {k}: {d}");
+        }
+    }
+}
+
+#[test]
+fn the_dp_trainer_trains_the_adapters_and_the_head_alone() {
+    let m = load("bert_cls", &fixture("bert_cls"));
+    let varmap = nn::varmap_of(m.as_ref()).unwrap();
+    let config = LoraConfig::new(2, 4.0, &["query", "value"]).modules_to_save(&["classifier"]);
+    let lora = Lora::add(m.as_ref(), &varmap, config).unwrap();
+    let before = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+        .collect::<BTreeMap<_, _>>();
+    let (n, t) = (12, 6);
+    let xs = ids(n, t);
+    let ys = Tensor::from_vec((0..n as u32).map(|i| i % 3).collect(), n, &Device::Cpu).unwrap();
+    let loss = |p: Map, (x, y): (Tracer, Tracer)| {
+        let logits = m.forward_with(&Params::with(&p).lora(&lora), &x.unsqueeze(0)?)?;
+        nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    };
+    let mut trainer = PrivacyEngine::new()
+        .rng(Rng::seeded(2))
+        .physical_batch(4)
+        .trainable(Trainable::prefixes(&lora.trainable_prefixes()))
+        .make_private_examples(
+            loss,
+            &varmap,
+            dp::Adam::new(&varmap, 0.01).unwrap(),
+            &(&xs, &ys),
+            DpConfig::new(6, 1.0, 1.0),
+        )
+        .unwrap();
+    let adapters: usize = lora.layers().len() * 2 * 2 * 32; // A [2, 32], B [32, 2]
+    let head = 3 * 32 + 3;
+    assert_eq!(trainer.noise_dimension().unwrap(), adapters + head);
+    for _ in 0..trainer.steps_per_epoch() {
+        trainer.step().unwrap();
+    }
+    for (k, v) in varmap.data().lock().unwrap().iter() {
+        let moved = max_diff(v.as_tensor(), &before[k]) > 0.0;
+        let trains = k.contains(".lora_") || k.starts_with("classifier");
+        assert_eq!(moved, trains, "{k}");
+    }
+}
+
+#[test]
+fn an_adapter_the_loss_never_applies_is_an_error_naming_it() {
+    let m = load("bert_cls", &fixture("bert_cls"));
+    let varmap = nn::varmap_of(m.as_ref()).unwrap();
+    let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(2, 4.0, &["query"])).unwrap();
+    let xs = ids(8, 4);
+    let ys = Tensor::from_vec((0..8u32).map(|i| i % 3).collect(), 8, &Device::Cpu).unwrap();
+    // the forward pass forgot `.lora(&lora)`: opacus#820's silent failure
+    let loss = |p: Map, (x, y): (Tracer, Tracer)| {
+        let logits = m.forward_with(&Params::with(&p), &x.unsqueeze(0)?)?;
+        nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    };
+    let mut trainer = PrivacyEngine::new()
+        .rng(Rng::seeded(0))
+        .trainable(Trainable::prefixes(&lora.trainable_prefixes()))
+        .make_private_examples(
+            loss,
+            &varmap,
+            dp::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
+            &(&xs, &ys),
+            DpConfig::new(6, 1.0, 1.0),
+        )
+        .unwrap();
+    let err = (0..5)
+        .find_map(|_| trainer.step().err())
+        .expect("the adapters are never reached");
+    assert!(
+        matches!(&err, Error::PrivacyConfig { setting, .. } if setting.contains("lora_A.weight")),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_lora_settings_are_named() {
+    let m = load("llama_lm", &fixture("llama_lm"));
+    let varmap = nn::varmap_of(&*m).unwrap();
+    let cases: [(LoraConfig, &str); 6] = [
+        (LoraConfig::new(0, 4.0, &["q_proj"]), "LoraConfig.r"),
+        (LoraConfig::new(2, f64::NAN, &["q_proj"]), "LoraConfig.alpha"),
+        (LoraConfig::new(2, 4.0, &["q_proj"]).dropout(1.0), "LoraConfig.dropout"),
+        (LoraConfig::new(2, 4.0, &[] as &[&str]), "LoraConfig.target_modules"),
+        (LoraConfig::new(2, 4.0, &["query"]), "\"query\""),
+        (
+            LoraConfig::new(2, 4.0, &["q_proj"]).modules_to_save(&["score"]),
+            "\"score\"",
+        ),
+    ];
+    for (config, named) in cases {
+        let err = Lora::add(&*m, &varmap, config).err().expect("a bad setting");
+        assert!(
+            matches!(err, Error::Model { .. }) && err.to_string().contains(named),
+            "{named}: {err}"
+        );
+    }
+    Lora::add(&*m, &varmap, LoraConfig::new(2, 4.0, &["q_proj"])).unwrap();
+    let err = Lora::add(&*m, &varmap, LoraConfig::new(2, 4.0, &["q_proj"]))
+        .err()
+        .expect("twice");
+    assert!(err.to_string().contains("already"), "{err}");
+}
