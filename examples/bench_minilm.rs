@@ -8,7 +8,10 @@
 //!   gradient, SGD);
 //! * `psg`: every parameter's per-sample gradient (`vmap(grad)`);
 //! * `dp`: one DP-SGD step through `dp::PrivacyEngine` (ghost clipping,
-//!   secure noise, SGD), the batch as the whole data set (q = 1).
+//!   secure noise, SGD), the batch as the whole data set (q = 1);
+//! * `dp_lora`: the same DP step training LoRA adapters (rank 8, alpha 16,
+//!   on `query` and `value`, peft's names) and the head, the encoder
+//!   frozen.
 //!
 //! ```text
 //! CANDLE_FUNC_MINILM="$(scripts/fetch_minilm.sh)" \
@@ -23,10 +26,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, Optimizer, PrivacyEngine, Trainable};
 use candle_func::models::bert::BertModel;
 use candle_func::models::Checkpoint;
-use candle_func::nn::{self, cross_entropy, Module, Params, Reduction};
+use candle_func::nn::{self, cross_entropy, Lora, LoraConfig, Module, Params, Reduction};
 use candle_func::{grad, jit, make_graph, vmap, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
@@ -81,23 +84,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => return Err("set CANDLE_FUNC_MINILM to the folder scripts/fetch_minilm.sh prints".into()),
     };
     let dev = Device::Cpu;
-    let bert = BertModel::load(&Checkpoint::load(&dir, DType::F32, &dev)?)?;
+    let bert = BertModel::load(&Checkpoint::load(&dir, DType::F32, &dev)?.into_variables()?)?;
     let d = bert.config().hidden_size;
     // every weight a variable of the VarMap the optimisers update: the
     // checkpoint's under Hugging Face's names, and a new head
-    let varmap = candle_nn::VarMap::new();
-    for (name, t) in bert.params() {
-        varmap
-            .data()
-            .lock()
-            .unwrap()
-            .insert(name, candle_core::Var::from_tensor(&t)?);
-    }
+    let varmap = nn::varmap_of(&bert)?;
     let head = nn::linear(
         d,
         LABELS,
         candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev).pp("classifier"),
     )?;
+    let lora = match variant.as_str() {
+        "dp_lora" => {
+            let config = LoraConfig::new(8, 16.0, &["query", "value"]).modules_to_save(&["classifier"]);
+            Some(Lora::add(&bert, &varmap, config)?)
+        }
+        _ => None,
+    };
     let params: BTreeMap<String, Tensor> = varmap
         .data()
         .lock()
@@ -110,7 +113,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let logits = |p: &BTreeMap<String, Tracer>, x: &Tracer| -> candle_func::Result<Tracer> {
         let ax = x.rank() - 2;
         let (ids, mask) = (x.narrow(ax, 0, 1)?.squeeze(ax)?, x.narrow(ax, 1, 1)?.squeeze(ax)?);
-        let p = Params::with(p);
+        let p = match &lora {
+            Some(l) => Params::with(p).lora(l),
+            None => Params::with(p),
+        };
         let h = bert.forward_full(&p, &ids, Some(&mask), None)?;
         head.forward_with(&p, &bert.pool(&p, &h)?)
     };
@@ -123,9 +129,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let step = grad(batch_loss);
     let psg = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
     let mut sgd = dp::Sgd::new(&varmap, 1e-3, 0.0)?;
+    let trainable = match &lora {
+        Some(l) => Trainable::prefixes(&l.trainable_prefixes()),
+        None => Trainable::all(),
+    };
     let mut trainer = PrivacyEngine::new()
         .rng(dp::rng::Rng::seeded(0))
         .physical_batch(B)
+        .trainable(trainable)
         .make_private(
             one,
             &varmap,
@@ -138,9 +149,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "forward" => forward.call((&params, &xs)).map(|_| ()),
             "step" => sgd.step(&step.call((&params, &xs, &ys))?),
             "psg" => psg.call((&params, &xs, &ys)).map(|_| ()),
-            "dp" => trainer.step().map(|_| ()),
+            "dp" | "dp_lora" => trainer.step().map(|_| ()),
             other => Err(candle_func::Error::Config {
-                msg: format!("--variant {other}: one of forward, step, psg, dp"),
+                msg: format!("--variant {other}: one of forward, step, psg, dp, dp_lora"),
             }),
         }
     };

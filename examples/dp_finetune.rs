@@ -9,8 +9,9 @@
 //!
 //! Seven runs on the same Poisson steps, one table at the end:
 //!
-//! * `full-*`: every weight trains (AdamW, the head in a parameter group of
-//!   its own with a higher rate);
+//! * `full-*`: every weight on the head's path trains (AdamW, the head in a
+//!   parameter group of its own with a higher rate; BERT's pooler, which a
+//!   mean-pooled head does not use, stays frozen);
 //! * `lora-*`: LoRA adapters on `query` and `value` (rank 8, alpha 16) and
 //!   the head train, the encoder is frozen (constants of the traced loss);
 //! * each at ε = 8 and ε = 1 (δ = 1e-5, PRV accountant, the noise
@@ -31,7 +32,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine, Trainable};
 use candle_func::models::bert::BertModel;
 use candle_func::models::{mean_pool, Checkpoint};
-use candle_func::nn::{self, Lora, LoraConfig, Module, Params, Reduction};
+use candle_func::nn::{self, Lora, LoraConfig, Params, Reduction};
 use candle_func::{jit, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
@@ -49,16 +50,19 @@ struct Split {
 }
 
 fn tokenise(dir: &str, texts: &[(usize, String)], t: usize) -> Result<Split, Box<dyn std::error::Error>> {
-    let mut tok = tokenizers::Tokenizer::from_file(format!("{dir}/tokenizer.json"))?;
+    let mut tok = tokenizers::Tokenizer::from_file(format!("{dir}/tokenizer.json")).map_err(|e| e.to_string())?;
     tok.with_truncation(Some(tokenizers::TruncationParams {
         max_length: t,
         ..Default::default()
-    }))?;
+    }))
+    .map_err(|e| e.to_string())?;
     tok.with_padding(Some(tokenizers::PaddingParams {
         strategy: tokenizers::PaddingStrategy::Fixed(t),
         ..Default::default()
     }));
-    let enc = tok.encode_batch(texts.iter().map(|(_, s)| s.as_str()).collect::<Vec<_>>(), true)?;
+    let enc = tok
+        .encode_batch(texts.iter().map(|(_, s)| s.as_str()).collect::<Vec<_>>(), true)
+        .map_err(|e| e.to_string())?;
     let n = texts.len();
     let ids: Vec<u32> = enc.iter().flat_map(|e| e.get_ids().to_vec()).collect();
     let mask: Vec<u32> = enc.iter().flat_map(|e| e.get_attention_mask().to_vec()).collect();
@@ -87,6 +91,8 @@ struct Outcome {
     accuracy: f64,
     epsilon: f64,
     seconds: f64,
+    /// The parameters that trained (for a private run, the noise's dimension).
+    trained: usize,
 }
 
 /// The encoder, the data and the timing every run shares.
@@ -103,7 +109,8 @@ struct Task {
 }
 
 impl Task {
-    /// Logits `[.., 4]` of ids and masks `[.., T]` with parameters `p`
+    /// Logits `[1, 4]` of one example's ids and mask `[T]`, `[B, 4]` of a
+    /// batch's `[B, T]`, with parameters `p`
     /// (adapters applied when given).
     fn logits(&self, p: &Map, lora: Option<&Lora>, ids: &Tracer, mask: &Tracer) -> candle_func::Result<Tracer> {
         let params = match lora {
@@ -113,6 +120,12 @@ impl Task {
         let mask = mask.to_dtype(DType::F32)?;
         let h = self.bert.forward_full(&params, ids, Some(&mask), None)?;
         let pooled = mean_pool(&h, &mask)?;
+        // one example's [D] as a batch of one: logits [1, 4] or [B, 4]
+        let pooled = if pooled.rank() == 1 {
+            pooled.unsqueeze(0)?
+        } else {
+            pooled
+        };
         let w = &p["classifier.weight"];
         pooled.matmul(&w.t()?)?.broadcast_add(&p["classifier.bias"])
     }
@@ -123,7 +136,10 @@ impl Task {
         let varmap = nn::varmap_of(&self.bert)?;
         let d = self.bert.config().hidden_size;
         let dev = Device::Cpu;
-        for (name, shape) in [("classifier.weight", vec![TOPICS.len(), d]), ("classifier.bias", vec![TOPICS.len()])] {
+        for (name, shape) in [
+            ("classifier.weight", vec![TOPICS.len(), d]),
+            ("classifier.bias", vec![TOPICS.len()]),
+        ] {
             let z = candle_core::Var::zeros(shape, DType::F32, &dev)?;
             varmap.data().lock().expect("a fresh map").insert(name.into(), z);
         }
@@ -132,19 +148,16 @@ impl Task {
 
     /// Test accuracy of the varmap's parameters.
     fn accuracy(&self, varmap: &candle_nn::VarMap, lora: Option<&Lora>) -> candle_func::Result<f64> {
-        let params: BTreeMap<String, Tensor> = varmap
-            .data()
-            .lock()
-            .expect("no thread panicked")
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
+        let params = values(varmap);
         let f = jit(|p: Map, ids: Tracer, mask: Tracer| self.logits(&p, lora, &ids, &mask)?.argmax(1));
         let n = self.test.labels.dims()[0];
         let mut right = 0usize;
         for start in (0..n).step_by(50) {
             let len = 50.min(n - start);
-            let (ids, mask) = (self.test.ids.narrow(0, start, len)?, self.test.mask.narrow(0, start, len)?);
+            let (ids, mask) = (
+                self.test.ids.narrow(0, start, len)?,
+                self.test.mask.narrow(0, start, len)?,
+            );
             let pred = f.call((&params, &ids, &mask))?.to_vec1::<u32>()?;
             let want = self.test.labels.narrow(0, start, len)?.to_vec1::<u32>()?;
             right += pred.iter().zip(&want).filter(|(a, b)| a == b).count();
@@ -179,11 +192,13 @@ impl Task {
             (Some(lora), trainable, opt)
         } else {
             let opt = dp::AdamW::new(&varmap, 5e-5, 0.01)?.group("classifier", 2e-2, 0.0)?;
-            (None, Trainable::all(), opt)
+            // BERT's pooler is not on the path of a mean-pooled head: left
+            // trainable, the trainer refuses it as never reached
+            (None, Trainable::except(&["pooler"]), opt)
         };
         let loss = |p: Map, (ids, mask, y): (Tracer, Tracer, Tracer)| {
             let logits = self.logits(&p, lora.as_ref(), &ids, &mask)?;
-            nn::cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
+            nn::cross_entropy(&logits, &y.unsqueeze(0)?, Reduction::Mean)
         };
         let plan = &self.plan;
         let mut engine = PrivacyEngine::new().physical_batch(plan.physical).trainable(trainable);
@@ -227,28 +242,34 @@ impl Task {
             Some(_) => trainer.epsilon(DELTA)?,
             None => f64::INFINITY,
         };
+        let trained = trainer.noise_dimension()?;
+        if epsilon.is_finite() {
+            println!(
+                "  {name}: ({epsilon:.2}, {DELTA})-DP for each fortune text, σ = {:.3}, q = {:.4}, {} steps, noise on the {trained} trained parameters",
+                trainer.noise_multiplier(),
+                trainer.sample_rate(),
+                trainer.steps()
+            );
+        }
         Ok(Outcome {
             name: name.into(),
             accuracy: self.accuracy(&varmap, lora.as_ref())?,
             epsilon,
             seconds: t0.elapsed().as_secs_f64(),
+            trained,
         })
     }
 
     /// Logistic regression on the frozen encoder's mean-pooled features.
     fn linear_probe(&self) -> Result<Outcome, Box<dyn std::error::Error>> {
         let t0 = Instant::now();
-        let varmap = self.fresh()?;
-        let params: BTreeMap<String, Tensor> = varmap
-            .data()
-            .lock()
-            .expect("no thread panicked")
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
+        let params = values(&self.fresh()?);
         let features = jit(|p: Map, ids: Tracer, mask: Tracer| {
             let mask = mask.to_dtype(DType::F32)?;
-            mean_pool(&self.bert.forward_full(&Params::with(&p), &ids, Some(&mask), None)?, &mask)
+            mean_pool(
+                &self.bert.forward_full(&Params::with(&p), &ids, Some(&mask), None)?,
+                &mask,
+            )
         });
         let embed = |s: &Split| -> candle_func::Result<Tensor> {
             let n = s.labels.dims()[0];
@@ -270,18 +291,19 @@ impl Task {
         ))?;
         let mut opt = dp::Adam::new(&head, 1e-2)?;
         let step = candle_func::grad(|p: Map, x: Tracer, y: Tracer| {
-            let logits = x.matmul(&p["classifier.weight"].t()?)?.broadcast_add(&p["classifier.bias"])?;
+            let logits = x
+                .matmul(&p["classifier.weight"].t()?)?
+                .broadcast_add(&p["classifier.bias"])?;
             nn::cross_entropy(&logits, &y, Reduction::Mean)
         });
-        let current = || -> BTreeMap<String, Tensor> {
-            let data = head.data().lock().expect("no thread panicked");
-            data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
-        };
+        let current = || values(&head);
         for _ in 0..300 {
             opt.step(&step.call((&current(), &ftrain, &self.train.labels))?)?;
         }
         let p = current();
-        let logits = ftest.matmul(&p["classifier.weight"].t()?)?.broadcast_add(&p["classifier.bias"])?;
+        let logits = ftest
+            .matmul(&p["classifier.weight"].t()?)?
+            .broadcast_add(&p["classifier.bias"])?;
         let pred = logits.argmax(1)?.to_vec1::<u32>()?;
         let want = self.test.labels.to_vec1::<u32>()?;
         let right = pred.iter().zip(&want).filter(|(a, b)| a == b).count();
@@ -290,6 +312,7 @@ impl Task {
             accuracy: right as f64 / want.len() as f64,
             epsilon: f64::INFINITY,
             seconds: t0.elapsed().as_secs_f64(),
+            trained: TOPICS.len() * (self.bert.config().hidden_size + 1),
         })
     }
 }
@@ -345,7 +368,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     let chosen: Vec<_> = runs.iter().filter(|r| task.wanted(r.0)).collect();
     let per_run = task.plan.epochs * n as f64;
-    task.todo.set(chosen.iter().map(|r| if r.1.is_some() { per_run } else { n as f64 }).sum());
+    task.todo.set(
+        chosen
+            .iter()
+            .map(|r| if r.1.is_some() { per_run } else { n as f64 })
+            .sum(),
+    );
     println!(
         "fine-tuning {} on {n} fortunes ({} held out), {t} tokens, {} epochs of expected batch {}",
         task.dir,
@@ -359,15 +387,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => task.linear_probe()?,
             Some(l) => task.finetune(name, *l, *eps)?,
         };
-        println!("RESULT {} accuracy {:.4} epsilon {}", o.name, o.accuracy, fmt_eps(o.epsilon));
+        println!(
+            "RESULT {} accuracy {:.4} epsilon {}",
+            o.name,
+            o.accuracy,
+            fmt_eps(o.epsilon)
+        );
         out.push(o);
     }
-    println!("\n| run | test accuracy | ε (δ = 1e-5, PRV) | time |");
-    println!("|---|---|---|---|");
+    println!("\n| run | test accuracy | ε (δ = 1e-5, PRV) | parameters trained | time |");
+    println!("|---|---|---|---|---|");
     for o in &out {
-        println!("| {} | {:.3} | {} | {:.0} s |", o.name, o.accuracy, fmt_eps(o.epsilon), o.seconds);
+        let (acc, eps, secs) = (o.accuracy, fmt_eps(o.epsilon), o.seconds);
+        println!("| {} | {acc:.3} | {eps} | {} | {secs:.0} s |", o.name, o.trained);
     }
     Ok(())
+}
+
+/// A `VarMap`'s current values by name.
+fn values(varmap: &candle_nn::VarMap) -> BTreeMap<String, Tensor> {
+    let data = varmap.data().lock().expect("no thread panicked");
+    data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
 }
 
 fn fmt_eps(e: f64) -> String {

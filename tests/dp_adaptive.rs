@@ -181,16 +181,13 @@ fn the_count_takes_its_share_of_the_noise_and_the_accountant_records_sigma() {
     let mut spec = AdaptiveClipping::new(1.0, 0.5);
     spec.count_noise_std = Some(0.4);
     let vm = model(3);
-    let err = PrivacyEngine::new()
-        .make_private(
-            loss as fn(_, _, _) -> _,
-            &vm,
-            dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
-            (&xs, &ys),
-            DpConfig::adaptive(10, 1.0, spec),
-        )
-        .err()
-        .expect("σ_b = 0.4 < σ / 2 = 0.5");
+    let refusal = |spec: AdaptiveClipping, why: &str| {
+        let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+        let config = DpConfig::adaptive(10, 1.0, spec);
+        let made = PrivacyEngine::new().make_private(loss as fn(_, _, _) -> _, &vm, sgd, (&xs, &ys), config);
+        made.err().expect(why)
+    };
+    let err = refusal(spec, "σ_b = 0.4 < σ / 2 = 0.5");
     assert!(
         matches!(&err, Error::PrivacyConfig { setting, .. } if setting.contains("count_noise_std")),
         "{err}"
@@ -212,16 +209,7 @@ fn the_count_takes_its_share_of_the_noise_and_the_accountant_records_sigma() {
             },
         ),
     ] {
-        let err = PrivacyEngine::new()
-            .make_private(
-                loss as fn(_, _, _) -> _,
-                &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
-                (&xs, &ys),
-                DpConfig::adaptive(10, 1.0, spec),
-            )
-            .err()
-            .expect("a bad setting");
+        let err = refusal(spec, "a bad setting");
         assert!(err.to_string().contains(field), "{field}: {err}");
     }
 }

@@ -296,6 +296,30 @@ fn a_checkpoint_becomes_a_trainable_varmap_in_one_call() {
 }
 
 #[test]
+fn a_checkpoint_loaded_as_variables_shares_its_weights_with_the_varmap() {
+    use candle_func::models::{bert::BertForSequenceClassification, Checkpoint};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/bert_cls");
+    let ck = Checkpoint::load(&dir, DType::F32, &Device::Cpu)
+        .unwrap()
+        .into_variables()
+        .unwrap();
+    let m = BertForSequenceClassification::load(&ck).unwrap();
+    let vm = nn::varmap_of(&m).unwrap();
+    let name = "classifier.weight";
+    let var = vm.data().lock().unwrap()[name].clone();
+    var.set(&var.as_tensor().affine(2.0, 0.0).unwrap()).unwrap();
+    // one copy: the model's own weight moved with the variable
+    assert_eq!(common::max_diff(&m.params()[name], var.as_tensor()), 0.0);
+    // without into_variables the map holds copies
+    let plain =
+        BertForSequenceClassification::load(&Checkpoint::load(&dir, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let copies = nn::varmap_of(&plain).unwrap();
+    let var = copies.data().lock().unwrap()[name].clone();
+    var.set(&var.as_tensor().affine(2.0, 1.0).unwrap()).unwrap();
+    assert!(common::max_diff(&plain.params()[name], var.as_tensor()) > 0.0);
+}
+
+#[test]
 fn parameter_groups_step_with_their_own_rate_and_decay() {
     // one plain step of each optimiser with a group against the formula
     let dev = Device::Cpu;

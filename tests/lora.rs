@@ -248,3 +248,49 @@ fn bad_lora_settings_are_named() {
         .expect("twice");
     assert!(err.to_string().contains("already"), "{err}");
 }
+
+#[test]
+fn adapter_dropout_runs_in_training_mode_under_the_engines_randomness() {
+    let m = load("bert_cls", &fixture("bert_cls"));
+    let varmap = nn::varmap_of(m.as_ref()).unwrap();
+    let config = LoraConfig::new(2, 4.0, &["query"])
+        .dropout(0.5)
+        .modules_to_save(&["classifier"]);
+    let lora = Lora::add(m.as_ref(), &varmap, config).unwrap();
+    randomise_b(&varmap, 5);
+    // evaluation mode (the default): no dropout, the same output each call
+    let x = ids(2, 5);
+    assert_eq!(
+        max_diff(&adapted(m.as_ref(), &lora, &x), &adapted(m.as_ref(), &lora, &x)),
+        0.0
+    );
+    lora.train(true);
+    let xs = ids(8, 4);
+    let ys = Tensor::from_vec((0..8u32).map(|i| i % 3).collect(), 8, &Device::Cpu).unwrap();
+    let loss = |p: Map, (x, y): (Tracer, Tracer)| {
+        let logits = m.forward_with(&Params::with(&p).lora(&lora), &x.unsqueeze(0)?)?;
+        nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    };
+    let build = |options: candle_func::Options| {
+        PrivacyEngine::new()
+            .rng(Rng::seeded(0))
+            .options(options)
+            .trainable(Trainable::prefixes(&lora.trainable_prefixes()))
+            .make_private_examples(
+                loss,
+                &varmap,
+                dp::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
+                &(&xs, &ys),
+                DpConfig::new(8, 1.0, 1.0),
+            )
+            .unwrap()
+    };
+    // a random operation under the trainer's vmap needs its randomness set
+    let err = build(candle_func::Options::new())
+        .step()
+        .expect_err("dropout without randomness");
+    assert!(err.to_string().to_lowercase().contains("random"), "{err}");
+    let mut t = build(candle_func::Options::new().randomness(candle_func::Randomness::Different));
+    t.step().unwrap();
+    lora.train(false);
+}

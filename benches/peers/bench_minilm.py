@@ -8,7 +8,11 @@ memory is that variant's:
 * psg_hooks: every parameter's per-sample gradient by Opacus 1.6's hooks
   (forward and backward; `p.grad_sample`);
 * dp_ghost: one Opacus 1.6 ghost-clipping DP step (norms, a second
-  backward, noise, SGD).
+  backward, noise, SGD);
+* dp_lora, dp_lora_ghost: one Opacus 1.6 DP step training peft's LoRA
+  adapters (rank 8, alpha 16, on `query` and `value`, the classifier in
+  `modules_to_save`), the encoder frozen: with Opacus's per-sample
+  gradient hooks (its LoRA tutorial's mode) and with ghost clipping.
 
     CANDLE_FUNC_MINILM=DIR "$HOME/peers/bin/python" benches/peers/bench_minilm.py VARIANT [REPS]
 
@@ -76,17 +80,24 @@ def main():
             loss_fn(model(input_ids=ids, attention_mask=mask).logits, labels).backward()
             opt.step()
 
-    elif variant in ("psg_hooks", "dp_ghost"):
+    elif variant in ("psg_hooks", "dp_ghost", "dp_lora", "dp_lora_ghost"):
+        if variant.startswith("dp_lora"):
+            import peft
+
+            config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["query", "value"], lora_dropout=0.0,
+                                     modules_to_save=["classifier"])
+            model = peft.get_peft_model(model, config)
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         model.train()
         data = torch.utils.data.TensorDataset(ids, mask, pos, types, labels)
         loader = torch.utils.data.DataLoader(data, batch_size=B)
-        mode = "hooks" if variant == "psg_hooks" else "ghost"
+        mode = "ghost" if variant in ("dp_ghost", "dp_lora_ghost") else "hooks"
         engine = PrivacyEngine()
         made = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
             grad_sample_mode=mode, poisson_sampling=False, criterion=loss_fn,
         )
-        if mode == "ghost":
+        if mode == "ghost":  # dp_ghost, dp_lora_ghost
             pmodel, popt, crit, _ = made
 
             def run():
@@ -94,6 +105,14 @@ def main():
                 out = pmodel(input_ids=ids, attention_mask=mask, position_ids=pos, token_type_ids=types).logits
                 crit(out, labels).backward()
                 popt.step()
+        elif variant == "dp_lora":
+            pmodel, popt, _ = made
+
+            def run():
+                popt.zero_grad()
+                out = pmodel(input_ids=ids, attention_mask=mask, position_ids=pos, token_type_ids=types).logits
+                loss_fn(out, labels).backward()
+                popt.step()  # clip, noise, SGD
         else:
             pmodel, popt, _ = made
 

@@ -5,7 +5,10 @@ rounds: each round runs, for each variant, `bench_minilm.py` and then
 memory each prints is that process's), at one thread each and at two.
 
     CANDLE_FUNC_MINILM="$(scripts/fetch_minilm.sh)" PY="$HOME/peers/bin/python" \
-        python3 benches/peers/side_by_side_minilm.py [ROUNDS] [REPS]
+        python3 benches/peers/side_by_side_minilm.py [ROUNDS] [REPS] [base|lora]
+
+The `lora` set times the LoRA DP step (ours, and Opacus 1.6 with peft's
+adapters in hooks and ghost mode) beside our full fine-tuning DP step.
 
 from the repository root (build first: cargo build --release --example
 bench_minilm). Prints each ratio's median, min and max over the rounds and
@@ -21,8 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PY = os.environ.get("PY", "python3")
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 REPS = sys.argv[2] if len(sys.argv) > 2 else "5"
+SET = sys.argv[3] if len(sys.argv) > 3 else "base"
 # ours, theirs
-PAIRS = [("forward", "forward"), ("step", "step"), ("psg", "psg_hooks"), ("dp", "dp_ghost")]
+PAIRS = {
+    "base": [("forward", "forward"), ("step", "step"), ("psg", "psg_hooks"), ("dp", "dp_ghost")],
+    "lora": [("dp_lora", "dp_lora"), ("dp", "dp_lora_ghost")],
+}[SET]
 
 
 def parse(out):
@@ -37,6 +44,17 @@ def run(cmd, threads):
     return parse(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout)
 
 
+def lora_ratios(t, m):
+    return {
+        "LoRA DP step / full DP step (ours), time": t("ours", "dp_lora") / t("ours", "dp"),
+        "LoRA DP step / full DP step (ours), peak RSS": m("ours", "dp_lora") / m("ours", "dp"),
+        "LoRA DP step: ours / Opacus+peft hooks, time": t("ours", "dp_lora") / t("peer", "dp_lora"),
+        "LoRA DP step: ours / Opacus+peft hooks, peak RSS": m("ours", "dp_lora") / m("peer", "dp_lora"),
+        "LoRA DP step: ours / Opacus+peft ghost, time": t("ours", "dp_lora") / t("peer", "dp_lora_ghost"),
+        "LoRA DP step: ours / Opacus+peft ghost, peak RSS": m("ours", "dp_lora") / m("peer", "dp_lora_ghost"),
+    }
+
+
 def main():
     ours_bin = os.path.join(ROOT, "target", "release", "examples", "bench_minilm")
     ratios, last = {}, {}
@@ -48,7 +66,7 @@ def main():
                 got[("ours", mine)] = run([ours_bin, "--variant", mine, "--reps", REPS], threads)
             t = lambda side, v: got[(side, v)][0]
             m = lambda side, v: got[(side, v)][2]
-            out = {
+            out = lora_ratios(t, m) if SET == "lora" else {
                 "forward: ours / HF PyTorch": t("ours", "forward") / t("peer", "forward"),
                 "training step: ours / HF PyTorch": t("ours", "step") / t("peer", "step"),
                 "per-sample gradients: ours / Opacus hooks, time": t("ours", "psg") / t("peer", "psg_hooks"),

@@ -476,9 +476,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
         O: Optimizer,
     {
-        let mut tensors = Vec::new();
-        data.flatten_into(&mut tensors);
-        let n = Examples::new(tensors.into_iter().map(|t| (String::new(), t)).collect())?.n;
+        let n = Examples::new(leaves_of(data).0)?.n;
         let config = self.for_epsilon(config, n, target)?;
         self.make_private_examples(loss, varmap, optimizer, data, config)
     }
@@ -518,6 +516,18 @@ impl PrivacyEngine {
             None => Ok(acc),
         }
     }
+}
+
+/// The examples' leaves, each with its path in the tree ("examples" for a
+/// bare tensor), and the tree's structure.
+fn leaves_of<D: TensorTree + ?Sized>(data: &D) -> (Vec<(String, Tensor)>, TreeDef) {
+    let mut tensors = Vec::new();
+    let def = data.flatten_into(&mut tensors);
+    let paths = def
+        .leaf_paths()
+        .into_iter()
+        .map(|p| if p.is_empty() { "examples".into() } else { p });
+    (paths.zip(tensors).collect(), def)
 }
 
 fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {

@@ -65,6 +65,22 @@ impl Checkpoint {
         })
     }
 
+    /// Every weight as a training variable, in the compute dtype (each
+    /// copied once, the original dropped): a model built from this holds
+    /// variables, so [`crate::nn::varmap_of`] on it shares them instead of
+    /// copying, and a trainer's `VarMap` and the model are one copy of the
+    /// weights in memory. Training then moves the model's own weights.
+    pub fn into_variables(mut self) -> Result<Checkpoint> {
+        for t in self.tensors.values_mut() {
+            if t.dtype().is_float() {
+                *t = candle_core::Var::from_tensor(&t.to_dtype(self.dtype)?)?
+                    .as_tensor()
+                    .clone();
+            }
+        }
+        Ok(self)
+    }
+
     /// The folder this was read from.
     pub fn dir(&self) -> &Path {
         &self.dir

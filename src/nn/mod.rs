@@ -252,7 +252,8 @@ pub(crate) fn under(name: &str, prefix: &str) -> bool {
 /// A module's parameters as the variables of a new `VarMap`, under the
 /// module's names: one call from a loaded checkpoint to something
 /// `dp`'s trainer and optimisers train. A parameter that already is a
-/// variable is shared (training it moves the module too); any other is
+/// variable is shared (training it moves the module too; a checkpoint's
+/// model holds variables after `Checkpoint::into_variables`); any other is
 /// copied once. Add a new head with `VarBuilder::from_varmap` on the
 /// returned map.
 ///
