@@ -234,7 +234,12 @@ fn plans_bound_the_resident_peak_of_every_bench_workload() {
             mib(real),
             mib(first)
         );
-        if (real as f64) > 1.10 * planned as f64 + (1 << 20) as f64 || ratio > 2.0 {
+        // Overstatement is judged above 4 MiB only: glibc serves a plan of
+        // under a MiB or two from buffers it kept (below its 2 MiB trim
+        // threshold), so the resident rise of such a run can be zero
+        // (ens_mlp_shared: 0.7 MiB planned, 0.0 risen on a fresh machine).
+        let overstated = ratio > 2.0 && planned > 4 << 20;
+        if (real as f64) > 1.10 * planned as f64 + (1 << 20) as f64 || overstated {
             bad.push(format!(
                 "{name}: planned {:.1} MiB, real {:.1} MiB",
                 mib(planned),
