@@ -274,3 +274,19 @@ fn sequence_layers_per_sample_gradients_scale() {
         }
     }
 }
+
+/// The gradient of a linear weight shared by a batch of rows is one
+/// product over all the rows, `(B T) k`: no `[B, k, n]` product summed
+/// after (it wrote B times the weight's size and ran far below the GEMM's
+/// speed).
+#[test]
+fn a_shared_weight_gradient_is_one_product_over_every_row() {
+    let w = rand(&[16, 24], 1);
+    let xs = rand(&[8, 5, 16], 2);
+    let loss = |w: Tracer, x: Tracer| x.matmul(&w)?.tanh()?.sum_all();
+    let g = make_graph(&grad(loss), (&w, &xs)).unwrap();
+    let per_row = count(&g, |n| n.ty().shape == [8, 16, 24]);
+    assert_eq!(per_row, 0, "{g}");
+    let products = count(&g, |n| n.name().starts_with("matmul") && n.ty().shape == [16, 24]);
+    assert_eq!(products, 1, "{g}");
+}

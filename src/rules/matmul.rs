@@ -152,9 +152,22 @@ impl Rule for Matmul {
         let (x, y) = (args[0], args[1]);
         let yt = transpose_last(b, y)?;
         let gx = b.emit(Prim::Matmul, &[ct, yt])?;
-        let xt = transpose_last(b, x)?;
-        let gy = b.emit(Prim::Matmul, &[xt, ct])?;
         let (sx, sy) = (b.dims(x), b.dims(y));
+        let gy = if sy.len() == 2 && sx.len() > 2 {
+            // a shared matrix (a linear weight) under a batch of rows: one
+            // product over all of them, `.. m k -> (.. m) k`, instead of a
+            // product per leading index summed after (which wrote
+            // [B, k, n] and ran at a fraction of the GEMM's speed)
+            let k = sx[sx.len() - 1];
+            let n = sy[1];
+            let x2 = b.reshape(x, vec![sx.iter().product::<usize>() / k.max(1), k])?;
+            let ct2 = b.reshape(ct, vec![b.dims(ct).iter().product::<usize>() / n.max(1), n])?;
+            let x2t = transpose_last(b, x2)?;
+            b.emit(Prim::Matmul, &[x2t, ct2])?
+        } else {
+            let xt = transpose_last(b, x)?;
+            b.emit(Prim::Matmul, &[xt, ct])?
+        };
         Ok(Some(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)]))
     }
 
