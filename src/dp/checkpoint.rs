@@ -41,21 +41,21 @@ fn io(what: &'static str, path: &Path, e: impl std::fmt::Display) -> Error {
     }
 }
 
-/// What the run is: a resumed run must be the same one.
-fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>) -> Result<Value> {
-    let params: Vec<Value> = t
-        .params_now()?
+/// What the run is, given its trainable parameters' current values: a
+/// resumed run must be the same one.
+fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>, params: &BTreeMap<String, Tensor>) -> Value {
+    let params: Vec<Value> = params
         .iter()
         .map(|(k, v)| json!([k, v.dims(), format!("{:?}", v.dtype())]))
         .collect();
     let data: Vec<Value> = t.data.leaves.iter().map(|(k, v)| json!([k, v.dims()])).collect();
-    Ok(json!({
+    json!({
         "trainable": params,
         "examples": data,
         "sample_rate": t.sample_rate,
         "noise_multiplier": t.noise_multiplier,
         "physical_batch": t.physical,
-    }))
+    })
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -96,7 +96,8 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         if state_path.exists() {
             std::fs::remove_file(&state_path).map_err(|e| io(WHAT, &state_path, e))?;
         }
-        let params: HashMap<String, Tensor> = self.params_now()?.into_iter().collect();
+        let current = self.params_now()?;
+        let params: HashMap<String, Tensor> = current.clone().into_iter().collect();
         candle_core::safetensors::save(&params, dir.join("params.safetensors"))?;
         let opt = self.optimizer.state()?;
         let moments: HashMap<String, Tensor> = opt.tensors.clone().into_iter().collect();
@@ -109,7 +110,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             .map(|(key, stream, word)| json!({"key": hex(&key), "stream": stream, "word_pos": word.to_string()}));
         let state = json!({
             "format": FORMAT,
-            "run": identity(self)?,
+            "run": identity(self, &current),
             "steps": self.steps,
             "accountant": accountant,
             "optimizer": {"kind": opt.kind, "scalars": opt.scalars},
@@ -157,7 +158,8 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
                 state["format"]
             )));
         }
-        let now = identity(self)?;
+        let current = self.params_now()?;
+        let now = identity(self, &current);
         for field in [
             "trainable",
             "examples",
@@ -172,7 +174,6 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         }
         let device = self.data.leaves[0].1.device().clone();
         let params = load_tensors(&dir.join("params.safetensors"), &device)?;
-        let current = self.params_now()?;
         for (k, t) in &current {
             match params.get(k) {
                 Some(p) if p.dims() == t.dims() && p.dtype() == t.dtype() => {}

@@ -276,14 +276,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
         O: Optimizer,
     {
-        let leaves = vec![("xs".to_string(), xs.clone()), ("ys".to_string(), ys.clone())];
-        self.build(
-            loss,
-            varmap,
-            optimizer,
-            (leaves, TreeDef::Tuple(vec![TreeDef::Leaf; 2])),
-            config,
-        )
+        self.build(loss, varmap, optimizer, xs_ys(xs, ys), config)
     }
 
     /// A trainer whose examples are any tree of tensors sharing a leading
@@ -343,14 +336,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
         O: Optimizer,
     {
-        let mut tensors = Vec::new();
-        let def = data.flatten_into(&mut tensors);
-        let paths = def
-            .leaf_paths()
-            .into_iter()
-            .map(|p| if p.is_empty() { "examples".into() } else { p });
-        let leaves = paths.zip(tensors).collect();
-        self.build(loss, varmap, optimizer, (leaves, def), config)
+        self.build(loss, varmap, optimizer, leaves_of(data), config)
     }
 
     /// The trainer for either form of the examples.
@@ -453,7 +439,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
         O: Optimizer,
     {
-        let n = Examples::new(vec![("xs".into(), data.0.clone()), ("ys".into(), data.1.clone())])?.n;
+        let n = Examples::new(xs_ys(data.0, data.1).0)?.n;
         let config = self.for_epsilon(config, n, target)?;
         self.make_private(loss, varmap, optimizer, data, config)
     }
@@ -520,6 +506,12 @@ impl PrivacyEngine {
 
 /// The examples' leaves, each with its path in the tree ("examples" for a
 /// bare tensor), and the tree's structure.
+/// The `(xs, ys)` form's two leaves, named for messages, and its structure.
+fn xs_ys(xs: &Tensor, ys: &Tensor) -> (Vec<(String, Tensor)>, TreeDef) {
+    let leaves = vec![("xs".to_string(), xs.clone()), ("ys".to_string(), ys.clone())];
+    (leaves, TreeDef::Tuple(vec![TreeDef::Leaf; 2]))
+}
+
 fn leaves_of<D: TensorTree + ?Sized>(data: &D) -> (Vec<(String, Tensor)>, TreeDef) {
     let mut tensors = Vec::new();
     let def = data.flatten_into(&mut tensors);
