@@ -190,3 +190,41 @@ fn an_os_keyed_generator_is_never_written_down() {
     assert_eq!(u.epsilon(1e-5).unwrap(), t.epsilon(1e-5).unwrap());
     std::fs::remove_dir_all(&folder).unwrap();
 }
+
+#[test]
+fn an_optimiser_state_that_does_not_fit_is_an_error_and_loads_nothing() {
+    use candle_func::dp::Optimizer;
+    let vm = model();
+    let grads: BTreeMap<String, Tensor> = vm
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().ones_like().unwrap()))
+        .collect();
+    let mut sgd = dp::Sgd::new(&vm, 0.1, 0.9).unwrap();
+    sgd.step(&grads).unwrap();
+    let saved = sgd.state().unwrap();
+    // another optimiser's state
+    let mut adam = dp::Adam::new(&vm, 0.1).unwrap();
+    let err = adam.load_state(&saved).expect_err("sgd's state into adam");
+    assert!(
+        matches!(err, Error::Checkpoint { .. }) && err.to_string().contains("sgd"),
+        "{err}"
+    );
+    // other hyper-parameters
+    let mut other = dp::Sgd::new(&vm, 0.1, 0.5).unwrap();
+    let err = other.load_state(&saved).expect_err("another momentum");
+    assert!(err.to_string().contains("momentum"), "{err}");
+    // a moment of another shape, named; nothing taken
+    let mut bad = saved.clone();
+    bad.tensors.insert(
+        "velocity/head.weight".into(),
+        Tensor::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
+    bad.scalars.insert("lr".into(), 7.0);
+    let mut fresh = dp::Sgd::new(&vm, 0.1, 0.9).unwrap();
+    let err = fresh.load_state(&bad).expect_err("a misshapen moment");
+    assert!(err.to_string().contains("velocity/head.weight"), "{err}");
+    assert_eq!(fresh.lr(), 0.1, "a failed load changed the rate");
+}

@@ -63,7 +63,8 @@ fn plain(m: &dyn Module, ids: &Tensor) -> Tensor {
 fn randomise_b(varmap: &candle_nn::VarMap, seed: u64) {
     for (k, v) in varmap.data().lock().unwrap().iter() {
         if k.ends_with("lora_B.weight") {
-            v.set(&common::rand(v.dims(), seed).affine(0.5, 0.0).unwrap()).unwrap();
+            let b = common::rand(v.dims(), seed).affine(0.5, 0.0).unwrap();
+            v.set(&b.to_dtype(v.dtype()).unwrap()).unwrap();
         }
     }
 }
@@ -293,4 +294,35 @@ fn adapter_dropout_runs_in_training_mode_under_the_engines_randomness() {
     let mut t = build(candle_func::Options::new().randomness(candle_func::Randomness::Different));
     t.step().unwrap();
     lora.train(false);
+}
+
+#[test]
+fn merging_keeps_f64_precision_and_names_a_missing_adapter() {
+    let ck = Checkpoint::load(fixture("gpt2_lm"), DType::F64, &Device::Cpu).unwrap();
+    let m = Gpt2LmHeadModel::load(&ck).unwrap();
+    let varmap = nn::varmap_of(&m).unwrap();
+    let lora = Lora::add(&m, &varmap, LoraConfig::new(2, 4.0, &["c_attn"])).unwrap();
+    randomise_b(&varmap, 9);
+    let merged = lora.merged(&varmap).unwrap();
+    let layer = lora.layers()[0].to_string();
+    let data = varmap.data().lock().unwrap();
+    let get = |k: &str| data[k].as_tensor().clone();
+    let (w, a, b) = (
+        get(&format!("{layer}.weight")),
+        get(&format!("{layer}.lora_A.weight")),
+        get(&format!("{layer}.lora_B.weight")),
+    );
+    // GPT-2's Conv1D weight is [in, out]: W + s (B A)^T, all in f64
+    let want = (w + (b.matmul(&a).unwrap().t().unwrap() * lora.scaling()).unwrap()).unwrap();
+    let got = &merged[&format!("{layer}.weight")];
+    assert_eq!(got.dtype(), DType::F64);
+    assert!(max_diff(got, &want) < 1e-12, "{}", max_diff(got, &want));
+    drop(data);
+    // a map without the adapters: an error naming the missing one
+    let bare = nn::varmap_of(&m).unwrap();
+    let err = lora.merged(&bare).expect_err("no adapters in the map");
+    assert!(
+        matches!(err, Error::Model { .. }) && err.to_string().contains("lora_A"),
+        "{err}"
+    );
 }

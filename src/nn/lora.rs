@@ -16,7 +16,7 @@ use super::{Dropout, Module, Params};
 use crate::error::{Error, Result};
 use crate::kernels::rng::Rng;
 use crate::trace::Tracer;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -271,10 +271,17 @@ impl Lora {
             let merged = match layer {
                 None => w.copy()?,
                 Some(ad) => {
-                    let (a, b) = (data_of(&data, name, "lora_A")?, data_of(&data, name, "lora_B")?);
+                    // in f32 at least: f64 weights keep their precision,
+                    // f16/bf16 ones are rounded once, at the end
+                    let dt = if w.dtype() == DType::F64 {
+                        DType::F64
+                    } else {
+                        DType::F32
+                    };
+                    let (a, b) = (data_of(&data, name, "lora_A", dt)?, data_of(&data, name, "lora_B", dt)?);
                     let ba = (b.matmul(&a)? * self.scaling())?; // out in
                     let ba = if ad.in_out { ba.t()? } else { ba };
-                    (w + ba.to_dtype(w.dtype())?)?
+                    (w.to_dtype(dt)? + ba)?.to_dtype(w.dtype())?
                 }
             };
             out.insert(name.clone(), merged);
@@ -290,13 +297,14 @@ impl Lora {
     }
 }
 
-/// The adapter tensor `part` (`lora_A` or `lora_B`) of the weight `name`.
-fn data_of(data: &HashMap<String, Var>, name: &str, part: &str) -> Result<Tensor> {
+/// The adapter tensor `part` (`lora_A` or `lora_B`) of the weight `name`,
+/// as `dtype`.
+fn data_of(data: &HashMap<String, Var>, name: &str, part: &str, dtype: DType) -> Result<Tensor> {
     let layer = name.strip_suffix(".weight").unwrap_or(name);
     let key = format!("{layer}.{part}.weight");
     let var = data.get(&key).ok_or_else(|| Error::Model {
         what: "Lora::merged".into(),
         msg: format!("the VarMap has no {key:?}"),
     })?;
-    Ok(var.as_tensor().to_dtype(candle_core::DType::F32)?)
+    Ok(var.as_tensor().to_dtype(dtype)?)
 }
