@@ -84,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => return Err("set CANDLE_FUNC_MINILM to the folder scripts/fetch_minilm.sh prints".into()),
     };
     let dev = Device::Cpu;
-    let bert = BertModel::load(&Checkpoint::load(&dir, DType::F32, &dev)?.into_variables()?)?;
+    let bert = BertModel::load(&Checkpoint::load_variables(&dir, DType::F32, &dev)?)?;
     let d = bert.config().hidden_size;
     // every weight a variable of the VarMap the optimisers update: the
     // checkpoint's under Hugging Face's names, and a new head

@@ -31,7 +31,21 @@ impl Checkpoint {
     /// Reads `dir/config.json` and the weights in `dir` onto `device`,
     /// to be used as `dtype` (f32, f64, f16 or bf16).
     pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Checkpoint> {
-        let dir = dir.as_ref().to_path_buf();
+        Self::read(dir.as_ref(), dtype, device, false)
+    }
+
+    /// [`Checkpoint::load`] then [`Checkpoint::into_variables`], with each
+    /// weight stored in the compute dtype read straight into its variable:
+    /// the weights are held once while they load, not twice. How to load a
+    /// model to train.
+    pub fn load_variables(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Checkpoint> {
+        Self::read(dir.as_ref(), dtype, device, true)
+    }
+
+    /// Reads a folder, the float weights as variables where `vars`. Each
+    /// file is read a tensor at a time (`weights`), never whole.
+    fn read(dir: &Path, dtype: DType, device: &Device, vars: bool) -> Result<Checkpoint> {
+        let dir = dir.to_path_buf();
         if !dtype.is_float() {
             return Err(bad(
                 format!("checkpoint {}", dir.display()),
@@ -48,13 +62,7 @@ impl Checkpoint {
         }
         let mut tensors = HashMap::new();
         for file in weight_files(&dir)? {
-            let loaded = candle_core::safetensors::load(&file, device).map_err(|e| {
-                bad(
-                    file.display().to_string(),
-                    format!("cannot be read as safetensors: {e}"),
-                )
-            })?;
-            tensors.extend(loaded);
+            tensors.extend(super::weights::read(&file, device, vars.then_some(dtype))?);
         }
         Ok(Checkpoint {
             dir,
@@ -70,9 +78,10 @@ impl Checkpoint {
     /// variables, so [`crate::nn::varmap_of`] on it shares them instead of
     /// copying, and a trainer's `VarMap` and the model are one copy of the
     /// weights in memory. Training then moves the model's own weights.
+    /// [`Checkpoint::load_variables`] does this without the copy.
     pub fn into_variables(mut self) -> Result<Checkpoint> {
         for t in self.tensors.values_mut() {
-            if t.dtype().is_float() {
+            if t.dtype().is_float() && !(t.is_variable() && t.dtype() == self.dtype) {
                 *t = candle_core::Var::from_tensor(&t.to_dtype(self.dtype)?)?
                     .as_tensor()
                     .clone();

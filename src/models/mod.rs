@@ -36,6 +36,7 @@
 //! ```
 
 mod checkpoint;
+mod weights;
 
 pub mod bert;
 pub mod gpt2;

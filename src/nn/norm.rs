@@ -13,11 +13,16 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// `(x - mean) / sqrt(var + eps)` over `axes` (biased variance).
+/// `(x - mean) / sqrt(var + eps)` over `axes` (biased variance), as
+/// PyTorch computes it: the centred input times `rstd`. A product, not a
+/// quotient, because the backward pass then holds the centred input (which
+/// the variance's derivative needs anyway) and the small `rstd`, where a
+/// division's derivative would hold its result too: one activation-sized
+/// value less per norm under `grad`.
 fn standardise(x: &Tracer, axes: Vec<usize>, eps: f64) -> Result<Tracer> {
     let centred = x.sub(&x.mean_keepdim(axes.clone())?)?;
     let var = centred.sqr()?.mean_keepdim(axes)?;
-    centred.div(&var.affine(1.0, eps)?.sqrt()?)
+    centred.mul(&var.affine(1.0, eps)?.sqrt()?.recip()?)
 }
 
 /// `x * weight + bias`, the parameters reshaped to broadcast along `axis`
@@ -156,8 +161,9 @@ impl Module for RmsNorm {
         check_last("rms_norm", x, self.weight.dims()[0])?;
         let last = x.rank() - 1;
         let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, x)?;
+        // times the reciprocal, not divided (see `standardise`)
         let rms = x.sqr()?.mean_keepdim(last)?.affine(1.0, self.eps)?.sqrt()?;
-        x.div(&rms)?.mul(&w)
+        x.mul(&rms.recip()?)?.mul(&w)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
         param_map(&self.prefix, &[("weight", Some(&self.weight))])
