@@ -219,6 +219,13 @@ pub mod graph {
     pub use crate::ir::{ConvGeom, CustomKernel, Graph, NodeView, TensorType};
 }
 
+/// Loops inside a traced function, one node of the graph whatever the
+/// trip count and under every transform: [`scan`](loops::scan) (JAX's
+/// `lax.scan`). The recurrent layers of [`nn`] are built on it.
+pub mod loops {
+    pub use crate::transforms::loops::{scan, scan_with, ScanOptions};
+}
+
 /// The traits behind [`Tracer`]'s arguments: an operand
 /// that is a tracer or a captured tensor, an axis or a set of axes.
 pub mod tracer {

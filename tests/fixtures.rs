@@ -442,3 +442,114 @@ fn fixtures_match_pytorch() {
     }
     assert_eq!(lines, paths.len() * 4);
 }
+
+/// The `rnn_cls(...)` architecture's settings.
+fn rnn_config(arch: &str) -> HashMap<String, String> {
+    let inner = arch
+        .strip_prefix("rnn_cls(")
+        .and_then(|s| s.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("not an rnn_cls: {arch}"));
+    inner
+        .split(',')
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or_else(|| panic!("{kv} in {arch}"));
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+/// `rnn_cls` cases: an embedding, PyTorch's LSTM or GRU over each
+/// sequence's first `lengths[i]` tokens, and a linear head on the last
+/// layer's final states (directions side by side). The example is the
+/// ids with the length appended (`[T + 1]`), so the clipped-sum check
+/// takes it as it takes the other cases' `x`.
+fn run_rnn(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
+    use candle_func::nn::{self, Params, RecurrentConfig};
+    let p = params(f);
+    let kw = rnn_config(&f.meta["arch"]);
+    let n = |k: &str| -> usize { kw[k].parse().unwrap_or_else(|_| panic!("{k} in {}", f.meta["arch"])) };
+    let cfg = RecurrentConfig {
+        layers: n("layers"),
+        bidirectional: kw["bidirectional"] == "true",
+        bias: true,
+    };
+    let vb =
+        candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &Device::Cpu);
+    let emb = nn::embedding(n("vocab"), n("emb"), vb.pp("emb")).unwrap();
+    let rnn = match kw["kind"].as_str() {
+        "lstm" => nn::lstm(n("emb"), n("hidden"), cfg, vb.pp("rnn")),
+        "gru" => nn::gru(n("emb"), n("hidden"), cfg, vb.pp("rnn")),
+        other => panic!("{}: unknown recurrent kind {other}", f.name),
+    }
+    .unwrap();
+    let dirs = if cfg.bidirectional { 2 } else { 1 };
+    let fc = nn::linear(n("hidden") * dirs, n("classes"), vb.pp("fc")).unwrap();
+    let mut names: Vec<String> = [emb.params(), rnn.params(), fc.params()]
+        .into_iter()
+        .flatten()
+        .map(|(k, _)| k)
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        p.keys().cloned().collect::<Vec<_>>(),
+        "{}: parameter names",
+        f.name
+    );
+    let t = n("seq");
+    let logits = |p: &BTreeMap<String, Tracer>, x: &Tracer| -> candle_func::Result<Tracer> {
+        let params = Params::with(p);
+        let (ids, len) = (x.narrow(0, 0, t)?, x.narrow(0, t, 1)?.squeeze(0)?);
+        let e = emb.forward_with(&params, &ids)?;
+        let h_n = rnn.run(&params, &e, Some(&len))?.h_n;
+        // the last layer's directions, forward first: L*D H -> D*H
+        let last = h_n.narrow(0, (cfg.layers - 1) * dirs, dirs)?.flatten_all()?;
+        fc.forward_with(&params, &last)
+    };
+    let x = Tensor::cat(&[&f.tensors["ids"], &f.tensors["lengths"].unsqueeze(1).unwrap()], 1).unwrap();
+    let y = &f.tensors["y"];
+    let loss_fn = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
+        let l = logits(&p, &x)?;
+        Ok((cross_entropy(&l, &y)?, l))
+    };
+    let ((losses, out), grads) = vmap(value_and_grad(loss_fn).has_aux())
+        .in_dims([None, Some(0), Some(0)])
+        .conv_route(route)
+        .schedule(schedule)
+        .call((&p, &x, y))
+        .unwrap_or_else(|e| panic!("{} {route:?} {schedule:?}: {e}", f.name));
+    let dl = check(&format!("{} logits", f.name), &out, &f.tensors["logits"]);
+    let dx = check(&format!("{} loss", f.name), &losses, &f.tensors["loss"]);
+    let mut dg: f64 = 0.0;
+    for (name, g) in &grads {
+        dg = dg.max(check(
+            &format!("{} grad.{name}", f.name),
+            g,
+            &f.tensors[&format!("grad.{name}")],
+        ));
+    }
+    let mut with_x = Fixture {
+        name: f.name.clone(),
+        meta: f.meta.clone(),
+        tensors: f.tensors.clone(),
+    };
+    with_x.tensors.insert("x".into(), x.clone());
+    let dc = clipped_against(&with_x, &p, |p, x, y| cross_entropy(&logits(&p, &x)?, &y), route);
+    format!(
+        "logits max diff {dl:.2e}, loss max diff {dx:.2e}, per-sample grads max diff {dg:.2e}, clipped sum {dc:.2e}"
+    )
+}
+
+/// The `rnn/` cases (LSTM and bidirectional GRU classifiers over
+/// sequences of different lengths), batched and per example.
+#[test]
+fn rnn_fixtures_match_pytorch() {
+    let dir = fixture_dir().join("rnn");
+    for path in &cases(&dir) {
+        let f = load(path);
+        for (route, schedule) in RUNS {
+            let line = run_rnn(&f, route, schedule);
+            println!("fixture {} {route:?} {schedule:?}: {line}", f.name);
+        }
+    }
+}

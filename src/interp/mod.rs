@@ -11,7 +11,7 @@ mod malloc;
 pub(crate) mod passes;
 
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Graph, Map, Prim, TensorType};
+use crate::ir::{Graph, Map, Prim, Scan, TensorType};
 use crate::kernels::copies::Copies;
 use crate::rules::{rule, RunCx};
 use candle_core::{Device, Tensor};
@@ -106,6 +106,7 @@ fn run_inner(
                         Tensor::zeros(node.ty.shape.as_slice(), node.ty.dtype, &device).op(&prim.name())?
                     }
                     Prim::Map(m) => run_map(m, &args, &node.ty, &cx)?,
+                    Prim::Scan(sc) => run_scan(sc, &args, &node.ty, &cx)?,
                     prim => rule(prim)?.run(&args, &node.ty, &cx)?,
                 };
                 if let Some(times) = times.as_mut() {
@@ -258,6 +259,38 @@ fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Te
         // `stacked` is this node's own fresh buffer, read by nothing yet
         let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("map")?;
         stacked.slice_set(&row, 0, i).op("map")?;
+    }
+    Ok(stacked)
+}
+
+/// Runs a scan's body once per step, each step's value written into its
+/// row of the result as it comes and its carry (the first entries along
+/// the last axis) passed to the next step.
+fn run_scan(sc: &Scan, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+    let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op("scan")?;
+    let last = out.rank() - 1;
+    let mut carry = args
+        .first()
+        .map(|c| (*c).clone())
+        .ok_or_else(|| Error::internal("scan", "no carry"))?;
+    for i in 0..sc.length {
+        let t = sc.row(i);
+        let mut xs = Vec::with_capacity(args.len());
+        xs.push(carry);
+        for (k, a) in args[1..].iter().enumerate() {
+            xs.push(match k < sc.scanned {
+                true => a.narrow(0, t, 1).and_then(|s| s.squeeze(0)).op("scan")?,
+                false => (*a).clone(),
+            });
+        }
+        let (mut ys, _) = run_inner(&sc.body, &xs, mix(cx.seed, i as u64), None, cx.copies)?;
+        let y = ys
+            .pop()
+            .ok_or_else(|| Error::internal("scan", "a body without output"))?;
+        carry = y.narrow(last - 1, 0, sc.carry).op("scan")?;
+        // `stacked` is this node's own fresh buffer, read by nothing yet
+        let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("scan")?;
+        stacked.slice_set(&row, 0, t).op("scan")?;
     }
     Ok(stacked)
 }

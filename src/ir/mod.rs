@@ -17,7 +17,7 @@ mod print;
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};
 pub use prim::CustomKernel;
-pub(crate) use prim::{CustomGraphs, CustomOp, Fused, Map, Prim};
+pub(crate) use prim::{CustomGraphs, CustomOp, Fused, Map, Prim, Scan};
 
 use candle_core::{DType, Tensor};
 

@@ -41,6 +41,9 @@ pub(crate) enum Prim {
     /// A per-example sub-graph mapped over a batch axis: the generic
     /// batching fallback and the conv `Loop` route.
     Map(Box<Map>),
+    /// A loop over a sub-graph carrying a state (`scan`, and `fori_loop`
+    /// built on it): one node whatever the trip count.
+    Scan(Box<Scan>),
     /// A user-supplied candle function (no batching rule: maps under vmap).
     Custom(CustomOp),
     /// Random values, drawn anew at every run.
@@ -77,6 +80,7 @@ impl Prim {
             Prim::Conv(c) => c.name(),
             Prim::Pool(p) => p.name(),
             Prim::Map(m) => m.name(),
+            Prim::Scan(s) => s.name(),
             Prim::Custom(c) => format!("custom[{}]", c.name),
             Prim::Random(r) => r.name(),
             Prim::Fused(f) => f.name(),
@@ -172,6 +176,57 @@ impl PartialEq for Map {
             && self.bdims == other.bdims
             && self.size == other.size
             && self.opts == other.opts
+    }
+}
+
+/// `scan`: the body run `length` times, each step reading the carry the
+/// step before wrote. Operands: the initial carry `[L.., nc]` (`L`: batch
+/// axes the batching rule put first; none in a traced program), the
+/// scanned operands `[length, ..]` (the body reads one step's slice) and
+/// the operands every step reads whole. The body maps `(carry, slices..,
+/// whole..)` to one value `[L.., nc + ny]` whose first `nc` entries along
+/// the last axis are the next carry and the rest the step's outputs, all
+/// flattened into one vector (so one dtype). The result stacks the body's
+/// value of every step, `[length, L.., nc + ny]`, in the order of the
+/// scanned axis (step `t` at row `t`, also when `reverse` runs from the
+/// last row): the final carry is in the last row run, and every carry is
+/// there for the VJP, which runs the body's VJP backwards over them.
+#[derive(Clone, Debug)]
+pub(crate) struct Scan {
+    pub(crate) body: Arc<Graph>,
+    /// Entries of the carry along the last axis (`nc`).
+    pub(crate) carry: usize,
+    /// How many operands after the carry are scanned.
+    pub(crate) scanned: usize,
+    /// The trip count (at least 1).
+    pub(crate) length: usize,
+    /// Whether the steps run from the last row to the first.
+    pub(crate) reverse: bool,
+}
+
+impl Scan {
+    pub(crate) fn name(&self) -> String {
+        let steps = self.body.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
+        format!(
+            "scan[length={},carry={},reverse={}]{{{steps} nodes}}",
+            self.length, self.carry, self.reverse
+        )
+    }
+
+    /// The row the step `i`-th in running order writes.
+    pub(crate) fn row(&self, i: usize) -> usize {
+        match self.reverse {
+            true => self.length - 1 - i,
+            false => i,
+        }
+    }
+}
+
+impl PartialEq for Scan {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.body, &other.body)
+            && (self.carry, self.scanned, self.length, self.reverse)
+                == (other.carry, other.scanned, other.length, other.reverse)
     }
 }
 

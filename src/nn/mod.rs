@@ -36,6 +36,7 @@ mod layers;
 mod lora;
 pub mod loss;
 mod norm;
+mod recurrent;
 mod transformer;
 
 pub use attention::{attend, mask_value, merge_heads, split_heads, AttentionMask, PostNormBlock, SelfAttention};
@@ -49,6 +50,7 @@ pub use loss::{bce_with_logits, cross_entropy, cross_entropy_with, huber, l1, ms
 pub use norm::{
     batch_norm, group_norm, layer_norm, layer_norm_no_bias, rms_norm, BatchNorm, GroupNorm, LayerNorm, RmsNorm,
 };
+pub use recurrent::{gru, lstm, rnn, Recurrent, RecurrentCell, RecurrentConfig, RecurrentOutput};
 pub use transformer::{
     embedding, gpt, multi_head_attention, norm, rope, rope_i, rotary_tables, transformer_block, BlockConfig, Embedding,
     Gpt, MultiHeadAttention, Norm, NormKind, TransformerBlock,

@@ -31,6 +31,7 @@ pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod random;
 pub(crate) mod reduce;
+pub(crate) mod scan;
 pub(crate) mod shape;
 pub(crate) mod walk;
 
@@ -141,6 +142,7 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Conv(r) => r,
         Prim::Pool(r) => r,
         Prim::Map(r) => r.as_ref(),
+        Prim::Scan(r) => r.as_ref(),
         Prim::Custom(r) => r,
         Prim::Random(r) => r,
         Prim::Fused(r) => r.as_ref(),

@@ -6,6 +6,7 @@ pub(crate) mod dims;
 pub(crate) mod grad;
 pub(crate) mod jacobian;
 pub(crate) mod jvp;
+pub(crate) mod loops;
 pub(crate) mod planner;
 pub(crate) mod schedule;
 mod segments;

@@ -55,6 +55,12 @@ pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
             g.nodes[v].prim = Prim::Map(m);
             continue;
         }
+        if let Prim::Scan(sc) = &g.nodes[v].prim {
+            let mut sc = sc.clone();
+            sc.body = Arc::new(fuse_epilogues(&sc.body));
+            g.nodes[v].prim = Prim::Scan(sc);
+            continue;
+        }
         if !facts::of_node(&g, v).is_some_and(|f| f.epilogue) {
             continue;
         }

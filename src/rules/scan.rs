@@ -1,0 +1,430 @@
+//! The `scan` primitive: a loop over a sub-graph carrying a state, one
+//! node whatever the trip count (`crate::ir::Scan` says what its operands
+//! and result are). The interpreter runs the body step by step; the rules
+//! here only rewrite it:
+//!
+//! * batch: the same scan over the body batched, the carry batched
+//!   whatever the initial value (the steps make it so, as in JAX);
+//! * VJP: a scan the other way over the saved carries (the rows of the
+//!   result), whose body is the step's VJP: it recomputes the step's
+//!   insides from its saved carry (one step's activations live at a time)
+//!   and carries the carry's cotangent and the sums of the cotangents of
+//!   the operands every step reads;
+//! * JVP: a scan whose carry is the carry and its tangent side by side.
+//!
+//! The derived scans flatten their carry into one vector (no batch axes
+//! in front), so a rule never needs to know which axes of an operand the
+//! batching rule put there.
+
+use super::facts::{self, Arg, Facts, Workspace};
+use super::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::error::{Error, Result};
+use crate::ir::ops::Binary;
+use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
+use candle_core::{DType, Tensor};
+use std::sync::Arc;
+
+fn bad(args: &[&TensorType], msg: String) -> Error {
+    let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
+    Error::shape("scan", &shapes, msg)
+}
+
+/// `v` as one vector (`.. -> (..)`).
+fn flat(b: &mut Builder, v: VarId) -> Result<VarId> {
+    let n = b.ty(v).elem_count();
+    b.reshape(v, vec![n])
+}
+
+/// Entries `[start, start + len)` of the vector `v`, shaped `shape`.
+fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) -> Result<VarId> {
+    let len = shape.iter().product();
+    let mut want = b.dims(v)[..axis].to_vec();
+    want.extend_from_slice(shape);
+    let p = b.narrow(v, axis, start, len)?;
+    b.reshape(p, want)
+}
+
+impl Scan {
+    fn emit(self, b: &mut Builder, operands: &[VarId]) -> Result<VarId> {
+        b.emit(Prim::Scan(Box::new(self)), operands)
+    }
+
+    /// The body's input types: the carry, one step of each scanned
+    /// operand, the whole operands.
+    fn input_ty(&self, k: usize) -> &TensorType {
+        self.body.ty(self.body.inputs[k])
+    }
+
+    /// The carry each step read, stacked in row order (`T L.. nc`): the
+    /// initial carry, then every step's but the last, from the result.
+    fn carries_in(&self, b: &mut Builder, init: VarId, out: VarId) -> Result<VarId> {
+        let rank = b.ty(out).rank();
+        let carries = b.narrow(out, rank - 1, 0, self.carry)?;
+        let mut first = b.dims(init);
+        first.insert(0, 1);
+        let init = b.reshape(init, first)?;
+        if self.length == 1 {
+            return Ok(init);
+        }
+        let parts = match self.reverse {
+            false => [init, b.narrow(carries, 0, 0, self.length - 1)?],
+            true => [b.narrow(carries, 0, 1, self.length - 1)?, init],
+        };
+        b.concat(&parts, 0)
+    }
+}
+
+impl Rule for Scan {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        let body = &self.body;
+        if args.is_empty() || body.inputs.len() != args.len() || body.outputs.len() != 1 || self.scanned >= args.len() {
+            return Err(bad(
+                args,
+                format!("the loop's body takes {} operands", body.inputs.len()),
+            ));
+        }
+        if self.length == 0 {
+            return Err(bad(args, "a loop of no steps".into()));
+        }
+        let carry = args[0];
+        if carry != self.input_ty(0) || carry.shape.last() != Some(&self.carry) {
+            return Err(bad(
+                args,
+                format!(
+                    "the carry {:?} does not fit the body's {:?}",
+                    carry.shape,
+                    self.input_ty(0).shape
+                ),
+            ));
+        }
+        for (k, t) in args.iter().enumerate().skip(1) {
+            let mut step = (*t).clone();
+            if k <= self.scanned {
+                if step.shape.first() != Some(&self.length) {
+                    return Err(bad(
+                        args,
+                        format!("operand {k} is not scanned over {} steps", self.length),
+                    ));
+                }
+                step.shape.remove(0);
+            }
+            if step != *self.input_ty(k) {
+                return Err(bad(
+                    args,
+                    format!("operand {k} does not fit the body's {:?}", self.input_ty(k).shape),
+                ));
+            }
+        }
+        let out = body.ty(body.outputs[0]);
+        let lead = &carry.shape[..carry.rank() - 1];
+        if out.dtype != carry.dtype
+            || out.rank() != carry.rank()
+            || out.shape[..out.rank() - 1] != *lead
+            || out.shape[out.rank() - 1] < self.carry
+        {
+            return Err(bad(
+                args,
+                format!(
+                    "the body gives {:?} {:?}, which does not start with the carry {:?}",
+                    out.dtype, out.shape, carry.shape
+                ),
+            ));
+        }
+        let mut shape = vec![self.length];
+        shape.extend_from_slice(&out.shape);
+        Ok(TensorType::new(shape, out.dtype))
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            effect: facts::effect_of(&self.body),
+            cheap: false,
+            measurable: facts::measurable(&self.body),
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        // one step's body at its own peak while the loop runs; its inputs
+        // are the carry (held beside the result) and views of the operands
+        let inputs: usize = self.body.inputs.iter().map(|&i| facts::bytes(self.body.ty(i))).sum();
+        let carry = facts::bytes(self.input_ty(0));
+        Workspace::scratch(memory::planned_peak(&self.body).saturating_sub(inputs) + carry)
+    }
+
+    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+        // A body is a graph, and running graphs is the interpreter's job.
+        Err(Error::internal("scan", "a scan's body is run by the interpreter"))
+    }
+
+    /// The same scan over the body batched (`B` first in the carry and in
+    /// every step; a scanned operand `T .. B .. -> T B ..`). The result is
+    /// `T B L.. P`: batched at axis 1.
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        if args.iter().all(|a| a.1.is_none()) {
+            let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
+            return Ok(Some((self.clone().emit(cx.b, &ids)?, None)));
+        }
+        let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
+        let mut operands = Vec::with_capacity(args.len());
+        let body = {
+            let mut sb = scratch.borrow_mut();
+            let mut inner = Vec::with_capacity(args.len());
+            for (k, &(v, bd)) in args.iter().enumerate() {
+                let mut ty = self.input_ty(k).clone();
+                let batched = k == 0 || bd.is_some();
+                operands.push(match (k, bd) {
+                    (0, _) => cx.materialize((v, bd))?,
+                    (_, Some(d)) if k <= self.scanned => cx.b.move_axis(v, d, 1)?,
+                    (_, Some(_)) => cx.front((v, bd))?,
+                    (_, None) => v,
+                });
+                if batched {
+                    ty.shape.insert(0, cx.size);
+                }
+                inner.push((sb.input(ty), batched.then_some(0)));
+            }
+            let mut icx = BatchCx {
+                b: &mut sb,
+                size: cx.size,
+                opts: cx.opts,
+                plan: cx.plan,
+            };
+            let out = walk::batch_graph(&self.body, &mut icx, &inner)?[0];
+            let out = icx.materialize(out)?;
+            sb.finish(vec![out]).0.eliminate_dead_code()
+        };
+        let sc = Scan {
+            body: Arc::new(body),
+            ..self.clone()
+        };
+        Ok(Some((sc.emit(cx.b, &operands)?, Some(1))))
+    }
+
+    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let grad = Vjp::new(self, b, args)?;
+        let graph = grad.body(self, b)?;
+        let cin = self.carries_in(b, args[0], out)?;
+        let mut operands = vec![b.zeros(vec![grad.ncf + grad.nacc], grad.dtype)?, cin];
+        operands.extend_from_slice(&args[1..=self.scanned]);
+        operands.push(ct);
+        operands.extend_from_slice(&args[1 + self.scanned..]);
+        let back = Scan {
+            body: Arc::new(graph),
+            carry: grad.ncf + grad.nacc,
+            scanned: self.scanned + 2,
+            length: self.length,
+            reverse: !self.reverse,
+        };
+        let rows = back.emit(b, &operands)?;
+        // the backward loop ends at the forward loop's first step
+        let first = if self.reverse { self.length - 1 } else { 0 };
+        let last = b.narrow(rows, 0, first, 1)?;
+        let last = flat(b, last)?;
+        let mut cts: Cts = Vec::with_capacity(args.len());
+        let carry_shape = b.dims(args[0]);
+        cts.push(Some(piece(b, last, 0, 0, &carry_shape)?));
+        for k in 1..args.len() {
+            let shape = self.input_ty(k).shape.clone();
+            cts.push(match grad.slot[k] {
+                None => None,
+                Some(at) if k <= self.scanned => Some(piece(b, rows, 1, grad.ncf + grad.nacc + at, &shape)?),
+                Some(at) => Some(piece(b, last, 0, grad.ncf + at, &shape)?),
+            });
+        }
+        Ok(Some(cts))
+    }
+
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        if tans.iter().all(Option::is_none) {
+            return Ok(Some(None));
+        }
+        let carry_ty = b.ty(args[0]).clone();
+        let ncf = carry_ty.elem_count();
+        let p = *self.body.ty(self.body.outputs[0]).shape.last().unwrap_or(&0);
+        let lead = carry_ty.shape[..carry_ty.rank() - 1].to_vec();
+        let nyf = lead.iter().product::<usize>() * (p - self.carry);
+        let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
+        let graph = self.jvp_body(b, &carry_ty, &present)?;
+        let init = flat(b, args[0])?;
+        let t_init = b.or_zeros(tans[0], args[0])?;
+        let t_init = flat(b, t_init)?;
+        let mut operands = vec![b.concat(&[init, t_init], 0)?];
+        let split = |ks: &[usize], scanned: bool| -> Vec<usize> {
+            ks.iter().copied().filter(|&k| (k <= self.scanned) == scanned).collect()
+        };
+        let all: Vec<usize> = (1..args.len()).collect();
+        for k in split(&all, true) {
+            operands.push(args[k]);
+        }
+        for k in split(&present, true) {
+            operands.push(tans[k].unwrap_or(args[k]));
+        }
+        for k in split(&all, false) {
+            operands.push(args[k]);
+        }
+        for k in split(&present, false) {
+            operands.push(tans[k].unwrap_or(args[k]));
+        }
+        let fwd = Scan {
+            body: Arc::new(graph),
+            carry: 2 * ncf,
+            scanned: self.scanned + split(&present, true).len(),
+            length: self.length,
+            reverse: self.reverse,
+        };
+        let rows = fwd.emit(b, &operands)?;
+        // rows: T (c, tc, y, ty) -> T L.. (tc, ty)
+        let mut c_shape = lead.clone();
+        c_shape.push(self.carry);
+        let mut y_shape = lead.clone();
+        y_shape.push(p - self.carry);
+        let tc = piece(b, rows, 1, ncf, &c_shape)?;
+        let ty = piece(b, rows, 1, 2 * ncf + nyf, &y_shape)?;
+        let axis = lead.len() + 1;
+        Ok(Some(Some(match p > self.carry {
+            true => b.concat(&[tc, ty], axis)?,
+            false => tc,
+        })))
+    }
+}
+
+/// What a scan's VJP packs: the carry's cotangent (`ncf` entries, its
+/// batch axes flattened too), then one accumulator per float whole
+/// operand (`nacc` in all), and per step the float scanned operands'
+/// cotangents. `slot[k]` is operand `k`'s offset in its part.
+struct Vjp {
+    dtype: DType,
+    ncf: usize,
+    nacc: usize,
+    slot: Vec<Option<usize>>,
+}
+
+impl Vjp {
+    fn new(sc: &Scan, b: &Builder, args: &[VarId]) -> Result<Vjp> {
+        let dtype = b.ty(args[0]).dtype;
+        let ncf = b.ty(args[0]).elem_count();
+        let (mut nacc, mut nys) = (0, 0);
+        let mut slot = vec![None; args.len()];
+        for (k, s) in slot.iter_mut().enumerate().skip(1) {
+            let ty = sc.input_ty(k);
+            if !ty.dtype.is_float() {
+                continue;
+            }
+            if ty.dtype != dtype {
+                return Err(Error::unsupported(
+                    "scan",
+                    "grad",
+                    format!(
+                        "operand {k} is {:?} and the carry {dtype:?}: differentiate a loop whose float operands share the carry's dtype",
+                        ty.dtype
+                    ),
+                ));
+            }
+            let used = if k <= sc.scanned { &mut nys } else { &mut nacc };
+            *s = Some(*used);
+            *used += ty.elem_count();
+        }
+        if !dtype.is_float() {
+            return Err(Error::unsupported("scan", "grad", format!("a loop carrying {dtype:?}")));
+        }
+        Ok(Vjp { dtype, ncf, nacc, slot })
+    }
+
+    /// One backward step: `(packed, carry read, steps.., ct, whole..)` to
+    /// the carry-read's cotangent, the accumulators plus this step's
+    /// whole-operand cotangents, and this step's scanned cotangents.
+    fn body(&self, sc: &Scan, b: &Builder) -> Result<Graph> {
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let mut sb = scratch.borrow_mut();
+        let n = sc.body.inputs.len();
+        let packed = sb.input(TensorType::new(vec![self.ncf + self.nacc], self.dtype));
+        let cin = sb.input(sc.input_ty(0).clone());
+        let mut ins = vec![cin];
+        for k in 1..=sc.scanned {
+            ins.push(sb.input(sc.input_ty(k).clone()));
+        }
+        let out_ty = sc.body.ty(sc.body.outputs[0]).clone();
+        let ct = sb.input(out_ty.clone());
+        for k in sc.scanned + 1..n {
+            ins.push(sb.input(sc.input_ty(k).clone()));
+        }
+        // this step's value's cotangent: its own, plus the next step's
+        // carry cotangent on the carry's entries
+        let carry_shape = sc.input_ty(0).shape.clone();
+        let g = piece(&mut sb, packed, 0, 0, &carry_shape)?;
+        let last = out_ty.rank() - 1;
+        let g = match out_ty.shape[last] > sc.carry {
+            true => {
+                let mut rest = out_ty.shape.clone();
+                rest[last] -= sc.carry;
+                let z = sb.zeros(rest, self.dtype)?;
+                sb.concat(&[g, z], last)?
+            }
+            false => g,
+        };
+        let seed = sb.bin(Binary::Add, ct, g)?;
+        let wrt: Vec<bool> = (0..n).map(|k| k == 0 || self.slot[k].is_some()).collect();
+        let (_, cts) = walk::vjp_graph(&sc.body, &mut sb, &ins, &wrt, &[(0, seed)])?;
+        let ct_of = |sb: &mut Builder, k: usize| -> Result<VarId> {
+            let c = sb.or_zeros(cts[k], ins[k])?;
+            flat(sb, c)
+        };
+        let mut parts = vec![ct_of(&mut sb, 0)?];
+        let whole: Vec<usize> = (sc.scanned + 1..n).filter(|&k| self.slot[k].is_some()).collect();
+        if !whole.is_empty() {
+            let acc = sb.narrow(packed, 0, self.ncf, self.nacc)?;
+            let step = whole.iter().map(|&k| ct_of(&mut sb, k)).collect::<Result<Vec<_>>>()?;
+            let step = sb.concat(&step, 0)?;
+            parts.push(sb.bin(Binary::Add, acc, step)?);
+        }
+        for k in (1..=sc.scanned).filter(|&k| self.slot[k].is_some()) {
+            parts.push(ct_of(&mut sb, k)?);
+        }
+        let out = sb.concat(&parts, 0)?;
+        Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+    }
+}
+
+impl Scan {
+    /// One forward step with tangents: `(c and tc packed, steps.., step
+    /// tangents.., whole.., whole tangents..)` (tangents of the operands in
+    /// `present` only) to `(c', tc', y, ty)` flattened.
+    fn jvp_body(&self, b: &Builder, carry_ty: &TensorType, present: &[usize]) -> Result<Graph> {
+        let scratch = Builder::scratch(b.given, b.ctx.clone());
+        let mut sb = scratch.borrow_mut();
+        let n = self.body.inputs.len();
+        let ncf = carry_ty.elem_count();
+        let state = sb.input(TensorType::new(vec![2 * ncf], carry_ty.dtype));
+        let mut ins = vec![piece(&mut sb, state, 0, 0, &carry_ty.shape)?];
+        let mut tans: Vec<Tan> = vec![Some(piece(&mut sb, state, 0, ncf, &carry_ty.shape)?)];
+        ins.resize(n, 0);
+        tans.resize(n, None);
+        let (steps, whole): (Vec<usize>, Vec<usize>) = (1..n).partition(|&k| k <= self.scanned);
+        for group in [steps, whole] {
+            for &k in &group {
+                ins[k] = sb.input(self.input_ty(k).clone());
+            }
+            for &k in group.iter().filter(|k| present.contains(k)) {
+                tans[k] = Some(sb.input(self.input_ty(k).clone()));
+            }
+        }
+        let (outs, touts) = walk::jvp_graph(&self.body, &mut sb, &ins, &tans)?;
+        let o = outs[0];
+        let to = sb.or_zeros(touts[0], o)?;
+        let last = sb.ty(o).rank() - 1;
+        let p = sb.dims(o)[last];
+        let mut parts = Vec::with_capacity(4);
+        for (start, len) in [(0, self.carry), (self.carry, p - self.carry)] {
+            if len == 0 {
+                continue;
+            }
+            for v in [o, to] {
+                let part = sb.narrow(v, last, start, len)?;
+                parts.push(flat(&mut sb, part)?);
+            }
+        }
+        let out = sb.concat(&parts, 0)?;
+        Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+    }
+}
