@@ -252,3 +252,74 @@ fn ours_result(layer: &Recurrent, x: &Tensor, lengths: Option<&Tensor>) -> Strin
         other => panic!("expected a shape error, got {:?}", other.map(|t| t.dims().to_vec())),
     }
 }
+
+/// Whether `g` holds a value `[b, ..]` of `per` elements per example.
+fn has_per_sample(g: &candle_func::Graph, b: usize, per: usize) -> bool {
+    g.nodes().filter(|n| !n.name().starts_with("broadcast")).any(|n| {
+        let s = &n.ty().shape;
+        s.len() >= 2 && s[0] == b && s[1..].iter().product::<usize>() == per
+    })
+}
+
+#[test]
+fn the_recurrent_weights_per_sample_norms_are_ghosted_and_equal_the_materialised_ones() {
+    use candle_func::dp;
+    use std::collections::BTreeMap;
+    const V: usize = 20;
+    const E2: usize = 8;
+    const H2: usize = 16;
+    const C: usize = 3;
+    let map = VarMap::new();
+    let emb = nn::embedding(V, E2, vb(&map).pp("emb")).unwrap();
+    let rnn = nn::lstm(E2, H2, RecurrentConfig::default(), vb(&map).pp("rnn")).unwrap();
+    let fc = nn::linear(H2, C, vb(&map).pp("fc")).unwrap();
+    let p: BTreeMap<String, Tensor> = [emb.params(), rnn.params(), fc.params()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let loss = |p: BTreeMap<String, Tracer>, ids: Tracer, y: Tracer| {
+        let params = Params::with(&p);
+        let h = rnn
+            .run(&params, &emb.forward_with(&params, &ids)?, None)?
+            .h_n
+            .squeeze(0)?;
+        let logits = fc.forward_with(&params, &h)?;
+        nn::cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    };
+    let ids = Tensor::new(
+        &[
+            [1u32, 5, 7, 2, 19, 3],
+            [4, 4, 0, 11, 6, 8],
+            [9, 1, 1, 1, 13, 2],
+            [0, 17, 3, 5, 5, 12],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ys = Tensor::new(&[0u32, 2, 1, 2], &Device::Cpu).unwrap();
+    let step = |ghost: bool| {
+        dp::clipped_grad_sum(loss, 0.05)
+            .ghost(ghost)
+            .call((&p, &ids, &ys))
+            .unwrap()
+    };
+    let ((ghost, gn, _), (full, fnorms, _)) = (step(true), step(false));
+    assert_close(&gn, &fnorms, 1e-5 * common::max_abs(&fnorms), "per-sample norms");
+    for (k, g) in &ghost {
+        assert_close(
+            g,
+            &full[k],
+            1e-5 * common::max_abs(&full[k]).max(1e-3),
+            &format!("clipped sum {k}"),
+        );
+    }
+    let graph =
+        |ghost: bool| candle_func::make_graph(&dp::clipped_grad_sum(loss, 0.05).ghost(ghost), (&p, &ids, &ys)).unwrap();
+    // W_hh [4H, H]: one product over the steps per example, ghosted
+    let per = 4 * H2 * H2;
+    assert!(
+        !has_per_sample(&graph(true), 4, per),
+        "no per-sample W_hh with ghost norms"
+    );
+    assert!(has_per_sample(&graph(false), 4, per), "a per-sample W_hh materialised");
+}

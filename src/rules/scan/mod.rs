@@ -18,10 +18,11 @@
 
 use super::facts::{self, Arg, Facts, Workspace};
 use super::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+
+mod vjp;
 use crate::error::{Error, Result};
-use crate::ir::ops::Binary;
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::sync::Arc;
 
 fn bad(args: &[&TensorType], msg: String) -> Error {
@@ -30,13 +31,13 @@ fn bad(args: &[&TensorType], msg: String) -> Error {
 }
 
 /// `v` as one vector (`.. -> (..)`).
-fn flat(b: &mut Builder, v: VarId) -> Result<VarId> {
+pub(super) fn flat(b: &mut Builder, v: VarId) -> Result<VarId> {
     let n = b.ty(v).elem_count();
     b.reshape(v, vec![n])
 }
 
 /// Entries `[start, start + len)` of the vector `v`, shaped `shape`.
-fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) -> Result<VarId> {
+pub(super) fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) -> Result<VarId> {
     let len = shape.iter().product();
     let mut want = b.dims(v)[..axis].to_vec();
     want.extend_from_slice(shape);
@@ -45,19 +46,19 @@ fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) 
 }
 
 impl Scan {
-    fn emit(self, b: &mut Builder, operands: &[VarId]) -> Result<VarId> {
+    pub(super) fn emit(self, b: &mut Builder, operands: &[VarId]) -> Result<VarId> {
         b.emit(Prim::Scan(Box::new(self)), operands)
     }
 
     /// The body's input types: the carry, one step of each scanned
     /// operand, the whole operands.
-    fn input_ty(&self, k: usize) -> &TensorType {
+    pub(super) fn input_ty(&self, k: usize) -> &TensorType {
         self.body.ty(self.body.inputs[k])
     }
 
     /// The carry each step read, stacked in row order (`T L.. nc`): the
     /// initial carry, then every step's but the last, from the result.
-    fn carries_in(&self, b: &mut Builder, init: VarId, out: VarId) -> Result<VarId> {
+    pub(super) fn carries_in(&self, b: &mut Builder, init: VarId, out: VarId) -> Result<VarId> {
         let rank = b.ty(out).rank();
         let carries = b.narrow(out, rank - 1, 0, self.carry)?;
         let mut first = b.dims(init);
@@ -202,37 +203,7 @@ impl Rule for Scan {
     }
 
     fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
-        let grad = Vjp::new(self, b, args)?;
-        let graph = grad.body(self, b)?;
-        let cin = self.carries_in(b, args[0], out)?;
-        let mut operands = vec![b.zeros(vec![grad.ncf + grad.nacc], grad.dtype)?, cin];
-        operands.extend_from_slice(&args[1..=self.scanned]);
-        operands.push(ct);
-        operands.extend_from_slice(&args[1 + self.scanned..]);
-        let back = Scan {
-            body: Arc::new(graph),
-            carry: grad.ncf + grad.nacc,
-            scanned: self.scanned + 2,
-            length: self.length,
-            reverse: !self.reverse,
-        };
-        let rows = back.emit(b, &operands)?;
-        // the backward loop ends at the forward loop's first step
-        let first = if self.reverse { self.length - 1 } else { 0 };
-        let last = b.narrow(rows, 0, first, 1)?;
-        let last = flat(b, last)?;
-        let mut cts: Cts = Vec::with_capacity(args.len());
-        let carry_shape = b.dims(args[0]);
-        cts.push(Some(piece(b, last, 0, 0, &carry_shape)?));
-        for k in 1..args.len() {
-            let shape = self.input_ty(k).shape.clone();
-            cts.push(match grad.slot[k] {
-                None => None,
-                Some(at) if k <= self.scanned => Some(piece(b, rows, 1, grad.ncf + grad.nacc + at, &shape)?),
-                Some(at) => Some(piece(b, last, 0, grad.ncf + at, &shape)?),
-            });
-        }
-        Ok(Some(cts))
+        vjp::emit(self, b, args, out, ct).map(Some)
     }
 
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
@@ -286,103 +257,6 @@ impl Rule for Scan {
             true => b.concat(&[tc, ty], axis)?,
             false => tc,
         })))
-    }
-}
-
-/// What a scan's VJP packs: the carry's cotangent (`ncf` entries, its
-/// batch axes flattened too), then one accumulator per float whole
-/// operand (`nacc` in all), and per step the float scanned operands'
-/// cotangents. `slot[k]` is operand `k`'s offset in its part.
-struct Vjp {
-    dtype: DType,
-    ncf: usize,
-    nacc: usize,
-    slot: Vec<Option<usize>>,
-}
-
-impl Vjp {
-    fn new(sc: &Scan, b: &Builder, args: &[VarId]) -> Result<Vjp> {
-        let dtype = b.ty(args[0]).dtype;
-        let ncf = b.ty(args[0]).elem_count();
-        let (mut nacc, mut nys) = (0, 0);
-        let mut slot = vec![None; args.len()];
-        for (k, s) in slot.iter_mut().enumerate().skip(1) {
-            let ty = sc.input_ty(k);
-            if !ty.dtype.is_float() {
-                continue;
-            }
-            if ty.dtype != dtype {
-                return Err(Error::unsupported(
-                    "scan",
-                    "grad",
-                    format!(
-                        "operand {k} is {:?} and the carry {dtype:?}: differentiate a loop whose float operands share the carry's dtype",
-                        ty.dtype
-                    ),
-                ));
-            }
-            let used = if k <= sc.scanned { &mut nys } else { &mut nacc };
-            *s = Some(*used);
-            *used += ty.elem_count();
-        }
-        if !dtype.is_float() {
-            return Err(Error::unsupported("scan", "grad", format!("a loop carrying {dtype:?}")));
-        }
-        Ok(Vjp { dtype, ncf, nacc, slot })
-    }
-
-    /// One backward step: `(packed, carry read, steps.., ct, whole..)` to
-    /// the carry-read's cotangent, the accumulators plus this step's
-    /// whole-operand cotangents, and this step's scanned cotangents.
-    fn body(&self, sc: &Scan, b: &Builder) -> Result<Graph> {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let mut sb = scratch.borrow_mut();
-        let n = sc.body.inputs.len();
-        let packed = sb.input(TensorType::new(vec![self.ncf + self.nacc], self.dtype));
-        let cin = sb.input(sc.input_ty(0).clone());
-        let mut ins = vec![cin];
-        for k in 1..=sc.scanned {
-            ins.push(sb.input(sc.input_ty(k).clone()));
-        }
-        let out_ty = sc.body.ty(sc.body.outputs[0]).clone();
-        let ct = sb.input(out_ty.clone());
-        for k in sc.scanned + 1..n {
-            ins.push(sb.input(sc.input_ty(k).clone()));
-        }
-        // this step's value's cotangent: its own, plus the next step's
-        // carry cotangent on the carry's entries
-        let carry_shape = sc.input_ty(0).shape.clone();
-        let g = piece(&mut sb, packed, 0, 0, &carry_shape)?;
-        let last = out_ty.rank() - 1;
-        let g = match out_ty.shape[last] > sc.carry {
-            true => {
-                let mut rest = out_ty.shape.clone();
-                rest[last] -= sc.carry;
-                let z = sb.zeros(rest, self.dtype)?;
-                sb.concat(&[g, z], last)?
-            }
-            false => g,
-        };
-        let seed = sb.bin(Binary::Add, ct, g)?;
-        let wrt: Vec<bool> = (0..n).map(|k| k == 0 || self.slot[k].is_some()).collect();
-        let (_, cts) = walk::vjp_graph(&sc.body, &mut sb, &ins, &wrt, &[(0, seed)])?;
-        let ct_of = |sb: &mut Builder, k: usize| -> Result<VarId> {
-            let c = sb.or_zeros(cts[k], ins[k])?;
-            flat(sb, c)
-        };
-        let mut parts = vec![ct_of(&mut sb, 0)?];
-        let whole: Vec<usize> = (sc.scanned + 1..n).filter(|&k| self.slot[k].is_some()).collect();
-        if !whole.is_empty() {
-            let acc = sb.narrow(packed, 0, self.ncf, self.nacc)?;
-            let step = whole.iter().map(|&k| ct_of(&mut sb, k)).collect::<Result<Vec<_>>>()?;
-            let step = sb.concat(&step, 0)?;
-            parts.push(sb.bin(Binary::Add, acc, step)?);
-        }
-        for k in (1..=sc.scanned).filter(|&k| self.slot[k].is_some()) {
-            parts.push(ct_of(&mut sb, k)?);
-        }
-        let out = sb.concat(&parts, 0)?;
-        Ok(sb.finish(vec![out]).0.eliminate_dead_code())
     }
 }
 

@@ -1,0 +1,123 @@
+//! Per-sample gradients of a one-layer LSTM classifier (vocabulary 1000,
+//! embedding 64, hidden 128, 4 classes; B=64 sequences of T=64 tokens),
+//! one variant per process so that the process's peak resident memory is
+//! that variant's:
+//!
+//! * `psg`: every parameter's per-sample gradient (`vmap(grad)` through
+//!   `nn::lstm`, one `scan` node each way);
+//! * `dp`: their clipped sum by `dp::clipped_grad_sum` (ghost norms where
+//!   a layer has them);
+//! * `step`: the ordinary training step's gradient of the batch's mean
+//!   loss (the model run on the batch, batch first).
+//!
+//! ```text
+//! cargo run --release --example bench_lstm -- --variant psg --reps 5
+//! ```
+//!
+//! It prints `RESULT ours_<variant> median_ms .. first_ms .. peak_rss_mib ..
+//! plan_mib ..`; `benches/peers/side_by_side_lstm.py` pairs it with
+//! `bench_lstm.py` (Opacus 1.6's `DPLSTM`, and `torch.func`).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::nn::{self, cross_entropy, Module, Params, RecurrentConfig, Reduction};
+use candle_func::{dp, grad, make_graph, vmap, Tracer};
+use common::arg;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+const B: usize = 64;
+const T: usize = 64;
+const V: usize = 1000;
+const E: usize = 64;
+const H: usize = 128;
+const C: usize = 4;
+
+/// The ids `bench_lstm.py` draws (the same recurrence) and the labels.
+fn batch() -> candle_core::Result<(Tensor, Tensor)> {
+    let mut ids = vec![0u32; B * T];
+    let mut state: u64 = 12345;
+    for id in ids.iter_mut() {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *id = ((state >> 33) % V as u64) as u32;
+    }
+    let labels: Vec<u32> = (0..B as u32).map(|i| i % C as u32).collect();
+    Ok((
+        Tensor::from_vec(ids, (B, T), &Device::Cpu)?,
+        Tensor::from_vec(labels, B, &Device::Cpu)?,
+    ))
+}
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let variant: String = arg("--variant", "psg".to_string());
+    let reps: usize = arg("--reps", 5);
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let emb = nn::embedding(V, E, vb.pp("emb"))?;
+    let rnn = nn::lstm(E, H, RecurrentConfig::default(), vb.pp("rnn"))?;
+    let fc = nn::linear(H, C, vb.pp("fc"))?;
+    let params: BTreeMap<String, Tensor> = [emb.params(), rnn.params(), fc.params()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let (ids, ys) = batch()?;
+    // logits of one sequence [T] ([C]) or of a batch [B, T] ([B, C])
+    let logits = |p: &BTreeMap<String, Tracer>, ids: &Tracer| -> candle_func::Result<Tracer> {
+        let p = Params::with(p);
+        let h_n = rnn.run(&p, &emb.forward_with(&p, ids)?, None)?.h_n;
+        fc.forward_with(&p, &h_n.narrow(0, 0, 1)?.squeeze(0)?)
+    };
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        cross_entropy(&logits(&p, &x)?.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
+    };
+    let batch_loss =
+        |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| cross_entropy(&logits(&p, &x)?, &y, Reduction::Mean);
+    let psg = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
+    let clipped = dp::clipped_grad_sum(one, 1.0);
+    let step = grad(batch_loss);
+    let run = || -> candle_func::Result<()> {
+        match variant.as_str() {
+            "psg" => psg.call((&params, &ids, &ys)).map(|_| ()),
+            "dp" => clipped.call((&params, &ids, &ys)).map(|_| ()),
+            "step" => step.call((&params, &ids, &ys)).map(|_| ()),
+            other => Err(candle_func::Error::Config {
+                msg: format!("--variant {other}: one of psg, dp, step"),
+            }),
+        }
+    };
+    let start = Instant::now();
+    run()?;
+    let first = start.elapsed().as_secs_f64() * 1e3;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        run()?;
+        times.push(s.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let plan = match variant.as_str() {
+        "psg" => make_graph(&psg, (&params, &ids, &ys))?.planned_peak_bytes(),
+        "step" => make_graph(&step, (&params, &ids, &ys))?.planned_peak_bytes(),
+        _ => 0,
+    };
+    println!(
+        "RESULT ours_{variant} median_ms {:.2} first_ms {first:.1} peak_rss_mib {:.1} plan_mib {:.1} threads {}",
+        times[times.len() / 2],
+        peak_rss_mib(),
+        plan as f64 / (1 << 20) as f64,
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    Ok(())
+}
