@@ -219,11 +219,13 @@ pub mod graph {
     pub use crate::ir::{ConvGeom, CustomKernel, Graph, NodeView, TensorType};
 }
 
-/// Loops inside a traced function, one node of the graph whatever the
-/// trip count and under every transform: [`scan`](loops::scan) (JAX's
-/// `lax.scan`). The recurrent layers of [`nn`] are built on it.
+/// Control flow inside a traced function, one node of the graph each
+/// whatever the trip count, under every transform: [`scan`](loops::scan)
+/// (JAX's `lax.scan`), [`fori_loop`](loops::fori_loop),
+/// [`while_loop`](loops::while_loop) and [`cond`](loops::cond). The
+/// recurrent layers of [`nn`] are built on `scan`.
 pub mod loops {
-    pub use crate::transforms::loops::{scan, scan_with, ScanOptions};
+    pub use crate::transforms::loops::{cond, fori_loop, scan, scan_with, while_loop, ScanOptions};
 }
 
 /// The traits behind [`Tracer`]'s arguments: an operand

@@ -11,7 +11,7 @@ mod malloc;
 pub(crate) mod passes;
 
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Graph, Map, Prim, Scan, TensorType};
+use crate::ir::{Cond, Graph, Map, Prim, Scan, TensorType, While};
 use crate::kernels::copies::Copies;
 use crate::rules::{rule, RunCx};
 use candle_core::{Device, Tensor};
@@ -107,6 +107,8 @@ fn run_inner(
                     }
                     Prim::Map(m) => run_map(m, &args, &node.ty, &cx)?,
                     Prim::Scan(sc) => run_scan(sc, &args, &node.ty, &cx)?,
+                    Prim::Cond(c) => run_cond(c, &args, &cx)?,
+                    Prim::While(w) => run_while(w, &args, &cx)?,
                     prim => rule(prim)?.run(&args, &node.ty, &cx)?,
                 };
                 if let Some(times) = times.as_mut() {
@@ -293,6 +295,45 @@ fn run_scan(sc: &Scan, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result
         stacked.slice_set(&row, 0, t).op("scan")?;
     }
     Ok(stacked)
+}
+
+/// Whether a scalar predicate holds (nonzero; NaN holds, as `bool(nan)`).
+fn holds(p: &Tensor, op: &str) -> Result<bool> {
+    let v = p
+        .to_dtype(candle_core::DType::F64)
+        .and_then(|t| t.to_scalar::<f64>())
+        .op(op)?;
+    Ok(v != 0.0)
+}
+
+/// The one output of `g` run on `inputs`.
+fn run_one(g: &Graph, inputs: &[Tensor], seed: u64, cx: &RunCx, op: &str) -> Result<Tensor> {
+    let (mut outs, _) = run_inner(g, inputs, seed, None, cx.copies)?;
+    outs.pop()
+        .ok_or_else(|| Error::internal(op.to_string(), "a graph without output"))
+}
+
+/// Runs the branch the predicate (the first operand) names, on the rest.
+fn run_cond(c: &Cond, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
+    let branch = match holds(args[0], "cond")? {
+        true => &c.on_true,
+        false => &c.on_false,
+    };
+    let ops: Vec<Tensor> = args[1..].iter().map(|t| (*t).clone()).collect();
+    run_one(branch, &ops, cx.seed, cx, "cond")
+}
+
+/// Runs the body while the condition holds, from the first operand.
+fn run_while(w: &While, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
+    let mut ops: Vec<Tensor> = args.iter().map(|t| (*t).clone()).collect();
+    for i in 0u64.. {
+        let p = run_one(&w.cond, &ops, mix(cx.seed, 2 * i), cx, "while_loop")?;
+        if !holds(&p, "while_loop")? {
+            break;
+        }
+        ops[0] = run_one(&w.body, &ops, mix(cx.seed, 2 * i + 1), cx, "while_loop")?;
+    }
+    Ok(ops.swap_remove(0))
 }
 
 fn check_inputs(g: &Graph, inputs: &[Tensor]) -> Result<()> {

@@ -17,7 +17,7 @@ mod print;
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};
 pub use prim::CustomKernel;
-pub(crate) use prim::{CustomGraphs, CustomOp, Fused, Map, Prim, Scan};
+pub(crate) use prim::{Cond, CustomGraphs, CustomOp, Fused, Map, Prim, Scan, While};
 
 use candle_core::{DType, Tensor};
 

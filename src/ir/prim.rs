@@ -44,6 +44,10 @@ pub(crate) enum Prim {
     /// A loop over a sub-graph carrying a state (`scan`, and `fori_loop`
     /// built on it): one node whatever the trip count.
     Scan(Box<Scan>),
+    /// One of two sub-graphs, chosen by a scalar predicate at run time.
+    Cond(Box<Cond>),
+    /// A sub-graph run while another says so (`while_loop`).
+    While(Box<While>),
     /// A user-supplied candle function (no batching rule: maps under vmap).
     Custom(CustomOp),
     /// Random values, drawn anew at every run.
@@ -81,6 +85,8 @@ impl Prim {
             Prim::Pool(p) => p.name(),
             Prim::Map(m) => m.name(),
             Prim::Scan(s) => s.name(),
+            Prim::Cond(c) => c.name(),
+            Prim::While(w) => w.name(),
             Prim::Custom(c) => format!("custom[{}]", c.name),
             Prim::Random(r) => r.name(),
             Prim::Fused(f) => f.name(),
@@ -227,6 +233,51 @@ impl PartialEq for Scan {
         Arc::ptr_eq(&self.body, &other.body)
             && (self.carry, self.scanned, self.length, self.reverse)
                 == (other.carry, other.scanned, other.length, other.reverse)
+    }
+}
+
+/// `cond`: operands `[pred, operands..]`, `pred` a scalar (nonzero: true);
+/// the result is `on_true(operands..)` or `on_false(operands..)`, the
+/// branch not taken is not run. Both branches take every operand and give
+/// one value of one type.
+#[derive(Clone, Debug)]
+pub(crate) struct Cond {
+    pub(crate) on_true: Arc<Graph>,
+    pub(crate) on_false: Arc<Graph>,
+}
+
+impl Cond {
+    pub(crate) fn name(&self) -> String {
+        let count = |g: &Graph| g.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
+        format!("cond{{{} | {} nodes}}", count(&self.on_true), count(&self.on_false))
+    }
+}
+
+impl PartialEq for Cond {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.on_true, &other.on_true) && Arc::ptr_eq(&self.on_false, &other.on_false)
+    }
+}
+
+/// `while_loop`: operands `[carry, whole..]`; while `cond(carry, whole..)`
+/// (a scalar, nonzero: true) holds, `carry = body(carry, whole..)`. The
+/// result is the last carry.
+#[derive(Clone, Debug)]
+pub(crate) struct While {
+    pub(crate) cond: Arc<Graph>,
+    pub(crate) body: Arc<Graph>,
+}
+
+impl While {
+    pub(crate) fn name(&self) -> String {
+        let steps = self.body.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
+        format!("while{{{steps} nodes}}")
+    }
+}
+
+impl PartialEq for While {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.cond, &other.cond) && Arc::ptr_eq(&self.body, &other.body)
     }
 }
 

@@ -16,6 +16,7 @@
 //! [`plan::Planner`] in its context, which the transforms supply.
 
 pub(crate) mod builder;
+pub(crate) mod control;
 pub(crate) mod conv;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
@@ -31,7 +32,6 @@ pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod random;
 pub(crate) mod reduce;
-pub(crate) mod scan;
 pub(crate) mod shape;
 pub(crate) mod walk;
 
@@ -143,6 +143,8 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Pool(r) => r,
         Prim::Map(r) => r.as_ref(),
         Prim::Scan(r) => r.as_ref(),
+        Prim::Cond(r) => r.as_ref(),
+        Prim::While(r) => r.as_ref(),
         Prim::Custom(r) => r,
         Prim::Random(r) => r,
         Prim::Fused(r) => r.as_ref(),

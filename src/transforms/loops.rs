@@ -1,5 +1,6 @@
-//! Loops inside a traced function: [`scan`] (JAX's `lax.scan`), one node
-//! of the graph whatever the trip count, under every transform.
+//! Control flow inside a traced function, one node of the graph each
+//! and under every transform: [`scan`] (JAX's `lax.scan`), [`fori_loop`]
+//! (a scan of a fixed trip count), [`while_loop`] and [`cond`].
 //!
 //! The body is traced once, in a trace nested in the caller's: its carry
 //! and outputs are packed into one vector per step (so they share one
@@ -9,8 +10,8 @@
 
 use super::next_builder_id;
 use crate::error::{Error, Result};
-use crate::ir::{Prim, Scan, TensorType};
-use crate::rules::Builder;
+use crate::ir::{Cond, Graph, Node, Prim, Scan, TensorType, While};
+use crate::rules::{Builder, BuilderRef, Outer};
 use crate::trace::{Operand, Tracer};
 use std::sync::Arc;
 
@@ -120,7 +121,7 @@ pub fn scan_with(
         })
         .collect::<Vec<_>>();
     let (next, ys) = f(&carry, &steps)?;
-    check_carry(init, &next)?;
+    check_carry("scan", init, &next)?;
     let y_dtype = one_dtype(&ys, "the outputs")?;
     if let (Some(c), Some(y)) = (dtype, y_dtype) {
         if c != y {
@@ -267,11 +268,11 @@ fn one_dtype(ts: &[Tracer], what: &str) -> Result<Option<candle_core::DType>> {
 }
 
 /// The body's carry must be the one it was given, leaf for leaf.
-fn check_carry(init: &[Tracer], next: &[Tracer]) -> Result<()> {
+fn check_carry(op: &'static str, init: &[Tracer], next: &[Tracer]) -> Result<()> {
     let shapes: Vec<&[usize]> = init.iter().chain(next).map(Tracer::dims).collect();
     if init.len() != next.len() {
         return Err(Error::shape(
-            "scan",
+            op,
             &shapes,
             format!("the body returned {} carries for {} given", next.len(), init.len()),
         ));
@@ -279,7 +280,7 @@ fn check_carry(init: &[Tracer], next: &[Tracer]) -> Result<()> {
     for (k, (a, b)) in init.iter().zip(next).enumerate() {
         if a.dims() != b.dims() || a.dtype() != b.dtype() {
             return Err(Error::shape(
-                "scan",
+                op,
                 &shapes,
                 format!(
                     "the body changed carry {k} from {:?} {:?} to {:?} {:?}: a loop's carry keeps its shape and dtype",
@@ -292,4 +293,243 @@ fn check_carry(init: &[Tracer], next: &[Tracer]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `fori_loop`: `carry = body(i, carry)` for `i` in `lower..upper` (an
+/// `i64` scalar), as JAX's `lax.fori_loop`. A `scan` of `upper - lower`
+/// steps underneath, so reverse-differentiable (unlike [`while_loop`]);
+/// no step runs where `upper <= lower`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::loops::fori_loop;
+/// use candle_func::{grad, Tracer};
+/// // x^(2^3) by squaring three times; its derivative at 1.5
+/// let f = |x: Tracer| Ok(fori_loop(0, 3, |_i: &Tracer, c: &[Tracer]| Ok(vec![c[0].sqr()?]), &[x])?[0].clone());
+/// let g = grad(f).call(&Tensor::new(1.5f64, &Device::Cpu)?)?;
+/// assert!((g.to_scalar::<f64>()? - 8.0 * 1.5f64.powi(7)).abs() < 1e-9);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn fori_loop(
+    lower: usize,
+    upper: usize,
+    body: impl FnOnce(&Tracer, &[Tracer]) -> Result<Vec<Tracer>>,
+    init: &[Tracer],
+) -> Result<Vec<Tracer>> {
+    let like = init
+        .first()
+        .ok_or_else(|| Error::shape("fori_loop", &[], "needs a carry"))?;
+    if upper <= lower {
+        return Ok(init.to_vec());
+    }
+    let steps: Vec<i64> = (lower..upper).map(|i| i as i64).collect();
+    let n = steps.len();
+    let idx = candle_core::Tensor::from_vec(steps, n, &like.device())?.to_tracer(like)?;
+    let (carry, _) = scan(
+        |c: &[Tracer], i: &[Tracer]| Ok((body(&i[0], c)?, Vec::new())),
+        init,
+        &[idx],
+    )?;
+    Ok(carry)
+}
+
+/// `while_loop`: `carry = body_fun(carry)` while `cond_fun(carry)` (a
+/// scalar, nonzero: true) holds, as JAX's `lax.while_loop`; one node of
+/// the graph. Under `vmap` with a condition per example the loop runs
+/// until every example's fails, an example whose condition failed keeping
+/// its carry (under `Schedule::PerExample`, each example runs its own
+/// steps). Forward-differentiable (`jvp`); its gradient is an error, as
+/// in JAX, since the trip count is data: use [`fori_loop`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::loops::while_loop;
+/// use candle_func::{vmap, Tracer};
+/// // halve until below 1, each example its own number of times
+/// let f = |x: Tracer| {
+///     let out = while_loop(|c: &[Tracer]| c[0].ge(1.0), |c: &[Tracer]| Ok(vec![c[0].affine(0.5, 0.0)?]), &[x])?;
+///     Ok(out[0].clone())
+/// };
+/// let y = vmap(f).call(&Tensor::new(&[5f32, 0.5, 12.0], &Device::Cpu)?)?;
+/// assert_eq!(y.to_vec1::<f32>()?, [0.625, 0.5, 0.75]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn while_loop(
+    cond_fun: impl FnOnce(&[Tracer]) -> Result<Tracer>,
+    body_fun: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
+    init: &[Tracer],
+) -> Result<Vec<Tracer>> {
+    let outer = super::innermost(&[init.to_vec()]).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
+    let dtype = one_dtype(init, "the carry")?.unwrap_or(candle_core::DType::F32);
+    let nc: usize = init.iter().map(Tracer::elem_count).sum();
+    let shapes = || init.iter().map(|t| t.dims().to_vec());
+    let carry_ty = TensorType::new(vec![nc], dtype);
+    let (gc, cc) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
+        let p = cond_fun(&unpack(&ins[0], shapes())?)?;
+        match p.rank() {
+            0 => Ok(p),
+            _ => Err(Error::shape("while_loop", &[p.dims()], "cond_fun must give a scalar")),
+        }
+    })?;
+    let (gb, cb) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
+        let next = body_fun(&unpack(&ins[0], shapes())?)?;
+        check_carry("while_loop", init, &next)?;
+        pack(&next, dtype, &ins[0])
+    })?;
+    let (gc, gb) = (align(gc, 1, &[], &cb), align(gb, 1, &cc, &[]));
+    let like = &init[0];
+    let packed = pack(init, dtype, like)?;
+    let w = While {
+        cond: Arc::new(gc),
+        body: Arc::new(gb),
+    };
+    let out = emit(&outer, Prim::While(Box::new(w)), &[packed], &[cc, cb])?;
+    unpack(&out, shapes())
+}
+
+/// `cond`: `on_true(operands)` where `pred` (a scalar; nonzero: true)
+/// holds, else `on_false(operands)`, as JAX's `lax.cond`. The branch not
+/// taken does not run. Both branches give values of the same shapes and
+/// dtypes (one dtype among them). Under `vmap` with a predicate per
+/// example both branches run and each example takes its own (JAX's
+/// `select`); under `Schedule::PerExample` each runs only its own branch.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::loops::cond;
+/// use candle_func::{vmap, Tracer};
+/// let f = |x: Tracer| {
+///     let neg = x.lt(0.0)?;
+///     let out = cond(&neg, |o: &[Tracer]| Ok(vec![o[0].neg()?]), |o: &[Tracer]| Ok(vec![o[0].sqr()?]), &[x])?;
+///     Ok(out[0].clone())
+/// };
+/// let y = vmap(f).call(&Tensor::new(&[-2f32, 3.0], &Device::Cpu)?)?;
+/// assert_eq!(y.to_vec1::<f32>()?, [2.0, 9.0]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn cond(
+    pred: &Tracer,
+    on_true: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
+    on_false: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
+    operands: &[Tracer],
+) -> Result<Vec<Tracer>> {
+    if pred.rank() != 0 {
+        return Err(Error::shape("cond", &[pred.dims()], "the predicate must be a scalar"));
+    }
+    let all: Vec<Tracer> = std::iter::once(pred.clone()).chain(operands.iter().cloned()).collect();
+    let outer = super::innermost(&[all]).ok_or_else(|| Error::internal("cond", "no trace"))?;
+    let types: Vec<TensorType> = operands.iter().map(|t| t.ty.clone()).collect();
+    let branch = |f: Box<Branch<'_>>| {
+        let mut outs = Vec::new();
+        let (g, caps) = trace_nested(&outer, &types, |ins| {
+            let got = f(ins)?;
+            let dtype = one_dtype(&got, "a branch's values")?
+                .ok_or_else(|| Error::shape("cond", &[], "a branch gives no value"))?;
+            outs = got.iter().map(|t| t.ty.clone()).collect();
+            pack(&got, dtype, &ins[0])
+        })?;
+        Ok::<_, Error>((g, caps, outs))
+    };
+    let (gt, ct, tt) = branch(Box::new(on_true))?;
+    let (gf, cf, tf) = branch(Box::new(on_false))?;
+    if tt != tf {
+        let shapes: Vec<&[usize]> = tt.iter().chain(&tf).map(|t| t.shape.as_slice()).collect();
+        return Err(Error::shape(
+            "cond",
+            &shapes,
+            format!("the branches give {tt:?} and {tf:?}: both must give the same shapes and dtypes"),
+        ));
+    }
+    let n = operands.len();
+    let c = Cond {
+        on_true: Arc::new(align(gt, n, &[], &cf)),
+        on_false: Arc::new(align(gf, n, &ct, &[])),
+    };
+    let mut ops = vec![pred.clone()];
+    ops.extend_from_slice(operands);
+    let out = emit(&outer, Prim::Cond(Box::new(c)), &ops, &[ct, cf])?;
+    unpack(&out, tt.iter().map(|t| t.shape.clone()))
+}
+
+/// A branch of a `cond`: its operands to its values.
+type Branch<'a> = dyn FnOnce(&[Tracer]) -> Result<Vec<Tracer>> + 'a;
+
+/// Traces `f` on fresh inputs of `types` in a trace nested in `outer`:
+/// its graph (one output) and the outer values it read.
+fn trace_nested(
+    outer: &BuilderRef,
+    types: &[TensorType],
+    f: impl FnOnce(&[Tracer]) -> Result<Tracer>,
+) -> Result<(Graph, Vec<Outer>)> {
+    let given = outer.borrow().given;
+    let inner = Builder::child(outer, next_builder_id(), given);
+    let ins: Vec<Tracer> = types
+        .iter()
+        .map(|t| {
+            let id = inner.borrow_mut().input(t.clone());
+            Tracer::new(&inner, id)
+        })
+        .collect();
+    let out = f(&ins)?;
+    let mut bb = inner.borrow_mut();
+    let id = bb.lift(&out.outer())?;
+    Ok(bb.finish(vec![id]))
+}
+
+/// `ts` flattened into one vector of `dtype` (an empty one beside `like`).
+fn pack(ts: &[Tracer], dtype: candle_core::DType, like: &Tracer) -> Result<Tracer> {
+    if ts.is_empty() {
+        return candle_core::Tensor::zeros(0, dtype, &like.device())?.to_tracer(like);
+    }
+    let flat: Vec<Tracer> = ts.iter().map(Tracer::flatten_all).collect::<Result<_>>()?;
+    Tracer::cat(&flat.iter().collect::<Vec<_>>(), 0)
+}
+
+/// A graph traced with its own captures after its first `lead` inputs,
+/// taking the captures of the graphs traced `before` it and `after` it
+/// too (unused inputs), so that all take one operand list: `lead`,
+/// `before`'s, its own, `after`'s.
+fn align(g: Graph, lead: usize, before: &[Outer], after: &[Outer]) -> Graph {
+    let types = |c: &[Outer]| c.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
+    let g = insert_inputs(g, lead, &types(before));
+    let at = g.inputs.len();
+    insert_inputs(g, at, &types(after))
+}
+
+/// `g` with unused inputs of `types` inserted at input position `at`.
+fn insert_inputs(mut g: Graph, at: usize, types: &[TensorType]) -> Graph {
+    let shift = types.len();
+    for node in g.nodes.iter_mut() {
+        if let Prim::Input(k) = &mut node.prim {
+            if *k >= at {
+                *k += shift;
+            }
+        }
+    }
+    let mut ids = Vec::with_capacity(shift);
+    for (j, ty) in types.iter().enumerate() {
+        g.nodes.push(Node {
+            prim: Prim::Input(at + j),
+            args: Vec::new(),
+            ty: ty.clone(),
+        });
+        ids.push(g.nodes.len() - 1);
+    }
+    g.inputs.splice(at..at, ids);
+    g
+}
+
+/// Emits `prim` in `outer` on `operands` and then every capture list.
+fn emit(outer: &BuilderRef, prim: Prim, operands: &[Tracer], caps: &[Vec<Outer>]) -> Result<Tracer> {
+    let mut ob = outer.borrow_mut();
+    let mut ids = Vec::new();
+    for t in operands {
+        ids.push(ob.lift(&t.outer())?);
+    }
+    for c in caps.iter().flatten() {
+        ids.push(ob.lift(c)?);
+    }
+    let out = ob.emit(prim, &ids)?;
+    drop(ob);
+    Ok(Tracer::new(outer, out))
 }

@@ -16,33 +16,16 @@
 //! in front), so a rule never needs to know which axes of an operand the
 //! batching rule put there.
 
-use super::facts::{self, Arg, Facts, Workspace};
-use super::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
-
-mod vjp;
+use super::{flat, piece, shape_error};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
+use crate::rules::facts::{self, Arg, Facts, Workspace};
+use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
 fn bad(args: &[&TensorType], msg: String) -> Error {
-    let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
-    Error::shape("scan", &shapes, msg)
-}
-
-/// `v` as one vector (`.. -> (..)`).
-pub(super) fn flat(b: &mut Builder, v: VarId) -> Result<VarId> {
-    let n = b.ty(v).elem_count();
-    b.reshape(v, vec![n])
-}
-
-/// Entries `[start, start + len)` of the vector `v`, shaped `shape`.
-pub(super) fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) -> Result<VarId> {
-    let len = shape.iter().product();
-    let mut want = b.dims(v)[..axis].to_vec();
-    want.extend_from_slice(shape);
-    let p = b.narrow(v, axis, start, len)?;
-    b.reshape(p, want)
+    shape_error("scan", args, msg)
 }
 
 impl Scan {
@@ -203,7 +186,7 @@ impl Rule for Scan {
     }
 
     fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
-        vjp::emit(self, b, args, out, ct).map(Some)
+        super::scan_vjp::emit(self, b, args, out, ct).map(Some)
     }
 
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {

@@ -1,0 +1,232 @@
+//! `cond`: one of two branches, chosen by a scalar predicate when the
+//! graph runs (the interpreter runs only the branch taken).
+//!
+//! * batch: with one predicate for the whole batch, the same `cond` over
+//!   the branches batched; with a predicate per example, both branches run
+//!   batched and a `where` picks each example's (JAX's `select`). Under
+//!   `Schedule::PerExample` the unbatched graph runs per example, so each
+//!   example runs only its own branch.
+//! * VJP and JVP: a `cond` of the branches' VJPs (their operands'
+//!   cotangents packed into one vector) and JVPs, on the same predicate.
+
+use super::{flat, piece, shape_error};
+use crate::error::{Error, Result};
+use crate::ir::ops::Compare;
+use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
+use crate::rules::facts::{self, Arg, Effect, Facts, Workspace};
+use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use candle_core::Tensor;
+use std::sync::Arc;
+
+impl Cond {
+    fn branches(&self) -> [&Graph; 2] {
+        [&self.on_true, &self.on_false]
+    }
+
+    /// The cond of two branches made from each of this one's.
+    fn map(&self, mut f: impl FnMut(&Graph) -> Result<Graph>) -> Result<Cond> {
+        Ok(Cond {
+            on_true: Arc::new(f(&self.on_true)?),
+            on_false: Arc::new(f(&self.on_false)?),
+        })
+    }
+}
+
+/// The strongest effect of the graphs.
+pub(super) fn effect(gs: &[&Graph]) -> Effect {
+    let effects: Vec<Effect> = gs.iter().map(|g| facts::effect_of(g)).collect();
+    [Effect::Random, Effect::Opaque]
+        .into_iter()
+        .find(|e| effects.contains(e))
+        .unwrap_or(Effect::Pure)
+}
+
+/// The largest peak of the graphs, less their inputs (views of operands
+/// the plan holds already).
+pub(super) fn body_peak(gs: &[&Graph]) -> usize {
+    gs.iter()
+        .map(|g| {
+            let inputs: usize = g.inputs.iter().map(|&i| facts::bytes(g.ty(i))).sum();
+            memory::planned_peak(g).saturating_sub(inputs)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+impl Rule for Cond {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        let bad = |msg: String| shape_error("cond", args, msg);
+        let Some(pred) = args.first() else {
+            return Err(bad("no predicate".into()));
+        };
+        if pred.rank() != 0 {
+            return Err(bad(format!("the predicate must be a scalar, got {:?}", pred.shape)));
+        }
+        let mut out: Option<&TensorType> = None;
+        for (name, g) in ["on_true", "on_false"].iter().zip(self.branches()) {
+            let ins: Vec<&TensorType> = g.inputs.iter().map(|&i| g.ty(i)).collect();
+            if ins != args[1..] || g.outputs.len() != 1 {
+                return Err(bad(format!("{name} does not take the operands {:?}", &args[1..])));
+            }
+            let ty = g.ty(g.outputs[0]);
+            match out {
+                Some(o) if o != ty => {
+                    return Err(bad(format!(
+                        "the branches give {:?} {:?} and {:?} {:?}: both must give one type",
+                        o.dtype, o.shape, ty.dtype, ty.shape
+                    )))
+                }
+                _ => out = Some(ty),
+            }
+        }
+        out.cloned().ok_or_else(|| bad("no branch".into()))
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        let [t, f] = self.branches();
+        Facts {
+            effect: effect(&[t, f]),
+            cheap: false,
+            measurable: facts::measurable(t) && facts::measurable(f),
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        let [t, f] = self.branches();
+        Workspace::scratch(body_peak(&[t, f]))
+    }
+
+    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+        Err(Error::internal("cond", "a cond's branches are run by the interpreter"))
+    }
+
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
+        if args.iter().all(|a| a.1.is_none()) {
+            return Ok(Some((cx.b.emit(Prim::Cond(Box::new(self.clone())), &ids)?, None)));
+        }
+        let ops = &args[1..];
+        if let (p, Some(d)) = args[0] {
+            // a predicate per example: both branches, then each example's
+            let mut outs = Vec::with_capacity(2);
+            for g in self.branches() {
+                let out = walk::batch_graph(g, cx, ops)?[0];
+                outs.push(cx.materialize(out)?);
+            }
+            let p = cx.front((p, Some(d)))?;
+            let zero = cx.b.scalar_as(0.0, p);
+            let mask = cx.b.cmp(Compare::Ne, p, zero)?;
+            // B -> B 1.. against the outputs B ..
+            let mut shape = vec![cx.size];
+            shape.resize(cx.b.ty(outs[0]).rank(), 1);
+            let mask = cx.b.reshape(mask, shape)?;
+            return Ok(Some((cx.b.select(mask, outs[0], outs[1])?, Some(0))));
+        }
+        // one predicate for all: the same choice between batched branches
+        let mut operands = vec![args[0].0];
+        for &(v, bd) in ops {
+            operands.push(match bd {
+                Some(_) => cx.front((v, bd))?,
+                None => v,
+            });
+        }
+        let batched = self.map(|g| {
+            let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
+            let mut sb = scratch.borrow_mut();
+            let inner: Vec<BVal> = ops
+                .iter()
+                .zip(&g.inputs)
+                .map(|(&(_, bd), &i)| {
+                    let mut ty = g.ty(i).clone();
+                    if bd.is_some() {
+                        ty.shape.insert(0, cx.size);
+                    }
+                    (sb.input(ty), bd.map(|_| 0))
+                })
+                .collect();
+            let mut icx = BatchCx {
+                b: &mut sb,
+                size: cx.size,
+                opts: cx.opts,
+                plan: cx.plan,
+            };
+            let out = walk::batch_graph(g, &mut icx, &inner)?[0];
+            let out = icx.materialize(out)?;
+            Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+        })?;
+        Ok(Some((cx.b.emit(Prim::Cond(Box::new(batched)), &operands)?, Some(0))))
+    }
+
+    /// A cond of the branches' VJPs, taking the operands and the result's
+    /// cotangent and giving the float operands' cotangents packed.
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        let floats: Vec<usize> = (1..args.len()).filter(|&k| b.ty(args[k]).dtype.is_float()).collect();
+        let dtype = b.ty(ct).dtype;
+        if let Some(&k) = floats.iter().find(|&&k| b.ty(args[k]).dtype != dtype) {
+            return Err(Error::unsupported(
+                "cond",
+                "grad",
+                format!("operand {k} is {:?} and the result {dtype:?}: differentiate a cond whose float operands share the result's dtype", b.ty(args[k]).dtype),
+            ));
+        }
+        if floats.is_empty() {
+            return Ok(Some(vec![None; args.len()]));
+        }
+        let ct_ty = b.ty(ct).clone();
+        let back = self.map(|g| {
+            let scratch = Builder::scratch(b.given, b.ctx.clone());
+            let mut sb = scratch.borrow_mut();
+            let ins: Vec<VarId> = g.inputs.iter().map(|&i| sb.input(g.ty(i).clone())).collect();
+            let c = sb.input(ct_ty.clone());
+            let wrt: Vec<bool> = (1..args.len()).map(|k| floats.contains(&k)).collect();
+            let (_, cts) = walk::vjp_graph(g, &mut sb, &ins, &wrt, &[(0, c)])?;
+            let mut parts = Vec::with_capacity(floats.len());
+            for &k in &floats {
+                let v = sb.or_zeros(cts[k - 1], ins[k - 1])?;
+                parts.push(flat(&mut sb, v)?);
+            }
+            let out = sb.concat(&parts, 0)?;
+            Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+        })?;
+        let mut operands = args.to_vec();
+        operands.push(ct);
+        let packed = b.emit(Prim::Cond(Box::new(back)), &operands)?;
+        let mut cts: Cts = vec![None; args.len()];
+        let mut at = 0;
+        for &k in &floats {
+            let shape = b.dims(args[k]);
+            cts[k] = Some(piece(b, packed, 0, at, &shape)?);
+            at += shape.iter().product::<usize>();
+        }
+        Ok(Some(cts))
+    }
+
+    /// A cond of the branches' JVPs: the operands, then the tangents of
+    /// those that have one.
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
+        let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
+        if present.is_empty() {
+            return Ok(Some(None));
+        }
+        let out_ty = b.ty(out).clone();
+        let fwd = self.map(|g| {
+            let scratch = Builder::scratch(b.given, b.ctx.clone());
+            let mut sb = scratch.borrow_mut();
+            let ins: Vec<VarId> = g.inputs.iter().map(|&i| sb.input(g.ty(i).clone())).collect();
+            let mut ts: Vec<Tan> = vec![None; ins.len()];
+            for &k in &present {
+                ts[k - 1] = Some(sb.input(g.ty(g.inputs[k - 1]).clone()));
+            }
+            let (_, touts) = walk::jvp_graph(g, &mut sb, &ins, &ts)?;
+            let t = match touts[0] {
+                Some(t) => t,
+                None => sb.zeros(out_ty.shape.clone(), out_ty.dtype)?,
+            };
+            Ok(sb.finish(vec![t]).0.eliminate_dead_code())
+        })?;
+        let mut operands = args.to_vec();
+        operands.extend(present.iter().filter_map(|&k| tans[k]));
+        Ok(Some(Some(b.emit(Prim::Cond(Box::new(fwd)), &operands)?)))
+    }
+}

@@ -1,0 +1,35 @@
+//! Control flow: primitives with sub-graph bodies that the interpreter
+//! runs, one node of the graph each (`scan`, `cond`, `while_loop`), and
+//! their rules, which rewrite the bodies (batched, differentiated) into
+//! new nodes of the same kinds.
+
+mod cond;
+mod scan;
+mod scan_vjp;
+mod while_loop;
+
+use crate::error::{Error, Result};
+use crate::ir::{TensorType, VarId};
+use crate::rules::Builder;
+
+/// A shape error of `op` naming its operands' shapes.
+fn shape_error(op: &'static str, args: &[&TensorType], msg: String) -> Error {
+    let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
+    Error::shape(op, &shapes, msg)
+}
+
+/// `v` as one vector (`.. -> (..)`).
+fn flat(b: &mut Builder, v: VarId) -> Result<VarId> {
+    let n = b.ty(v).elem_count();
+    b.reshape(v, vec![n])
+}
+
+/// Entries `[start, start + len)` of `v` along `axis`, shaped `shape` after
+/// the axes before it.
+fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) -> Result<VarId> {
+    let len = shape.iter().product();
+    let mut want = b.dims(v)[..axis].to_vec();
+    want.extend_from_slice(shape);
+    let p = b.narrow(v, axis, start, len)?;
+    b.reshape(p, want)
+}

@@ -1,0 +1,215 @@
+//! `while_loop`: a body run while a condition of the carry holds (the
+//! interpreter runs both).
+//!
+//! * batch: with one condition for the whole batch (it reads nothing
+//!   batched), the same loop over the body batched; with a condition per
+//!   example, the loop runs while any example's holds and an example whose
+//!   condition fails keeps its carry (JAX's rule). Under
+//!   `Schedule::PerExample` each example runs its own number of steps.
+//! * JVP: a loop carrying the carry and its tangent side by side.
+//! * VJP: none, as in JAX: the trip count is data, so the carries to run
+//!   back over are not known in advance. `fori_loop` (a `scan` of a fixed
+//!   length) is the reverse-differentiable loop.
+
+use super::cond::{body_peak, effect};
+use super::{flat, piece, shape_error};
+use crate::error::{Error, Result};
+use crate::ir::ops::{Compare, Unary};
+use crate::ir::{Graph, Prim, TensorType, VarId, While};
+use crate::rules::facts::{self, Arg, Facts, Workspace};
+use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use candle_core::{DType, Tensor};
+use std::sync::Arc;
+
+impl Rule for While {
+    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+        let bad = |msg: String| shape_error("while_loop", args, msg);
+        let Some(carry) = args.first() else {
+            return Err(bad("no carry".into()));
+        };
+        for (name, g) in [("cond_fun", &self.cond), ("body_fun", &self.body)] {
+            let ins: Vec<&TensorType> = g.inputs.iter().map(|&i| g.ty(i)).collect();
+            if ins != args || g.outputs.len() != 1 {
+                return Err(bad(format!("{name} does not take the operands")));
+            }
+        }
+        if self.cond.ty(self.cond.outputs[0]).rank() != 0 {
+            return Err(bad("cond_fun must give a scalar".into()));
+        }
+        let next = self.body.ty(self.body.outputs[0]);
+        if next != *carry {
+            return Err(bad(format!(
+                "the body changed the carry from {:?} {:?} to {:?} {:?}: a loop's carry keeps its shape and dtype",
+                carry.dtype, carry.shape, next.dtype, next.shape
+            )));
+        }
+        Ok((*carry).clone())
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            effect: effect(&[&self.cond, &self.body]),
+            cheap: false,
+            measurable: facts::measurable(&self.cond) && facts::measurable(&self.body),
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        let carry = facts::bytes(self.body.ty(self.body.outputs[0]));
+        Workspace::scratch(body_peak(&[&self.cond, &self.body]) + carry)
+    }
+
+    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+        Err(Error::internal(
+            "while_loop",
+            "a loop's graphs are run by the interpreter",
+        ))
+    }
+
+    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
+        if args.iter().all(|a| a.1.is_none()) {
+            return Ok(Some((cx.b.emit(Prim::While(Box::new(self.clone())), &ids)?, None)));
+        }
+        // the carry batched whatever its start (the steps make it so)
+        let mut operands = vec![cx.materialize(args[0])?];
+        for &(v, bd) in &args[1..] {
+            operands.push(match bd {
+                Some(_) => cx.front((v, bd))?,
+                None => v,
+            });
+        }
+        let scratch = || Builder::scratch(cx.b.given, cx.b.ctx.clone());
+        let inputs = |sb: &mut Builder| -> Vec<BVal> {
+            args.iter()
+                .enumerate()
+                .map(|(k, &(_, bd))| {
+                    let mut ty = self.body.ty(self.body.inputs[k]).clone();
+                    let batched = k == 0 || bd.is_some();
+                    if batched {
+                        ty.shape.insert(0, cx.size);
+                    }
+                    (sb.input(ty), batched.then_some(0))
+                })
+                .collect()
+        };
+        let (size, opts, plan) = (cx.size, cx.opts, cx.plan);
+        // the condition, batched: one for all, or one per example
+        let (cond, per_example) = {
+            let s = scratch();
+            let mut sb = s.borrow_mut();
+            let ins = inputs(&mut sb);
+            let mut icx = BatchCx {
+                b: &mut sb,
+                size,
+                opts,
+                plan,
+            };
+            let (p, bd) = walk::batch_graph(&self.cond, &mut icx, &ins)?[0];
+            let any = match bd {
+                None => p,
+                Some(_) => any_true(&mut sb, p)?,
+            };
+            (sb.finish(vec![any]).0.eliminate_dead_code(), bd.is_some())
+        };
+        let body = {
+            let s = scratch();
+            let mut sb = s.borrow_mut();
+            let ins = inputs(&mut sb);
+            let mut icx = BatchCx {
+                b: &mut sb,
+                size,
+                opts,
+                plan,
+            };
+            let next = walk::batch_graph(&self.body, &mut icx, &ins)?[0];
+            let mut next = icx.materialize(next)?;
+            if per_example {
+                // an example whose condition fails keeps its carry
+                let p = walk::batch_graph(&self.cond, &mut icx, &ins)?[0];
+                let p = icx.materialize(p)?;
+                let zero = icx.b.scalar_as(0.0, p);
+                let go = icx.b.cmp(Compare::Ne, p, zero)?;
+                let mut shape = vec![size];
+                shape.resize(icx.b.ty(next).rank(), 1);
+                let go = icx.b.reshape(go, shape)?;
+                next = icx.b.select(go, next, ins[0].0)?;
+            }
+            sb.finish(vec![next]).0.eliminate_dead_code()
+        };
+        let w = While {
+            cond: Arc::new(cond),
+            body: Arc::new(body),
+        };
+        Ok(Some((cx.b.emit(Prim::While(Box::new(w)), &operands)?, Some(0))))
+    }
+
+    fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
+        Err(Error::unsupported(
+            "while_loop",
+            "grad",
+            "a while loop's trip count is data, so it is forward-differentiable only (jvp); \
+             write a loop of a fixed trip count with fori_loop (a scan) to take its gradient",
+        ))
+    }
+
+    /// A loop of `(c, tc)` flattened side by side: the condition reads `c`,
+    /// the body is the step's JVP. The operands' tangents, where they have
+    /// one, follow the operands.
+    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        if tans.iter().all(Option::is_none) {
+            return Ok(Some(None));
+        }
+        let carry_ty = b.ty(args[0]).clone();
+        let ncf = carry_ty.elem_count();
+        let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
+        let graph = |g: &Graph, body: bool| -> Result<Graph> {
+            let s = Builder::scratch(b.given, b.ctx.clone());
+            let mut sb = s.borrow_mut();
+            let state = sb.input(TensorType::new(vec![2 * ncf], carry_ty.dtype));
+            let mut ins = vec![piece(&mut sb, state, 0, 0, &carry_ty.shape)?];
+            let mut all_ts: Vec<Tan> = vec![Some(piece(&mut sb, state, 0, ncf, &carry_ty.shape)?)];
+            for k in 1..args.len() {
+                ins.push(sb.input(g.ty(g.inputs[k]).clone()));
+                all_ts.push(None);
+            }
+            for &k in &present {
+                all_ts[k] = Some(sb.input(g.ty(g.inputs[k]).clone()));
+            }
+            let out = match body {
+                false => walk::forward(g, &mut sb, &ins)?[g.outputs[0]],
+                true => {
+                    let (outs, touts) = walk::jvp_graph(g, &mut sb, &ins, &all_ts)?;
+                    let t = sb.or_zeros(touts[0], outs[0])?;
+                    let (c, t) = (flat(&mut sb, outs[0])?, flat(&mut sb, t)?);
+                    sb.concat(&[c, t], 0)?
+                }
+            };
+            Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+        };
+        let w = While {
+            cond: Arc::new(graph(&self.cond, false)?),
+            body: Arc::new(graph(&self.body, true)?),
+        };
+        let c = flat(b, args[0])?;
+        let tc = b.or_zeros(tans[0], args[0])?;
+        let tc = flat(b, tc)?;
+        let mut operands = vec![b.concat(&[c, tc], 0)?];
+        operands.extend_from_slice(&args[1..]);
+        operands.extend(present.iter().filter_map(|&k| tans[k]));
+        let state = b.emit(Prim::While(Box::new(w)), &operands)?;
+        Ok(Some(Some(piece(b, state, 0, ncf, &carry_ty.shape)?)))
+    }
+}
+
+/// Whether any entry of the per-example condition `p` `[B]` holds: a
+/// scalar `u8`.
+fn any_true(b: &mut Builder, p: VarId) -> Result<VarId> {
+    let zero = b.scalar_as(0.0, p);
+    let go = b.cmp(Compare::Ne, p, zero)?;
+    let go = b.un(Unary::Cast(DType::F32), go)?;
+    let n = b.sum_axes(go, vec![0], false)?;
+    let zero = b.scalar_as(0.0, n);
+    b.cmp(Compare::Gt, n, zero)
+}

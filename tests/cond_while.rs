@@ -1,0 +1,290 @@
+//! `cond`, `while_loop` and `fori_loop`: against plain Rust control flow
+//! on single calls, under `vmap` (a predicate or trip count per example,
+//! batched and per example) against a loop of single calls, derivatives
+//! against closed forms and finite differences (f64), and bad bodies.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::graph::TensorType;
+use candle_func::jacobian::jvp_fn;
+use candle_func::loops::{cond, fori_loop, scan, while_loop};
+use candle_func::{custom_op, grad, jit, jvp, vmap, Error, Function, Schedule, Tracer};
+use common::assert_close;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+fn t64(v: &[f64]) -> Tensor {
+    Tensor::new(v, &Device::Cpu).unwrap()
+}
+
+/// `x < 0 ? -x^3 : sin(x) * x` by `cond` on a scalar.
+fn piecewise(x: Tracer) -> candle_func::Result<Tracer> {
+    let out = cond(
+        &x.lt(0.0)?,
+        |o: &[Tracer]| Ok(vec![o[0].powf(3.0)?.neg()?]),
+        |o: &[Tracer]| Ok(vec![o[0].sin()?.mul(&o[0])?]),
+        std::slice::from_ref(&x),
+    )?;
+    Ok(out[0].clone())
+}
+
+fn piecewise_ref(x: f64) -> (f64, f64) {
+    if x < 0.0 {
+        (-x.powi(3), -3.0 * x * x)
+    } else {
+        (x.sin() * x, x.cos() * x + x.sin())
+    }
+}
+
+#[test]
+fn cond_takes_its_branch_and_differentiates_through_it() {
+    let xs = [-1.5, -0.25, 0.0, 0.7, 2.0];
+    for &x in &xs {
+        let xt = Tensor::new(x, &Device::Cpu).unwrap();
+        let (want, dwant) = piecewise_ref(x);
+        let y = jit(piecewise).call(&xt).unwrap().to_scalar::<f64>().unwrap();
+        let g = grad(piecewise).call(&xt).unwrap().to_scalar::<f64>().unwrap();
+        let (_, t) = jvp(&piecewise, &xt, &Tensor::new(1.0f64, &Device::Cpu).unwrap()).unwrap();
+        assert!((y - want).abs() < 1e-12, "value at {x}");
+        assert!((g - dwant).abs() < 1e-12, "grad at {x}: {g} vs {dwant}");
+        assert!((t.to_scalar::<f64>().unwrap() - dwant).abs() < 1e-12, "jvp at {x}");
+    }
+    // vmap: a predicate per example, batched (select) and per example
+    let batch = t64(&xs);
+    let want: Vec<f64> = xs.iter().map(|&x| piecewise_ref(x).0).collect();
+    let dwant: Vec<f64> = xs.iter().map(|&x| piecewise_ref(x).1).collect();
+    for schedule in [Schedule::Batched, Schedule::PerExample, Schedule::Auto] {
+        let y = vmap(piecewise).schedule(schedule).call(&batch).unwrap();
+        assert_close(&y, &t64(&want), 1e-12, &format!("vmap {schedule:?}"));
+        let g = vmap(grad(piecewise)).schedule(schedule).call(&batch).unwrap();
+        assert_close(&g, &t64(&dwant), 1e-12, &format!("vmap(grad) {schedule:?}"));
+    }
+    // grad of a batched sum: the per-example derivatives
+    let g = grad(|x: Tracer| Function::apply(&vmap(piecewise), (x,))?.sum_all())
+        .call(&batch)
+        .unwrap();
+    assert_close(&g, &t64(&dwant), 1e-12, "grad of vmap");
+}
+
+#[test]
+fn a_shared_predicate_stays_one_cond_and_a_per_example_one_runs_each_examples_branch_alone() {
+    // counts how often each branch's opaque kernel runs (once per example
+    // under vmap: custom ops have no batching rule)
+    let calls = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let f = {
+        let calls = calls.clone();
+        move |x: Tracer| -> candle_func::Result<Tracer> {
+            let branch = |k: usize| {
+                let calls = calls.clone();
+                move |o: &[Tracer]| {
+                    let calls = calls.clone();
+                    let ty = TensorType::new(vec![], DType::F64);
+                    let y = custom_op("branch", &[&o[0]], ty, move |xs| {
+                        calls[k].fetch_add(1, Ordering::SeqCst);
+                        xs[0].affine(if k == 0 { 2.0 } else { -1.0 }, 0.0)
+                    })?;
+                    Ok(vec![y])
+                }
+            };
+            Ok(cond(&x.gt(0.0)?, branch(0), branch(1), std::slice::from_ref(&x))?[0].clone())
+        }
+    };
+    let xs = t64(&[1.0, -2.0, -3.0, -4.0]);
+    let count = |schedule| {
+        for c in calls.iter() {
+            c.store(0, Ordering::SeqCst);
+        }
+        let y = vmap(f.clone()).schedule(schedule).call(&xs).unwrap();
+        assert_close(&y, &t64(&[2.0, 2.0, 3.0, 4.0]), 0.0, "values");
+        (calls[0].load(Ordering::SeqCst), calls[1].load(Ordering::SeqCst))
+    };
+    assert_eq!(
+        count(Schedule::PerExample),
+        (1, 3),
+        "per example: each example's branch alone"
+    );
+    assert_eq!(count(Schedule::Batched), (4, 4), "batched: both branches, then select");
+    // one predicate for the whole batch: a cond of batched branches
+    let shared = |p: Tracer, x: Tracer| {
+        Ok(cond(
+            &p,
+            |o: &[Tracer]| Ok(vec![o[0].exp()?]),
+            |o: &[Tracer]| Ok(vec![o[0].neg()?]),
+            &[x],
+        )?[0]
+            .clone())
+    };
+    let x = t64(&[0.5, -1.0]);
+    for (p, want) in [(1.0f64, x.exp().unwrap()), (0.0, x.neg().unwrap())] {
+        let p = Tensor::new(p, &Device::Cpu).unwrap();
+        let y = vmap(shared).in_dims([None, Some(0)]).call((&p, &x)).unwrap();
+        assert_close(&y, &want, 1e-12, "shared predicate");
+        let g = candle_func::make_graph(&vmap(shared).in_dims([None, Some(0)]), (&p, &x)).unwrap();
+        assert!(
+            g.nodes().any(|n| n.name().starts_with("cond")),
+            "one cond for all:\n{g}"
+        );
+    }
+}
+
+/// Halvings until below 1, and their count.
+fn halve(x: Tracer) -> candle_func::Result<(Tracer, Tracer)> {
+    let zero = x.affine(0.0, 0.0)?;
+    let out = while_loop(
+        |c: &[Tracer]| c[0].ge(1.0),
+        |c: &[Tracer]| Ok(vec![c[0].affine(0.5, 0.0)?, c[1].affine(1.0, 1.0)?]),
+        &[x, zero],
+    )?;
+    Ok((out[0].clone(), out[1].clone()))
+}
+
+#[test]
+fn while_loop_runs_each_examples_own_steps_and_is_forward_differentiable() {
+    let xs = [5.0, 0.5, 12.0, 1.0];
+    let want = |x: f64| {
+        let (mut v, mut n) = (x, 0.0);
+        while v >= 1.0 {
+            v *= 0.5;
+            n += 1.0;
+        }
+        (v, n)
+    };
+    let batch = t64(&xs);
+    for schedule in [Schedule::Batched, Schedule::PerExample, Schedule::Auto] {
+        let (v, n) = vmap(halve).schedule(schedule).call(&batch).unwrap();
+        let (wv, wn): (Vec<f64>, Vec<f64>) = xs.iter().map(|&x| want(x)).unzip();
+        assert_close(&v, &t64(&wv), 0.0, &format!("values {schedule:?}"));
+        assert_close(&n, &t64(&wn), 0.0, &format!("counts {schedule:?}"));
+    }
+    // d/dx of x / 2^n(x) is 2^-n: forward mode through the loop
+    for &x in &xs {
+        let xt = Tensor::new(x, &Device::Cpu).unwrap();
+        let (_, t) = jvp(
+            &|x: Tracer| Ok(halve(x)?.0),
+            &xt,
+            &Tensor::new(1.0f64, &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        assert!((t.to_scalar::<f64>().unwrap() - 0.5f64.powf(want(x).1)).abs() < 1e-12);
+    }
+    let ones = t64(&[1.0; 4]);
+    let (_, t) = vmap(jvp_fn(|x: Tracer| Ok(halve(x)?.0))).call((&batch, &ones)).unwrap();
+    let tw: Vec<f64> = xs.iter().map(|&x| 0.5f64.powf(want(x).1)).collect();
+    assert_close(&t, &t64(&tw), 1e-12, "vmap of jvp");
+    // reverse mode: an error pointing at fori_loop
+    match vmap(grad(|x: Tracer| Ok(halve(x)?.0))).call(&batch) {
+        Err(e @ Error::Unsupported { .. }) => assert!(e.to_string().contains("fori_loop"), "{e}"),
+        other => panic!("expected an unsupported error, got {other:?}"),
+    }
+}
+
+#[test]
+fn fori_loop_is_reverse_differentiable_and_control_flow_nests() {
+    // x -> x^(2^4) by four squarings, and its derivative 16 x^15
+    let f = |x: Tracer| Ok(fori_loop(0, 4, |_i: &Tracer, c: &[Tracer]| Ok(vec![c[0].sqr()?]), &[x])?[0].clone());
+    let xs = t64(&[0.9, 1.05, -1.1]);
+    let want: Vec<f64> = [0.9f64, 1.05, -1.1].iter().map(|x| 16.0 * x.powi(15)).collect();
+    assert_close(
+        &vmap(grad(f)).call(&xs).unwrap(),
+        &t64(&want),
+        1e-9,
+        "vmap(grad) of fori_loop",
+    );
+    // the index reaches the body: sum of i * x over i in 2..5
+    let g = |x: Tracer| {
+        let zero = x.affine(0.0, 0.0)?;
+        let out = fori_loop(
+            2,
+            5,
+            |i: &Tracer, c: &[Tracer]| Ok(vec![c[0].add(&i.to_dtype(DType::F64)?.mul(&x)?)?]),
+            &[zero],
+        )?;
+        Ok(out[0].clone())
+    };
+    let y = jit(g).call(Tensor::new(1.5f64, &Device::Cpu).unwrap()).unwrap();
+    assert!((y.to_scalar::<f64>().unwrap() - 9.0 * 1.5).abs() < 1e-12);
+    // a cond inside a scan: a running sum of |x_t| - 1 where x_t < 1, x_t^2 elsewhere
+    let h = |xs: Tracer| {
+        let init = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
+        let (c, _) = scan(
+            |c: &[Tracer], x: &[Tracer]| {
+                let v = cond(
+                    &x[0].lt(1.0)?,
+                    |o: &[Tracer]| Ok(vec![o[0].abs()?.affine(1.0, -1.0)?]),
+                    |o: &[Tracer]| Ok(vec![o[0].sqr()?]),
+                    &[x[0].clone()],
+                )?;
+                Ok((vec![c[0].add(&v[0])?], vec![]))
+            },
+            &[init],
+            &[xs],
+        )?;
+        Ok(c[0].clone())
+    };
+    let xs = t64(&[-2.0, 0.5, 3.0, 1.5]);
+    let gh = grad(h).call(&xs).unwrap();
+    assert_close(
+        &gh,
+        &t64(&[-1.0, 1.0, 6.0, 3.0]),
+        1e-12,
+        "grad through a cond in a scan",
+    );
+    // finite differences of the same
+    let eps = 1e-6;
+    let v = t64(&[0.3, -0.2, 0.5, 0.1]);
+    let at = |s: f64| {
+        jit(h)
+            .call((&xs + (&v * s).unwrap()).unwrap())
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
+    let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+    let dot = (&gh * &v).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+    assert!((fd - dot).abs() < 1e-6, "{fd} vs {dot}");
+}
+
+#[test]
+fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the_construct() {
+    let x = t64(&[1.0, 2.0]);
+    let two = |x: Tracer| {
+        let p = x.sum_all()?.gt(0.0)?;
+        Ok(cond(
+            &p,
+            |o: &[Tracer]| Ok(vec![o[0].clone()]),
+            |o: &[Tracer]| Ok(vec![o[0].sum_all()?]),
+            &[x],
+        )?[0]
+            .clone())
+    };
+    match jit(two).call(&x) {
+        Err(e @ Error::Shape { op: "cond", .. }) => assert!(e.to_string().contains("same shapes"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    let vector_pred = |x: Tracer| {
+        Ok(cond(
+            &x.gt(0.0)?,
+            |o: &[Tracer]| Ok(o.to_vec()),
+            |o: &[Tracer]| Ok(o.to_vec()),
+            &[x],
+        )?[0]
+            .clone())
+    };
+    match jit(vector_pred).call(&x) {
+        Err(e @ Error::Shape { op: "cond", .. }) => assert!(e.to_string().contains("scalar"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    let grows = |x: Tracer| {
+        let out = while_loop(
+            |c: &[Tracer]| c[0].sum_all()?.lt(10.0),
+            |c: &[Tracer]| Ok(vec![Tracer::cat(&[&c[0], &c[0]], 0)?]),
+            &[x],
+        )?;
+        Ok(out[0].clone())
+    };
+    match jit(grows).call(&x) {
+        Err(e @ Error::Shape { op: "while_loop", .. }) => assert!(e.to_string().contains("changed carry 0"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
