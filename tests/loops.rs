@@ -247,6 +247,16 @@ fn vmap_of_scan_and_per_sample_gradients_equal_a_loop_of_single_calls() {
         for k in p.keys() {
             assert_close(&total[k], &psg[k].sum(0).unwrap(), 1e-10, &format!("grad of vmap {k}"));
         }
+        // forward mode through the batched loop: each example's tangent
+        let v = params(DType::F64, 21);
+        let xt = xs(DType::F64, &[B], 22);
+        let batched = vmap(f.clone()).in_dims([None, Some(0)]);
+        let (_, t) = jvp(&batched, (&p, &x), (&v, &xt)).unwrap();
+        let singles = per_example(B, |i| {
+            let ti = xt.narrow(0, i, 1).unwrap().squeeze(0).unwrap();
+            jvp(&f, (&p, &one(i)), (&v, &ti)).unwrap().1
+        });
+        assert_close(&t, &Tensor::stack(&singles, 0).unwrap(), 1e-10, "jvp of vmap");
         // an ensemble: each model its own weights, one shared sequence
         let stacked: BTreeMap<String, Tensor> = params(DType::F64, 13)
             .iter()
