@@ -1,17 +1,19 @@
-//! A character-level LSTM that classifies the fortune texts shipped in
-//! `data/` by topic (computers, politics, science, work), trained with
-//! DP-Adam through `dp::PrivacyEngine` beside the same model trained
-//! without privacy on Poisson batches of the same rate, from the same
-//! initial weights. Each example is a tree `(characters [T], length,
-//! topic)`: the LSTM (`nn::lstm`, one `scan` node per direction) reads
-//! each text up to its own length, as `pack_padded_sequence` makes
-//! PyTorch do, so padding changes nothing. The held-out 300 records are
-//! the ones `dp_text` and `dp_finetune` hold out.
+//! A word-level bidirectional LSTM that classifies the fortune texts
+//! shipped in `data/` by topic (computers, politics, science, work),
+//! trained with DP-Adam through `dp::PrivacyEngine` beside the same model
+//! trained without privacy on Poisson batches of the same rate, from the
+//! same initial weights. Words are the training texts' lower-cased runs
+//! of letters and digits seen at least twice (the rest one unknown word);
+//! each example is a tree `(words [T], length, topic)`: the LSTM
+//! (`nn::lstm`, one `scan` node per direction) reads each text up to its
+//! own length, as `pack_padded_sequence` makes PyTorch do, and the head
+//! reads the mean of its outputs over the text. The held-out 300 records
+//! are the ones `dp_text` and `dp_finetune` hold out.
 //!
 //!     cargo run --release --example dp_lstm
 //!
 //! Options: --epochs N, --batch B (expected batch size), --physical P,
-//! --lr, --clip C, --epsilon ε, --delta δ, --seq T (characters read),
+//! --lr, --clip C, --epsilon ε, --delta δ, --seq T (words read),
 //! --emb E, --hidden H, --seed S (reproducible noise, NOT private; without
 //! it the noise is keyed from the OS). It ends with `RESULT dp accuracy ..
 //! epsilon ..` and `RESULT nonprivate accuracy ..` lines.
@@ -24,13 +26,14 @@ use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine};
 use candle_func::nn::{self, Embedding, Linear, Module, Params, Recurrent, RecurrentConfig, Reduction};
 use candle_func::{grad, jit, Tracer};
 use common::arg;
-use common::fortunes::{self, VOCAB};
+use common::fortunes;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 const TOPICS: [&str; 4] = ["computers", "politics", "science", "work"];
 
-/// The classifier: characters, an LSTM, a linear head on its final state.
+/// The classifier: words, an LSTM both ways, a linear head on the mean of
+/// its outputs over the text.
 struct Model {
     emb: Embedding,
     rnn: Recurrent,
@@ -38,29 +41,61 @@ struct Model {
 }
 
 impl Model {
-    fn new(vm: &candle_nn::VarMap, e: usize, h: usize) -> candle_func::Result<Model> {
+    fn new(vm: &candle_nn::VarMap, vocab: usize, e: usize, h: usize) -> candle_func::Result<Model> {
         let vb = candle_nn::VarBuilder::from_varmap(vm, DType::F32, &Device::Cpu);
+        let cfg = RecurrentConfig {
+            bidirectional: true,
+            ..RecurrentConfig::default()
+        };
         Ok(Model {
-            emb: nn::embedding(VOCAB, e, vb.pp("emb"))?,
-            rnn: nn::lstm(e, h, RecurrentConfig::default(), vb.pp("rnn"))?,
-            fc: nn::linear(h, TOPICS.len(), vb.pp("fc"))?,
+            emb: nn::embedding(vocab, e, vb.pp("emb"))?,
+            rnn: nn::lstm(e, h, cfg, vb.pp("rnn"))?,
+            fc: nn::linear(2 * h, TOPICS.len(), vb.pp("fc"))?,
         })
     }
 
     /// Logits of one text `[T]` (its `len`) or of a batch `[N, T]` (`[N]`).
     fn logits(&self, p: &Params, ids: &Tracer, len: &Tracer) -> candle_func::Result<Tracer> {
-        let h_n = self.rnn.run(p, &self.emb.forward_with(p, ids)?, Some(len))?.h_n;
-        self.fc.forward_with(p, &h_n.squeeze(0)?)
+        let out = self.rnn.run(p, &self.emb.forward_with(p, ids)?, Some(len))?.output;
+        // the outputs are zero past the text: their sum over the steps
+        // divided by the length is the mean over the text
+        let time = out.rank() - 2;
+        let mean = out.sum(time)?.div(&len.to_dtype(out.dtype())?.unsqueeze(len.rank())?)?;
+        self.fc.forward_with(p, &mean)
     }
 }
 
-/// Characters `[N, T]`, lengths `[N]` and topics `[N]` (u32).
-fn examples(records: &[(u32, &str)], t: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+/// A text's lower-cased runs of letters and digits.
+fn words(text: &str) -> impl Iterator<Item = String> + '_ {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+}
+
+/// Ids of the words seen at least twice in `texts`, from 2 (0 pads, 1 is
+/// any other word).
+fn vocabulary(texts: &[(u32, &str)]) -> BTreeMap<String, u32> {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, text) in texts {
+        for w in words(text) {
+            *counts.entry(w).or_default() += 1;
+        }
+    }
+    let kept = counts.into_iter().filter(|(_, n)| *n >= 2).map(|(w, _)| w);
+    kept.zip(2u32..).collect()
+}
+
+/// Words `[N, T]`, lengths `[N]` and topics `[N]` (u32).
+fn examples(
+    records: &[(u32, &str)],
+    vocab: &BTreeMap<String, u32>,
+    t: usize,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let (mut ids, mut lens, mut ys) = (Vec::new(), Vec::new(), Vec::new());
     for (topic, text) in records {
-        let chars: Vec<u32> = text.chars().map(fortunes::id).take(t).collect();
-        lens.push(chars.len().max(1) as u32);
-        ids.extend(chars.iter().copied().chain(std::iter::repeat(fortunes::PAD)).take(t));
+        let seq: Vec<u32> = words(text).map(|w| *vocab.get(&w).unwrap_or(&1)).take(t).collect();
+        lens.push(seq.len().max(1) as u32);
+        ids.extend(seq.iter().copied().chain(std::iter::repeat(0)).take(t));
         ys.push(*topic);
     }
     let n = records.len();
@@ -80,8 +115,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let clip: f64 = arg("--clip", 1.0);
     let target_eps: f64 = arg("--epsilon", 8.0);
     let delta: f64 = arg("--delta", 1e-5);
-    let t: usize = arg("--seq", 128);
-    let (e, h): (usize, usize) = (arg("--emb", 32), arg("--hidden", 128));
+    let t: usize = arg("--seq", 64);
+    let (e, h): (usize, usize) = (arg("--emb", 64), arg("--hidden", 64));
     let seed: Option<u64> = std::env::args().any(|a| a == "--seed").then(|| arg("--seed", 0));
 
     // the split of dp_text and dp_finetune: a fixed shuffle, a tenth held out
@@ -95,16 +130,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect::<Result<_, Box<dyn std::error::Error>>>()?;
     let (test, train) = records.split_at(all.len() / 10);
-    let (ids, lens, ys) = examples(train, t)?;
-    let test = examples(test, t)?;
+    let vocab = vocabulary(train);
+    let (ids, lens, ys) = examples(train, &vocab, t)?;
+    let test = examples(test, &vocab, t)?;
     let n = train.len();
+    let v = vocab.len() + 2;
 
     let (vm_dp, vm_plain) = (candle_nn::VarMap::new(), candle_nn::VarMap::new());
-    let (private, plain) = (Model::new(&vm_dp, e, h)?, Model::new(&vm_plain, e, h)?);
+    let (private, plain) = (Model::new(&vm_dp, v, e, h)?, Model::new(&vm_plain, v, e, h)?);
     nn::load_params(&vm_plain, &varmap_tensors(&vm_dp))?; // the same start
     println!(
-        "topics of {n} fortune texts ({} held out), the first {t} characters of each; \
-         an LSTM (embedding {e}, hidden {h}), {} parameters",
+        "topics of {n} fortune texts ({} held out), the first {t} words of each ({v} words); \
+         an LSTM both ways (embedding {e}, hidden {h}), {} parameters",
         test.0.dims()[0],
         varmap_tensors(&vm_dp).values().map(Tensor::elem_count).sum::<usize>()
     );
