@@ -25,7 +25,6 @@ use candle_func::nn::{self, cross_entropy, Module, Params, RecurrentConfig, Redu
 use candle_func::{dp, grad, make_graph, vmap, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 const B: usize = 64;
 const T: usize = 64;
@@ -49,15 +48,6 @@ fn batch() -> candle_core::Result<(Tensor, Tensor)> {
         Tensor::from_vec(ids, (B, T), &Device::Cpu)?,
         Tensor::from_vec(labels, B, &Device::Cpu)?,
     ))
-}
-
-fn peak_rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -97,27 +87,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }),
         }
     };
-    let start = Instant::now();
-    run()?;
-    let first = start.elapsed().as_secs_f64() * 1e3;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let s = Instant::now();
-        run()?;
-        times.push(s.elapsed().as_secs_f64() * 1e3);
-    }
-    times.sort_by(f64::total_cmp);
-    let plan = match variant.as_str() {
-        "psg" => make_graph(&psg, (&params, &ids, &ys))?.planned_peak_bytes(),
-        "step" => make_graph(&step, (&params, &ids, &ys))?.planned_peak_bytes(),
-        _ => 0,
-    };
-    println!(
-        "RESULT ours_{variant} median_ms {:.2} first_ms {first:.1} peak_rss_mib {:.1} plan_mib {:.1} threads {}",
-        times[times.len() / 2],
-        peak_rss_mib(),
-        plan as f64 / (1 << 20) as f64,
-        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
-    );
+    common::report(&variant, reps, run, || -> candle_func::Result<usize> {
+        Ok(match variant.as_str() {
+            "psg" => make_graph(&psg, (&params, &ids, &ys))?.planned_peak_bytes(),
+            "step" => make_graph(&step, (&params, &ids, &ys))?.planned_peak_bytes(),
+            _ => 0,
+        })
+    })?;
     Ok(())
 }

@@ -33,7 +33,6 @@ use candle_func::nn::{self, cross_entropy, Lora, LoraConfig, Module, Params, Red
 use candle_func::{grad, jit, make_graph, vmap, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 const B: usize = 32;
 const T: usize = 64;
@@ -65,15 +64,6 @@ fn batch(vocab: usize) -> candle_func::Result<(Tensor, Tensor)> {
     let mask = Tensor::from_vec(mask, (B, 1, T), &Device::Cpu)?;
     let labels = Tensor::from_vec((0..B as u32).map(|i| i % LABELS as u32).collect(), B, &Device::Cpu)?;
     Ok((Tensor::cat(&[ids, mask], 1)?, labels))
-}
-
-fn peak_rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -144,7 +134,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             (&xs, &ys),
             DpConfig::new(B, 1.0, 1.0),
         )?;
-    let mut run = || -> candle_func::Result<()> {
+    let run = || -> candle_func::Result<()> {
         match variant.as_str() {
             "forward" => forward.call((&params, &xs)).map(|_| ()),
             "step" => sgd.step(&step.call((&params, &xs, &ys))?),
@@ -155,28 +145,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }),
         }
     };
-    let start = Instant::now();
-    run()?;
-    let first = start.elapsed().as_secs_f64() * 1e3;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let s = Instant::now();
-        run()?;
-        times.push(s.elapsed().as_secs_f64() * 1e3);
-    }
-    times.sort_by(f64::total_cmp);
-    let plan = match variant.as_str() {
-        "forward" => make_graph(&forward, (&params, &xs))?.planned_peak_bytes(),
-        "step" => make_graph(&step, (&params, &xs, &ys))?.planned_peak_bytes(),
-        "psg" => make_graph(&psg, (&params, &xs, &ys))?.planned_peak_bytes(),
-        _ => 0,
-    };
-    println!(
-        "RESULT ours_{variant} median_ms {:.2} first_ms {first:.1} peak_rss_mib {:.1} plan_mib {:.1} threads {}",
-        times[times.len() / 2],
-        peak_rss_mib(),
-        plan as f64 / (1 << 20) as f64,
-        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
-    );
+    common::report(&variant, reps, run, || -> candle_func::Result<usize> {
+        Ok(match variant.as_str() {
+            "forward" => make_graph(&forward, (&params, &xs))?.planned_peak_bytes(),
+            "step" => make_graph(&step, (&params, &xs, &ys))?.planned_peak_bytes(),
+            "psg" => make_graph(&psg, (&params, &xs, &ys))?.planned_peak_bytes(),
+            _ => 0,
+        })
+    })?;
     Ok(())
 }

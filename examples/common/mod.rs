@@ -66,3 +66,45 @@ pub fn median_ms<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result
     t.sort_by(|a, b| a.total_cmp(b));
     Ok(t[t.len() / 2])
 }
+
+/// The process's peak resident memory so far (`VmHWM`), in MiB (NaN where
+/// `/proc` cannot say).
+pub fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// Times `run`: the first call (tracing, planning) and the median of
+/// `reps` more, in milliseconds, and prints the benchmarks' line `RESULT
+/// ours_<variant> median_ms .. first_ms .. peak_rss_mib .. plan_mib ..
+/// threads ..` (`plan` in bytes, from `plan()` after the runs).
+pub fn report<E>(
+    variant: &str,
+    reps: usize,
+    mut run: impl FnMut() -> Result<(), E>,
+    plan: impl FnOnce() -> Result<usize, E>,
+) -> Result<(), E> {
+    let start = std::time::Instant::now();
+    run()?;
+    let first = start.elapsed().as_secs_f64() * 1e3;
+    let mut times = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        let s = std::time::Instant::now();
+        run()?;
+        times.push(s.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let plan = plan()?;
+    println!(
+        "RESULT ours_{variant} median_ms {:.2} first_ms {first:.1} peak_rss_mib {:.1} plan_mib {:.1} threads {}",
+        times[times.len() / 2],
+        peak_rss_mib(),
+        plan as f64 / (1 << 20) as f64,
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    Ok(())
+}
