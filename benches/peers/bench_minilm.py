@@ -22,13 +22,11 @@ contiguous [B, T] position_ids and token_type_ids are passed explicitly:
 they are here. PEER_THREADS sets torch's threads (default 2).
 """
 import os
-import resource
-import statistics
 import sys
-import time
 import warnings
 
 import torch
+from timing import process_result
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(int(os.environ.get("PEER_THREADS", "2")))
@@ -122,16 +120,7 @@ def main():
                 loss_fn(out, labels).backward()  # fills every p.grad_sample
     else:
         sys.exit(f"unknown variant {variant}")
-    start = time.perf_counter()
-    run()
-    first = (time.perf_counter() - start) * 1e3
-    times = []
-    for _ in range(reps):
-        s = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - s) * 1e3)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"RESULT peer_{variant} median {statistics.median(times):.2f} ms first_ms {first:.1f} peak_rss_mib {peak:.1f} threads {torch.get_num_threads()}")
+    process_result(variant, run, reps, torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -15,13 +15,10 @@ bench_minilm). Prints each ratio's median, min and max over the rounds and
 the last round's figures. Below 1 favours this crate.
 """
 import os
-import re
-import statistics
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = os.environ.get("PY", "python3")
+from rounds import PY, ROOT, paired, run
+
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 REPS = sys.argv[2] if len(sys.argv) > 2 else "5"
 SET = sys.argv[3] if len(sys.argv) > 3 else "base"
@@ -30,18 +27,6 @@ PAIRS = {
     "base": [("forward", "forward"), ("step", "step"), ("psg", "psg_hooks"), ("dp", "dp_ghost")],
     "lora": [("dp_lora", "dp_lora"), ("dp", "dp_lora_ghost")],
 }[SET]
-
-
-def parse(out):
-    m = re.search(r"RESULT (\S+) median(?:_ms)? ([0-9.]+)(?: ms)? first_ms ([0-9.]+) peak_rss_mib ([0-9.]+)", out)
-    if not m:
-        raise SystemExit(f"no RESULT line in:\n{out}")
-    return float(m.group(2)), float(m.group(3)), float(m.group(4))
-
-
-def run(cmd, threads):
-    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), PEER_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    return parse(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout)
 
 
 def lora_ratios(t, m):
@@ -57,37 +42,28 @@ def lora_ratios(t, m):
 
 def main():
     ours_bin = os.path.join(ROOT, "target", "release", "examples", "bench_minilm")
-    ratios, last = {}, {}
-    for r in range(ROUNDS):
-        for threads in (1, 2):
-            got = {}
-            for mine, theirs in PAIRS:
-                got[("peer", theirs)] = run([PY, os.path.join(ROOT, "benches", "peers", "bench_minilm.py"), theirs, REPS], threads)
-                got[("ours", mine)] = run([ours_bin, "--variant", mine, "--reps", REPS], threads)
-            t = lambda side, v: got[(side, v)][0]
-            m = lambda side, v: got[(side, v)][2]
-            out = lora_ratios(t, m) if SET == "lora" else {
-                "forward: ours / HF PyTorch": t("ours", "forward") / t("peer", "forward"),
-                "training step: ours / HF PyTorch": t("ours", "step") / t("peer", "step"),
-                "per-sample gradients: ours / Opacus hooks, time": t("ours", "psg") / t("peer", "psg_hooks"),
-                "per-sample gradients: ours / Opacus hooks, peak RSS": m("ours", "psg") / m("peer", "psg_hooks"),
-                "DP step (ghost): ours / Opacus ghost, time": t("ours", "dp") / t("peer", "dp_ghost"),
-                "DP step (ghost): ours / Opacus ghost, peak RSS": m("ours", "dp") / m("peer", "dp_ghost"),
-                "DP step / our training step, time": t("ours", "dp") / t("ours", "step"),
-                "DP step / our training step, peak RSS": m("ours", "dp") / m("ours", "step"),
-                "Opacus ghost step / HF training step, time": t("peer", "dp_ghost") / t("peer", "step"),
-            }
-            for k, v in out.items():
-                ratios.setdefault((threads, k), []).append(v)
-            last[threads] = got
-            print(f"round {r + 1}, {threads} thread(s): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
-    print("\n| threads | ratio | median | min | max |\n| --- | --- | --- | --- | --- |")
-    for (threads, k), v in ratios.items():
-        print(f"| {threads} | {k} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
-    print("\nlast round (ms median / first call ms / peak RSS MiB):")
-    for threads, got in last.items():
-        for (side, v), (ms, first, rss) in got.items():
-            print(f"  {threads} thread(s) {side} {v}: {ms:.1f} / {first:.0f} / {rss:.0f}")
+
+    def one_round(threads):
+        got = {}
+        for mine, theirs in PAIRS:
+            got[("peer", theirs)] = run([PY, os.path.join(ROOT, "benches", "peers", "bench_minilm.py"), theirs, REPS], threads)
+            got[("ours", mine)] = run([ours_bin, "--variant", mine, "--reps", REPS], threads)
+        t = lambda side, v: got[(side, v)][0]
+        m = lambda side, v: got[(side, v)][2]
+        out = lora_ratios(t, m) if SET == "lora" else {
+            "forward: ours / HF PyTorch": t("ours", "forward") / t("peer", "forward"),
+            "training step: ours / HF PyTorch": t("ours", "step") / t("peer", "step"),
+            "per-sample gradients: ours / Opacus hooks, time": t("ours", "psg") / t("peer", "psg_hooks"),
+            "per-sample gradients: ours / Opacus hooks, peak RSS": m("ours", "psg") / m("peer", "psg_hooks"),
+            "DP step (ghost): ours / Opacus ghost, time": t("ours", "dp") / t("peer", "dp_ghost"),
+            "DP step (ghost): ours / Opacus ghost, peak RSS": m("ours", "dp") / m("peer", "dp_ghost"),
+            "DP step / our training step, time": t("ours", "dp") / t("ours", "step"),
+            "DP step / our training step, peak RSS": m("ours", "dp") / m("ours", "step"),
+            "Opacus ghost step / HF training step, time": t("peer", "dp_ghost") / t("peer", "step"),
+        }
+        return out, got
+
+    paired(ROUNDS, one_round)
 
 
 if __name__ == "__main__":
