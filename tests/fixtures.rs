@@ -6,7 +6,8 @@
 //! per-example losses. A case the crate cannot handle fails; none is skipped.
 //! Models are built from the `arch` string with `candle_func::nn` layers whose
 //! weights load from the fixture's tensors by name (as a PyTorch state dict
-//! would), and run through `functional_call` and `stack_params`.
+//! would), and run through `functional_call` and `stack_params`. With
+//! `CANDLE_FUNC_DEVICE=cuda` (and `--features cuda`) they run on the GPU.
 
 mod common;
 
@@ -40,11 +41,22 @@ fn load(path: &Path) -> Fixture {
     let bytes = std::fs::read(path).unwrap();
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let meta = meta.metadata().clone().unwrap_or_default();
-    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).unwrap();
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &device()).unwrap();
     Fixture {
         name: path.file_stem().unwrap().to_string_lossy().into_owned(),
         meta,
         tensors,
+    }
+}
+
+/// The device the cases run on: the CPU, or the GPU where
+/// `CANDLE_FUNC_DEVICE=cuda` (a build with `--features cuda`;
+/// `scripts/gpu_check.sh` runs it so).
+fn device() -> Device {
+    match std::env::var("CANDLE_FUNC_DEVICE").as_deref() {
+        Err(_) | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).unwrap_or_else(|e| panic!("CANDLE_FUNC_DEVICE=cuda: {e}")),
+        Ok(other) => panic!("CANDLE_FUNC_DEVICE={other}: cpu or cuda"),
     }
 }
 
@@ -87,8 +99,7 @@ fn check(what: &str, got: &Tensor, want: &Tensor) -> f64 {
 
 /// The fixture's model as `nn` layers, weights loaded by name from `p`.
 fn model(f: &Fixture, p: &BTreeMap<String, Tensor>) -> candle_func::nn::Sequential {
-    let vb =
-        candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &device());
     let m = build_nn(&parse(&f.meta["arch"]), &vb).unwrap_or_else(|e| panic!("{}: {e}", f.name));
     assert_eq!(
         m.params().keys().collect::<Vec<_>>(),
@@ -387,8 +398,7 @@ fn run_lm(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
     use candle_func::nn::{cross_entropy_with, gpt, CrossEntropy};
     let p = params(f);
     let (vocab, seq, layers, block) = lm_config(&f.meta["arch"]);
-    let vb =
-        candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &device());
     let net = gpt(vocab, seq, layers, block, vb).unwrap_or_else(|e| panic!("{}: {e}", f.name));
     assert_eq!(
         net.params().keys().collect::<Vec<_>>(),
@@ -473,8 +483,7 @@ fn run_rnn(f: &Fixture, route: ConvRoute, schedule: Schedule) -> String {
         bidirectional: kw["bidirectional"] == "true",
         bias: true,
     };
-    let vb =
-        candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_tensors(p.clone().into_iter().collect(), candle_core::DType::F32, &device());
     let emb = nn::embedding(n("vocab"), n("emb"), vb.pp("emb")).unwrap();
     let rnn = match kw["kind"].as_str() {
         "lstm" => nn::lstm(n("emb"), n("hidden"), cfg, vb.pp("rnn")),
