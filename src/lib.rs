@@ -198,8 +198,8 @@ pub mod settings {
     #[doc(hidden)]
     pub use crate::transforms::settings::warned;
     pub use crate::transforms::settings::{
-        auto_capacity, cache_capacity, conv_route, manual_seed, portable, set_auto_capacity, set_cache_capacity,
-        set_conv_route, set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, PORTABLE_ENV, ROUTE_ENV,
+        auto_capacity, cache_capacity, conv_route, manual_seed, set_auto_capacity, set_cache_capacity, set_conv_route,
+        set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, ROUTE_ENV,
     };
 }
 

@@ -44,8 +44,6 @@ pub(crate) struct Executable {
     /// The seed of the transform that made it, if it has one; `None`
     /// draws from the process-wide stream.
     seed: Option<u64>,
-    /// Whether it runs in portable mode (the crate's CPU kernels off).
-    portable: bool,
     /// The count of runs drawn from `seed` (shared by every graph of one
     /// transformed function, so each call draws anew).
     calls: Arc<AtomicU64>,
@@ -74,7 +72,6 @@ impl Executable {
             random: facts::draws_random(&graph),
             graph,
             seed: None,
-            portable: portable_default(),
             calls: Arc::default(),
             limit: None,
         }
@@ -85,12 +82,6 @@ impl Executable {
     pub(crate) fn seeded(mut self, seed: Option<u64>, calls: Arc<AtomicU64>) -> Executable {
         self.seed = seed;
         self.calls = calls;
-        self
-    }
-
-    /// Runs in portable mode (see `kernels::portable`) where `on`.
-    pub(crate) fn portable(mut self, on: bool) -> Executable {
-        self.portable = on;
         self
     }
 
@@ -155,10 +146,7 @@ impl Executable {
     pub(crate) fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
         self.check()?;
         malloc::keep(self.peak);
-        let seed = self.next_seed();
-        crate::kernels::portable(self.portable, || {
-            run_inner(&self.graph, inputs, seed, None, &Copies::default())
-        })
+        run_inner(&self.graph, inputs, self.next_seed(), None, &Copies::default())
     }
 
     /// [`Executable::run`], also returning the time each node took.
@@ -167,22 +155,9 @@ impl Executable {
         malloc::keep(self.peak);
         let mut times = Vec::new();
         let seed = self.next_seed();
-        let (outs, _) = crate::kernels::portable(self.portable, || {
-            run_inner(&self.graph, inputs, seed, Some(&mut times), &Copies::default())
-        })?;
+        let (outs, _) = run_inner(&self.graph, inputs, seed, Some(&mut times), &Copies::default())?;
         Ok((outs, times))
     }
-}
-
-/// The environment variable that turns portable mode on for every run
-/// that does not say.
-pub(crate) const PORTABLE_ENV: &str = "CANDLE_FUNC_PORTABLE";
-
-/// Whether runs are portable unless told otherwise: `CANDLE_FUNC_PORTABLE`
-/// set to `1` (read once).
-pub(crate) fn portable_default() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(PORTABLE_ENV).is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")))
 }
 
 /// Whether a plan needing `needed` bytes fits `limit` (`None`: the
@@ -208,48 +183,4 @@ fn available_memory() -> Option<usize> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ir::{CustomOp, Prim, TensorType};
-    use crate::rules::{Builder, TraceCtx};
-    use candle_core::{DType, Device, Tensor};
-    use std::sync::atomic::AtomicBool;
-
-    /// Whether the CPU kernels were on while the graph's custom op ran.
-    static SAW_FAST: AtomicBool = AtomicBool::new(false);
-
-    fn spy() -> Graph {
-        let root = Builder::scratch(crate::Options::new(), TraceCtx::new(Device::Cpu));
-        let mut b = root.borrow_mut();
-        let x = b.input(TensorType::new(vec![2], DType::F32));
-        let op = Prim::Custom(CustomOp {
-            name: "spy".into(),
-            f: Arc::new(|xs: &[Tensor]| {
-                SAW_FAST.store(crate::kernels::fast_cpu(xs[0].device()), Ordering::SeqCst);
-                xs[0].exp()
-            }),
-            ins: vec![TensorType::new(vec![2], DType::F32)],
-            out: TensorType::new(vec![2], DType::F32),
-            rules: Default::default(),
-        });
-        let y = b.emit(op, &[x]).unwrap();
-        b.finish(vec![y]).0
-    }
-
-    #[test]
-    fn a_portable_executable_runs_its_graph_with_the_cpu_kernels_off() {
-        let x = Tensor::new(&[0.5f32, 1.0], &Device::Cpu).unwrap();
-        let g = spy();
-        for on in [true, false] {
-            let out = Executable::new(&g).portable(on).run(std::slice::from_ref(&x)).unwrap();
-            assert_eq!(
-                out[0].to_vec1::<f32>().unwrap(),
-                x.exp().unwrap().to_vec1::<f32>().unwrap()
-            );
-            assert_eq!(SAW_FAST.load(Ordering::SeqCst), !on, "portable {on}");
-        }
-    }
 }

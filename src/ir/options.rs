@@ -123,8 +123,6 @@ pub struct Options {
     pub schedule: Option<Schedule>,
     /// The most bytes a call may hold at once.
     pub memory_limit: Option<usize>,
-    /// Whether the CPU takes the path every other device takes.
-    pub portable: Option<bool>,
 }
 
 impl Options {
@@ -183,17 +181,6 @@ impl Options {
     /// outermost transform called on tensors.
     pub fn memory_limit(mut self, bytes: usize) -> Self {
         self.memory_limit = Some(bytes);
-        self
-    }
-
-    /// Portable mode: the crate's own CPU kernels off, so a call on the CPU
-    /// runs exactly what it runs on a GPU, candle's operations on the
-    /// call's device (the fast kernels are the CPU's alone). For checking
-    /// the device path without a device: slower, same results to rounding.
-    /// Unset: `CANDLE_FUNC_PORTABLE=1` in the environment turns it on.
-    /// Read from the outermost transform called on tensors.
-    pub fn portable(mut self, on: bool) -> Self {
-        self.portable = Some(on);
         self
     }
 
@@ -262,7 +249,6 @@ impl Options {
             strict: self.strict.or(outer.strict),
             seed: self.seed.or(outer.seed),
             memory_limit: self.memory_limit.or(outer.memory_limit),
-            portable: self.portable.or(outer.portable),
             ..*self
         }
     }
@@ -283,6 +269,4 @@ pub(crate) struct Opts {
     /// memory): a `vmap` that would exceed it runs in chunks that fit, and
     /// `Auto` measures no candidate that does not.
     pub(crate) memory_limit: Option<usize>,
-    /// Portable mode (the CPU takes the other devices' path).
-    pub(crate) portable: bool,
 }

@@ -385,7 +385,7 @@ impl CustomOp2 for GeluGradOp {
 
 /// `ct gelu'(x)` for CPU f32 tensors of one shape; `None` otherwise.
 pub fn gelu_grad_of(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
-    if !super::fast_cpu(x.device()) || x.dtype() != DType::F32 || ct.dtype() != DType::F32 || x.dims() != ct.dims() {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 || ct.dtype() != DType::F32 || x.dims() != ct.dims() {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &GeluGradOp)?))
@@ -394,7 +394,7 @@ pub fn gelu_grad_of(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
 /// `f(x)` for a CPU f32 tensor; `None` otherwise (the caller uses
 /// candle's).
 pub fn apply(x: &Tensor, f: Math) -> Result<Option<Tensor>> {
-    if !super::fast_cpu(x.device()) || x.dtype() != DType::F32 {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op1_no_bwd(&MathOp(f))?))

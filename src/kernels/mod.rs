@@ -317,37 +317,9 @@ pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) 
     }
 }
 
-thread_local! {
-    /// Portable mode on this thread (see [`portable`]).
-    static PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` with the crate's own CPU kernels off (`on`) on this thread:
-/// every kernel then takes the path a tensor on another device takes,
-/// candle's own operations, so the CPU checks the GPU's code. The
-/// interpreter sets it around a run (the kernels are chosen on the thread
-/// that runs the graph; their worker threads only compute); the previous
-/// setting comes back when `f` returns or unwinds.
-pub(crate) fn portable<T>(on: bool, f: impl FnOnce() -> T) -> T {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            PORTABLE.with(|p| p.set(self.0));
-        }
-    }
-    let _restore = Restore(PORTABLE.with(|p| p.replace(on)));
-    f()
-}
-
-/// Whether the crate's own CPU kernels may run on `dev` (the CPU, outside
-/// portable mode).
-pub(crate) fn fast_cpu(dev: &candle_core::Device) -> bool {
-    dev.is_cpu() && !PORTABLE.with(std::cell::Cell::get)
-}
-
 /// Whether the hand-written kernels handle this tensor.
 pub(crate) fn has_cpu_kernel(t: &Tensor) -> bool {
-    fast_cpu(t.device()) && matches!(t.dtype(), DType::F32 | DType::F64)
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// The largest absolute difference between two tensors of one shape, as
@@ -385,22 +357,5 @@ mod tests {
         let e = output::<f32>(usize::MAX / 8).unwrap_err().to_string();
         assert!(e.contains("out of memory"), "{e}");
         assert!(zeroed::<f64>(usize::MAX / 16).is_err());
-    }
-
-    #[test]
-    fn portable_mode_turns_the_kernels_off_on_its_thread_and_restores_them() {
-        let t = Tensor::zeros(3, DType::F32, &candle_core::Device::Cpu).unwrap();
-        assert!(has_cpu_kernel(&t));
-        portable(true, || {
-            assert!(!has_cpu_kernel(&t) && !fast_cpu(t.device()));
-            portable(false, || assert!(has_cpu_kernel(&t)));
-            assert!(!has_cpu_kernel(&t), "the inner scope restored the outer's");
-            // another thread keeps its own setting
-            std::thread::scope(|s| s.spawn(|| assert!(has_cpu_kernel(&t))).join().unwrap());
-        });
-        assert!(has_cpu_kernel(&t));
-        let unwound = std::panic::catch_unwind(|| portable(true, || panic!("a kernel failed")));
-        assert!(unwound.is_err());
-        assert!(has_cpu_kernel(&t), "restored on unwinding");
     }
 }

@@ -86,7 +86,7 @@ impl CustomOp1 for SoftmaxLast {
 /// Softmax over the last axis for a non-empty CPU f32 tensor; `None`
 /// otherwise (the caller uses candle's).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Option<Tensor>> {
-    if !super::fast_cpu(x.device()) || x.dtype() != DType::F32 || x.elem_count() == 0 || x.rank() == 0 {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 || x.elem_count() == 0 || x.rank() == 0 {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op1_no_bwd(&SoftmaxLast)?))

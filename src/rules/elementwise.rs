@@ -61,9 +61,7 @@ impl Rule for Unary {
             }
             Unary::Neg => x.neg(),
             // f32 on the CPU: one vectorised pass instead of libm per element
-            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu
-                if x.dtype() == DType::F32 && crate::kernels::fast_cpu(x.device()) =>
-            {
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu if x.dtype() == DType::F32 && x.device().is_cpu() => {
                 let m = match self {
                     Unary::Exp => fastmath::Math::Exp,
                     Unary::Tanh => fastmath::Math::Tanh,

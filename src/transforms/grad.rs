@@ -440,12 +440,12 @@ where
     // backward pass reads is an output of `fwd` and so stays unfused),
     // each checked against the limit before it runs: the forward now, the
     // backward at every pullback.
-    let given = f.own_options();
+    let limit = f.own_options().memory_limit;
     let fwd = Executable::new(&fwd)
         .named("vjp")
-        .seeded(traced.seed, Default::default());
-    let fwd = super::configured(fwd, &given);
-    let backward = super::configured(Executable::new(&backward).named("vjp pullback"), &given);
+        .seeded(traced.seed, Default::default())
+        .limit(limit);
+    let backward = Executable::new(&backward).named("vjp pullback").limit(limit);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

@@ -77,8 +77,8 @@ where
     let n_out = traced.graph.outputs.len();
     let joint = Executable::new(&joint_graph(&traced.graph, device)?)
         .named("jvp")
-        .seeded(traced.seed, Default::default());
-    let joint = super::configured(joint, &f.own_options());
+        .seeded(traced.seed, Default::default())
+        .limit(f.own_options().memory_limit);
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
     let mut outs = joint.run(&flat)?;
     let tangent_outs = outs.split_off(n_out);
@@ -308,12 +308,12 @@ where
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
     // each half checked against the limit before it runs: the forward
     // now, the tangent map at every call
-    let given = f.own_options();
+    let limit = f.own_options().memory_limit;
     let fwd = Executable::new(&fwd)
         .named("linearize")
-        .seeded(traced.seed, Default::default());
-    let fwd = super::configured(fwd, &given);
-    let tangent = super::configured(Executable::new(&tangent).named("linearized map"), &given);
+        .seeded(traced.seed, Default::default())
+        .limit(limit);
+    let tangent = Executable::new(&tangent).named("linearized map").limit(limit);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

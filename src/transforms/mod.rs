@@ -116,22 +116,12 @@ pub(crate) struct Traced {
 impl Traced {
     /// Ready to run: the graph through the executable's passes, refused
     /// above `limit`, drawing from the trace's seed counted by `calls`.
-    pub(crate) fn compile(self, given: &Options, calls: Arc<AtomicU64>) -> Compiled {
+    pub(crate) fn compile(self, limit: Option<usize>, calls: Arc<AtomicU64>) -> Compiled {
         Compiled {
-            exe: configured(Executable::new(&self.graph).seeded(self.seed, calls), given),
+            exe: Executable::new(&self.graph).seeded(self.seed, calls).limit(limit),
             out_def: self.out_def,
             mode_deps: self.mode_deps,
         }
-    }
-}
-
-/// `exe` as the options `given` to a call say: their memory limit, and
-/// portable mode where they set it (else the environment's default).
-pub(crate) fn configured(exe: Executable, given: &Options) -> Executable {
-    let exe = exe.limit(given.memory_limit);
-    match given.portable {
-        Some(on) => exe.portable(on),
-        None => exe,
     }
 }
 
@@ -335,7 +325,7 @@ where
         Some(c) if c.current() => c,
         _ => {
             let traced = trace_top(f, (given, false), &key.defs, &leaves, &device)?;
-            let c = Arc::new(traced.compile(&given, cache.calls.clone()));
+            let c = Arc::new(traced.compile(given.memory_limit, cache.calls.clone()));
             cache.insert(key, c.clone());
             c
         }

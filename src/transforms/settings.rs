@@ -13,16 +13,6 @@ use std::sync::{Mutex, RwLock};
 /// Name of the environment variable that sets the process-wide route.
 pub const ROUTE_ENV: &str = "CANDLE_FUNC_CONV_ROUTE";
 
-/// The environment variable that turns portable mode on for every call
-/// that does not say (`1`; see [`Options::portable`](crate::Options::portable)).
-pub const PORTABLE_ENV: &str = crate::interp::exec::PORTABLE_ENV;
-
-/// Whether portable mode is on by default: `CANDLE_FUNC_PORTABLE=1` (read
-/// once).
-pub fn portable() -> bool {
-    crate::interp::exec::portable_default()
-}
-
 static STRICT: AtomicBool = AtomicBool::new(false);
 static PROCESS_ROUTE: RwLock<Option<ConvRoute>> = RwLock::new(None);
 static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -125,7 +115,6 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         seed: opts.seed,
         schedule: opts.schedule.unwrap_or_default(),
         memory_limit: opts.memory_limit,
-        portable: opts.portable.unwrap_or_else(portable),
     })
 }
 

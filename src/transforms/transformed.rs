@@ -89,11 +89,6 @@ impl<T> Transformed<T> {
         self.with_options(|o| o.memory_limit(bytes))
     }
 
-    /// Portable mode (see [`Options::portable`]).
-    pub fn portable(self, on: bool) -> Self {
-        self.with_options(|o| o.portable(on))
-    }
-
     /// These options changed by `f`, with a fresh cache.
     pub(crate) fn with_options(mut self, f: impl FnOnce(Options) -> Options) -> Self {
         self.options = f(self.options);

@@ -68,7 +68,7 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, c: &
             conv_cols(x, w, g, &shape, c)
         }
         _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g, &shape, c),
-        _ if crate::kernels::fast_cpu(x.device()) => unfold::conv_unfold(x, w, g, groups),
+        _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         2 if candle_2d => x.conv2d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         _ => unfold::conv_unfold(x, w, g, groups),

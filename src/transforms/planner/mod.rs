@@ -116,11 +116,7 @@ fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let best = time_graphs(
-        &candidates,
-        choice.device,
-        (AUTO_ROUNDS, choice.opts.memory_limit, choice.opts.portable),
-    )?;
+    let best = time_graphs(&candidates, choice.device, (AUTO_ROUNDS, choice.opts.memory_limit))?;
     Ok(choice
         .candidates
         .iter()
@@ -165,20 +161,11 @@ fn time_one(exe: &Executable, inputs: &[Tensor], scale: f64) -> Result<f64> {
 /// when one is left. A candidate whose plan exceeds the memory `limit` is
 /// not run; where none fits, the first one's error is returned before any
 /// input is made.
-fn time_graphs(
-    candidates: &[Candidate],
-    device: &Device,
-    (rounds, limit, portable): (usize, Option<usize>, bool),
-) -> Result<Vec<f64>> {
-    // as a call would run them (on the device's path: portable mode too)
+fn time_graphs(candidates: &[Candidate], device: &Device, (rounds, limit): (usize, Option<usize>)) -> Result<Vec<f64>> {
+    // as a call would run them
     let exes: Vec<Executable> = candidates
         .iter()
-        .map(|c| {
-            Executable::new(&c.graph)
-                .named("auto timing")
-                .limit(limit)
-                .portable(portable)
-        })
+        .map(|c| Executable::new(&c.graph).named("auto timing").limit(limit))
         .collect();
     let mut alive: Vec<bool> = exes.iter().map(|e| e.check().is_ok()).collect();
     if let Some(e) = exes.first().filter(|_| !alive.contains(&true)) {
@@ -235,11 +222,11 @@ pub(crate) fn measured_schedule(
     key: &str,
     size: usize,
     candidates: Vec<(RunAs, Candidate)>,
-    (device, limit, portable): (&Device, Option<usize>, bool),
+    (device, limit): (&Device, Option<usize>),
 ) -> Result<RunAs> {
     let equations = candidates.first().map_or(0, |(_, c)| c.graph.equation_count());
     let (kinds, graphs): (Vec<RunAs>, Vec<Candidate>) = candidates.into_iter().unzip();
-    let times = time_graphs(&graphs, device, (SCHEDULE_ROUNDS, limit, portable))?;
+    let times = time_graphs(&graphs, device, (SCHEDULE_ROUNDS, limit))?;
     let best = kinds
         .iter()
         .zip(&times)
