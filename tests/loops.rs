@@ -257,6 +257,21 @@ fn vmap_of_scan_and_per_sample_gradients_equal_a_loop_of_single_calls() {
             jvp(&f, (&p, &one(i)), (&v, &ti)).unwrap().1
         });
         assert_close(&t, &Tensor::stack(&singles, 0).unwrap(), 1e-10, "jvp of vmap");
+        // chunks of the batch, and the batch on another axis of the data
+        let chunked = vmap(f.clone())
+            .in_dims([None, Some(0)])
+            .chunk_size(3)
+            .call((&p, &x))
+            .unwrap();
+        assert_close(
+            &chunked,
+            &batched.call((&p, &x)).unwrap(),
+            1e-12,
+            "chunked vmap of scan",
+        );
+        let moved = x.permute((1, 0, 2)).unwrap().contiguous().unwrap(); // T B E
+        let on_axis_1 = vmap(f.clone()).in_dims([None, Some(1)]).call((&p, &moved)).unwrap();
+        assert_close(&on_axis_1, &batched.call((&p, &x)).unwrap(), 1e-12, "batch on axis 1");
         // an ensemble: each model its own weights, one shared sequence
         let stacked: BTreeMap<String, Tensor> = params(DType::F64, 13)
             .iter()
