@@ -288,3 +288,70 @@ fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn bodies_read_any_active_trace_draws_refuse_derivatives_and_a_cond_needs_no_operands() {
+    // the weight w comes from grad's trace, the data from jit's outer one
+    let x = t64(&[0.5, -1.0, 2.0]);
+    let f = |x: Tracer| {
+        let w0 = x.sum_all()?.affine(0.0, 1.5)?;
+        let g = grad(|w: Tracer| {
+            let init = x.sum_all()?.affine(0.0, 0.0)?;
+            let (c, _) = scan(
+                |c: &[Tracer], xt: &[Tracer]| Ok((vec![c[0].add(&xt[0].mul(&w)?)?.tanh()?], vec![])),
+                &[init],
+                std::slice::from_ref(&x),
+            )?;
+            Ok(c[0].clone())
+        });
+        Function::apply(&g, (w0,))
+    };
+    let got = jit(f).call(&x).unwrap().to_scalar::<f64>().unwrap();
+    // the same loop unrolled by hand
+    let unrolled = |w: f64| [0.5f64, -1.0, 2.0].iter().fold(0.0f64, |c, &xt| (c + xt * w).tanh());
+    let eps = 1e-6;
+    let want = (unrolled(1.5 + eps) - unrolled(1.5 - eps)) / (2.0 * eps);
+    assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    // a cond whose branches read only what they capture
+    let h = |p: Tracer| {
+        let w = p.affine(2.0, 0.0)?;
+        let out = cond(
+            &p.gt(0.0)?,
+            |_: &[Tracer]| Ok(vec![w.sqr()?]),
+            |_: &[Tracer]| Ok(vec![w.neg()?]),
+            &[],
+        )?;
+        Ok(out[0].clone())
+    };
+    let y = jit(h).call(Tensor::new(1.5f64, &Device::Cpu).unwrap()).unwrap();
+    assert_eq!(y.to_scalar::<f64>().unwrap(), 9.0);
+    // a body that draws: running it is fine, differentiating it is refused
+    let noisy = |x: Tracer| {
+        let init = x.sum_all()?.affine(0.0, 0.0)?;
+        let (c, _) = scan(
+            |c: &[Tracer], xt: &[Tracer]| Ok((vec![c[0].add(&xt[0].mul(&xt[0].rand_uniform_like()?)?)?], vec![])),
+            &[init],
+            &[x],
+        )?;
+        Ok(c[0].clone())
+    };
+    assert!(jit(noisy).call(&x).is_ok());
+    match grad(noisy).call(&x) {
+        Err(e @ Error::Unsupported { .. }) => assert!(e.to_string().contains("random"), "{e}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // a branch mixing dtypes is an error naming cond
+    let mixed = |x: Tracer| {
+        let out = cond(
+            &x.sum_all()?.gt(0.0)?,
+            |o: &[Tracer]| Ok(vec![o[0].clone(), o[0].to_dtype(DType::F32)?]),
+            |o: &[Tracer]| Ok(vec![o[0].clone(), o[0].to_dtype(DType::F32)?]),
+            &[x],
+        )?;
+        Ok(out[0].clone())
+    };
+    match jit(mixed).call(&x) {
+        Err(e @ Error::Shape { op: "cond", .. }) => assert!(e.to_string().contains("one dtype"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -323,3 +323,39 @@ fn the_recurrent_weights_per_sample_norms_are_ghosted_and_equal_the_materialised
     );
     assert!(has_per_sample(&graph(false), 4, per), "a per-sample W_hh materialised");
 }
+
+#[test]
+fn long_bf16_sequences_count_their_steps_and_padding_never_reaches_the_state() {
+    let map = VarMap::new();
+    let vb16 = VarBuilder::from_varmap(&map, DType::BF16, &Device::Cpu);
+    let layer = nn::rnn(2, 3, RecurrentCell::RnnRelu, RecurrentConfig::default(), vb16.pp("r")).unwrap();
+    let (t, len) = (300, 257);
+    let x = rand(&[1, t, 2], 7)
+        .affine(0.1, 0.0)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let lengths = Tensor::new(&[len as u32], &Device::Cpu).unwrap();
+    let (_, h, _) = ours(&layer, &x, Some(&lengths));
+    let (_, want, _) = ours(&layer, &x.narrow(1, 0, len).unwrap(), None);
+    assert_close(
+        &h.to_dtype(DType::F32).unwrap(),
+        &want.to_dtype(DType::F32).unwrap(),
+        0.0,
+        "257 steps in bf16",
+    );
+    // NaN padding past the length: states and outputs stay finite
+    let map = VarMap::new();
+    let layer = nn::lstm(I, H, RecurrentConfig::default(), vb(&map).pp("l")).unwrap();
+    let x = rand(&[1, T, I], 8);
+    let nan = Tensor::full(f32::NAN, (1, T - 3, I), &Device::Cpu).unwrap();
+    let padded = Tensor::cat(&[&x.narrow(1, 0, 3).unwrap(), &nan], 1).unwrap();
+    let (out, h, _) = ours(&layer, &padded, Some(&Tensor::new(&[3u32], &Device::Cpu).unwrap()));
+    let (_, want, _) = ours(&layer, &x.narrow(1, 0, 3).unwrap(), None);
+    assert_close(&h, &want, 0.0, "the state at the length");
+    assert_eq!(
+        common::max_abs(&out.narrow(1, 3, T - 3).unwrap()),
+        0.0,
+        "zero outputs past it"
+    );
+}

@@ -369,12 +369,14 @@ impl Recurrent {
         };
         let mut out = next[0].clone();
         if let Some(m) = x.get(1) {
-            // the mask [] or [B] against the states [H] or [B, H]
+            // the mask [] or [B] against the states [H] or [B, H]; a
+            // select, not a blend, so that whatever the padding makes
+            // (inf, NaN) stays out of the state
             let m = m.unsqueeze(m.rank())?;
             for (s, old) in next.iter_mut().zip(c) {
-                *s = old.add(&m.mul(&s.sub(old)?)?)?;
+                *s = m.where_cond(&*s, old)?;
             }
-            out = next[0].mul(&m)?;
+            out = m.where_cond(&next[0], 0.0)?;
         }
         Ok((next, vec![out]))
     }
@@ -441,17 +443,17 @@ fn missing(prefix: &str, layer: usize) -> Error {
     Error::internal("recurrent", format!("{prefix}: layer {layer} without its weights"))
 }
 
-/// `[T]` or `[T, B]`: 1 where step `t` is inside the sequence, 0 past it,
-/// in `seq`'s dtype.
+/// `[T]` or `[T, B]`: 1 (`u8`) where step `t` is inside the sequence, 0
+/// past it. Compared in f32, whose integers are exact far beyond any
+/// sequence (a bf16 step count is not past 256).
 fn step_mask(seq: &Tracer, lengths: &Tracer, steps: usize) -> Result<Tracer> {
-    let dtype = seq.dtype();
     let t = Tensor::arange(0u32, steps as u32, &seq.device())?
-        .to_dtype(dtype)?
+        .to_dtype(candle_core::DType::F32)?
         .to_tracer(seq)?;
-    let len = lengths.to_dtype(dtype)?;
+    let len = lengths.to_dtype(candle_core::DType::F32)?;
     // T 1.. < .. : the steps down, the sequences across
     let t = t.reshape([&[steps][..], &vec![1; len.rank()]].concat())?;
-    t.lt(&len.unsqueeze(0)?)?.to_dtype(dtype)
+    t.lt(&len.unsqueeze(0)?)
 }
 
 impl Module for Recurrent {

@@ -91,7 +91,7 @@ pub fn scan_with(
     opts: ScanOptions,
 ) -> Result<(Vec<Tracer>, Vec<Tracer>)> {
     let all: Vec<Tracer> = init.iter().chain(xs).cloned().collect();
-    let outer = super::innermost(&[all]).ok_or_else(|| {
+    let outer = enclosing(&all).ok_or_else(|| {
         Error::shape(
             "scan",
             &[],
@@ -99,7 +99,7 @@ pub fn scan_with(
         )
     })?;
     let length = trip_count(xs, opts.length)?;
-    let dtype = one_dtype(init, "the carry")?;
+    let dtype = one_dtype("scan", init, "the carry")?;
     // the body traced once, nested in the caller's trace
     let given = outer.borrow().given;
     let inner = Builder::child(&outer, next_builder_id(), given);
@@ -120,9 +120,9 @@ pub fn scan_with(
             Tracer::new(&inner, id)
         })
         .collect::<Vec<_>>();
-    let (next, ys) = f(&carry, &steps)?;
+    let (next, ys) = super::tracing(&inner, || f(&carry, &steps))?;
     check_carry("scan", init, &next)?;
-    let y_dtype = one_dtype(&ys, "the outputs")?;
+    let y_dtype = one_dtype("scan", &ys, "the outputs")?;
     if let (Some(c), Some(y)) = (dtype, y_dtype) {
         if c != y {
             return Err(Error::shape(
@@ -199,6 +199,19 @@ pub fn scan_with(
     Ok((carry, outs))
 }
 
+/// The trace a loop over `operands` is emitted into: the innermost of
+/// theirs and of the trace being traced now (the body may read a value of
+/// any active trace, as a gradient's weights inside a `vmap` over data).
+fn enclosing(operands: &[Tracer]) -> Option<BuilderRef> {
+    let mine = super::innermost(&[operands.to_vec()]);
+    let depth = |b: &BuilderRef| b.borrow().ancestors.len();
+    match (mine, super::innermost_active()) {
+        (Some(m), Some(a)) if depth(&a) > depth(&m) => Some(a),
+        (Some(m), _) => Some(m),
+        (None, a) => a,
+    }
+}
+
 /// A tracer of the caller's trace, to make constants next to.
 fn outer_tracer(outer: &crate::rules::BuilderRef, init: &[Tracer], xs: &[Tracer]) -> Result<Tracer> {
     let t = init
@@ -250,12 +263,12 @@ fn trip_count(xs: &[Tracer], length: Option<usize>) -> Result<usize> {
     n.ok_or_else(|| Error::shape("scan", &[], "nothing scanned and no length given"))
 }
 
-/// The one dtype of `ts` (`None` where empty).
-fn one_dtype(ts: &[Tracer], what: &str) -> Result<Option<candle_core::DType>> {
+/// The one dtype of `ts` (`None` where empty), for `op`.
+fn one_dtype(op: &'static str, ts: &[Tracer], what: &str) -> Result<Option<candle_core::DType>> {
     let Some(first) = ts.first() else { return Ok(None) };
     match ts.iter().find(|t| t.dtype() != first.dtype()) {
         Some(t) => Err(Error::shape(
-            "scan",
+            op,
             &[],
             format!(
                 "{what} mix {:?} and {:?}: a loop's carry and outputs share one dtype",
@@ -359,8 +372,8 @@ pub fn while_loop(
     body_fun: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
     init: &[Tracer],
 ) -> Result<Vec<Tracer>> {
-    let outer = super::innermost(&[init.to_vec()]).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
-    let dtype = one_dtype(init, "the carry")?.unwrap_or(candle_core::DType::F32);
+    let outer = enclosing(init).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
+    let dtype = one_dtype("while_loop", init, "the carry")?.unwrap_or(candle_core::DType::F32);
     let nc: usize = init.iter().map(Tracer::elem_count).sum();
     let shapes = || init.iter().map(|t| t.dims().to_vec());
     let carry_ty = TensorType::new(vec![nc], dtype);
@@ -417,16 +430,16 @@ pub fn cond(
         return Err(Error::shape("cond", &[pred.dims()], "the predicate must be a scalar"));
     }
     let all: Vec<Tracer> = std::iter::once(pred.clone()).chain(operands.iter().cloned()).collect();
-    let outer = super::innermost(&[all]).ok_or_else(|| Error::internal("cond", "no trace"))?;
+    let outer = enclosing(&all).ok_or_else(|| Error::internal("cond", "no trace"))?;
     let types: Vec<TensorType> = operands.iter().map(|t| t.ty.clone()).collect();
     let branch = |f: Box<Branch<'_>>| {
         let mut outs = Vec::new();
         let (g, caps) = trace_nested(&outer, &types, |ins| {
             let got = f(ins)?;
-            let dtype = one_dtype(&got, "a branch's values")?
+            let dtype = one_dtype("cond", &got, "a branch's values")?
                 .ok_or_else(|| Error::shape("cond", &[], "a branch gives no value"))?;
             outs = got.iter().map(|t| t.ty.clone()).collect();
-            pack(&got, dtype, &ins[0])
+            pack(&got, dtype, &got[0])
         })?;
         Ok::<_, Error>((g, caps, outs))
     };
@@ -470,7 +483,7 @@ fn trace_nested(
             Tracer::new(&inner, id)
         })
         .collect();
-    let out = f(&ins)?;
+    let out = super::tracing(&inner, || f(&ins))?;
     let mut bb = inner.borrow_mut();
     let id = bb.lift(&out.outer())?;
     Ok(bb.finish(vec![id]))

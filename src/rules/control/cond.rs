@@ -161,6 +161,7 @@ impl Rule for Cond {
     /// A cond of the branches' VJPs, taking the operands and the result's
     /// cotangent and giving the float operands' cotangents packed.
     fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        super::deterministic("cond", "grad", &self.branches())?;
         let floats: Vec<usize> = (1..args.len()).filter(|&k| b.ty(args[k]).dtype.is_float()).collect();
         let dtype = b.ty(ct).dtype;
         if let Some(&k) = floats.iter().find(|&&k| b.ty(args[k]).dtype != dtype) {
@@ -209,6 +210,7 @@ impl Rule for Cond {
         if present.is_empty() {
             return Ok(Some(None));
         }
+        super::deterministic("cond", "jvp", &self.branches())?;
         let out_ty = b.ty(out).clone();
         let fwd = self.map(|g| {
             let scratch = Builder::scratch(b.given, b.ctx.clone());

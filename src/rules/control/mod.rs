@@ -9,8 +9,24 @@ mod scan_vjp;
 mod while_loop;
 
 use crate::error::{Error, Result};
-use crate::ir::{TensorType, VarId};
+use crate::ir::{Graph, TensorType, VarId};
+use crate::rules::facts::{self, Effect};
 use crate::rules::Builder;
+
+/// An error where a body of `op` draws random numbers: its derivative
+/// runs the body again, which would draw anew, so the derivative would be
+/// another function's (a dropout mask the forward pass did not use).
+fn deterministic(op: &'static str, transform: &'static str, bodies: &[&Graph]) -> Result<()> {
+    match bodies.iter().any(|g| facts::effect_of(g) == Effect::Random) {
+        true => Err(Error::unsupported(
+            op,
+            transform,
+            "its body draws random numbers, and its derivative would run the body again with other draws; \
+             draw them outside the loop and pass them in",
+        )),
+        false => Ok(()),
+    }
+}
 
 /// A shape error of `op` naming its operands' shapes.
 fn shape_error(op: &'static str, args: &[&TensorType], msg: String) -> Error {

@@ -186,6 +186,7 @@ impl Rule for Scan {
     }
 
     fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        super::deterministic("scan", "grad", &[&self.body])?;
         super::scan_vjp::emit(self, b, args, out, ct).map(Some)
     }
 
@@ -193,6 +194,7 @@ impl Rule for Scan {
         if tans.iter().all(Option::is_none) {
             return Ok(Some(None));
         }
+        super::deterministic("scan", "jvp", &[&self.body])?;
         let carry_ty = b.ty(args[0]).clone();
         let ncf = carry_ty.elem_count();
         let p = *self.body.ty(self.body.outputs[0]).shape.last().unwrap_or(&0);

@@ -161,6 +161,7 @@ impl Rule for While {
         if tans.iter().all(Option::is_none) {
             return Ok(Some(None));
         }
+        super::deterministic("while_loop", "jvp", &[&self.cond, &self.body])?;
         let carry_ty = b.ty(args[0]).clone();
         let ncf = carry_ty.elem_count();
         let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
