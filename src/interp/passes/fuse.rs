@@ -55,10 +55,24 @@ pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
             g.nodes[v].prim = Prim::Map(m);
             continue;
         }
-        if let Prim::Scan(sc) = &g.nodes[v].prim {
-            let mut sc = sc.clone();
-            sc.body = Arc::new(fuse_epilogues(&sc.body));
-            g.nodes[v].prim = Prim::Scan(sc);
+        // the bodies of control flow run as graphs of their own
+        let inner = match &g.nodes[v].prim {
+            Prim::Scan(sc) => Some(Prim::Scan(Box::new(crate::ir::Scan {
+                body: Arc::new(fuse_epilogues(&sc.body)),
+                ..(**sc).clone()
+            }))),
+            Prim::Cond(c) => Some(Prim::Cond(Box::new(crate::ir::Cond {
+                on_true: Arc::new(fuse_epilogues(&c.on_true)),
+                on_false: Arc::new(fuse_epilogues(&c.on_false)),
+            }))),
+            Prim::While(w) => Some(Prim::While(Box::new(crate::ir::While {
+                cond: Arc::new(fuse_epilogues(&w.cond)),
+                body: Arc::new(fuse_epilogues(&w.body)),
+            }))),
+            _ => None,
+        };
+        if let Some(prim) = inner {
+            g.nodes[v].prim = prim;
             continue;
         }
         if !facts::of_node(&g, v).is_some_and(|f| f.epilogue) {
