@@ -9,9 +9,8 @@
 //! * VJP and JVP: a `cond` of the branches' VJPs (their operands'
 //!   cotangents packed into one vector) and JVPs, on the same predicate.
 
-use super::{flat, piece, shape_error};
+use super::{batched_graph, example_mask, flat, piece, shape_error};
 use crate::error::{Error, Result};
-use crate::ir::ops::Compare;
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
 use crate::rules::facts::{self, Arg, Effect, Facts, Workspace};
 use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
@@ -115,12 +114,8 @@ impl Rule for Cond {
                 outs.push(cx.materialize(out)?);
             }
             let p = cx.front((p, Some(d)))?;
-            let zero = cx.b.scalar_as(0.0, p);
-            let mask = cx.b.cmp(Compare::Ne, p, zero)?;
-            // B -> B 1.. against the outputs B ..
-            let mut shape = vec![cx.size];
-            shape.resize(cx.b.ty(outs[0]).rank(), 1);
-            let mask = cx.b.reshape(mask, shape)?;
+            let rank = cx.b.ty(outs[0]).rank();
+            let mask = example_mask(cx.b, p, cx.size, rank)?;
             return Ok(Some((cx.b.select(mask, outs[0], outs[1])?, Some(0))));
         }
         // one predicate for all: the same choice between batched branches
@@ -131,29 +126,12 @@ impl Rule for Cond {
                 None => v,
             });
         }
+        let batched_ops: Vec<bool> = ops.iter().map(|a| a.1.is_some()).collect();
         let batched = self.map(|g| {
-            let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
-            let mut sb = scratch.borrow_mut();
-            let inner: Vec<BVal> = ops
-                .iter()
-                .zip(&g.inputs)
-                .map(|(&(_, bd), &i)| {
-                    let mut ty = g.ty(i).clone();
-                    if bd.is_some() {
-                        ty.shape.insert(0, cx.size);
-                    }
-                    (sb.input(ty), bd.map(|_| 0))
-                })
-                .collect();
-            let mut icx = BatchCx {
-                b: &mut sb,
-                size: cx.size,
-                opts: cx.opts,
-                plan: cx.plan,
-            };
-            let out = walk::batch_graph(g, &mut icx, &inner)?[0];
-            let out = icx.materialize(out)?;
-            Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+            batched_graph(cx, g, &batched_ops, |icx, ins| {
+                let out = walk::batch_graph(g, icx, ins)?[0];
+                icx.materialize(out)
+            })
         })?;
         Ok(Some((cx.b.emit(Prim::Cond(Box::new(batched)), &operands)?, Some(0))))
     }

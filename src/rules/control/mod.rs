@@ -9,9 +9,10 @@ mod scan_vjp;
 mod while_loop;
 
 use crate::error::{Error, Result};
+use crate::ir::ops::Compare;
 use crate::ir::{Graph, TensorType, VarId};
 use crate::rules::facts::{self, Effect};
-use crate::rules::Builder;
+use crate::rules::{BVal, BatchCx, Builder};
 
 /// An error where a body of `op` draws random numbers: its derivative
 /// runs the body again, which would draw anew, so the derivative would be
@@ -32,6 +33,50 @@ fn deterministic(op: &'static str, transform: &'static str, bodies: &[&Graph]) -
 fn shape_error(op: &'static str, args: &[&TensorType], msg: String) -> Error {
     let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
     Error::shape(op, &shapes, msg)
+}
+
+/// `g` batched into a graph of its own, as a control-flow node's new body:
+/// input `k` batched at axis 0 where `batched[k]` (`X -> B X`), and the
+/// output `out` makes from the batching context and those inputs (say,
+/// `g` batched and materialised, batch first).
+fn batched_graph(
+    cx: &BatchCx,
+    g: &Graph,
+    batched: &[bool],
+    out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<VarId>,
+) -> Result<Graph> {
+    let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
+    let mut sb = scratch.borrow_mut();
+    let ins: Vec<BVal> = g
+        .inputs
+        .iter()
+        .zip(batched)
+        .map(|(&i, &on)| {
+            let mut ty = g.ty(i).clone();
+            if on {
+                ty.shape.insert(0, cx.size);
+            }
+            (sb.input(ty), on.then_some(0))
+        })
+        .collect();
+    let mut icx = BatchCx {
+        b: &mut sb,
+        size: cx.size,
+        opts: cx.opts,
+        plan: cx.plan,
+    };
+    let o = out(&mut icx, &ins)?;
+    Ok(sb.finish(vec![o]).0.eliminate_dead_code())
+}
+
+/// Where each example's predicate `p` `[B]` holds (nonzero), shaped
+/// `B 1..` to select between values of rank `rank` (batch first).
+fn example_mask(b: &mut Builder, p: VarId, size: usize, rank: usize) -> Result<VarId> {
+    let zero = b.scalar_as(0.0, p);
+    let mask = b.cmp(Compare::Ne, p, zero)?;
+    let mut shape = vec![size];
+    shape.resize(rank, 1);
+    b.reshape(mask, shape)
 }
 
 /// `v` as one vector (`.. -> (..)`).

@@ -16,7 +16,7 @@
 //! in front), so a rule never needs to know which axes of an operand the
 //! batching rule put there.
 
-use super::{flat, piece, shape_error};
+use super::{batched_graph, flat, piece, shape_error};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
 use crate::rules::facts::{self, Arg, Facts, Workspace};
@@ -149,35 +149,21 @@ impl Rule for Scan {
             let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
             return Ok(Some((self.clone().emit(cx.b, &ids)?, None)));
         }
-        let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
         let mut operands = Vec::with_capacity(args.len());
-        let body = {
-            let mut sb = scratch.borrow_mut();
-            let mut inner = Vec::with_capacity(args.len());
-            for (k, &(v, bd)) in args.iter().enumerate() {
-                let mut ty = self.input_ty(k).clone();
-                let batched = k == 0 || bd.is_some();
-                operands.push(match (k, bd) {
-                    (0, _) => cx.materialize((v, bd))?,
-                    (_, Some(d)) if k <= self.scanned => cx.b.move_axis(v, d, 1)?,
-                    (_, Some(_)) => cx.front((v, bd))?,
-                    (_, None) => v,
-                });
-                if batched {
-                    ty.shape.insert(0, cx.size);
-                }
-                inner.push((sb.input(ty), batched.then_some(0)));
-            }
-            let mut icx = BatchCx {
-                b: &mut sb,
-                size: cx.size,
-                opts: cx.opts,
-                plan: cx.plan,
-            };
-            let out = walk::batch_graph(&self.body, &mut icx, &inner)?[0];
-            let out = icx.materialize(out)?;
-            sb.finish(vec![out]).0.eliminate_dead_code()
-        };
+        for (k, &(v, bd)) in args.iter().enumerate() {
+            operands.push(match (k, bd) {
+                (0, _) => cx.materialize((v, bd))?,
+                (_, Some(d)) if k <= self.scanned => cx.b.move_axis(v, d, 1)?,
+                (_, Some(_)) => cx.front((v, bd))?,
+                (_, None) => v,
+            });
+        }
+        // the carry batched whatever its start (the steps make it so)
+        let batched: Vec<bool> = args.iter().enumerate().map(|(k, a)| k == 0 || a.1.is_some()).collect();
+        let body = batched_graph(cx, &self.body, &batched, |icx, ins| {
+            let out = walk::batch_graph(&self.body, icx, ins)?[0];
+            icx.materialize(out)
+        })?;
         let sc = Scan {
             body: Arc::new(body),
             ..self.clone()

@@ -12,7 +12,7 @@
 //!   length) is the reverse-differentiable loop.
 
 use super::cond::{body_peak, effect};
-use super::{flat, piece, shape_error};
+use super::{batched_graph, example_mask, flat, piece, shape_error};
 use crate::error::{Error, Result};
 use crate::ir::ops::{Compare, Unary};
 use crate::ir::{Graph, Prim, TensorType, VarId, While};
@@ -80,64 +80,31 @@ impl Rule for While {
                 None => v,
             });
         }
-        let scratch = || Builder::scratch(cx.b.given, cx.b.ctx.clone());
-        let inputs = |sb: &mut Builder| -> Vec<BVal> {
-            args.iter()
-                .enumerate()
-                .map(|(k, &(_, bd))| {
-                    let mut ty = self.body.ty(self.body.inputs[k]).clone();
-                    let batched = k == 0 || bd.is_some();
-                    if batched {
-                        ty.shape.insert(0, cx.size);
-                    }
-                    (sb.input(ty), batched.then_some(0))
-                })
-                .collect()
-        };
-        let (size, opts, plan) = (cx.size, cx.opts, cx.plan);
+        // the graphs' inputs batched as the operands now are
+        let batched: Vec<bool> = args.iter().enumerate().map(|(k, a)| k == 0 || a.1.is_some()).collect();
         // the condition, batched: one for all, or one per example
-        let (cond, per_example) = {
-            let s = scratch();
-            let mut sb = s.borrow_mut();
-            let ins = inputs(&mut sb);
-            let mut icx = BatchCx {
-                b: &mut sb,
-                size,
-                opts,
-                plan,
-            };
-            let (p, bd) = walk::batch_graph(&self.cond, &mut icx, &ins)?[0];
-            let any = match bd {
-                None => p,
-                Some(_) => any_true(&mut sb, p)?,
-            };
-            (sb.finish(vec![any]).0.eliminate_dead_code(), bd.is_some())
-        };
-        let body = {
-            let s = scratch();
-            let mut sb = s.borrow_mut();
-            let ins = inputs(&mut sb);
-            let mut icx = BatchCx {
-                b: &mut sb,
-                size,
-                opts,
-                plan,
-            };
-            let next = walk::batch_graph(&self.body, &mut icx, &ins)?[0];
-            let mut next = icx.materialize(next)?;
-            if per_example {
-                // an example whose condition fails keeps its carry
-                let p = walk::batch_graph(&self.cond, &mut icx, &ins)?[0];
-                let p = icx.materialize(p)?;
-                let zero = icx.b.scalar_as(0.0, p);
-                let go = icx.b.cmp(Compare::Ne, p, zero)?;
-                let mut shape = vec![size];
-                shape.resize(icx.b.ty(next).rank(), 1);
-                let go = icx.b.reshape(go, shape)?;
-                next = icx.b.select(go, next, ins[0].0)?;
+        let mut per_example = false;
+        let cond = batched_graph(cx, &self.cond, &batched, |icx, ins| {
+            let (p, bd) = walk::batch_graph(&self.cond, icx, ins)?[0];
+            per_example = bd.is_some();
+            match bd {
+                None => Ok(p),
+                Some(_) => any_true(icx.b, p),
             }
-            sb.finish(vec![next]).0.eliminate_dead_code()
-        };
+        })?;
+        let body = batched_graph(cx, &self.body, &batched, |icx, ins| {
+            let next = walk::batch_graph(&self.body, icx, ins)?[0];
+            let next = icx.materialize(next)?;
+            if !per_example {
+                return Ok(next);
+            }
+            // an example whose condition fails keeps its carry
+            let p = walk::batch_graph(&self.cond, icx, ins)?[0];
+            let p = icx.materialize(p)?;
+            let rank = icx.b.ty(next).rank();
+            let go = example_mask(icx.b, p, icx.size, rank)?;
+            icx.b.select(go, next, ins[0].0)
+        })?;
         let w = While {
             cond: Arc::new(cond),
             body: Arc::new(body),
