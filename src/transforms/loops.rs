@@ -100,81 +100,53 @@ pub fn scan_with(
     })?;
     let length = trip_count(xs, opts.length)?;
     let dtype = one_dtype("scan", init, "the carry")?;
-    // the body traced once, nested in the caller's trace
-    let given = outer.borrow().given;
-    let inner = Builder::child(&outer, next_builder_id(), given);
     let nc: usize = init.iter().map(Tracer::elem_count).sum();
-    let packed_in = {
-        let id = inner
-            .borrow_mut()
-            .input(TensorType::new(vec![nc], dtype.unwrap_or(candle_core::DType::F32)));
-        Tracer::new(&inner, id)
-    };
-    let carry = unpack(&packed_in, init.iter().map(|t| t.dims().to_vec()))?;
-    let steps = xs
-        .iter()
-        .map(|x| {
-            let id = inner
-                .borrow_mut()
-                .input(TensorType::new(x.dims()[1..].to_vec(), x.dtype()));
-            Tracer::new(&inner, id)
-        })
-        .collect::<Vec<_>>();
-    let (next, ys) = super::tracing(&inner, || f(&carry, &steps))?;
-    check_carry("scan", init, &next)?;
-    let y_dtype = one_dtype("scan", &ys, "the outputs")?;
-    if let (Some(c), Some(y)) = (dtype, y_dtype) {
-        if c != y {
-            return Err(Error::shape(
-                "scan",
-                &[],
-                format!("the carry is {c:?} and the outputs {y:?}: a loop's carry and outputs share one dtype"),
-            ));
+    let shapes = || init.iter().map(|t| t.dims().to_vec());
+    // the body traced once, nested in the caller's trace: the packed carry
+    // and one step of each scanned operand in, next carry and outputs out
+    let mut types = vec![TensorType::new(vec![nc], dtype.unwrap_or(candle_core::DType::F32))];
+    types.extend(xs.iter().map(|x| TensorType::new(x.dims()[1..].to_vec(), x.dtype())));
+    let (mut y_shapes, mut y_dtype) = (Vec::new(), None);
+    let (mut graph, captures) = trace_nested(&outer, &types, |ins| {
+        let (next, ys) = f(&unpack(&ins[0], shapes())?, &ins[1..])?;
+        check_carry("scan", init, &next)?;
+        y_dtype = one_dtype("scan", &ys, "the outputs")?;
+        if let (Some(c), Some(y)) = (dtype, y_dtype) {
+            if c != y {
+                return Err(Error::shape(
+                    "scan",
+                    &[],
+                    format!("the carry is {c:?} and the outputs {y:?}: a loop's carry and outputs share one dtype"),
+                ));
+            }
         }
-    }
+        y_shapes = ys.iter().map(|y| y.dims().to_vec()).collect();
+        pack(
+            &[next, ys].concat(),
+            dtype.or(y_dtype).unwrap_or(candle_core::DType::F32),
+            &ins[0],
+        )
+    })?;
     let Some(dtype) = dtype.or(y_dtype) else {
         return Ok((Vec::new(), Vec::new()));
     };
-    let y_shapes: Vec<Vec<usize>> = ys.iter().map(|y| y.dims().to_vec()).collect();
+    let like = outer_tracer(&outer, init, xs)?;
     if length == 0 {
         // no step runs: the carry as given, outputs with no rows
-        let like = &outer_tracer(&outer, init, xs)?;
         let empty = y_shapes
             .iter()
-            .map(|s| candle_core::Tensor::zeros([&[0], &s[..]].concat(), dtype, &like.device())?.to_tracer(like))
+            .map(|s| candle_core::Tensor::zeros([&[0], &s[..]].concat(), dtype, &like.device())?.to_tracer(&like))
             .collect::<Result<Vec<_>>>();
         return Ok((init.to_vec(), empty?));
     }
-    let (graph, captures) = {
-        let pieces: Vec<Tracer> = next.iter().chain(&ys).map(Tracer::flatten_all).collect::<Result<_>>()?;
-        let packed = Tracer::cat(&pieces.iter().collect::<Vec<_>>(), 0)?;
-        let mut bb = inner.borrow_mut();
-        let out = bb.lift(&packed.outer())?;
-        let (mut graph, captures) = bb.finish(vec![out]);
-        // a loop with no carry reads none: its empty carry takes the
-        // outputs' dtype, which was not known before the body ran
-        let first = graph.inputs[0];
-        graph.nodes[first].ty.dtype = dtype;
-        (graph, captures)
-    };
+    // a loop with no carry reads none: its empty carry takes the outputs'
+    // dtype, which was not known before the body ran
+    let first = graph.inputs[0];
+    graph.nodes[first].ty.dtype = dtype;
     // operands in the caller's trace: the packed initial carry, the
     // scanned operands, then whatever the body read from outside
-    let like = outer_tracer(&outer, init, xs)?;
-    let init_packed = match init.len() {
-        0 => candle_core::Tensor::zeros(0, dtype, &like.device())?.to_tracer(&like)?,
-        _ => {
-            let flat: Vec<Tracer> = init.iter().map(Tracer::flatten_all).collect::<Result<_>>()?;
-            Tracer::cat(&flat.iter().collect::<Vec<_>>(), 0)?
-        }
-    };
-    let mut ob = outer.borrow_mut();
-    let mut operands = vec![ob.lift(&init_packed.outer())?];
-    for x in xs {
-        operands.push(ob.lift(&x.outer())?);
-    }
-    for c in &captures {
-        operands.push(ob.lift(c)?);
-    }
+    let mut operands = vec![pack(init, dtype, &like)?];
+    operands.extend_from_slice(xs);
     let sc = Scan {
         body: Arc::new(graph.eliminate_dead_code()),
         carry: nc,
@@ -182,14 +154,12 @@ pub fn scan_with(
         length,
         reverse: opts.reverse,
     };
-    let rows = ob.emit(Prim::Scan(Box::new(sc)), &operands)?;
-    drop(ob);
-    let rows = Tracer::new(&outer, rows);
+    let rows = emit(&outer, Prim::Scan(Box::new(sc)), &operands, &[captures])?;
     // the final carry is in the row the last step wrote
     let last_row = if opts.reverse { 0 } else { length - 1 };
     let last = rows.narrow(0, last_row, 1)?.squeeze(0)?;
-    let carry = unpack(&last.narrow(0, 0, nc)?, init.iter().map(|t| t.dims().to_vec()))?;
-    let mut outs = Vec::with_capacity(ys.len());
+    let carry = unpack(&last.narrow(0, 0, nc)?, shapes())?;
+    let mut outs = Vec::with_capacity(y_shapes.len());
     let mut at = nc;
     for s in y_shapes {
         let n: usize = s.iter().product();
