@@ -254,10 +254,7 @@ fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Te
                 None => (*a).clone(),
             });
         }
-        let (mut ys, _) = run_inner(&m.body, &xs, mix(cx.seed, i as u64), None, cx.copies)?;
-        let y = ys
-            .pop()
-            .ok_or_else(|| Error::internal("map", "a body without output"))?;
+        let y = run_one(&m.body, &xs, mix(cx.seed, i as u64), cx, "map")?;
         // `stacked` is this node's own fresh buffer, read by nothing yet
         let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("map")?;
         stacked.slice_set(&row, 0, i).op("map")?;
@@ -285,10 +282,7 @@ fn run_scan(sc: &Scan, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result
                 false => (*a).clone(),
             });
         }
-        let (mut ys, _) = run_inner(&sc.body, &xs, mix(cx.seed, i as u64), None, cx.copies)?;
-        let y = ys
-            .pop()
-            .ok_or_else(|| Error::internal("scan", "a body without output"))?;
+        let y = run_one(&sc.body, &xs, mix(cx.seed, i as u64), cx, "scan")?;
         carry = y.narrow(last - 1, 0, sc.carry).op("scan")?;
         // `stacked` is this node's own fresh buffer, read by nothing yet
         let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("scan")?;
