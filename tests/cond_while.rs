@@ -287,6 +287,15 @@ fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the
         Err(e @ Error::Shape { op: "while_loop", .. }) => assert!(e.to_string().contains("changed carry 0"), "{e}"),
         other => panic!("{other:?}"),
     }
+    // a fori_loop with nothing to carry says so
+    let nothing = |x: Tracer| {
+        fori_loop(0, 3, |_i: &Tracer, c: &[Tracer]| Ok(c.to_vec()), &[])?;
+        Ok(x)
+    };
+    match jit(nothing).call(&x) {
+        Err(e @ Error::Shape { op: "fori_loop", .. }) => assert!(e.to_string().contains("needs a carry"), "{e}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

@@ -242,6 +242,12 @@ fn bad_shapes_and_settings_are_errors_naming_the_layer() {
     );
     let err = nn::gru(I, 0, RecurrentConfig::default(), vb(&map)).unwrap_err();
     assert!(err.to_string().contains("hidden size 0"), "{err}");
+    // a gate count times the hidden size past usize is an error, not a panic
+    let err = nn::lstm(I, usize::MAX / 2, RecurrentConfig::default(), vb(&map)).unwrap_err();
+    assert!(
+        matches!(err, Error::Config { .. }) && err.to_string().contains("overflow"),
+        "{err}"
+    );
 }
 
 fn ours_result(layer: &Recurrent, x: &Tensor, lengths: Option<&Tensor>) -> String {
