@@ -14,6 +14,10 @@
 //! cargo run --release --example bench_lstm -- --variant psg --reps 5
 //! ```
 //!
+//! `--checkpoint K` makes the LSTM's loop keep one state in `K` for the
+//! gradient and recompute the others (`Recurrent::with_checkpoint`; 0,
+//! the default, leaves the choice to the loop).
+//!
 //! It prints `RESULT ours_<variant> median_ms .. first_ms .. peak_rss_mib ..
 //! plan_mib ..`; `benches/peers/side_by_side_lstm.py` pairs it with
 //! `bench_lstm.py` (Opacus 1.6's `DPLSTM`, and `torch.func`).
@@ -56,7 +60,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let varmap = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let emb = nn::embedding(V, E, vb.pp("emb"))?;
-    let rnn = nn::lstm(E, H, RecurrentConfig::default(), vb.pp("rnn"))?;
+    let mut rnn = nn::lstm(E, H, RecurrentConfig::default(), vb.pp("rnn"))?;
+    let checkpoint: usize = arg("--checkpoint", 0);
+    if checkpoint > 0 {
+        rnn = rnn.with_checkpoint(checkpoint);
+    }
     let fc = nn::linear(H, C, vb.pp("fc"))?;
     let params: BTreeMap<String, Tensor> = [emb.params(), rnn.params(), fc.params()]
         .into_iter()

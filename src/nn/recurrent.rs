@@ -90,6 +90,8 @@ pub struct Recurrent {
     weights: BTreeMap<String, Tensor>,
     prefix: String,
     cache: EagerCache,
+    /// Steps between the carries a gradient keeps (`ScanOptions::checkpoint`).
+    checkpoint: Option<usize>,
 }
 
 /// What a recurrent layer computes: the last layer's outputs at every
@@ -183,6 +185,7 @@ impl Recurrent {
             weights,
             prefix: vb.prefix(),
             cache: EagerCache::default(),
+            checkpoint: None,
         })
     }
 
@@ -220,6 +223,16 @@ impl Recurrent {
             ..RecurrentConfig::default()
         };
         Recurrent::new(RecurrentCell::Gru, input, hidden, cfg, vb)
+    }
+
+    /// The layer with each direction's loop keeping one carry every `steps`
+    /// steps for its gradient and recomputing the others
+    /// ([`ScanOptions::checkpoint`]): for sequences whose states a
+    /// gradient cannot hold. Without it, a loop checkpoints by itself only
+    /// when its states would take more than an eighth of the memory limit.
+    pub fn with_checkpoint(mut self, steps: usize) -> Self {
+        self.checkpoint = Some(steps);
+        self
     }
 
     /// The cell, input size, hidden size and configuration.
@@ -324,11 +337,13 @@ impl Recurrent {
         };
         let mut xs = vec![proj];
         xs.extend(mask.cloned());
-        let opts = if reverse {
-            ScanOptions::new().reverse()
-        } else {
-            ScanOptions::new()
-        };
+        let mut opts = ScanOptions::new();
+        if reverse {
+            opts = opts.reverse();
+        }
+        if let Some(k) = self.checkpoint {
+            opts = opts.checkpoint(k);
+        }
         let (last, ys) = scan_with(|c: &[Tracer], x: &[Tracer]| self.step(w, c, x), &init, &xs, opts)?;
         let c = (self.cell == RecurrentCell::Lstm).then(|| last[1].clone());
         Ok((ys[0].clone(), last[0].clone(), c))

@@ -21,6 +21,7 @@ use std::sync::Arc;
 pub struct ScanOptions {
     reverse: bool,
     length: Option<usize>,
+    checkpoint: Option<usize>,
 }
 
 impl ScanOptions {
@@ -40,6 +41,22 @@ impl ScanOptions {
     /// the scanned operands' leading axis otherwise.
     pub fn length(mut self, steps: usize) -> Self {
         self.length = Some(steps);
+        self
+    }
+
+    /// What the loop's gradient keeps of its carries: one every `steps`
+    /// steps, the others recomputed from the one before them while the
+    /// backward pass goes over them (checkpointing). The loop runs as
+    /// segments of `steps` steps, each a loop itself: a gradient holds
+    /// `T / steps + steps` carries rather than `T`, for running the body
+    /// forward once more (`steps` near `sqrt(T)` holds fewest). `1`
+    /// keeps every carry. Without this setting a loop keeps every carry
+    /// unless they alone would take more than an eighth of the memory
+    /// limit ([`Options::memory_limit`](crate::Options::memory_limit),
+    /// else the memory the system has free), and then checkpoints every
+    /// `ceil(sqrt(T))` steps. A value of `0` is an error.
+    pub fn checkpoint(mut self, steps: usize) -> Self {
+        self.checkpoint = Some(steps);
         self
     }
 }
@@ -154,19 +171,110 @@ pub fn scan_with(
         length,
         reverse: opts.reverse,
     };
-    let rows = emit(&outer, Prim::Scan(Box::new(sc)), &operands, &[captures])?;
-    // the final carry is in the row the last step wrote
-    let last_row = if opts.reverse { 0 } else { length - 1 };
-    let last = rows.narrow(0, last_row, 1)?.squeeze(0)?;
-    let carry = unpack(&last.narrow(0, 0, nc)?, shapes())?;
+    let ny: usize = y_shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let every = segment_length(&outer, &opts, length, nc * dtype.size_in_bytes())?;
+    let (last, ys) = match every {
+        Some(k) => segmented(&outer, sc, k, &operands, &captures, ny)?,
+        None => finish(
+            emit(&outer, Prim::Scan(Box::new(sc)), &operands, &[captures])?,
+            nc,
+            ny,
+            opts.reverse,
+        )?,
+    };
+    let carry = unpack(&last, shapes())?;
     let mut outs = Vec::with_capacity(y_shapes.len());
-    let mut at = nc;
+    let mut at = 0;
     for s in y_shapes {
         let n: usize = s.iter().product();
-        outs.push(rows.narrow(1, at, n)?.reshape([&[length], &s[..]].concat())?);
+        outs.push(ys.narrow(1, at, n)?.reshape([&[length], &s[..]].concat())?);
         at += n;
     }
     Ok((carry, outs))
+}
+
+/// A scan's rows (`T nc+ny`) cut into its final carry (`[nc]`, in the row
+/// the last step wrote: the first where it ran backwards) and its outputs
+/// (`T ny`).
+fn finish(rows: Tracer, nc: usize, ny: usize, reverse: bool) -> Result<(Tracer, Tracer)> {
+    let steps = rows.dims()[0];
+    let last_row = if reverse { 0 } else { steps - 1 };
+    let last = rows.narrow(0, last_row, 1)?.squeeze(0)?.narrow(0, 0, nc)?;
+    Ok((last, rows.narrow(1, nc, ny)?))
+}
+
+/// The steps per segment a scan of `steps` steps whose carry takes
+/// `carry_bytes` runs in (`None`: one loop, every carry kept): the
+/// options' choice, else `ceil(sqrt(T))` where the carries would take more
+/// than an eighth of the memory limit.
+fn segment_length(outer: &BuilderRef, opts: &ScanOptions, steps: usize, carry_bytes: usize) -> Result<Option<usize>> {
+    let every = match opts.checkpoint {
+        Some(0) => {
+            return Err(Error::shape(
+                "scan",
+                &[],
+                "ScanOptions::checkpoint(0): a checkpoint every 0 steps (1 keeps every carry)",
+            ))
+        }
+        Some(k) => k,
+        None => {
+            let limit = crate::interp::exec::effective_limit(outer.borrow().given.memory_limit);
+            let held = steps.saturating_mul(carry_bytes);
+            match limit {
+                Some(l) if held > l / 8 => steps.isqrt() + usize::from(steps.isqrt().pow(2) < steps),
+                _ => 1,
+            }
+        }
+    };
+    Ok((1 < every && every < steps).then_some(every))
+}
+
+/// The scan `sc` over `operands` (the packed carry, the scanned operands;
+/// then `captures`) run as segments of `k` steps (`Scan::segmented`), the
+/// steps left over in a loop of their own after them (before them where it
+/// runs backwards): its final carry and outputs, as [`finish`] gives them.
+fn segmented(
+    outer: &BuilderRef,
+    sc: Scan,
+    k: usize,
+    operands: &[Tracer],
+    captures: &[Outer],
+    ny: usize,
+) -> Result<(Tracer, Tracer)> {
+    let (nc, steps, reverse) = (sc.carry, sc.length, sc.reverse);
+    let segments = steps / k;
+    let left = steps - segments * k;
+    // the segments cover the first S k steps, or the last where it runs
+    // backwards (which starts at the end)
+    let (main, rest) = if reverse { (left, 0) } else { (0, segments * k) };
+    let (given, ctx) = {
+        let ob = outer.borrow();
+        (ob.given, ob.ctx.clone())
+    };
+    let outer_sc = sc.segmented(k, segments, given, ctx)?;
+    let mut ops = vec![operands[0].clone()];
+    for x in &operands[1..] {
+        // T .. -> S k ..
+        let mut shape = vec![segments, k];
+        shape.extend_from_slice(&x.dims()[1..]);
+        ops.push(x.narrow(0, main, segments * k)?.reshape(shape)?);
+    }
+    let rows = emit(outer, Prim::Scan(Box::new(outer_sc)), &ops, &[captures.to_vec()])?;
+    // S (nc + k ny) -> (S k) ny
+    let (mid, ys) = finish(rows, nc, k * ny, reverse)?;
+    let ys = ys.reshape((segments * k, ny))?;
+    if left == 0 {
+        return Ok((mid, ys));
+    }
+    let mut ops = vec![mid];
+    for x in &operands[1..] {
+        ops.push(x.narrow(0, rest, left)?);
+    }
+    let tail = Scan { length: left, ..sc };
+    let rows = emit(outer, Prim::Scan(Box::new(tail)), &ops, &[captures.to_vec()])?;
+    let (last, tail_ys) = finish(rows, nc, ny, reverse)?;
+    let parts = if reverse { [&tail_ys, &ys] } else { [&ys, &tail_ys] };
+    Ok((last, Tracer::cat(&parts, 0)?))
 }
 
 /// The trace a loop over `operands` is emitted into: the innermost of

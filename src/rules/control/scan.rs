@@ -18,10 +18,11 @@
 
 use super::{batched_graph, flat, piece, shape_error};
 use crate::error::{Error, Result};
-use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
+use crate::ir::{Graph, Options, Prim, Scan, TensorType, VarId};
 use crate::rules::facts::{self, Arg, Facts, Workspace};
-use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan, TraceCtx};
 use candle_core::Tensor;
+use std::rc::Rc;
 use std::sync::Arc;
 
 fn bad(args: &[&TensorType], msg: String) -> Error {
@@ -55,6 +56,56 @@ impl Scan {
             true => [b.narrow(carries, 0, 1, self.length - 1)?, init],
         };
         b.concat(&parts, 0)
+    }
+}
+
+impl Scan {
+    /// This loop (carry a vector `[nc]`) as a loop over `segments`
+    /// segments of `k` steps each, whose body is this loop over one
+    /// segment (scanned operands `T .. -> S k ..`): row `s` of its result
+    /// is the carry after segment `s`, then the segment's `k` outputs
+    /// (`[nc + k ny]`). The same values; but its VJP saves one carry per
+    /// segment and recomputes a segment's others from it while going back
+    /// over it (checkpointing: `S + k` carries held instead of `T`, for
+    /// one more forward pass of the body).
+    pub(crate) fn segmented(&self, k: usize, segments: usize, given: Options, ctx: Rc<TraceCtx>) -> Result<Scan> {
+        if self.input_ty(0).rank() != 1 || k == 0 || segments == 0 {
+            return Err(Error::internal(
+                "scan",
+                "segments of a loop whose carry is not a vector",
+            ));
+        }
+        let scratch = Builder::scratch(given, ctx);
+        let mut sb = scratch.borrow_mut();
+        let mut ins = Vec::with_capacity(self.body.inputs.len());
+        for j in 0..self.body.inputs.len() {
+            let mut ty = self.input_ty(j).clone();
+            if j >= 1 && j <= self.scanned {
+                ty.shape.insert(0, k);
+            }
+            ins.push(sb.input(ty));
+        }
+        let inner = Scan {
+            length: k,
+            ..self.clone()
+        };
+        let rows = inner.emit(&mut sb, &ins)?; // k P
+        let p = sb.dims(rows)[1];
+        let last = if self.reverse { 0 } else { k - 1 };
+        let row = sb.narrow(rows, 0, last, 1)?;
+        let mut out = sb.narrow(row, 1, 0, self.carry)?;
+        out = flat(&mut sb, out)?;
+        if p > self.carry {
+            // k ny -> (k ny)
+            let ys = sb.narrow(rows, 1, self.carry, p - self.carry)?;
+            let ys = flat(&mut sb, ys)?;
+            out = sb.concat(&[out, ys], 0)?;
+        }
+        Ok(Scan {
+            body: Arc::new(sb.finish(vec![out]).0),
+            length: segments,
+            ..self.clone()
+        })
     }
 }
 
