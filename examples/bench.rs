@@ -9,16 +9,20 @@
 //!     cargo run --release --example bench -- --json       # one JSON object per line
 //!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS (or ENS_T, ENS_O, ENS_MLP), FWD, HO, NTK, LM, DP, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
+//!
+//! With `CANDLE_FUNC_DEVICE=cuda` (built with `--features cuda`) the
+//! models, data and runs are on the first GPU, each timing waiting for the
+//! GPU's queue (`scripts/gpu_check.sh` runs it so).
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_func::jacobian::hvp_fn;
 use candle_func::nn::{self, functional_call, stack_params, Module, Reduction, Sequential};
 use candle_func::tracer::Operand;
 use candle_func::{grad, jacfwd, jacrev, jit, make_graph, vmap, ConvRoute, Schedule, Tracer};
 use common::median_ms;
-use common::models::{build, c3d, cnn_o, cnn_t, mlp, tiny_lm};
+use common::models::{build_on, c3d, cnn_o, cnn_t, mlp, tiny_lm};
 use std::collections::BTreeMap;
 
 type Params = BTreeMap<String, Tensor>;
@@ -90,8 +94,10 @@ fn interleaved(reps: usize, jobs: &mut [Job]) -> Res<Vec<f64>> {
     for _ in 0..reps.max(1) {
         for (j, t) in jobs.iter_mut().zip(times.iter_mut()) {
             j()?;
+            common::sync();
             let s = std::time::Instant::now();
             j()?;
+            common::sync();
             t.push(s.elapsed().as_secs_f64() * 1e3);
         }
     }
@@ -236,10 +242,12 @@ fn ensemble_variants() -> Vec<(String, Schedule, Option<ConvRoute>)> {
 fn ensemble(o: &Opts, e: &Ensemble, own: bool) -> Res<()> {
     let (m, b) = (10, 64);
     let measured_before = candle_func::planner::schedule_choices().len();
-    let built = (0..m).map(|_| build(e.arch)).collect::<candle_func::Result<Vec<_>>>()?;
+    let built = (0..m)
+        .map(|_| build_on(&common::device(), e.arch))
+        .collect::<candle_func::Result<Vec<_>>>()?;
     let models: Vec<&Sequential> = built.iter().map(|(_, s)| s).collect();
     let stacked = stack_params(&models)?;
-    let dev = Device::Cpu;
+    let dev = common::device();
     let lead: Vec<usize> = if own { vec![m, b] } else { vec![b] };
     let x = Tensor::randn(0f32, 1., [&lead[..], e.example].concat(), &dev)?;
     let fwd = jit(|x: Tracer| models[0].forward(&x));
@@ -321,8 +329,8 @@ fn ensemble(o: &Opts, e: &Ensemble, own: bool) -> Res<()> {
 
 /// `vmap(|x| model.forward(x))` against the model's plain batched forward.
 fn forward_overhead(o: &Opts) -> Res<()> {
-    let (_vm, model) = build(cnn_o)?;
-    let xs = Tensor::randn(0f32, 1., (256, 1, 28, 28), &Device::Cpu)?;
+    let (_vm, model) = build_on(&common::device(), cnn_o)?;
+    let xs = Tensor::randn(0f32, 1., (256, 1, 28, 28), &common::device())?;
     let plain = jit(|x: Tracer| model.forward(&x));
     let mapped = vmap(|x: Tracer| model.forward(&x.unsqueeze(0)?)?.squeeze(0));
     let mut jobs: Vec<Job> = vec![
@@ -350,7 +358,7 @@ fn forward_overhead(o: &Opts) -> Res<()> {
 /// Per-sample gradients of the Opacus CNN over batch sizes and routes, with
 /// `chunk_size` bounding memory.
 fn sweep(o: &Opts) -> Res<()> {
-    let (_vm, model) = build(cnn_o)?;
+    let (_vm, model) = build_on(&common::device(), cnn_o)?;
     let p = model.params();
     let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         nn::cross_entropy(
@@ -367,8 +375,8 @@ fn sweep(o: &Opts) -> Res<()> {
     let mut rows = Vec::new();
     let mut points: Vec<(ConvRoute, usize, f64)> = Vec::new();
     for &b in sizes {
-        let xs = Tensor::randn(0f32, 1., (b, 1, 28, 28), &Device::Cpu)?;
-        let ys = Tensor::zeros(b, DType::U32, &Device::Cpu)?;
+        let xs = Tensor::randn(0f32, 1., (b, 1, 28, 28), &common::device())?;
+        let ys = Tensor::zeros(b, DType::U32, &common::device())?;
         let inputs = flat_inputs(&p, &[&xs, &ys]);
         let routes = [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop];
         let mut fs: Vec<_> = routes
@@ -479,7 +487,7 @@ fn chart(points: &[(ConvRoute, usize, f64)]) -> String {
 /// few outputs, and a Hessian-vector product (forward over reverse)
 /// against one gradient of the same loss.
 fn higher_order(o: &Opts) -> Res<()> {
-    let dev = Device::Cpu;
+    let dev = common::device();
     let mut rows = Vec::new();
     let mut notes = Vec::new();
     for (name, fin, fout) in [("R^16 -> R^1024", 16, 1024), ("R^1024 -> R^16", 1024, 16)] {
@@ -601,10 +609,10 @@ fn lm(o: &Opts) -> Res<()> {
 /// same model and batch: the tutorial CNN at B=64, the Opacus CNN at B=256
 /// and `tiny_lm` at B=32.
 fn dp_steps(o: &Opts) -> Res<()> {
-    let dev = Device::Cpu;
+    let dev = common::device();
     let labels = |b: usize| Tensor::from_vec((0..b as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<u32>>(), b, &dev);
-    let (vm_t, cnn_tut) = build(cnn_t)?;
-    let (vm_o, cnn_op) = build(cnn_o)?;
+    let (vm_t, cnn_tut) = build_on(&common::device(), cnn_t)?;
+    let (vm_o, cnn_op) = build_on(&common::device(), cnn_o)?;
     let conv = |m: &Sequential, b: usize| -> Res<(Params, Tensor, Tensor)> {
         Ok((m.params(), Tensor::randn(0f32, 1., (b, 1, 28, 28), &dev)?, labels(b)?))
     };
@@ -737,8 +745,8 @@ fn dp_step<M: Module>(
 /// The torch.func NTK tutorial's two methods (`examples/common/ntk.rs`) on
 /// the shapes of `benches/peers/bench_higher_order.py`.
 fn ntk(o: &Opts) -> Res<()> {
-    let dev = Device::Cpu;
-    let (_vm, model) = build(common::ntk::cnn)?;
+    let dev = common::device();
+    let (_vm, model) = build_on(&common::device(), common::ntk::cnn)?;
     let p = model.params();
     let (x1, x2) = (
         Tensor::randn(0f32, 1., (20, 3, 16, 16), &dev)?,
@@ -793,9 +801,9 @@ fn main() -> Res<()> {
             common::allocator()
         );
     }
-    let dev = Device::Cpu;
+    let dev = common::device();
     if want("T") {
-        let (_vm, m) = build(cnn_t)?;
+        let (_vm, m) = build_on(&common::device(), cnn_t)?;
         per_sample(
             &o,
             "PyTorch-tutorial CNN",
@@ -805,7 +813,7 @@ fn main() -> Res<()> {
         )?;
     }
     if want("O") {
-        let (_vm, m) = build(cnn_o)?;
+        let (_vm, m) = build_on(&common::device(), cnn_o)?;
         for b in [64, 256] {
             per_sample(
                 &o,
@@ -817,7 +825,7 @@ fn main() -> Res<()> {
         }
     }
     if want("C3D") {
-        let (_vm, m) = build(c3d)?;
+        let (_vm, m) = build_on(&common::device(), c3d)?;
         per_sample(
             &o,
             "conv3d net",

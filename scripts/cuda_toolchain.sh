@@ -13,9 +13,16 @@
 # The version is the newest that candle 0.11's cudarc (0.19) knows, 13.4:
 # its build refuses an nvcc it has no bindings for (13.5 is on the
 # registry too).
+#
+# CANDLE_FUNC_CUDA_VERSION picks another version, in a folder of its own
+# (scripts/gpu_check.sh builds with 13.0.88: binaries for a GPU machine
+# whose driver is CUDA 13.0 need PTX that driver can compile).
 set -euo pipefail
-version=13.4.92
+version="${CANDLE_FUNC_CUDA_VERSION:-13.4.92}"
 dir="${CANDLE_FUNC_CUDA:-$HOME/.cache/candle-func/cuda}"
+if [ "$version" != 13.4.92 ]; then
+  dir="$dir-$version"
+fi
 if [ ! -x "$dir/venv/bin/pip" ]; then
   python3 -m venv "$dir/venv" >&2
 fi

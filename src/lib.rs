@@ -195,6 +195,7 @@ pub mod tree {
 /// nor an enclosing transform sets (the route, strict mode, the random
 /// stream), and the capacities of the caches.
 pub mod settings {
+    pub use crate::interp::exec::PORTABLE_ENV;
     #[doc(hidden)]
     pub use crate::transforms::settings::warned;
     pub use crate::transforms::settings::{

@@ -53,11 +53,15 @@ fn load(path: &Path) -> Fixture {
 /// `CANDLE_FUNC_DEVICE=cuda` (a build with `--features cuda`;
 /// `scripts/gpu_check.sh` runs it so).
 fn device() -> Device {
-    match std::env::var("CANDLE_FUNC_DEVICE").as_deref() {
+    // one for the process: each `new_cuda` is a device of its own, whose
+    // tensors do not mix with another's
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    let make = || match std::env::var("CANDLE_FUNC_DEVICE").as_deref() {
         Err(_) | Ok("cpu") => Device::Cpu,
         Ok("cuda") => Device::new_cuda(0).unwrap_or_else(|e| panic!("CANDLE_FUNC_DEVICE=cuda: {e}")),
         Ok(other) => panic!("CANDLE_FUNC_DEVICE={other}: cpu or cuda"),
-    }
+    };
+    DEVICE.get_or_init(make).clone()
 }
 
 fn fixture_dir() -> PathBuf {

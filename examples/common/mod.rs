@@ -44,6 +44,27 @@ pub fn digits_cnn(vb: VarBuilder) -> candle_func::Result<Sequential> {
 }
 
 /// Parses `--name value` from the command line.
+/// The device the benchmarks run on: `CANDLE_FUNC_DEVICE=cuda` (a build
+/// with `--features cuda`) for the first GPU, the CPU otherwise, as the
+/// fixture tests read it.
+/// One device for the whole process: each `Device::new_cuda` is a device
+/// (and stream) of its own, whose tensors do not mix with another's.
+pub fn device() -> candle_core::Device {
+    static DEVICE: std::sync::OnceLock<candle_core::Device> = std::sync::OnceLock::new();
+    let make = || match std::env::var("CANDLE_FUNC_DEVICE").as_deref() {
+        Ok("cuda") => candle_core::Device::new_cuda(0).unwrap_or_else(|e| panic!("CANDLE_FUNC_DEVICE=cuda: {e}")),
+        Ok("cpu") | Err(_) => candle_core::Device::Cpu,
+        Ok(other) => panic!("CANDLE_FUNC_DEVICE={other}: cpu or cuda"),
+    };
+    DEVICE.get_or_init(make).clone()
+}
+
+/// Waits for the device's queued work (a GPU's kernels run after the call
+/// that launched them returns), so a timer stopped after it counts them.
+pub fn sync() {
+    device().synchronize().expect("device synchronize");
+}
+
 pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
@@ -61,6 +82,7 @@ pub fn median_ms<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result
     for _ in 0..reps.max(1) {
         let s = std::time::Instant::now();
         f()?;
+        sync();
         t.push(s.elapsed().as_secs_f64() * 1e3);
     }
     t.sort_by(|a, b| a.total_cmp(b));

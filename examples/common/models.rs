@@ -92,9 +92,18 @@ pub fn tiny_lm(b: usize) -> candle_func::Result<(VarMap, nn::Gpt, Tensor, Tensor
     Ok((vm, m, ids(7)?, ids(13)?))
 }
 
-/// A model with fresh weights in its own `VarMap`.
+/// A model with fresh weights in its own `VarMap`, on the CPU.
 pub fn build<M>(f: impl FnOnce(VarBuilder) -> candle_func::Result<M>) -> candle_func::Result<(VarMap, M)> {
+    build_on(&Device::Cpu, f)
+}
+
+/// [`build`] on `dev`.
+#[allow(dead_code)] // not every example that includes this file runs on a GPU
+pub fn build_on<M>(
+    dev: &Device,
+    f: impl FnOnce(VarBuilder) -> candle_func::Result<M>,
+) -> candle_func::Result<(VarMap, M)> {
     let vm = VarMap::new();
-    let m = f(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    let m = f(VarBuilder::from_varmap(&vm, DType::F32, dev))?;
     Ok((vm, m))
 }

@@ -143,7 +143,8 @@ pub fn privatize(
         .into_iter()
         .map(|(k, g)| {
             let sum = g.sum(0)?;
-            let noisy = rng.add_noise(&sum, noise_multiplier * max_norm, 1.0 / expected_batch, true)?;
+            let path = crate::interp::exec::portable_path(None);
+            let noisy = rng.add_noise(&sum, noise_multiplier * max_norm, 1.0 / expected_batch, true, path)?;
             Ok((k, noisy))
         })
         .collect()

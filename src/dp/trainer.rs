@@ -303,9 +303,21 @@ where
         for (k, s) in sum {
             let s = match (first, &self.comm) {
                 (false, _) => s,
-                (true, None) => self.rng.add_noise(&s, std, scale, self.secure_mode)?,
+                (true, None) => self.rng.add_noise(
+                    &s,
+                    std,
+                    scale,
+                    self.secure_mode,
+                    crate::interp::exec::portable_path(None),
+                )?,
                 // rank 0 still joins the all-reduce, flagged, if it fails
-                (true, Some(_)) => match self.rng.add_noise(&s, std, scale, self.secure_mode) {
+                (true, Some(_)) => match self.rng.add_noise(
+                    &s,
+                    std,
+                    scale,
+                    self.secure_mode,
+                    crate::interp::exec::portable_path(None),
+                ) {
                     Ok(t) => t,
                     Err(e) => {
                         failed.get_or_insert(e);

@@ -9,7 +9,7 @@
 use super::{malloc, mix, passes, run_inner, NodeTimes, RunStats};
 use crate::error::{Error, Result};
 use crate::ir::Graph;
-use crate::kernels::copies::Copies;
+use crate::kernels::{copies::Copies, Path};
 use crate::rules::{facts, memory};
 use candle_core::Tensor;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,6 +50,8 @@ pub(crate) struct Executable {
     /// The most bytes a run may hold (`None`: the machine's available
     /// memory).
     limit: Option<usize>,
+    /// Whether it runs the crate's CPU kernels or candle's operations only.
+    path: Path,
 }
 
 impl Executable {
@@ -74,6 +76,7 @@ impl Executable {
             seed: None,
             calls: Arc::default(),
             limit: None,
+            path: portable_path(None),
         }
     }
 
@@ -95,6 +98,13 @@ impl Executable {
     /// the machine's available memory).
     pub(crate) fn limit(mut self, limit: Option<usize>) -> Executable {
         self.limit = limit;
+        self
+    }
+
+    /// Runs candle's operations only where `portable` says so (`None`: as
+    /// the `CANDLE_FUNC_PORTABLE` variable says; unset: the crate's kernels).
+    pub(crate) fn portable(mut self, portable: Option<bool>) -> Executable {
+        self.path = portable_path(portable);
         self
     }
 
@@ -146,7 +156,13 @@ impl Executable {
     pub(crate) fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
         self.check()?;
         malloc::keep(self.peak);
-        run_inner(&self.graph, inputs, self.next_seed(), None, &Copies::default())
+        run_inner(
+            &self.graph,
+            inputs,
+            self.next_seed(),
+            None,
+            (&Copies::default(), self.path),
+        )
     }
 
     /// [`Executable::run`], also returning the time each node took.
@@ -155,8 +171,33 @@ impl Executable {
         malloc::keep(self.peak);
         let mut times = Vec::new();
         let seed = self.next_seed();
-        let (outs, _) = run_inner(&self.graph, inputs, seed, Some(&mut times), &Copies::default())?;
+        let (outs, _) = run_inner(
+            &self.graph,
+            inputs,
+            seed,
+            Some(&mut times),
+            (&Copies::default(), self.path),
+        )?;
         Ok((outs, times))
+    }
+}
+
+/// The variable that makes the CPU take candle's operations only (the path
+/// every other device takes) when set to `1` or `true`, for a function
+/// whose options do not say ([`Options::portable`](crate::Options::portable));
+/// read when a function is compiled for a signature.
+pub const PORTABLE_ENV: &str = "CANDLE_FUNC_PORTABLE";
+
+/// The path a run takes: `portable` where given, else the variable's.
+pub(crate) fn portable_path(portable: Option<bool>) -> Path {
+    let env = || {
+        std::env::var(PORTABLE_ENV)
+            .map(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"))
+            .unwrap_or(false)
+    };
+    match portable.unwrap_or_else(env) {
+        true => Path::Portable,
+        false => Path::Fast,
     }
 }
 

@@ -12,7 +12,7 @@ pub(crate) mod passes;
 
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Cond, Graph, Map, Prim, Scan, TensorType, While};
-use crate::kernels::copies::Copies;
+use crate::kernels::Kx;
 use crate::rules::{rule, RunCx};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
@@ -43,7 +43,18 @@ pub type NodeTimes = Vec<(usize, f64)>;
 /// inputs' device. `seed` seeds the graph's random draws.
 #[cfg(test)]
 fn run(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
-    run_inner(g, inputs, seed, None, &Copies::default()).map(|(outs, _)| outs)
+    let copies = crate::kernels::copies::Copies::default();
+    run_inner(g, inputs, seed, None, (&copies, crate::kernels::Path::Fast)).map(|(outs, _)| outs)
+}
+
+/// A literal of `dtype`, filled on `device` itself (`Tensor::new` would
+/// copy it from the host on every run, a wait on a GPU's queue).
+fn scalar(x: f64, dtype: candle_core::DType, device: &Device) -> candle_core::Result<Tensor> {
+    match dtype {
+        candle_core::DType::F32 => Tensor::full(x as f32, (), device),
+        candle_core::DType::F64 => Tensor::full(x, (), device),
+        _ => Tensor::full(x, (), device)?.to_dtype(dtype),
+    }
 }
 
 /// splitmix64's finaliser: a well-mixed seed for each node (and each
@@ -62,7 +73,7 @@ fn run_inner(
     inputs: &[Tensor],
     seed: u64,
     mut times: Option<&mut NodeTimes>,
-    copies: &Copies,
+    (copies, path): Kx,
 ) -> Result<(Vec<Tensor>, RunStats)> {
     check_inputs(g, inputs)?;
     let device = run_device(g, inputs);
@@ -82,9 +93,7 @@ fn run_inner(
                 .map(Tensor::detach)
                 .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
             Prim::Const(k) => constant(g, *k, &device)?,
-            Prim::Scalar(x) => Tensor::new(*x, &device)
-                .and_then(|t| t.to_dtype(node.ty.dtype))
-                .op("scalar")?,
+            Prim::Scalar(x) => scalar(*x, node.ty.dtype, &device).op("scalar")?,
             prim => {
                 let args = node
                     .args
@@ -92,11 +101,17 @@ fn run_inner(
                     .map(|&a| vals.get(a).and_then(Option::as_ref))
                     .collect::<Option<Vec<&Tensor>>>()
                     .ok_or_else(|| Error::internal(prim.name(), "an operand was freed before its last use"))?;
+                // a GPU's kernels run after the call that queues them
+                // returns: a profile drains the queue around each node
+                if times.is_some() {
+                    device.synchronize().op(&prim.name())?;
+                }
                 let start = std::time::Instant::now();
                 let cx = RunCx {
                     device: &device,
                     seed: mix(seed, v as u64),
                     copies,
+                    path,
                 };
                 let t = match prim {
                     // An empty result has no values to compute; candle's
@@ -112,6 +127,7 @@ fn run_inner(
                     prim => rule(prim)?.run(&args, &node.ty, &cx)?,
                 };
                 if let Some(times) = times.as_mut() {
+                    device.synchronize().op(&prim.name())?;
                     times.push((v, start.elapsed().as_secs_f64()));
                 }
                 check_result(prim, &t, &node.ty)?;
@@ -302,7 +318,7 @@ fn holds(p: &Tensor, op: &str) -> Result<bool> {
 
 /// The one output of `g` run on `inputs`.
 fn run_one(g: &Graph, inputs: &[Tensor], seed: u64, cx: &RunCx, op: &str) -> Result<Tensor> {
-    let (mut outs, _) = run_inner(g, inputs, seed, None, cx.copies)?;
+    let (mut outs, _) = run_inner(g, inputs, seed, None, (cx.copies, cx.path))?;
     outs.pop()
         .ok_or_else(|| Error::internal(op.to_string(), "a graph without output"))
 }

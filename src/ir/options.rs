@@ -123,6 +123,9 @@ pub struct Options {
     pub schedule: Option<Schedule>,
     /// The most bytes a call may hold at once.
     pub memory_limit: Option<usize>,
+    /// Whether the CPU runs candle's operations only, as every other
+    /// device does, instead of the crate's own kernels.
+    pub portable: Option<bool>,
 }
 
 impl Options {
@@ -181,6 +184,16 @@ impl Options {
     /// outermost transform called on tensors.
     pub fn memory_limit(mut self, bytes: usize) -> Self {
         self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// Runs candle's operations only, bypassing the crate's CPU kernels:
+    /// the path every device but the CPU takes (a GPU's), taken on the CPU
+    /// so that it can be tested there. Slower, and the same numbers to
+    /// rounding. Unset: the `CANDLE_FUNC_PORTABLE` variable (`1` turns it
+    /// on), else off. Read from the outermost transform called on tensors.
+    pub fn portable(mut self, on: bool) -> Self {
+        self.portable = Some(on);
         self
     }
 
@@ -249,6 +262,7 @@ impl Options {
             strict: self.strict.or(outer.strict),
             seed: self.seed.or(outer.seed),
             memory_limit: self.memory_limit.or(outer.memory_limit),
+            portable: self.portable.or(outer.portable),
             ..*self
         }
     }
@@ -269,4 +283,7 @@ pub(crate) struct Opts {
     /// memory): a `vmap` that would exceed it runs in chunks that fit, and
     /// `Auto` measures no candidate that does not.
     pub(crate) memory_limit: Option<usize>,
+    /// Whether runs take candle's operations only (`None`: as the
+    /// environment says).
+    pub(crate) portable: Option<bool>,
 }

@@ -10,7 +10,7 @@
 //! at PyTorch's `bmm` speed (~290 GFLOP/s) as one GEMM per thread.
 
 use super::copies::Copies;
-use super::{has_cpu_kernel, max_threads, output, par_blocks_mut, product, Elem, Mat};
+use super::{has_cpu_kernel, max_threads, output, par_blocks_mut, product, Elem, Mat, Path};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// One operand: its storage slice from the layout's start, and the batch,
@@ -189,8 +189,8 @@ impl CustomOp2 for BmmOp {
 
 /// Whether operands of any rank are ones the kernel could take once in
 /// rank 3: f32/f64 on the CPU, one dtype, no empty dimension.
-pub fn eligible(a: &Tensor, b: &Tensor) -> bool {
-    has_cpu_kernel(a)
+pub fn eligible(a: &Tensor, b: &Tensor, path: Path) -> bool {
+    has_cpu_kernel(a, path)
         && b.device().is_cpu()
         && a.dtype() == b.dtype()
         && a.dims().iter().chain(b.dims()).all(|&d| d > 0)
@@ -198,16 +198,16 @@ pub fn eligible(a: &Tensor, b: &Tensor) -> bool {
 
 /// Whether [`bmm`] runs its own kernel for these operands: [`eligible`],
 /// rank 3, matching batch and inner dimensions.
-pub fn takes_kernel(a: &Tensor, b: &Tensor) -> bool {
+pub fn takes_kernel(a: &Tensor, b: &Tensor, path: Path) -> bool {
     let (ad, bd) = (a.dims(), b.dims());
-    eligible(a, b) && ad.len() == 3 && bd.len() == 3 && ad[0] == bd[0] && ad[2] == bd[1]
+    eligible(a, b, path) && ad.len() == 3 && bd.len() == 3 && ad[0] == bd[0] && ad[2] == bd[1]
 }
 
 /// `[B, M, K] @ [B, K, N] -> [B, M, N]`, operands at any strides. Our
 /// kernel where [`takes_kernel`] holds, candle's matmul otherwise. An
 /// operand copied to another layout first is counted in `copies`.
-pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
-    if takes_kernel(a, b) {
+pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result<Tensor> {
+    if takes_kernel(a, b, path) {
         // Products spread over threads read a column-major `b` of their own
         // (stacked weights) in place: each GEMM runs on one thread and packs
         // its operand itself (10 x [64, 784] @ [784, 128] took 0.42-0.54 ms
@@ -265,13 +265,13 @@ fn by_row_major_rhs(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
     let copy_a = if column_major(a) { 0 } else { m * k };
     if k * n <= copy_a + m * n {
         copies.note(b);
-        return a.apply_op2_no_bwd(&super::transpose::contiguous(b)?, &BmmOp);
+        return a.apply_op2_no_bwd(&super::transpose::contiguous(b, Path::Fast)?, &BmmOp);
     }
     let at = a.transpose(1, 2)?;
     copies.note(&at);
-    let at = super::transpose::contiguous(&at)?;
+    let at = super::transpose::contiguous(&at, Path::Fast)?;
     let ct = b.transpose(1, 2)?.apply_op2_no_bwd(&at, &BmmOp)?; // B n m
-    super::transpose::contiguous(&ct.transpose(1, 2)?)
+    super::transpose::contiguous(&ct.transpose(1, 2)?, Path::Fast)
 }
 
 /// Whether a rank-3 operand's matrices are stored column by column (a
@@ -287,7 +287,7 @@ fn column_major(t: &Tensor) -> bool {
 /// threads (candle's `broadcast_matmul` ran them one after another, every
 /// small GEMM split over the threads: 4 ms for a grouped input gradient of
 /// the digits CNN's second convolution that takes well under 1 this way).
-pub(crate) fn each_example(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
+pub(crate) fn each_example(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result<Tensor> {
     let (&[m, k], &[n, ..]) = (a.dims(), b.dims()) else {
         bail!(
             "each_example: expected [M, K] and [N, K, L], got {:?} and {:?}",
@@ -296,18 +296,18 @@ pub(crate) fn each_example(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Te
         )
     };
     let a3 = a.reshape((1, m, k))?.broadcast_as((n, m, k))?;
-    if takes_kernel(&a3, b) {
-        return bmm(&a3, b, copies);
+    if takes_kernel(&a3, b, path) {
+        return bmm(&a3, b, copies, path);
     }
     a.broadcast_matmul(b)
 }
 
 /// A matrix product of rank-2 or rank-3 operands through [`bmm`] (a
 /// single matrix is a batch of one); other ranks go to candle.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor, copies: &Copies) -> Result<Tensor> {
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result<Tensor> {
     match (a.rank(), b.rank()) {
-        (2, 2) => bmm(&a.unsqueeze(0)?, &b.unsqueeze(0)?, copies)?.squeeze(0),
-        (3, 3) => bmm(a, b, copies),
+        (2, 2) => bmm(&a.unsqueeze(0)?, &b.unsqueeze(0)?, copies, path)?.squeeze(0),
+        (3, 3) => bmm(a, b, copies, path),
         _ => a.matmul(b),
     }
 }
@@ -339,9 +339,9 @@ mod tests {
                 (b.transpose(1, 2)?, a.transpose(1, 2)?),
             ];
             for (x, y) in &cases {
-                assert!(takes_kernel(x, y));
+                assert!(takes_kernel(x, y, crate::kernels::Path::Fast));
                 let diff = max_diff(
-                    &bmm(x, y, &Copies::default())?,
+                    &bmm(x, y, &Copies::default(), crate::kernels::Path::Fast)?,
                     &x.contiguous()?.matmul(&y.contiguous()?)?,
                 )?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
@@ -358,7 +358,7 @@ mod tests {
             for (x, y) in [(&a, &b), (&at, &b), (&wide, &bn)] {
                 assert!(column_major(y));
                 let diff = max_diff(
-                    &bmm(x, y, &Copies::default())?,
+                    &bmm(x, y, &Copies::default(), crate::kernels::Path::Fast)?,
                     &x.contiguous()?.matmul(&y.contiguous()?)?,
                 )?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
@@ -373,13 +373,19 @@ mod tests {
             let b = Tensor::randn(0f32, 1., (1, k, 6), &d)?.to_dtype(dt)?;
             let bt = Tensor::randn(0f32, 1., (1, 6, k), &d)?.to_dtype(dt)?.transpose(1, 2)?;
             for y in [&b, &bt] {
-                let diff = max_diff(&bmm(&a, y, &Copies::default())?, &a.matmul(&y.contiguous()?)?)?;
+                let diff = max_diff(
+                    &bmm(&a, y, &Copies::default(), crate::kernels::Path::Fast)?,
+                    &a.matmul(&y.contiguous()?)?,
+                )?;
                 assert!(diff < 1e-3, "split-k {dt:?}: {diff}");
             }
         }
         let e = Tensor::zeros((8, 3, 0), DType::F32, &d)?;
         let f = Tensor::zeros((8, 0, 2), DType::F32, &d)?;
-        assert_eq!(bmm(&e, &f, &Copies::default())?.dims(), &[8, 3, 2]);
+        assert_eq!(
+            bmm(&e, &f, &Copies::default(), crate::kernels::Path::Fast)?.dims(),
+            &[8, 3, 2]
+        );
         Ok(())
     }
 }

@@ -4,7 +4,7 @@
 //! own ReLU), and a comparison plus a select for ReLU's gradient took
 //! 1.9 ms where one pass takes 0.4.
 
-use super::{by_blocks, contiguous_slice, has_cpu_kernel, Elem};
+use super::{by_blocks, contiguous_slice, has_cpu_kernel, Elem, Path};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// Which orderings of `x` against `s` count as true.
@@ -61,8 +61,8 @@ impl CustomOp1 for CmpOp {
 /// `x <op> s` as a u8 mask, where `s` is a one-element tensor; `None` when
 /// the kernel does not apply (not CPU f32/f64, or `s` not a single value),
 /// for the caller to use candle's broadcasting comparison.
-pub fn with_scalar(x: &Tensor, s: &Tensor, accept: Accept) -> Result<Option<Tensor>> {
-    if !has_cpu_kernel(x) || s.elem_count() != 1 || s.dtype() != x.dtype() {
+pub fn with_scalar(x: &Tensor, s: &Tensor, accept: Accept, path: Path) -> Result<Option<Tensor>> {
+    if !has_cpu_kernel(x, path) || s.elem_count() != 1 || s.dtype() != x.dtype() {
         return Ok(None);
     }
     let scalar = s.flatten_all()?.to_dtype(DType::F64)?.get(0)?.to_scalar::<f64>()?;
@@ -143,8 +143,8 @@ impl CustomOp1 for ReluOp {
 
 /// `max(x, 0)` in one threaded pass, NaN kept (as PyTorch), for CPU
 /// f32/f64; `None` otherwise.
-pub fn relu(x: &Tensor) -> Result<Option<Tensor>> {
-    if !has_cpu_kernel(x) {
+pub fn relu(x: &Tensor, path: Path) -> Result<Option<Tensor>> {
+    if !has_cpu_kernel(x, path) {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op1_no_bwd(&ReluOp)?))
@@ -152,8 +152,8 @@ pub fn relu(x: &Tensor) -> Result<Option<Tensor>> {
 
 /// `ct` where `x > 0` (or `x` is NaN), else 0, in one threaded pass, for
 /// CPU f32/f64 operands of one shape; `None` otherwise.
-pub fn relu_grad(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
-    if !has_cpu_kernel(x) || x.dtype() != ct.dtype() || x.dims() != ct.dims() || !ct.device().is_cpu() {
+pub fn relu_grad(x: &Tensor, ct: &Tensor, path: Path) -> Result<Option<Tensor>> {
+    if !has_cpu_kernel(x, path) || x.dtype() != ct.dtype() || x.dims() != ct.dims() || !ct.device().is_cpu() {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &ReluGradOp)?))
@@ -183,11 +183,17 @@ mod tests {
             equal: true,
             greater: false,
         };
-        let got = with_scalar(&x, &zero, gt)?.expect("takes f32");
+        let got = with_scalar(&x, &zero, gt, crate::kernels::Path::Fast)?.expect("takes f32");
         assert_eq!(got.to_vec1::<u8>()?, x.gt(0f64)?.to_vec1::<u8>()?);
-        let got = with_scalar(&x.to_dtype(DType::F64)?, &zero.to_dtype(DType::F64)?, le)?.expect("takes f64");
+        let got = with_scalar(
+            &x.to_dtype(DType::F64)?,
+            &zero.to_dtype(DType::F64)?,
+            le,
+            crate::kernels::Path::Fast,
+        )?
+        .expect("takes f64");
         assert_eq!(got.to_vec1::<u8>()?, x.le(0f64)?.to_vec1::<u8>()?);
-        assert!(with_scalar(&x, &x, gt)?.is_none());
+        assert!(with_scalar(&x, &x, gt, crate::kernels::Path::Fast)?.is_none());
         // NaN: only != holds
         let nan = Tensor::new(&[f32::NAN, 1.0], &d)?;
         let ne = Accept {
@@ -196,7 +202,7 @@ mod tests {
             equal: false,
             greater: true,
         };
-        let got = with_scalar(&nan, &Tensor::new(1f32, &d)?, ne)?.expect("takes f32");
+        let got = with_scalar(&nan, &Tensor::new(1f32, &d)?, ne, crate::kernels::Path::Fast)?.expect("takes f32");
         assert_eq!(got.to_vec1::<u8>()?, nan.ne(1f64)?.to_vec1::<u8>()?);
         Ok(())
     }
@@ -206,10 +212,13 @@ mod tests {
         let d = Device::Cpu;
         for dt in [DType::F32, DType::F64] {
             let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
-            assert_eq!(crate::kernels::max_diff(&relu(&x)?.unwrap(), &x.relu()?)?, 0.0);
+            assert_eq!(
+                crate::kernels::max_diff(&relu(&x, crate::kernels::Path::Fast)?.unwrap(), &x.relu()?)?,
+                0.0
+            );
         }
         let x = Tensor::new(&[-1f32, 0., 2., f32::NAN], &d)?;
-        let y = relu(&x)?.unwrap().to_vec1::<f32>()?;
+        let y = relu(&x, crate::kernels::Path::Fast)?.unwrap().to_vec1::<f32>()?;
         assert_eq!(&y[..3], &[0., 0., 2.]);
         assert!(y[3].is_nan());
         Ok(())
@@ -224,13 +233,18 @@ mod tests {
             let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
             let c = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
             let want = x.le(0f64)?.where_cond(&c.zeros_like()?, &c)?;
-            let got = relu_grad(&x, &c)?.expect("takes f32/f64");
+            let got = relu_grad(&x, &c, crate::kernels::Path::Fast)?.expect("takes f32/f64");
             assert_eq!(crate::kernels::max_diff(&got, &want)?, 0.0);
         }
         let x = Tensor::new(&[-1f32, 0., 2., f32::NAN], &d)?;
         let c = Tensor::new(&[f32::NAN, f32::INFINITY, 3., 4.], &d)?;
-        assert_eq!(relu_grad(&x, &c)?.unwrap().to_vec1::<f32>()?, vec![0., 0., 3., 4.]);
-        assert!(relu_grad(&x, &c.to_dtype(DType::F64)?)?.is_none());
+        assert_eq!(
+            relu_grad(&x, &c, crate::kernels::Path::Fast)?
+                .unwrap()
+                .to_vec1::<f32>()?,
+            vec![0., 0., 3., 4.]
+        );
+        assert!(relu_grad(&x, &c.to_dtype(DType::F64)?, crate::kernels::Path::Fast)?.is_none());
         Ok(())
     }
 }

@@ -118,8 +118,10 @@ impl InplaceOp2 for Epilogue {
 
 /// Whether [`apply`] runs in place on `y`: CPU f32/f64, contiguous, with
 /// a bias (if any) of its dtype on the CPU.
-pub(crate) fn applies(y: &Tensor, bias: Option<&Tensor>) -> bool {
-    super::has_cpu_kernel(y) && y.is_contiguous() && bias.is_none_or(|b| b.device().is_cpu() && b.dtype() == y.dtype())
+pub(crate) fn applies(y: &Tensor, bias: Option<&Tensor>, path: super::Path) -> bool {
+    super::has_cpu_kernel(y, path)
+        && y.is_contiguous()
+        && bias.is_none_or(|b| b.device().is_cpu() && b.dtype() == y.dtype())
 }
 
 /// `y = relu?(y + bias?)` in place, the bias broadcast to `y`'s shape.
@@ -183,10 +185,14 @@ mod tests {
     fn refuses_what_it_cannot_take() -> Result<()> {
         let d = Device::Cpu;
         let y = Tensor::zeros((4, 3), DType::F32, &d)?;
-        assert!(applies(&y, None));
-        assert!(!applies(&y.t()?, None));
-        assert!(!applies(&y.to_dtype(DType::U32)?, None));
-        assert!(!applies(&y, Some(&Tensor::zeros(3, DType::F64, &d)?)));
+        assert!(applies(&y, None, crate::kernels::Path::Fast));
+        assert!(!applies(&y.t()?, None, crate::kernels::Path::Fast));
+        assert!(!applies(&y.to_dtype(DType::U32)?, None, crate::kernels::Path::Fast));
+        assert!(!applies(
+            &y,
+            Some(&Tensor::zeros(3, DType::F64, &d)?),
+            crate::kernels::Path::Fast
+        ));
         assert!(apply(&y, Some(&Tensor::zeros(5, DType::F32, &d)?), true).is_err());
         Ok(())
     }

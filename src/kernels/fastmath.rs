@@ -6,7 +6,7 @@
 //! `[64, 128]` 60 µs, 7 ns an element. Accuracy is within a few units in
 //! the last place of f32 (the tests measure it against f64); NaN stays NaN.
 
-use super::{by_blocks, contiguous_slice};
+use super::{by_blocks, contiguous_slice, Path};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// Which function.
@@ -384,8 +384,13 @@ impl CustomOp2 for GeluGradOp {
 }
 
 /// `ct gelu'(x)` for CPU f32 tensors of one shape; `None` otherwise.
-pub fn gelu_grad_of(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
-    if !x.device().is_cpu() || x.dtype() != DType::F32 || ct.dtype() != DType::F32 || x.dims() != ct.dims() {
+pub fn gelu_grad_of(x: &Tensor, ct: &Tensor, path: Path) -> Result<Option<Tensor>> {
+    if path != Path::Fast
+        || !x.device().is_cpu()
+        || x.dtype() != DType::F32
+        || ct.dtype() != DType::F32
+        || x.dims() != ct.dims()
+    {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &GeluGradOp)?))
@@ -393,8 +398,8 @@ pub fn gelu_grad_of(x: &Tensor, ct: &Tensor) -> Result<Option<Tensor>> {
 
 /// `f(x)` for a CPU f32 tensor; `None` otherwise (the caller uses
 /// candle's).
-pub fn apply(x: &Tensor, f: Math) -> Result<Option<Tensor>> {
-    if !x.device().is_cpu() || x.dtype() != DType::F32 {
+pub fn apply(x: &Tensor, f: Math, path: Path) -> Result<Option<Tensor>> {
+    if path != Path::Fast || !x.device().is_cpu() || x.dtype() != DType::F32 {
         return Ok(None);
     }
     Ok(Some(x.contiguous()?.apply_op1_no_bwd(&MathOp(f))?))
@@ -514,13 +519,13 @@ mod tests {
     fn tensors_match_candle() -> Result<()> {
         let x = (Tensor::randn(0f32, 3., 3 * (1 << 14) + 5, &candle_core::Device::Cpu)? * 1.0)?;
         for (m, want) in [(Math::Exp, x.exp()?), (Math::Tanh, x.tanh()?), (Math::Erf, x.erf()?)] {
-            let got = apply(&x, m)?.expect("f32 on the CPU");
+            let got = apply(&x, m, crate::kernels::Path::Fast)?.expect("f32 on the CPU");
             let rel = ((&got - &want)?.abs()? / (want.abs()? + 1e-30)?)?
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert!(rel < 1e-6, "{m:?}: relative error {rel}");
         }
-        assert!(apply(&x.to_dtype(DType::F64)?, Math::Exp)?.is_none());
+        assert!(apply(&x.to_dtype(DType::F64)?, Math::Exp, crate::kernels::Path::Fast)?.is_none());
         Ok(())
     }
 }

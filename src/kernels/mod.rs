@@ -317,9 +317,28 @@ pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) 
     }
 }
 
-/// Whether the hand-written kernels handle this tensor.
-pub(crate) fn has_cpu_kernel(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+/// Which kernels a run takes: the crate's own CPU kernels where they
+/// apply (`Fast`), or candle's operations only (`Portable`): the path
+/// every other device takes, which the CPU takes too when asked
+/// (`Options::portable`, `CANDLE_FUNC_PORTABLE=1`) so that tests check
+/// that path on every commit. The caller says which: no kernel reads a
+/// setting of its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) enum Path {
+    /// The crate's kernels where they apply.
+    #[default]
+    Fast,
+    /// candle's operations only.
+    Portable,
+}
+
+/// What a kernel that may copy operands needs of the run: the tally of
+/// layout copies and the path.
+pub(crate) type Kx<'a> = (&'a copies::Copies, Path);
+
+/// Whether the hand-written kernels handle this tensor on `path`.
+pub(crate) fn has_cpu_kernel(t: &Tensor, path: Path) -> bool {
+    path == Path::Fast && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// The largest absolute difference between two tensors of one shape, as

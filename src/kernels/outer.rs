@@ -5,7 +5,7 @@
 //! 1 GFLOP/s in candle; this kernel writes each output row once, at memory
 //! speed, rows spread over threads.
 
-use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, Elem};
+use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, Elem, Path};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 struct OuterOp;
@@ -52,14 +52,14 @@ impl CustomOp2 for OuterOp {
 
 /// `[.., M, 1] @ [.., 1, N] -> [.., M, N]` with equal leading axes. On other
 /// devices and dtypes, candle's broadcast multiply.
-pub fn outer(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub fn outer(a: &Tensor, b: &Tensor, path: Path) -> Result<Tensor> {
     let (ad, bd) = (a.dims(), b.dims());
     let r = ad.len();
     let ok = r >= 2 && bd.len() == r && ad[r - 1] == 1 && bd[r - 2] == 1 && ad[..r - 2] == bd[..r - 2];
     if !ok {
         bail!("outer: expected [.., M, 1] and [.., 1, N], got {ad:?} and {bd:?}")
     }
-    if has_cpu_kernel(a) && b.device().is_cpu() && a.dtype() == b.dtype() {
+    if has_cpu_kernel(a, path) && b.device().is_cpu() && a.dtype() == b.dtype() {
         return a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &OuterOp);
     }
     a.broadcast_mul(b)
@@ -78,13 +78,13 @@ mod tests {
             for (b, m, n) in [(3, 700, 500), (2, 3, 1)] {
                 let a = Tensor::randn(0f32, 1., (b, m, 1), &Device::Cpu)?.to_dtype(dt)?;
                 let c = Tensor::randn(0f32, 1., (b, 1, n), &Device::Cpu)?.to_dtype(dt)?;
-                let fast = outer(&a, &c)?;
+                let fast = outer(&a, &c, crate::kernels::Path::Fast)?;
                 let slow = a.broadcast_mul(&c)?;
                 assert_eq!(max_diff(&fast, &slow)?, 0.0);
             }
         }
         let a = Tensor::zeros((2, 3, 2), DType::F32, &Device::Cpu)?;
-        assert!(outer(&a, &a).is_err());
+        assert!(outer(&a, &a, crate::kernels::Path::Fast).is_err());
         Ok(())
     }
 }

@@ -10,7 +10,7 @@
 //! pooling took 15 ms that way).
 
 use super::unfold::{fold, unfold, ConvGeom};
-use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, zeroed, Elem};
+use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, zeroed, Elem, Path};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// Window size and step, each (height, width).
@@ -256,18 +256,18 @@ fn check_same(op: &str, a: &Tensor, b: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn cpu_pair(x: &Tensor, o: &Tensor) -> bool {
-    has_cpu_kernel(x) && x.dtype() == o.dtype() && o.device().is_cpu()
+fn cpu_pair(x: &Tensor, o: &Tensor, path: Path) -> bool {
+    has_cpu_kernel(x, path) && x.dtype() == o.dtype() && o.device().is_cpu()
 }
 
 /// Maximum over each window: `[N, C, H, W] -> [N, C, H', W']`.
-pub fn max_pool2d(x: &Tensor, win: Window) -> Result<Tensor> {
+pub fn max_pool2d(x: &Tensor, win: Window, path: Path) -> Result<Tensor> {
     let op = PoolOp {
         kind: Kind::Forward,
         win,
     };
     check(op.name(), x, win)?;
-    if has_cpu_kernel(x) {
+    if has_cpu_kernel(x, path) {
         return x.contiguous()?.apply_op1_no_bwd(&op);
     }
     x.max_pool2d_with_stride(win.kernel, win.stride)
@@ -275,56 +275,56 @@ pub fn max_pool2d(x: &Tensor, win: Window) -> Result<Tensor> {
 
 /// The gradient of [`max_pool2d`]: `ct: [N, C, H', W']` added into a zero
 /// `[N, C, H, W]` at each window's first maximum of `x`.
-pub fn max_pool2d_grad(x: &Tensor, ct: &Tensor, win: Window) -> Result<Tensor> {
+pub fn max_pool2d_grad(x: &Tensor, ct: &Tensor, win: Window, path: Path) -> Result<Tensor> {
     let op = PoolOp { kind: Kind::Grad, win };
     let (n, c, ho, wo) = check(op.name(), x, win)?;
     check_same(op.name(), ct, &[n, c, ho, wo])?;
-    if cpu_pair(x, ct) {
+    if cpu_pair(x, ct, path) {
         return x.contiguous()?.apply_op2_no_bwd(&ct.contiguous()?, &op);
     }
-    grad_generic(x, ct, win)
+    grad_generic(x, ct, win, path)
 }
 
-fn grad_generic(x: &Tensor, ct: &Tensor, win: Window) -> Result<Tensor> {
+fn grad_generic(x: &Tensor, ct: &Tensor, win: Window, path: Path) -> Result<Tensor> {
     let (n, c, h, w) = x.dims4()?;
     let (ho, wo) = (ct.dims()[2], ct.dims()[3]);
-    let idx = argmax_generic(x, win)?;
+    let idx = argmax_generic(x, win, path)?;
     let (kk, l) = (win.kernel.0 * win.kernel.1, ho * wo);
     let src = ct.contiguous()?.reshape((n * c, 1, l))?;
     let cols = Tensor::zeros((n * c, kk, l), ct.dtype(), ct.device())?.scatter_add(&idx, &src, 1)?;
-    fold(&cols, &win.geom(), &[h, w])?.reshape((n, c, h, w))
+    fold(&cols, &win.geom(), &[h, w], path)?.reshape((n, c, h, w))
 }
 
 /// The adjoint of [`max_pool2d_grad`] in its cotangent: `g: [N, C, H, W]`
 /// read at each window's first maximum of `x` -> `[N, C, H', W']`.
-pub fn max_pool2d_select(x: &Tensor, g: &Tensor, win: Window) -> Result<Tensor> {
+pub fn max_pool2d_select(x: &Tensor, g: &Tensor, win: Window, path: Path) -> Result<Tensor> {
     let op = PoolOp {
         kind: Kind::Select,
         win,
     };
     check(op.name(), x, win)?;
     check_same(op.name(), g, x.dims())?;
-    if cpu_pair(x, g) {
+    if cpu_pair(x, g, path) {
         return x.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &op);
     }
-    select_generic(x, g, win)
+    select_generic(x, g, win, path)
 }
 
-fn select_generic(x: &Tensor, g: &Tensor, win: Window) -> Result<Tensor> {
+fn select_generic(x: &Tensor, g: &Tensor, win: Window, path: Path) -> Result<Tensor> {
     let (n, c, ho, wo) = check("max_pool2d_select", x, win)?;
-    let idx = argmax_generic(x, win)?;
-    windows(g, win)?.gather(&idx, 1)?.reshape((n, c, ho, wo))
+    let idx = argmax_generic(x, win, path)?;
+    windows(g, win, path)?.gather(&idx, 1)?.reshape((n, c, ho, wo))
 }
 
 /// The windows of each plane: `N C H W -> (N C) (kh kw) L`.
-fn windows(x: &Tensor, win: Window) -> Result<Tensor> {
+fn windows(x: &Tensor, win: Window, path: Path) -> Result<Tensor> {
     let (n, c, h, w) = x.dims4()?;
-    unfold(&x.contiguous()?.reshape((n * c, 1, h, w))?, &win.geom())
+    unfold(&x.contiguous()?.reshape((n * c, 1, h, w))?, &win.geom(), path)
 }
 
 /// Index of each window's first maximum: `(N C) 1 L`.
-fn argmax_generic(x: &Tensor, win: Window) -> Result<Tensor> {
-    windows(x, win)?.argmax_keepdim(1)
+fn argmax_generic(x: &Tensor, win: Window, path: Path) -> Result<Tensor> {
+    windows(x, win, path)?.argmax_keepdim(1)
 }
 
 #[cfg(test)]
@@ -355,9 +355,18 @@ mod tests {
                 let ct = Tensor::randn(0f32, 1., (2, 3, ho, wo), &Device::Cpu)?.to_dtype(dt)?;
                 let g = Tensor::randn(0f32, 1., (2, 3, 9, 11), &Device::Cpu)?.to_dtype(dt)?;
                 let pairs = [
-                    (max_pool2d(&x, win)?, x.max_pool2d_with_stride(kernel, stride)?),
-                    (max_pool2d_grad(&x, &ct, win)?, grad_generic(&x, &ct, win)?),
-                    (max_pool2d_select(&x, &g, win)?, select_generic(&x, &g, win)?),
+                    (
+                        max_pool2d(&x, win, crate::kernels::Path::Fast)?,
+                        x.max_pool2d_with_stride(kernel, stride)?,
+                    ),
+                    (
+                        max_pool2d_grad(&x, &ct, win, Path::Fast)?,
+                        grad_generic(&x, &ct, win, Path::Portable)?,
+                    ),
+                    (
+                        max_pool2d_select(&x, &g, win, Path::Fast)?,
+                        select_generic(&x, &g, win, Path::Portable)?,
+                    ),
                 ];
                 for (fast, slow) in pairs {
                     // Overlapping windows add into one place in another order.
@@ -375,13 +384,13 @@ mod tests {
             kernel: (3, 3),
             stride: (1, 1),
         };
-        assert!(max_pool2d(&x, win).is_err());
+        assert!(max_pool2d(&x, win, crate::kernels::Path::Fast).is_err());
         let ct = Tensor::zeros((1, 1, 2, 2), DType::F32, &Device::Cpu)?;
         let ok = Window {
             kernel: (2, 2),
             stride: (1, 1),
         };
-        assert!(max_pool2d_grad(&x, &ct, ok).is_err()); // ct must be [1, 1, 1, 1]
+        assert!(max_pool2d_grad(&x, &ct, ok, crate::kernels::Path::Fast).is_err()); // ct must be [1, 1, 1, 1]
         Ok(())
     }
 }

@@ -199,9 +199,18 @@ impl Rng {
     /// A contiguous f32/f64 `sum` on the CPU takes one pass that draws,
     /// adds and scales block by block, where the separate ops took three
     /// passes and two parameter-sized temporaries; the noise is the same.
-    pub(crate) fn add_noise(&mut self, sum: &Tensor, std: f64, scale: f64, secure: bool) -> Result<Tensor> {
+    /// Elsewhere (or on the portable `path`) the noise is drawn on the host
+    /// and copied to the sum's device, where it is added.
+    pub(crate) fn add_noise(
+        &mut self,
+        sum: &Tensor,
+        std: f64,
+        scale: f64,
+        secure: bool,
+        path: super::Path,
+    ) -> Result<Tensor> {
         let draws = if secure { SECURE_DRAWS } else { 1 };
-        if has_cpu_kernel(sum) && sum.is_contiguous() && std.is_finite() && std >= 0.0 {
+        if has_cpu_kernel(sum, path) && sum.is_contiguous() && std.is_finite() && std >= 0.0 {
             let (storage, layout) = sum.storage_and_layout();
             let fused = Fused { std, draws, scale };
             match &*storage {
@@ -432,10 +441,22 @@ mod tests {
                     .unwrap();
                 let sum = sum.to_dtype(dt).unwrap();
                 // The same key: the separate ops draw the same noise.
-                let fused = Rng::seeded(9).add_noise(&sum, std, scale, secure).unwrap();
+                let fused = Rng::seeded(9)
+                    .add_noise(&sum, std, scale, secure, crate::kernels::Path::Fast)
+                    .unwrap();
                 let draws = if secure { SECURE_DRAWS } else { 1 };
                 let noise = Rng::seeded(9).noise(std, sum.dims(), dt, &dev, draws).unwrap();
                 let apart = ((&sum + noise).unwrap() * scale).unwrap();
+                // the portable path is the separate ops themselves
+                let portable = Rng::seeded(9)
+                    .add_noise(&sum, std, scale, secure, crate::kernels::Path::Portable)
+                    .unwrap();
+                let same = portable.eq(&apart).unwrap().to_dtype(DType::F64).unwrap();
+                assert_eq!(
+                    same.mean_all().unwrap().to_scalar::<f64>().unwrap(),
+                    1.0,
+                    "{dt:?} portable"
+                );
                 assert_eq!(fused.dims(), sum.dims());
                 assert_eq!(fused.dtype(), dt);
                 let tol = if dt == DType::BF16 { 1e-2 } else { 1e-6 };
@@ -448,7 +469,9 @@ mod tests {
                     .unwrap();
                 assert!(diff <= tol * 40_000.0 * scale, "{dt:?} secure {secure}: {diff}");
                 // A transposed sum (not contiguous) takes the separate ops.
-                let t = Rng::seeded(9).add_noise(&sum.t().unwrap(), std, scale, secure).unwrap();
+                let t = Rng::seeded(9)
+                    .add_noise(&sum.t().unwrap(), std, scale, secure, crate::kernels::Path::Fast)
+                    .unwrap();
                 let sep = Rng::seeded(9).noise(std, &[200, 200], dt, &dev, draws).unwrap();
                 let want = ((sum.t().unwrap() + sep).unwrap() * scale).unwrap();
                 assert_eq!(t.dims(), &[200, 200]);
@@ -459,13 +482,16 @@ mod tests {
         // NaN in the sum stays NaN; a bad deviation is an error naming the op.
         let sum = Tensor::new(&[1f32, f32::NAN, 3.0], &dev).unwrap();
         let out = Rng::seeded(1)
-            .add_noise(&sum, 1.0, 0.5, true)
+            .add_noise(&sum, 1.0, 0.5, true, crate::kernels::Path::Fast)
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
         assert!(out[1].is_nan() && out[0].is_finite() && out[2].is_finite());
         for std in [-1.0, f64::NAN] {
-            let msg = Rng::seeded(1).add_noise(&sum, std, 1.0, true).unwrap_err().to_string();
+            let msg = Rng::seeded(1)
+                .add_noise(&sum, std, 1.0, true, crate::kernels::Path::Fast)
+                .unwrap_err()
+                .to_string();
             assert!(msg.contains("normal_tensor"), "{msg}");
         }
     }

@@ -11,7 +11,7 @@
 //! per-example GEMMs.
 
 use super::unfold::{check_input, fold, unfold, ConvGeom};
-use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, zeroed, Elem};
+use super::{contiguous_slice, has_cpu_kernel, output, par_blocks_mut, zeroed, Elem, Path};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
@@ -256,10 +256,10 @@ impl CustomOp1 for RowsOp {
 
 /// im2col with one row per output position: `x: [N, C, *S]` ->
 /// `[N, L, C * prod(kernel)]`, equal to `unfold(x).transpose(1, 2)`.
-pub fn unfold_rows(x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+pub fn unfold_rows(x: &Tensor, g: &ConvGeom, path: Path) -> Result<Tensor> {
     check_input("unfold_rows", x, g)?;
-    if !has_cpu_kernel(x) {
-        return unfold(x, g)?.transpose(1, 2)?.contiguous();
+    if !has_cpu_kernel(x, path) {
+        return unfold(x, g, path)?.transpose(1, 2)?.contiguous();
     }
     let op = RowsOp {
         dir: Dir::Unfold,
@@ -272,7 +272,7 @@ pub fn unfold_rows(x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
 
 /// The adjoint of [`unfold_rows`]: `rows: [N, L, C * prod(kernel)]` ->
 /// `[N, C, *spatial]`, summing overlapping windows.
-pub fn fold_rows(rows: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tensor> {
+pub fn fold_rows(rows: &Tensor, g: &ConvGeom, spatial: &[usize], path: Path) -> Result<Tensor> {
     let out = g.out_spatial_for("fold_rows", spatial)?;
     let (kn, l) = (g.kernel_numel(), out.iter().product::<usize>());
     let ok = rows.rank() == 3 && rows.dims()[1] == l && rows.dims()[2].is_multiple_of(kn);
@@ -282,8 +282,8 @@ pub fn fold_rows(rows: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tenso
             rows.dims()
         )
     }
-    if !has_cpu_kernel(rows) {
-        return fold(&rows.transpose(1, 2)?.contiguous()?, g, spatial);
+    if !has_cpu_kernel(rows, path) {
+        return fold(&rows.transpose(1, 2)?.contiguous()?, g, spatial, path);
     }
     let op = RowsOp {
         dir: Dir::Fold,
@@ -323,12 +323,20 @@ mod tests {
         for dt in [DType::F32, DType::F64] {
             for (g, shape) in &cases {
                 let x = Tensor::randn(0f32, 1., shape.as_slice(), &Device::Cpu)?.to_dtype(dt)?;
-                let rows = unfold_rows(&x, g)?;
-                let cols = unfold(&x, g)?;
+                let rows = unfold_rows(&x, g, crate::kernels::Path::Fast)?;
+                let cols = unfold(&x, g, crate::kernels::Path::Fast)?;
                 assert_eq!(max_diff(&rows, &cols.transpose(1, 2)?)?, 0.0, "{g:?}");
                 let r = Tensor::randn(0f32, 1., rows.dims(), &Device::Cpu)?.to_dtype(dt)?;
-                let want = fold(&r.transpose(1, 2)?.contiguous()?, g, &shape[2..])?;
-                assert!(max_diff(&fold_rows(&r, g, &shape[2..])?, &want)? < 1e-5, "{g:?}");
+                let want = fold(
+                    &r.transpose(1, 2)?.contiguous()?,
+                    g,
+                    &shape[2..],
+                    crate::kernels::Path::Fast,
+                )?;
+                assert!(
+                    max_diff(&fold_rows(&r, g, &shape[2..], crate::kernels::Path::Fast)?, &want)? < 1e-5,
+                    "{g:?}"
+                );
             }
         }
         Ok(())
@@ -338,9 +346,9 @@ mod tests {
     fn bad_shapes_are_errors() -> Result<()> {
         let g = ConvGeom::uniform(2, 3, 0, 1, 1);
         let x = Tensor::zeros((1, 1, 2, 2), DType::F32, &Device::Cpu)?;
-        assert!(unfold_rows(&x, &g).is_err());
+        assert!(unfold_rows(&x, &g, crate::kernels::Path::Fast).is_err());
         let rows = Tensor::zeros((1, 5, 9), DType::F32, &Device::Cpu)?;
-        assert!(fold_rows(&rows, &g, &[4, 4]).is_err()); // L is 4, not 5
+        assert!(fold_rows(&rows, &g, &[4, 4], crate::kernels::Path::Fast).is_err()); // L is 4, not 5
         Ok(())
     }
 }

@@ -4,7 +4,7 @@
 //! for the Opacus CNN's `[256, 32, 5, 5]`); one threaded pass over rows
 //! takes a tenth of that.
 
-use super::{contiguous_slice, has_cpu_kernel, in_blocks, Elem};
+use super::{contiguous_slice, has_cpu_kernel, in_blocks, Elem, Path};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 struct ScaleRows;
@@ -56,10 +56,10 @@ impl CustomOp2 for ScaleRows {
 /// `x * w` for CPU f32/f64 `x: [R, ..]` and `w: [R, 1, .., 1]` of one
 /// dtype (a factor per row, broadcast over the rest), in one threaded
 /// pass; `None` for any other pair.
-pub fn scale_rows(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+pub fn scale_rows(x: &Tensor, w: &Tensor, path: Path) -> Result<Option<Tensor>> {
     let (xd, wd) = (x.dims(), w.dims());
     let per_row = xd.len() >= 2 && wd.len() == xd.len() && wd[0] == xd[0] && wd[1..].iter().all(|&d| d == 1);
-    if !per_row || !has_cpu_kernel(x) || x.dtype() != w.dtype() || !w.device().is_cpu() {
+    if !per_row || !has_cpu_kernel(x, path) || x.dtype() != w.dtype() || !w.device().is_cpu() {
         return Ok(None);
     }
     let w = w.flatten_all()?.contiguous()?;
@@ -81,7 +81,7 @@ mod tests {
                 let mut wv: Vec<f32> = (0..shape[0]).map(|i| i as f32 - 2.5).collect();
                 wv[0] = f32::NAN;
                 let w = Tensor::from_vec(wv, (shape[0], 1, 1), &d)?.to_dtype(dt)?;
-                let got = scale_rows(&x, &w)?.expect("a factor per row");
+                let got = scale_rows(&x, &w, crate::kernels::Path::Fast)?.expect("a factor per row");
                 let want = x.broadcast_mul(&w)?;
                 let flat = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>();
                 let (g, e) = (flat(&got)?, flat(&want)?);
@@ -89,9 +89,9 @@ mod tests {
             }
         }
         let x = Tensor::zeros((4, 3), DType::F32, &d)?;
-        assert!(scale_rows(&x, &Tensor::zeros((1, 3), DType::F32, &d)?)?.is_none());
-        assert!(scale_rows(&x, &Tensor::zeros((4, 1), DType::F64, &d)?)?.is_none());
-        assert!(scale_rows(&x, &Tensor::zeros(4, DType::F32, &d)?)?.is_none());
+        assert!(scale_rows(&x, &Tensor::zeros((1, 3), DType::F32, &d)?, crate::kernels::Path::Fast)?.is_none());
+        assert!(scale_rows(&x, &Tensor::zeros((4, 1), DType::F64, &d)?, crate::kernels::Path::Fast)?.is_none());
+        assert!(scale_rows(&x, &Tensor::zeros(4, DType::F32, &d)?, crate::kernels::Path::Fast)?.is_none());
         Ok(())
     }
 }

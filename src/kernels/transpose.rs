@@ -5,7 +5,7 @@
 //! 94 MiB output of an ensemble's second convolution. This kernel copies
 //! cache-sized tiles, matrices spread over threads.
 
-use super::{has_cpu_kernel, output, par_blocks_mut, Elem};
+use super::{has_cpu_kernel, output, par_blocks_mut, Elem, Path};
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 /// Side of the square tiles a matrix is copied in.
@@ -82,8 +82,8 @@ impl CustomOp1 for TransposeOp {
 /// `t` in contiguous memory: a tiled, threaded copy on the CPU for f32/f64
 /// batches of transposed matrices, candle's `contiguous` for everything
 /// else.
-pub fn contiguous(t: &Tensor) -> Result<Tensor> {
-    if t.is_contiguous() || !has_cpu_kernel(t) {
+pub fn contiguous(t: &Tensor, path: Path) -> Result<Tensor> {
+    if t.is_contiguous() || !has_cpu_kernel(t, path) {
         return t.contiguous();
     }
     match as_batched_transpose(t.layout()) {
@@ -113,7 +113,7 @@ mod tests {
             x.to_dtype(DType::F64)?.transpose(1, 2)?,
         ];
         for v in &views {
-            let fast = contiguous(v)?;
+            let fast = contiguous(v, crate::kernels::Path::Fast)?;
             assert!(fast.is_contiguous());
             assert_eq!(max_diff(&fast, &v.contiguous()?)?, 0.0, "{:?}", v.layout());
         }

@@ -6,7 +6,7 @@ use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Ru
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::{compare, fastmath, scale};
+use crate::kernels::{compare, fastmath, scale, Path};
 use candle_core::{DType, Tensor};
 
 fn is_float(dt: DType) -> bool {
@@ -49,7 +49,7 @@ impl Rule for Unary {
         }
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let r = match self {
             // candle has no integer `neg` or `sqr` (it panics), and its
@@ -61,14 +61,16 @@ impl Rule for Unary {
             }
             Unary::Neg => x.neg(),
             // f32 on the CPU: one vectorised pass instead of libm per element
-            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu if x.dtype() == DType::F32 && x.device().is_cpu() => {
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu
+                if cx.path == Path::Fast && x.dtype() == DType::F32 && x.device().is_cpu() =>
+            {
                 let m = match self {
                     Unary::Exp => fastmath::Math::Exp,
                     Unary::Tanh => fastmath::Math::Tanh,
                     Unary::Gelu => fastmath::Math::Gelu,
                     _ => fastmath::Math::Erf,
                 };
-                return fastmath::apply(x, m)
+                return fastmath::apply(x, m, cx.path)
                     .op(&self.name())?
                     .ok_or_else(|| Error::unsupported(self.name(), "run", "no fast kernel"));
             }
@@ -78,7 +80,7 @@ impl Rule for Unary {
             Unary::Sqr => x.sqr(),
             Unary::Recip => x.recip(),
             Unary::Abs => x.abs(),
-            Unary::Relu => match compare::relu(x).op("relu")? {
+            Unary::Relu => match compare::relu(x, cx.path).op("relu")? {
                 Some(y) => return Ok(y),
                 // `x` unless x <= 0, NaN kept as PyTorch does (candle's
                 // relu, `max(x, 0)`, gives 0 for NaN in some dtypes; the
@@ -250,7 +252,7 @@ impl Rule for Binary {
         }
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
         let r = match self {
             // Integer arithmetic wraps, as PyTorch's does (candle's panics
@@ -265,10 +267,10 @@ impl Rule for Binary {
             Binary::Sub => a.broadcast_sub(b),
             Binary::Mul => {
                 // A factor per row (the DP step's reweighting), either side.
-                if let Some(t) = scale::scale_rows(a, b).op("mul")? {
+                if let Some(t) = scale::scale_rows(a, b, cx.path).op("mul")? {
                     return Ok(t);
                 }
-                if let Some(t) = scale::scale_rows(b, a).op("mul")? {
+                if let Some(t) = scale::scale_rows(b, a, cx.path).op("mul")? {
                     return Ok(t);
                 }
                 a.broadcast_mul(b)
@@ -276,8 +278,8 @@ impl Rule for Binary {
             Binary::Div => a.broadcast_div(b),
             Binary::Maximum => return keep_nan(a.broadcast_maximum(b).op("maximum")?, a, b),
             Binary::Minimum => return keep_nan(a.broadcast_minimum(b).op("minimum")?, a, b),
-            Binary::ReluGrad => return relu_grad(a, b, &_out.shape),
-            Binary::GeluGrad => return gelu_grad(a, b, &_out.shape),
+            Binary::ReluGrad => return relu_grad(a, b, &_out.shape, cx.path),
+            Binary::GeluGrad => return gelu_grad(a, b, &_out.shape, cx.path),
         };
         r.op(self.name())
     }
@@ -454,10 +456,10 @@ fn binary_vjp(op: Binary, b: &mut Builder, x: VarId, y: VarId, out: VarId, ct: V
 
 /// `ct` where `x > 0` (or NaN, as PyTorch), else 0, at the broadcast
 /// shape `shape`: one pass on the CPU, a comparison and a select elsewhere.
-fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
+fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize], path: Path) -> Result<Tensor> {
     let op = "relu_grad";
     let (x, ct) = (x.broadcast_as(shape).op(op)?, ct.broadcast_as(shape).op(op)?);
-    if let Some(t) = compare::relu_grad(&x, &ct).op(op)? {
+    if let Some(t) = compare::relu_grad(&x, &ct, path).op(op)? {
         return Ok(t);
     }
     let zero = Tensor::zeros(shape, ct.dtype(), ct.device()).op(op)?;
@@ -467,10 +469,10 @@ fn relu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
 
 /// `ct gelu'(x)` at the broadcast shape `shape`: one pass for CPU f32,
 /// candle's operations elsewhere (`Φ(x) + x φ(x)`).
-fn gelu_grad(x: &Tensor, ct: &Tensor, shape: &[usize]) -> Result<Tensor> {
+fn gelu_grad(x: &Tensor, ct: &Tensor, shape: &[usize], path: Path) -> Result<Tensor> {
     let op = "gelu_grad";
     let (x, ct) = (x.broadcast_as(shape).op(op)?, ct.broadcast_as(shape).op(op)?);
-    if let Some(t) = fastmath::gelu_grad_of(&x, &ct).op(op)? {
+    if let Some(t) = fastmath::gelu_grad_of(&x, &ct, path).op(op)? {
         return Ok(t);
     }
     let slow = || -> candle_core::Result<Tensor> {
@@ -529,9 +531,9 @@ impl Rule for Compare {
         Workspace::copies(args[0].copy_if_strided())
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
-        if let Some(m) = compare::with_scalar(a, b, self.accept()).op(self.name())? {
+        if let Some(m) = compare::with_scalar(a, b, self.accept(), cx.path).op(self.name())? {
             return m.reshape(out.shape.as_slice()).op(self.name());
         }
         let r = match self {
@@ -648,6 +650,7 @@ mod tests {
             device: &Device::Cpu,
             seed: 0,
             copies: &Copies::default(),
+            path: Path::Fast,
         };
         let ty = TensorType::new(vec![1, 4], DType::F32);
         let out = Unary::StopGradient.run(&[&row], &ty, &cx)?;

@@ -90,7 +90,7 @@ impl Rule for Fused {
             y = y.reshape(shape.as_slice()).op(&name)?;
         }
         let bias = args.get(2).copied();
-        if epilogue::applies(&y, bias) {
+        if epilogue::applies(&y, bias, cx.path) {
             // `y` is the product's fresh output, read by nothing else yet;
             // the bias is laid over it as the permute would lay it
             let bias = match (bias, &self.perm) {

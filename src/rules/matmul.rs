@@ -6,8 +6,9 @@ use super::{arity, broadcast_shapes, multilinear_jvp, same_dtype, BVal, BatchCx,
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::bmm;
-use crate::kernels::copies::{Copies, Relayout};
+use crate::kernels::copies::Relayout;
 use crate::kernels::outer::outer;
+use crate::kernels::Kx;
 use candle_core::Tensor;
 
 /// The matrix product primitive.
@@ -86,12 +87,12 @@ impl Rule for Matmul {
     }
 
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-        let (a, b, c) = (args[0], args[1], cx.copies);
+        let (a, b, c) = (args[0], args[1], (cx.copies, cx.path));
         let (ad, bd) = (a.dims(), b.dims());
         let r = if bd.len() == 2 && ad.len() > 2 {
             // [.., m, k] @ [k, n]: fold the leading axes into m, one GEMM.
             let k = ad[ad.len() - 1];
-            let a2 = a.relayout(c).op("matmul")?.reshape(((), k)).op("matmul")?;
+            let a2 = a.relayout(c.0).op("matmul")?.reshape(((), k)).op("matmul")?;
             mm(&a2, b, c)?.reshape(out.shape.as_slice()).op("matmul")?
         } else if ad.len() == bd.len() && ad[..ad.len() - 2] == bd[..bd.len() - 2] {
             mm(a, b, c)?
@@ -102,7 +103,7 @@ impl Rule for Matmul {
             let b = b
                 .broadcast_as([&out.shape[..out.shape.len() - 2], &bd[bd.len() - 2..]].concat())
                 .op("matmul")?;
-            mm(&a.relayout(c).op("matmul")?, &b.relayout(c).op("matmul")?, c)?
+            mm(&a.relayout(c.0).op("matmul")?, &b.relayout(c.0).op("matmul")?, c)?
         };
         Ok(r)
     }
@@ -179,12 +180,12 @@ impl Rule for Matmul {
 
 /// Products with equal batch axes (or none) through `kernels::bmm`. `None`
 /// when the kernel does not take them.
-fn batched(a: &Tensor, b: &Tensor, c: &Copies) -> Result<Option<Tensor>> {
+fn batched(a: &Tensor, b: &Tensor, c: Kx) -> Result<Option<Tensor>> {
     let (ad, bd) = (a.dims(), b.dims());
     let r = ad.len();
     // Checked before any reshaping, which may copy: off the CPU, or for
     // other dtypes, the operands go to candle untouched.
-    if r < 2 || bd.len() != r || ad[..r - 2] != bd[..r - 2] || !bmm::eligible(a, b) {
+    if r < 2 || bd.len() != r || ad[..r - 2] != bd[..r - 2] || !bmm::eligible(a, b, c.1) {
         return Ok(None);
     }
     if r == 2 {
@@ -192,17 +193,17 @@ fn batched(a: &Tensor, b: &Tensor, c: &Copies) -> Result<Option<Tensor>> {
         return y.map(|y| y.squeeze(0).op("matmul")).transpose();
     }
     let (a3, b3) = (as_rank3(a, c).op("matmul")?, as_rank3(b, c).op("matmul")?);
-    if !bmm::takes_kernel(&a3, &b3) {
+    if !bmm::takes_kernel(&a3, &b3, c.1) {
         return Ok(None);
     }
-    let y = bmm::bmm(&a3, &b3, c).op("matmul")?;
+    let y = bmm::bmm(&a3, &b3, c.0, c.1).op("matmul")?;
     let shape = [&ad[..r - 2], &[ad[r - 2], bd[r - 1]]].concat();
     Ok(Some(y.reshape(shape).op("matmul")?))
 }
 
 /// `.. m n -> (..) m n`: unit batch axes are dropped as views; other
 /// batch axes merge in place when contiguous, or after a copy.
-fn as_rank3(t: &Tensor, c: &Copies) -> candle_core::Result<Tensor> {
+fn as_rank3(t: &Tensor, c: Kx) -> candle_core::Result<Tensor> {
     let mut t = t.clone();
     while t.rank() > 3 {
         match t.dims()[..t.rank() - 2].iter().position(|&d| d == 1) {
@@ -216,8 +217,8 @@ fn as_rank3(t: &Tensor, c: &Copies) -> candle_core::Result<Tensor> {
     let d = t.dims().to_vec();
     let r = d.len();
     let batch: usize = d[..r - 2].iter().product();
-    c.note(&t);
-    crate::kernels::transpose::contiguous(&t)?.reshape((batch, d[r - 2], d[r - 1]))
+    c.0.note(&t);
+    crate::kernels::transpose::contiguous(&t, c.1)?.reshape((batch, d[r - 2], d[r - 1]))
 }
 
 /// Swaps the last two axes (`.. m n -> .. n m`).
@@ -234,10 +235,10 @@ fn transpose_last(b: &mut Builder, v: VarId) -> Result<VarId> {
 ///
 /// An inner dimension of 1 (a per-sample linear weight gradient) goes to
 /// the outer-product kernel instead.
-fn mm(a: &Tensor, b: &Tensor, c: &Copies) -> Result<Tensor> {
+fn mm(a: &Tensor, b: &Tensor, c: Kx) -> Result<Tensor> {
     let k = a.dims()[a.rank() - 1];
     if k == 1 && a.rank() == b.rank() && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2] {
-        return outer(a, b).op("matmul");
+        return outer(a, b, c.1).op("matmul");
     }
     if let Some(t) = batched(a, b, c)? {
         return Ok(t);
@@ -249,12 +250,12 @@ fn mm(a: &Tensor, b: &Tensor, c: &Copies) -> Result<Tensor> {
     let r = ad.len();
     let batch: usize = ad[..r - 2].iter().product();
     let a3 = a
-        .relayout(c)
+        .relayout(c.0)
         .op("matmul")?
         .reshape((batch, ad[r - 2], ad[r - 1]))
         .op("matmul")?;
     let b3 = b
-        .relayout(c)
+        .relayout(c.0)
         .op("matmul")?
         .reshape((batch, bd[r - 2], bd[r - 1]))
         .op("matmul")?;

@@ -41,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Opts};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::copies::Copies;
+pub(crate) use crate::kernels::Path;
 use candle_core::{Device, Tensor};
 use facts::{Arg, Facts, Workspace};
 
@@ -59,12 +60,14 @@ pub(crate) struct BatchCx<'a> {
 }
 
 /// What a run rule may need besides its operands: the device of the run
-/// (for primitives without operands), the seed of this node's draws, and
-/// the run's tally of operands copied to another layout.
+/// (for primitives without operands), the seed of this node's draws, the
+/// run's tally of operands copied to another layout, and whether it takes
+/// the crate's CPU kernels or candle's operations only.
 pub(crate) struct RunCx<'a> {
     pub(crate) device: &'a Device,
     pub(crate) seed: u64,
     pub(crate) copies: &'a Copies,
+    pub(crate) path: Path,
 }
 
 /// The rules of one primitive.

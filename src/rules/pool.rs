@@ -9,8 +9,8 @@ use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Ta
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{PoolOp, Window};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::pool;
 use crate::kernels::unfold::{fold, ConvGeom};
+use crate::kernels::{pool, Path};
 use candle_core::Tensor;
 
 fn pooled(kind: &'static str, (k, s): Window, x: &[usize]) -> Result<Vec<usize>> {
@@ -101,15 +101,16 @@ impl Rule for PoolOp {
         }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let op = self.name();
         let w = self.window();
+        let p = cx.path;
         let r = match self {
-            PoolOp::MaxPool2d { .. } => pool::max_pool2d(args[0], window(w)),
+            PoolOp::MaxPool2d { .. } => pool::max_pool2d(args[0], window(w), p),
             PoolOp::AvgPool2d { kernel, stride } => args[0].avg_pool2d_with_stride(*kernel, *stride),
-            PoolOp::MaxPoolGrad { .. } => pool::max_pool2d_grad(args[0], args[1], window(w)),
-            PoolOp::MaxPoolSelect { .. } => pool::max_pool2d_select(args[0], args[1], window(w)),
-            PoolOp::AvgPoolGrad { .. } => avg_pool_grad(args[0], w, &out.shape),
+            PoolOp::MaxPoolGrad { .. } => pool::max_pool2d_grad(args[0], args[1], window(w), p),
+            PoolOp::MaxPoolSelect { .. } => pool::max_pool2d_select(args[0], args[1], window(w), p),
+            PoolOp::AvgPoolGrad { .. } => avg_pool_grad(args[0], w, &out.shape, p),
         };
         r.op(&op)
     }
@@ -197,10 +198,10 @@ fn window((kernel, stride): Window) -> pool::Window {
     pool::Window { kernel, stride }
 }
 
-fn avg_pool_grad(ct: &Tensor, w: Window, out: &[usize]) -> candle_core::Result<Tensor> {
+fn avg_pool_grad(ct: &Tensor, w: Window, out: &[usize], path: Path) -> candle_core::Result<Tensor> {
     let (n, c, ho, wo) = ct.dims4()?;
     let kk = w.0 .0 * w.0 .1;
     let share = (ct.contiguous()?.reshape((n * c, 1, ho * wo))? / kk as f64)?;
     let cols = share.broadcast_as((n * c, kk, ho * wo))?.contiguous()?;
-    fold(&cols, &geom(w), &out[2..])?.reshape(out)
+    fold(&cols, &geom(w), &out[2..], path)?.reshape(out)
 }

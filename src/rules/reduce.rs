@@ -86,7 +86,8 @@ fn softmax_product(b: &mut Builder, s: VarId, v: VarId, axis: usize) -> Result<V
 /// values hold one, as PyTorch's `amax` (candle's skips NaN).
 fn nan_where_any(x: &Tensor, y: Tensor, axes: &[usize]) -> candle_core::Result<Tensor> {
     let nans = sum_axes(&x.ne(x)?.to_dtype(x.dtype())?, axes)?.reshape(y.shape())?;
-    let nan = Tensor::new(f64::NAN, x.device())?
+    // filled where it lives (no upload from the host)
+    let nan = Tensor::full(f64::NAN, (), x.device())?
         .to_dtype(x.dtype())?
         .broadcast_as(y.shape())?;
     nans.gt(&nans.zeros_like()?)?.where_cond(&nan, &y)
@@ -243,7 +244,7 @@ impl Rule for Reduce {
         }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let op = self.name();
         match self {
@@ -262,7 +263,7 @@ impl Rule for Reduce {
             }
             // nothing to normalise (candle's softmax kernels panic on it)
             Reduce::Softmax(_) | Reduce::LogSoftmax(_) if x.elem_count() == 0 => Ok(x.clone()),
-            Reduce::Softmax(a) if *a + 1 == x.rank() => match softmax::softmax_last_dim(x).op(&op)? {
+            Reduce::Softmax(a) if *a + 1 == x.rank() => match softmax::softmax_last_dim(x, cx.path).op(&op)? {
                 Some(y) => Ok(y),
                 None => candle_nn::ops::softmax_last_dim(&x.contiguous().op(&op)?).op(&op),
             },

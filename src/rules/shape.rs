@@ -164,12 +164,15 @@ impl Rule for ShapeOp {
         Workspace::NONE
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let op = self.name();
         match self {
             // A reshape of a strided view copies it; transposes copy fast.
-            ShapeOp::Reshape(to) => transpose::contiguous(x).op(&op)?.reshape(to.as_slice()).op(&op),
+            ShapeOp::Reshape(to) => transpose::contiguous(x, cx.path)
+                .op(&op)?
+                .reshape(to.as_slice())
+                .op(&op),
             ShapeOp::Permute(p) => x.permute(p.as_slice()).op(&op),
             ShapeOp::Broadcast(_) => x.broadcast_as(out.shape.as_slice()).op(&op),
             ShapeOp::Narrow { axis, start, len } => x.narrow(*axis, *start, *len).op(&op),

@@ -116,9 +116,12 @@ pub(crate) struct Traced {
 impl Traced {
     /// Ready to run: the graph through the executable's passes, refused
     /// above `limit`, drawing from the trace's seed counted by `calls`.
-    pub(crate) fn compile(self, limit: Option<usize>, calls: Arc<AtomicU64>) -> Compiled {
+    pub(crate) fn compile(self, given: &Options, calls: Arc<AtomicU64>) -> Compiled {
         Compiled {
-            exe: Executable::new(&self.graph).seeded(self.seed, calls).limit(limit),
+            exe: Executable::new(&self.graph)
+                .seeded(self.seed, calls)
+                .limit(given.memory_limit)
+                .portable(given.portable),
             out_def: self.out_def,
             mode_deps: self.mode_deps,
         }
@@ -351,7 +354,7 @@ where
         Some(c) if c.current() => c,
         _ => {
             let traced = trace_top(f, (given, false), &key.defs, &leaves, &device)?;
-            let c = Arc::new(traced.compile(given.memory_limit, cache.calls.clone()));
+            let c = Arc::new(traced.compile(&given, cache.calls.clone()));
             cache.insert(key, c.clone());
             c
         }

@@ -142,17 +142,24 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
     let mut h = std::collections::hash_map::DefaultHasher::new();
     g.to_string().hash(&mut h);
     let key = format!(
-        "{:016x}|{per:?}|{}|{:?}|{:?}",
+        "{:016x}|{per:?}|{}|{:?}|{:?}{}",
         h.finish(),
         size.next_power_of_two(),
         b.ctx.device.location(),
-        opts.route
+        opts.route,
+        super::planner::path_key(opts.portable)
     );
     if let Some(r) = cached_schedule(&key) {
         return Ok(r);
     }
-    let measured = lower_candidates(g, b, vals, size, opts)
-        .and_then(|candidates| measured_schedule(&key, size, candidates, (&b.ctx.device, opts.memory_limit)));
+    let measured = lower_candidates(g, b, vals, size, opts).and_then(|candidates| {
+        measured_schedule(
+            &key,
+            size,
+            candidates,
+            (&b.ctx.device, opts.memory_limit, opts.portable),
+        )
+    });
     match measured {
         Ok(r) => Ok(r),
         Err(e) => {

@@ -115,6 +115,7 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         seed: opts.seed,
         schedule: opts.schedule.unwrap_or_default(),
         memory_limit: opts.memory_limit,
+        portable: opts.portable,
     })
 }
 

@@ -23,7 +23,7 @@
 mod lines;
 
 use super::unfold::{check_input, ConvGeom};
-use super::{contiguous_slice, has_cpu_kernel, max_threads, output, par_blocks_mut, product, zeroed, Elem, Mat};
+use super::{contiguous_slice, has_cpu_kernel, max_threads, output, par_blocks_mut, product, zeroed, Elem, Mat, Path};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// Fewer input channels than this go through im2col: each tap's GEMM has
@@ -431,7 +431,7 @@ fn padded_size(g: &ConvGeom, spatial: &[usize]) -> Vec<usize> {
 
 /// The operands must suit the kernels: CPU f32/f64, same dtype, `applies`.
 fn check(op: &str, a: &Tensor, b: &Tensor, g: &ConvGeom, cin: usize) -> Result<()> {
-    if !has_cpu_kernel(a) || a.dtype() != b.dtype() || !b.device().is_cpu() || !applies(g, 1, cin) {
+    if !has_cpu_kernel(a, Path::Fast) || a.dtype() != b.dtype() || !b.device().is_cpu() || !applies(g, 1, cin) {
         bail!("{op}: needs CPU f32/f64 operands, stride 1 and at least {MIN_CHANNELS} input channels")
     }
     Ok(())

@@ -23,7 +23,7 @@ mod plan;
 #[cfg(test)]
 mod tests;
 
-use super::{contiguous_slice, has_cpu_kernel, Elem};
+use super::{contiguous_slice, has_cpu_kernel, Elem, Path};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use cpu::{fold_cpu, unfold_cpu};
@@ -137,7 +137,7 @@ impl CustomOp1 for UnfoldOp {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        fold(grad, &self.geom, &arg.dims()[2..]).map(Some)
+        fold(grad, &self.geom, &arg.dims()[2..], Path::Fast).map(Some)
     }
 }
 
@@ -176,7 +176,7 @@ impl CustomOp1 for FoldOp {
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        unfold(grad, &self.geom).map(Some)
+        unfold(grad, &self.geom, Path::Fast).map(Some)
     }
 }
 
@@ -191,9 +191,9 @@ impl CustomOp1 for FoldOp {
 /// The row index is `(c, k0, k1, ..)` with `c` outermost (exactly torch's
 /// order), the column is the output position in row-major order. Zero
 /// padding. Differentiable (the backward is [`fold`]).
-pub fn unfold(x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+pub fn unfold(x: &Tensor, g: &ConvGeom, path: Path) -> Result<Tensor> {
     check_input("unfold", x, g)?;
-    if has_cpu_kernel(x) {
+    if has_cpu_kernel(x, path) {
         x.contiguous()?.apply_op1(UnfoldOp { geom: g.clone() })
     } else {
         unfold_generic(x, g)
@@ -203,9 +203,9 @@ pub fn unfold(x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
 /// col2im, the adjoint of [`unfold`] (PyTorch `F.fold`):
 /// `cols: [N, C*prod(k), L]` -> `[N, C, *spatial]`, summing overlapping
 /// contributions. Differentiable (the backward is [`unfold`]).
-pub fn fold(cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tensor> {
+pub fn fold(cols: &Tensor, g: &ConvGeom, spatial: &[usize], path: Path) -> Result<Tensor> {
     check_cols("fold", cols, g, spatial)?;
-    if has_cpu_kernel(cols) {
+    if has_cpu_kernel(cols, path) {
         let op = FoldOp {
             geom: g.clone(),
             spatial: spatial.to_vec(),
@@ -225,20 +225,25 @@ pub fn fold(cols: &Tensor, g: &ConvGeom, spatial: &[usize]) -> Result<Tensor> {
 /// block-diagonal weight, no per-group copy of the columns). On the CPU the
 /// product is the crate's kernel, which candle's autodiff does not
 /// differentiate (the crate's own VJP rules do).
-pub fn conv_unfold(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize) -> Result<Tensor> {
+pub fn conv_unfold(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, path: Path) -> Result<Tensor> {
     let out = check_input("conv_unfold", x, g)?;
     let (n, cin) = (x.dim(0)?, x.dim(1)?);
     let cout = check_weight(x, w, g, groups)?;
     let k = g.kernel_numel();
     let (cin_g, cout_g) = (cin / groups, cout / groups);
-    let cols = unfold(x, g)?;
+    let cols = unfold(x, g, path)?;
     let w = w.reshape((cout, cin_g * k))?;
     // The weight is read at batch stride 0, with no copy.
     let outs = (0..groups)
         .map(|i| {
             let wg = w.narrow(0, i * cout_g, cout_g)?;
             // copies inside this lowering are its own, not an operand's relayout
-            super::bmm::each_example(&wg, &cols.narrow(1, i * cin_g * k, cin_g * k)?, &Default::default())
+            super::bmm::each_example(
+                &wg,
+                &cols.narrow(1, i * cin_g * k, cin_g * k)?,
+                &Default::default(),
+                path,
+            )
         })
         .collect::<Result<Vec<_>>>()?;
     // `cat` of a single tensor is free.

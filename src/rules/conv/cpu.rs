@@ -7,24 +7,24 @@ use crate::ir::conv::ConvOp;
 use crate::ir::ConvGeom;
 use crate::kernels::copies::{Copies, Relayout};
 use crate::kernels::unfold;
-use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose};
+use crate::kernels::{bmm, has_cpu_kernel, rows, shift, transpose, Kx, Path};
 use crate::rules::reduce::sum_axes;
 use candle_core::Tensor;
 
 /// Computes `op(args)`, counting operands copied to another layout in `c`.
-pub(super) fn run(op: &ConvOp, args: &[&Tensor], c: &Copies) -> Result<Tensor> {
+pub(super) fn run(op: &ConvOp, args: &[&Tensor], c: &Copies, p: Path) -> Result<Tensor> {
     let name = op.name();
     match op {
-        ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups, c).op(&name),
-        ConvOp::Unfold(geom) => unfold::unfold(args[0], geom).op(&name),
-        ConvOp::UnfoldRows(geom) => rows::unfold_rows(args[0], geom).op(&name),
-        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].relayout(c).op(&name)?, geom, spatial).op(&name),
+        ConvOp::Conv { geom, groups } => run_conv(args[0], args[1], geom, *groups, (c, p)).op(&name),
+        ConvOp::Unfold(geom) => unfold::unfold(args[0], geom, p).op(&name),
+        ConvOp::UnfoldRows(geom) => rows::unfold_rows(args[0], geom, p).op(&name),
+        ConvOp::Fold { geom, spatial } => unfold::fold(&args[0].relayout(c).op(&name)?, geom, spatial, p).op(&name),
         ConvOp::GradInput { geom, groups, spatial } => {
-            run_grad_input(args[0], args[1], (geom, *groups, spatial), c).op(&name)
+            run_grad_input(args[0], args[1], (geom, *groups, spatial), (c, p)).op(&name)
         }
-        ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], (geom, *groups), c).op(&name),
-        ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom, c).op(&name),
-        ConvOp::GradWeightSqNorms(geom) => run_grad_weight_sq_norms(args[0], args[1], geom, c).op(&name),
+        ConvOp::GradWeight { geom, groups } => run_grad_weight(args[0], args[1], (geom, *groups), (c, p)).op(&name),
+        ConvOp::GradWeightEach(geom) => run_grad_weight_each(args[0], args[1], geom, (c, p)).op(&name),
+        ConvOp::GradWeightSqNorms(geom) => run_grad_weight_sq_norms(args[0], args[1], geom, (c, p)).op(&name),
     }
 }
 
@@ -53,7 +53,7 @@ pub(super) const PER_EXAMPLE_GRAD_LEN: usize = 1024;
 /// unfold + matmul for 3D (candle has none).
 /// candle's convolutions read a strided kernel as if it were contiguous, so
 /// operands are made contiguous first.
-pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, c: &Copies) -> candle_core::Result<Tensor> {
+pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, (c, p): Kx) -> candle_core::Result<Tensor> {
     let (n, cout, out) = (x.dims()[0], w.dims()[0], g.out_spatial(&x.dims()[2..])?);
     let shape = [&[n, cout], &out[..]].concat();
     if n == 0 || cout == 0 || out.contains(&0) {
@@ -63,26 +63,26 @@ pub(crate) fn run_conv(x: &Tensor, w: &Tensor, g: &ConvGeom, groups: usize, c: &
     let uniform = |v: &[usize]| v.iter().all(|&e| e == v[0]);
     let candle_2d = g.kernel.len() == 2 && uniform(&g.padding) && uniform(&g.stride) && uniform(&g.dilation);
     match g.kernel.len() {
-        _ if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
-        _ if groups == 1 && has_cpu_kernel(x) && out.iter().product::<usize>() >= MIN_COLS_LEN => {
+        _ if has_cpu_kernel(x, p) && shift::applies(g, groups, x.dims()[1]) => shift::conv(x, w, g),
+        _ if groups == 1 && has_cpu_kernel(x, p) && out.iter().product::<usize>() >= MIN_COLS_LEN => {
             conv_cols(x, w, g, &shape, c)
         }
-        _ if groups == 1 && has_cpu_kernel(x) => conv_rows(x, w, g, &shape, c),
-        _ if x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups),
+        _ if groups == 1 && has_cpu_kernel(x, p) => conv_rows(x, w, g, &shape, c),
+        _ if p == Path::Fast && x.device().is_cpu() => unfold::conv_unfold(x, w, g, groups, p),
         1 => x.conv1d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
         2 if candle_2d => x.conv2d(w, g.padding[0], g.stride[0], g.dilation[0], groups),
-        _ => unfold::conv_unfold(x, w, g, groups),
+        _ => unfold::conv_unfold(x, w, g, groups, p),
     }
 }
 
 /// An ungrouped convolution as one GEMM: `(N L) CK @ CK Cout`.
 fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize], c: &Copies) -> candle_core::Result<Tensor> {
     let (n, cout) = (shape[0], shape[1]);
-    let rows = rows::unfold_rows(x, g)?; // N L CK
+    let rows = rows::unfold_rows(x, g, Path::Fast)?; // N L CK
     let (l, ck) = (rows.dims()[1], rows.dims()[2]);
-    let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?, c)?;
+    let y = bmm::matmul(&rows.reshape((n * l, ck))?, &w.reshape((cout, ck))?.t()?, c, Path::Fast)?;
     // (N L) Cout -> N Cout L
-    transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?)?.reshape(shape)
+    transpose::contiguous(&y.reshape((n, l, cout))?.transpose(1, 2)?, Path::Fast)?.reshape(shape)
 }
 
 /// An ungrouped convolution as one GEMM per example, `w [Cout, CK] @
@@ -90,8 +90,8 @@ fn conv_rows(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize], c: &Copies) 
 /// row layout's single GEMM has the few input channels' taps as its
 /// inner dimension, and its output needs a transposing copy).
 fn conv_cols(x: &Tensor, w: &Tensor, g: &ConvGeom, shape: &[usize], c: &Copies) -> candle_core::Result<Tensor> {
-    let cols = unfold::unfold(x, g)?; // N CK L
-    bmm::each_example(&w.reshape((shape[1], cols.dims()[1]))?, &cols, c)?.reshape(shape)
+    let cols = unfold::unfold(x, g, Path::Fast)?; // N CK L
+    bmm::each_example(&w.reshape((shape[1], cols.dims()[1]))?, &cols, c, Path::Fast)?.reshape(shape)
 }
 
 /// `dx = fold(w^T @ ct)`. On the CPU: shifted GEMMs where they apply
@@ -105,7 +105,7 @@ fn run_grad_input(
     ct: &Tensor,
     w: &Tensor,
     (g, groups, spatial): (&ConvGeom, usize, &[usize]),
-    c: &Copies,
+    (c, p): Kx,
 ) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
@@ -114,10 +114,10 @@ fn run_grad_input(
         return Tensor::zeros([&[n, cin], spatial].concat(), ct.dtype(), ct.device());
     }
     let ck = w.elem_count() / cout; // Cin/g * K
-    if has_cpu_kernel(ct) && shift::applies(g, groups, w.dims()[1]) {
+    if has_cpu_kernel(ct, p) && shift::applies(g, groups, w.dims()[1]) {
         return shift::grad_input(ct, w, g, spatial);
     }
-    if has_cpu_kernel(ct) {
+    if has_cpu_kernel(ct, p) {
         return grad_input_rows(ct, w, (g, groups, spatial), c);
     }
     let cpg = cout / groups;
@@ -126,10 +126,10 @@ fn run_grad_input(
     // N Cout O.. -> N Cout L; group i reads its Cout/g rows in place.
     let ct = ct.relayout(c)?.reshape((n, cout, l))?;
     let cols = (0..groups)
-        .map(|i| bmm::each_example(&wt.get(i)?, &ct.narrow(1, i * cpg, cpg)?, c))
+        .map(|i| bmm::each_example(&wt.get(i)?, &ct.narrow(1, i * cpg, cpg)?, c, p))
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, CK, L] -> N (g CK) L
-    unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial)
+    unfold::fold(&Tensor::cat(&cols, 1)?, g, spatial, p)
 }
 
 /// A convolution's input gradient on the row layout, as ONE batched
@@ -150,13 +150,13 @@ fn grad_input_rows(
     // N Cout O.. -> N L Cout -> (N L) g Cout/g -> g (N L) Cout/g, read in place
     let t = ct.reshape((n, cout, l))?.transpose(1, 2)?;
     c.note(&t);
-    let t = transpose::contiguous(&t)?
+    let t = transpose::contiguous(&t, Path::Fast)?
         .reshape((n * l, groups, cpg))?
         .transpose(0, 1)?;
-    let rows = bmm::bmm(&t, &w.reshape((groups, cpg, ck))?, c)?; // g (N L) CK
-                                                                 // g (N L) CK -> (N L) g CK -> N L (g CK)
-    let rows = transpose::contiguous(&rows.transpose(0, 1)?)?.reshape((n, l, groups * ck))?;
-    rows::fold_rows(&rows, g, spatial)
+    let rows = bmm::bmm(&t, &w.reshape((groups, cpg, ck))?, c, Path::Fast)?; // g (N L) CK
+                                                                             // g (N L) CK -> (N L) g CK -> N L (g CK)
+    let rows = transpose::contiguous(&rows.transpose(0, 1)?, Path::Fast)?.reshape((n, l, groups * ck))?;
+    rows::fold_rows(&rows, g, spatial, Path::Fast)
 }
 
 /// `dw = sum_n ct[n] @ unfold(x)[n]^T`. On the CPU: shifted GEMMs where
@@ -169,7 +169,7 @@ fn run_grad_weight(
     x: &Tensor,
     ct: &Tensor,
     (g, groups): (&ConvGeom, usize),
-    copies: &Copies,
+    (copies, p): Kx,
 ) -> candle_core::Result<Tensor> {
     let (n, cout) = (ct.dims()[0], ct.dims()[1]);
     let l: usize = ct.dims()[2..].iter().product();
@@ -177,11 +177,11 @@ fn run_grad_weight(
     if n == 0 || cout == 0 {
         return Tensor::zeros(w_shape, ct.dtype(), ct.device());
     }
-    if has_cpu_kernel(x) && shift::applies(g, groups, x.dims()[1]) {
+    if has_cpu_kernel(x, p) && shift::applies(g, groups, x.dims()[1]) {
         return shift::grad_weight(x, ct, g);
     }
-    if groups == 1 && has_cpu_kernel(x) && l < PER_EXAMPLE_GRAD_LEN {
-        let rows = rows::unfold_rows(x, g)?; // N L CK
+    if groups == 1 && has_cpu_kernel(x, p) && l < PER_EXAMPLE_GRAD_LEN {
+        let rows = rows::unfold_rows(x, g, p)?; // N L CK
         let ck = rows.dims()[2];
         // N Cout O.. -> Cout N L -> Cout (N L); @ (N L) CK -> Cout CK
         let c = ct
@@ -189,16 +189,16 @@ fn run_grad_weight(
             .permute((1, 0, 2))?
             .relayout(copies)?
             .reshape((cout, n * l))?;
-        return bmm::matmul(&c, &rows.reshape((n * l, ck))?, copies)?.reshape(w_shape);
+        return bmm::matmul(&c, &rows.reshape((n * l, ck))?, copies, p)?.reshape(w_shape);
     }
     let cpg = cout / groups;
-    let cols = unfold::unfold(x, g)?; // N (Cin K) L
+    let cols = unfold::unfold(x, g, p)?; // N (Cin K) L
     let ck = cols.dims()[1] / groups;
     let ct = ct.relayout(copies)?.reshape((n, cout, l))?;
     let per_example = (0..groups)
         .map(|i| {
             let cols_t = cols.narrow(1, i * ck, ck)?.transpose(1, 2)?; // N L CK
-            bmm::matmul(&ct.narrow(1, i * cpg, cpg)?, &cols_t, copies)
+            bmm::matmul(&ct.narrow(1, i * cpg, cpg)?, &cols_t, copies, p)
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
     // g x [N, Cout/g, CK] -> N Cout CK -> Cout CK
@@ -207,19 +207,19 @@ fn run_grad_weight(
 
 /// Each example's weight gradient: shifted GEMMs where they apply,
 /// otherwise `ct[e] @ unfold_rows(x)[e]` as one batched product.
-fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom, copies: &Copies) -> candle_core::Result<Tensor> {
+fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom, (copies, p): Kx) -> candle_core::Result<Tensor> {
     let (e, cin, cout) = (x.dims()[0], x.dims()[1], ct.dims()[1]);
     let shape = [&[e, cout, cin], &g.kernel[..]].concat();
     if e == 0 || cout == 0 {
         return Tensor::zeros(shape, x.dtype(), x.device());
     }
-    if has_cpu_kernel(x) && shift::applies(g, 1, cin) {
+    if has_cpu_kernel(x, p) && shift::applies(g, 1, cin) {
         return shift::grad_weight_each(x, ct, g);
     }
-    let rows = rows::unfold_rows(x, g)?; // E L CK
+    let rows = rows::unfold_rows(x, g, p)?; // E L CK
     let l = rows.dims()[1];
     let c = ct.relayout(copies)?.reshape((e, cout, l))?;
-    bmm::matmul(&c, &rows, copies)?.reshape(shape)
+    bmm::matmul(&c, &rows, copies, p)?.reshape(shape)
 }
 
 /// Entries of per-example weight gradients held at once by
@@ -228,20 +228,20 @@ fn run_grad_weight_each(x: &Tensor, ct: &Tensor, g: &ConvGeom, copies: &Copies) 
 pub(super) const SQ_NORM_CHUNK: usize = 1 << 20;
 
 /// `||GradWeightEach[e]||²` for each example, a chunk of examples at a time.
-fn run_grad_weight_sq_norms(x: &Tensor, ct: &Tensor, g: &ConvGeom, copies: &Copies) -> candle_core::Result<Tensor> {
+fn run_grad_weight_sq_norms(x: &Tensor, ct: &Tensor, g: &ConvGeom, (copies, p): Kx) -> candle_core::Result<Tensor> {
     let e = x.dims()[0];
     let per: usize = [ct.dims()[1], x.dims()[1]].iter().chain(&g.kernel).product();
     let chunk = (SQ_NORM_CHUNK / per.max(1)).clamp(1, e.max(1));
     let mut parts = Vec::with_capacity(e.div_ceil(chunk));
     for start in (0..e).step_by(chunk) {
         let len = chunk.min(e - start);
-        let each = run_grad_weight_each(&x.narrow(0, start, len)?, &ct.narrow(0, start, len)?, g, copies)?;
+        let each = run_grad_weight_each(&x.narrow(0, start, len)?, &ct.narrow(0, start, len)?, g, (copies, p))?;
         // each row's dot product with itself, [E, 1, R] @ [E, R, 1]: two
         // views of one buffer, no squared copy
         let each = each.relayout(copies)?;
         let (row, col) = (each.reshape((len, 1, per))?, each.reshape((len, per, 1))?);
-        let dot = if has_cpu_kernel(&each) {
-            bmm::matmul(&row, &col, copies)?
+        let dot = if has_cpu_kernel(&each, p) {
+            bmm::matmul(&row, &col, copies, p)?
         } else {
             row.matmul(&col)?
         };
@@ -284,9 +284,9 @@ mod tests {
                 let want = match xs.len() {
                     3 => x.conv1d(&w, p, s, dil, groups)?,
                     4 => x.conv2d(&w, p, s, dil, groups)?,
-                    _ => unfold::conv_unfold(&x, &w, &g, groups)?,
+                    _ => unfold::conv_unfold(&x, &w, &g, groups, Path::Portable)?,
                 };
-                let got = run_conv(&x, &w, &g, groups, &Copies::default())?;
+                let got = run_conv(&x, &w, &g, groups, (&Copies::default(), Path::Fast))?;
                 let diff = crate::kernels::max_diff(&got, &want)?;
                 assert!(diff < 1e-4, "{xs:?} * {ws:?}: {diff}");
             }
@@ -299,7 +299,13 @@ mod tests {
             ([0, 8, 6, 6], [4, 8, 3, 3]),
         ] {
             let x = Tensor::zeros(&xs, DType::F32, &d)?;
-            let y = run_conv(&x, &Tensor::zeros(&ws, DType::F32, &d)?, &g, 1, &Copies::default())?;
+            let y = run_conv(
+                &x,
+                &Tensor::zeros(&ws, DType::F32, &d)?,
+                &g,
+                1,
+                (&Copies::default(), Path::Fast),
+            )?;
             assert_eq!(y.dims(), &[xs[0], ws[0], 4, 4]);
         }
         Ok(())

@@ -38,7 +38,7 @@ impl Rule for ConvOp {
     }
 
     fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-        cpu::run(self, args, cx.copies)
+        cpu::run(self, args, cx.copies, cx.path)
     }
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {

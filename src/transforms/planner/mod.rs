@@ -34,11 +34,13 @@ pub(crate) struct Measured;
 impl Planner for Measured {
     fn choose(&self, choice: &Choice) -> Result<ConvRoute> {
         let types: Vec<_> = choice.args.iter().map(|(t, bd)| (t, bd)).collect();
+        // the CPU's kernels and candle's operations are timed apart
         let key = format!(
-            "{}|{types:?}|{}|{:?}",
+            "{}|{types:?}|{}|{:?}{}",
             choice.prim.name(),
             choice.size,
-            choice.device.location()
+            choice.device.location(),
+            path_key(choice.opts.portable)
         );
         if let Some(r) = tables::cached_route(&key) {
             return Ok(r);
@@ -70,6 +72,15 @@ impl Planner for Measured {
         };
         tables::record_route(key, record);
         Ok(chosen)
+    }
+}
+
+/// What a decision's key adds for the path its runs take: nothing for the
+/// crate's kernels (so keys saved before the path existed still hold).
+pub(crate) fn path_key(portable: Option<bool>) -> &'static str {
+    match crate::interp::exec::portable_path(portable) {
+        crate::kernels::Path::Fast => "",
+        crate::kernels::Path::Portable => "|portable",
     }
 }
 
@@ -116,7 +127,11 @@ fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let best = time_graphs(&candidates, choice.device, (AUTO_ROUNDS, choice.opts.memory_limit))?;
+    let best = time_graphs(
+        &candidates,
+        choice.device,
+        (AUTO_ROUNDS, choice.opts.memory_limit, choice.opts.portable),
+    )?;
     Ok(choice
         .candidates
         .iter()
@@ -145,9 +160,13 @@ fn timing_inputs(types: &[TensorType], device: &Device) -> Result<Vec<Tensor>> {
 }
 
 /// Milliseconds (scaled) of one run of `exe` on `inputs`.
-fn time_one(exe: &Executable, inputs: &[Tensor], scale: f64) -> Result<f64> {
+fn time_one(exe: &Executable, inputs: &[Tensor], scale: f64, device: &Device) -> Result<f64> {
+    // a GPU runs its kernels after the calls that queue them return: the
+    // queue is drained before the clock starts and stops
+    device.synchronize().op("auto timing")?;
     let start = std::time::Instant::now();
     exe.run(inputs)?;
+    device.synchronize().op("auto timing")?;
     Ok(start.elapsed().as_secs_f64() * 1e3 * scale)
 }
 
@@ -161,11 +180,20 @@ fn time_one(exe: &Executable, inputs: &[Tensor], scale: f64) -> Result<f64> {
 /// when one is left. A candidate whose plan exceeds the memory `limit` is
 /// not run; where none fits, the first one's error is returned before any
 /// input is made.
-fn time_graphs(candidates: &[Candidate], device: &Device, (rounds, limit): (usize, Option<usize>)) -> Result<Vec<f64>> {
+fn time_graphs(
+    candidates: &[Candidate],
+    device: &Device,
+    (rounds, limit, portable): (usize, Option<usize>, Option<bool>),
+) -> Result<Vec<f64>> {
     // as a call would run them
     let exes: Vec<Executable> = candidates
         .iter()
-        .map(|c| Executable::new(&c.graph).named("auto timing").limit(limit))
+        .map(|c| {
+            Executable::new(&c.graph)
+                .named("auto timing")
+                .limit(limit)
+                .portable(portable)
+        })
         .collect();
     let mut alive: Vec<bool> = exes.iter().map(|e| e.check().is_ok()).collect();
     if let Some(e) = exes.first().filter(|_| !alive.contains(&true)) {
@@ -182,7 +210,7 @@ fn time_graphs(candidates: &[Candidate], device: &Device, (rounds, limit): (usiz
     let mut best = vec![f64::INFINITY; exes.len()];
     let mut cold = vec![f64::INFINITY; exes.len()];
     for i in (0..exes.len()).filter(|&i| alive[i]) {
-        cold[i] = time_one(&exes[i], &inputs[i], candidates[i].scale)?;
+        cold[i] = time_one(&exes[i], &inputs[i], candidates[i].scale, device)?;
     }
     drop_slow(&mut alive, &cold, COLD_DROP);
     for _ in 0..rounds {
@@ -190,7 +218,7 @@ fn time_graphs(candidates: &[Candidate], device: &Device, (rounds, limit): (usiz
             break;
         }
         for i in (0..exes.len()).filter(|&i| alive[i]) {
-            best[i] = best[i].min(time_one(&exes[i], &inputs[i], candidates[i].scale)?);
+            best[i] = best[i].min(time_one(&exes[i], &inputs[i], candidates[i].scale, device)?);
         }
         drop_slow(&mut alive, &best, WARM_DROP);
     }
@@ -222,11 +250,11 @@ pub(crate) fn measured_schedule(
     key: &str,
     size: usize,
     candidates: Vec<(RunAs, Candidate)>,
-    (device, limit): (&Device, Option<usize>),
+    (device, limit, portable): (&Device, Option<usize>, Option<bool>),
 ) -> Result<RunAs> {
     let equations = candidates.first().map_or(0, |(_, c)| c.graph.equation_count());
     let (kinds, graphs): (Vec<RunAs>, Vec<Candidate>) = candidates.into_iter().unzip();
-    let times = time_graphs(&graphs, device, (SCHEDULE_ROUNDS, limit))?;
+    let times = time_graphs(&graphs, device, (SCHEDULE_ROUNDS, limit, portable))?;
     let best = kinds
         .iter()
         .zip(&times)
