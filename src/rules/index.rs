@@ -27,11 +27,15 @@ fn in_range(idx: &Tensor, size: usize, op: &'static str) -> Result<()> {
     if idx.elem_count() == 0 {
         return Ok(());
     }
-    let flat = idx.flatten_all().and_then(|v| v.to_dtype(DType::I64)).op(op)?;
-    let (lo, hi) = (
-        flat.min(0).and_then(|v| v.to_scalar::<i64>()).op(op)?,
-        flat.max(0).and_then(|v| v.to_scalar::<i64>()).op(op)?,
-    );
+    // the least and greatest index in one read (on a GPU each read waits
+    // for the queue)
+    let ends = idx
+        .flatten_all()
+        .and_then(|v| v.to_dtype(DType::I64))
+        .and_then(|v| Tensor::cat(&[v.min_keepdim(0)?, v.max_keepdim(0)?], 0))
+        .and_then(|v| v.to_vec1::<i64>())
+        .op(op)?;
+    let (lo, hi) = (ends[0], ends[1]);
     if lo < 0 || hi >= size as i64 {
         let bad = if lo < 0 { lo } else { hi };
         let msg = if op == "embedding" {
