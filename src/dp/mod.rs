@@ -139,11 +139,11 @@ pub fn privatize(
     positive("privatize", "noise_multiplier", noise_multiplier, true)?;
     positive("privatize", "expected_batch", expected_batch, false)?;
     let clipped = clip_per_sample(per_sample, max_norm)?;
+    let path = crate::interp::exec::portable_path(None);
     clipped
         .into_iter()
         .map(|(k, g)| {
             let sum = g.sum(0)?;
-            let path = crate::interp::exec::portable_path(None);
             let noisy = rng.add_noise(&sum, noise_multiplier * max_norm, 1.0 / expected_batch, true, path)?;
             Ok((k, noisy))
         })

@@ -300,29 +300,18 @@ where
         let scale = if self.comm.is_some() { 1.0 } else { unit / expected };
         let mut noisy = BTreeMap::new();
         let mut failed = None;
+        let path = crate::interp::exec::portable_path(None);
         for (k, s) in sum {
-            let s = match (first, &self.comm) {
-                (false, _) => s,
-                (true, None) => self.rng.add_noise(
-                    &s,
-                    std,
-                    scale,
-                    self.secure_mode,
-                    crate::interp::exec::portable_path(None),
-                )?,
-                // rank 0 still joins the all-reduce, flagged, if it fails
-                (true, Some(_)) => match self.rng.add_noise(
-                    &s,
-                    std,
-                    scale,
-                    self.secure_mode,
-                    crate::interp::exec::portable_path(None),
-                ) {
+            let s = match first {
+                false => s,
+                true => match self.rng.add_noise(&s, std, scale, self.secure_mode, path) {
                     Ok(t) => t,
-                    Err(e) => {
+                    // rank 0 still joins the all-reduce, flagged, if it fails
+                    Err(e) if self.comm.is_some() => {
                         failed.get_or_insert(e);
                         s
                     }
+                    Err(e) => return Err(e),
                 },
             };
             noisy.insert(k, s);

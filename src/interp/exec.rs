@@ -8,7 +8,7 @@
 
 use super::{malloc, mix, passes, run_inner, NodeTimes, RunStats};
 use crate::error::{Error, Result};
-use crate::ir::Graph;
+use crate::ir::{Graph, Options};
 use crate::kernels::{copies::Copies, Path};
 use crate::rules::{facts, memory};
 use candle_core::Tensor;
@@ -101,11 +101,18 @@ impl Executable {
         self
     }
 
-    /// Runs candle's operations only where `portable` says so (`None`: as
-    /// the `CANDLE_FUNC_PORTABLE` variable says; unset: the crate's kernels).
+    /// Runs candle's operations only where `portable` says so (`None`:
+    /// as the `CANDLE_FUNC_PORTABLE` variable said when it was made).
     pub(crate) fn portable(mut self, portable: Option<bool>) -> Executable {
-        self.path = portable_path(portable);
+        if portable.is_some() {
+            self.path = portable_path(portable);
+        }
         self
+    }
+
+    /// The memory limit and path a transform's options set.
+    pub(crate) fn options(self, o: &Options) -> Executable {
+        self.limit(o.memory_limit).portable(o.portable)
     }
 
     /// The prepared graph, taken out (marked as prepared).

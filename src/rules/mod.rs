@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Opts};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::copies::Copies;
-pub(crate) use crate::kernels::Path;
+use crate::kernels::Path;
 use candle_core::{Device, Tensor};
 use facts::{Arg, Facts, Workspace};
 

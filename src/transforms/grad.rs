@@ -440,16 +440,12 @@ where
     // backward pass reads is an output of `fwd` and so stays unfused),
     // each checked against the limit before it runs: the forward now, the
     // backward at every pullback.
-    let (limit, portable) = (f.own_options().memory_limit, f.own_options().portable);
+    let opts = f.own_options();
     let fwd = Executable::new(&fwd)
         .named("vjp")
         .seeded(traced.seed, Default::default())
-        .limit(limit)
-        .portable(portable);
-    let backward = Executable::new(&backward)
-        .named("vjp pullback")
-        .limit(limit)
-        .portable(portable);
+        .options(&opts);
+    let backward = Executable::new(&backward).named("vjp pullback").options(&opts);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

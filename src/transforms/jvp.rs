@@ -78,8 +78,7 @@ where
     let joint = Executable::new(&joint_graph(&traced.graph, device)?)
         .named("jvp")
         .seeded(traced.seed, Default::default())
-        .limit(f.own_options().memory_limit)
-        .portable(f.own_options().portable);
+        .options(&f.own_options());
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
     let mut outs = joint.run(&flat)?;
     let tangent_outs = outs.split_off(n_out);
@@ -309,16 +308,12 @@ where
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
     // each half checked against the limit before it runs: the forward
     // now, the tangent map at every call
-    let (limit, portable) = (f.own_options().memory_limit, f.own_options().portable);
+    let opts = f.own_options();
     let fwd = Executable::new(&fwd)
         .named("linearize")
         .seeded(traced.seed, Default::default())
-        .limit(limit)
-        .portable(portable);
-    let tangent = Executable::new(&tangent)
-        .named("linearized map")
-        .limit(limit)
-        .portable(portable);
+        .options(&opts);
+    let tangent = Executable::new(&tangent).named("linearized map").options(&opts);
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

@@ -118,10 +118,7 @@ impl Traced {
     /// above `limit`, drawing from the trace's seed counted by `calls`.
     pub(crate) fn compile(self, given: &Options, calls: Arc<AtomicU64>) -> Compiled {
         Compiled {
-            exe: Executable::new(&self.graph)
-                .seeded(self.seed, calls)
-                .limit(given.memory_limit)
-                .portable(given.portable),
+            exe: Executable::new(&self.graph).seeded(self.seed, calls).options(given),
             out_def: self.out_def,
             mode_deps: self.mode_deps,
         }
