@@ -339,9 +339,9 @@ mod tests {
                 (b.transpose(1, 2)?, a.transpose(1, 2)?),
             ];
             for (x, y) in &cases {
-                assert!(takes_kernel(x, y, crate::kernels::Path::Fast));
+                assert!(takes_kernel(x, y, Path::Fast));
                 let diff = max_diff(
-                    &bmm(x, y, &Copies::default(), crate::kernels::Path::Fast)?,
+                    &bmm(x, y, &Copies::default(), Path::Fast)?,
                     &x.contiguous()?.matmul(&y.contiguous()?)?,
                 )?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
@@ -358,7 +358,7 @@ mod tests {
             for (x, y) in [(&a, &b), (&at, &b), (&wide, &bn)] {
                 assert!(column_major(y));
                 let diff = max_diff(
-                    &bmm(x, y, &Copies::default(), crate::kernels::Path::Fast)?,
+                    &bmm(x, y, &Copies::default(), Path::Fast)?,
                     &x.contiguous()?.matmul(&y.contiguous()?)?,
                 )?;
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
@@ -374,7 +374,7 @@ mod tests {
             let bt = Tensor::randn(0f32, 1., (1, 6, k), &d)?.to_dtype(dt)?.transpose(1, 2)?;
             for y in [&b, &bt] {
                 let diff = max_diff(
-                    &bmm(&a, y, &Copies::default(), crate::kernels::Path::Fast)?,
+                    &bmm(&a, y, &Copies::default(), Path::Fast)?,
                     &a.matmul(&y.contiguous()?)?,
                 )?;
                 assert!(diff < 1e-3, "split-k {dt:?}: {diff}");
@@ -382,10 +382,7 @@ mod tests {
         }
         let e = Tensor::zeros((8, 3, 0), DType::F32, &d)?;
         let f = Tensor::zeros((8, 0, 2), DType::F32, &d)?;
-        assert_eq!(
-            bmm(&e, &f, &Copies::default(), crate::kernels::Path::Fast)?.dims(),
-            &[8, 3, 2]
-        );
+        assert_eq!(bmm(&e, &f, &Copies::default(), Path::Fast)?.dims(), &[8, 3, 2]);
         Ok(())
     }
 }

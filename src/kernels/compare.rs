@@ -183,17 +183,12 @@ mod tests {
             equal: true,
             greater: false,
         };
-        let got = with_scalar(&x, &zero, gt, crate::kernels::Path::Fast)?.expect("takes f32");
+        let got = with_scalar(&x, &zero, gt, Path::Fast)?.expect("takes f32");
         assert_eq!(got.to_vec1::<u8>()?, x.gt(0f64)?.to_vec1::<u8>()?);
-        let got = with_scalar(
-            &x.to_dtype(DType::F64)?,
-            &zero.to_dtype(DType::F64)?,
-            le,
-            crate::kernels::Path::Fast,
-        )?
-        .expect("takes f64");
+        let got =
+            with_scalar(&x.to_dtype(DType::F64)?, &zero.to_dtype(DType::F64)?, le, Path::Fast)?.expect("takes f64");
         assert_eq!(got.to_vec1::<u8>()?, x.le(0f64)?.to_vec1::<u8>()?);
-        assert!(with_scalar(&x, &x, gt, crate::kernels::Path::Fast)?.is_none());
+        assert!(with_scalar(&x, &x, gt, Path::Fast)?.is_none());
         // NaN: only != holds
         let nan = Tensor::new(&[f32::NAN, 1.0], &d)?;
         let ne = Accept {
@@ -202,7 +197,7 @@ mod tests {
             equal: false,
             greater: true,
         };
-        let got = with_scalar(&nan, &Tensor::new(1f32, &d)?, ne, crate::kernels::Path::Fast)?.expect("takes f32");
+        let got = with_scalar(&nan, &Tensor::new(1f32, &d)?, ne, Path::Fast)?.expect("takes f32");
         assert_eq!(got.to_vec1::<u8>()?, nan.ne(1f64)?.to_vec1::<u8>()?);
         Ok(())
     }
@@ -213,12 +208,12 @@ mod tests {
         for dt in [DType::F32, DType::F64] {
             let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
             assert_eq!(
-                crate::kernels::max_diff(&relu(&x, crate::kernels::Path::Fast)?.unwrap(), &x.relu()?)?,
+                crate::kernels::max_diff(&relu(&x, Path::Fast)?.unwrap(), &x.relu()?)?,
                 0.0
             );
         }
         let x = Tensor::new(&[-1f32, 0., 2., f32::NAN], &d)?;
-        let y = relu(&x, crate::kernels::Path::Fast)?.unwrap().to_vec1::<f32>()?;
+        let y = relu(&x, Path::Fast)?.unwrap().to_vec1::<f32>()?;
         assert_eq!(&y[..3], &[0., 0., 2.]);
         assert!(y[3].is_nan());
         Ok(())
@@ -233,18 +228,16 @@ mod tests {
             let x = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
             let c = Tensor::randn(0f32, 1., (3, BLOCK + 5), &d)?.to_dtype(dt)?;
             let want = x.le(0f64)?.where_cond(&c.zeros_like()?, &c)?;
-            let got = relu_grad(&x, &c, crate::kernels::Path::Fast)?.expect("takes f32/f64");
+            let got = relu_grad(&x, &c, Path::Fast)?.expect("takes f32/f64");
             assert_eq!(crate::kernels::max_diff(&got, &want)?, 0.0);
         }
         let x = Tensor::new(&[-1f32, 0., 2., f32::NAN], &d)?;
         let c = Tensor::new(&[f32::NAN, f32::INFINITY, 3., 4.], &d)?;
         assert_eq!(
-            relu_grad(&x, &c, crate::kernels::Path::Fast)?
-                .unwrap()
-                .to_vec1::<f32>()?,
+            relu_grad(&x, &c, Path::Fast)?.unwrap().to_vec1::<f32>()?,
             vec![0., 0., 3., 4.]
         );
-        assert!(relu_grad(&x, &c.to_dtype(DType::F64)?, crate::kernels::Path::Fast)?.is_none());
+        assert!(relu_grad(&x, &c.to_dtype(DType::F64)?, Path::Fast)?.is_none());
         Ok(())
     }
 }

@@ -519,13 +519,13 @@ mod tests {
     fn tensors_match_candle() -> Result<()> {
         let x = (Tensor::randn(0f32, 3., 3 * (1 << 14) + 5, &candle_core::Device::Cpu)? * 1.0)?;
         for (m, want) in [(Math::Exp, x.exp()?), (Math::Tanh, x.tanh()?), (Math::Erf, x.erf()?)] {
-            let got = apply(&x, m, crate::kernels::Path::Fast)?.expect("f32 on the CPU");
+            let got = apply(&x, m, Path::Fast)?.expect("f32 on the CPU");
             let rel = ((&got - &want)?.abs()? / (want.abs()? + 1e-30)?)?
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert!(rel < 1e-6, "{m:?}: relative error {rel}");
         }
-        assert!(apply(&x.to_dtype(DType::F64)?, Math::Exp, crate::kernels::Path::Fast)?.is_none());
+        assert!(apply(&x.to_dtype(DType::F64)?, Math::Exp, Path::Fast)?.is_none());
         Ok(())
     }
 }

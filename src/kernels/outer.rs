@@ -78,13 +78,13 @@ mod tests {
             for (b, m, n) in [(3, 700, 500), (2, 3, 1)] {
                 let a = Tensor::randn(0f32, 1., (b, m, 1), &Device::Cpu)?.to_dtype(dt)?;
                 let c = Tensor::randn(0f32, 1., (b, 1, n), &Device::Cpu)?.to_dtype(dt)?;
-                let fast = outer(&a, &c, crate::kernels::Path::Fast)?;
+                let fast = outer(&a, &c, Path::Fast)?;
                 let slow = a.broadcast_mul(&c)?;
                 assert_eq!(max_diff(&fast, &slow)?, 0.0);
             }
         }
         let a = Tensor::zeros((2, 3, 2), DType::F32, &Device::Cpu)?;
-        assert!(outer(&a, &a, crate::kernels::Path::Fast).is_err());
+        assert!(outer(&a, &a, Path::Fast).is_err());
         Ok(())
     }
 }

@@ -356,7 +356,7 @@ mod tests {
                 let g = Tensor::randn(0f32, 1., (2, 3, 9, 11), &Device::Cpu)?.to_dtype(dt)?;
                 let pairs = [
                     (
-                        max_pool2d(&x, win, crate::kernels::Path::Fast)?,
+                        max_pool2d(&x, win, Path::Fast)?,
                         x.max_pool2d_with_stride(kernel, stride)?,
                     ),
                     (
@@ -384,13 +384,13 @@ mod tests {
             kernel: (3, 3),
             stride: (1, 1),
         };
-        assert!(max_pool2d(&x, win, crate::kernels::Path::Fast).is_err());
+        assert!(max_pool2d(&x, win, Path::Fast).is_err());
         let ct = Tensor::zeros((1, 1, 2, 2), DType::F32, &Device::Cpu)?;
         let ok = Window {
             kernel: (2, 2),
             stride: (1, 1),
         };
-        assert!(max_pool2d_grad(&x, &ct, ok, crate::kernels::Path::Fast).is_err()); // ct must be [1, 1, 1, 1]
+        assert!(max_pool2d_grad(&x, &ct, ok, Path::Fast).is_err()); // ct must be [1, 1, 1, 1]
         Ok(())
     }
 }

@@ -323,18 +323,13 @@ mod tests {
         for dt in [DType::F32, DType::F64] {
             for (g, shape) in &cases {
                 let x = Tensor::randn(0f32, 1., shape.as_slice(), &Device::Cpu)?.to_dtype(dt)?;
-                let rows = unfold_rows(&x, g, crate::kernels::Path::Fast)?;
-                let cols = unfold(&x, g, crate::kernels::Path::Fast)?;
+                let rows = unfold_rows(&x, g, Path::Fast)?;
+                let cols = unfold(&x, g, Path::Fast)?;
                 assert_eq!(max_diff(&rows, &cols.transpose(1, 2)?)?, 0.0, "{g:?}");
                 let r = Tensor::randn(0f32, 1., rows.dims(), &Device::Cpu)?.to_dtype(dt)?;
-                let want = fold(
-                    &r.transpose(1, 2)?.contiguous()?,
-                    g,
-                    &shape[2..],
-                    crate::kernels::Path::Fast,
-                )?;
+                let want = fold(&r.transpose(1, 2)?.contiguous()?, g, &shape[2..], Path::Fast)?;
                 assert!(
-                    max_diff(&fold_rows(&r, g, &shape[2..], crate::kernels::Path::Fast)?, &want)? < 1e-5,
+                    max_diff(&fold_rows(&r, g, &shape[2..], Path::Fast)?, &want)? < 1e-5,
                     "{g:?}"
                 );
             }
@@ -346,9 +341,9 @@ mod tests {
     fn bad_shapes_are_errors() -> Result<()> {
         let g = ConvGeom::uniform(2, 3, 0, 1, 1);
         let x = Tensor::zeros((1, 1, 2, 2), DType::F32, &Device::Cpu)?;
-        assert!(unfold_rows(&x, &g, crate::kernels::Path::Fast).is_err());
+        assert!(unfold_rows(&x, &g, Path::Fast).is_err());
         let rows = Tensor::zeros((1, 5, 9), DType::F32, &Device::Cpu)?;
-        assert!(fold_rows(&rows, &g, &[4, 4], crate::kernels::Path::Fast).is_err()); // L is 4, not 5
+        assert!(fold_rows(&rows, &g, &[4, 4], Path::Fast).is_err()); // L is 4, not 5
         Ok(())
     }
 }

@@ -81,7 +81,7 @@ mod tests {
                 let mut wv: Vec<f32> = (0..shape[0]).map(|i| i as f32 - 2.5).collect();
                 wv[0] = f32::NAN;
                 let w = Tensor::from_vec(wv, (shape[0], 1, 1), &d)?.to_dtype(dt)?;
-                let got = scale_rows(&x, &w, crate::kernels::Path::Fast)?.expect("a factor per row");
+                let got = scale_rows(&x, &w, Path::Fast)?.expect("a factor per row");
                 let want = x.broadcast_mul(&w)?;
                 let flat = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>();
                 let (g, e) = (flat(&got)?, flat(&want)?);
@@ -89,9 +89,9 @@ mod tests {
             }
         }
         let x = Tensor::zeros((4, 3), DType::F32, &d)?;
-        assert!(scale_rows(&x, &Tensor::zeros((1, 3), DType::F32, &d)?, crate::kernels::Path::Fast)?.is_none());
-        assert!(scale_rows(&x, &Tensor::zeros((4, 1), DType::F64, &d)?, crate::kernels::Path::Fast)?.is_none());
-        assert!(scale_rows(&x, &Tensor::zeros(4, DType::F32, &d)?, crate::kernels::Path::Fast)?.is_none());
+        assert!(scale_rows(&x, &Tensor::zeros((1, 3), DType::F32, &d)?, Path::Fast)?.is_none());
+        assert!(scale_rows(&x, &Tensor::zeros((4, 1), DType::F64, &d)?, Path::Fast)?.is_none());
+        assert!(scale_rows(&x, &Tensor::zeros(4, DType::F32, &d)?, Path::Fast)?.is_none());
         Ok(())
     }
 }

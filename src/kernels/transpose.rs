@@ -113,7 +113,7 @@ mod tests {
             x.to_dtype(DType::F64)?.transpose(1, 2)?,
         ];
         for v in &views {
-            let fast = contiguous(v, crate::kernels::Path::Fast)?;
+            let fast = contiguous(v, Path::Fast)?;
             assert!(fast.is_contiguous());
             assert_eq!(max_diff(&fast, &v.contiguous()?)?, 0.0, "{:?}", v.layout());
         }

@@ -221,7 +221,10 @@ fn segment_length(outer: &BuilderRef, opts: &ScanOptions, steps: usize, carry_by
             let limit = crate::interp::exec::effective_limit(outer.borrow().given.memory_limit);
             let held = steps.saturating_mul(carry_bytes);
             match limit {
-                Some(l) if held > l / 8 => steps.isqrt() + usize::from(steps.isqrt().pow(2) < steps),
+                Some(l) if held > l / 8 => {
+                    let root = steps.isqrt();
+                    root + usize::from(root * root < steps)
+                }
                 _ => 1,
             }
         }

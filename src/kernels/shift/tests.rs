@@ -35,7 +35,7 @@ fn matches_im2col() -> Result<()> {
             let x = Tensor::randn(0f32, 1., xs.as_slice(), dev)?.to_dtype(dt)?;
             let w = Tensor::randn(0f32, 1., [&[*cout, xs[1]], &g.kernel[..]].concat(), dev)?.to_dtype(dt)?;
             let y = conv(&x, &w, g)?;
-            let want = conv_unfold(&x, &w, g, 1, crate::kernels::Path::Fast)?;
+            let want = conv_unfold(&x, &w, g, 1, Path::Fast)?;
             assert!(max_diff(&y, &want)? < 1e-4, "conv {g:?}");
             let ct = Tensor::randn(0f32, 1., y.dims(), dev)?.to_dtype(dt)?;
             // dx = fold(w^T @ ct), dw = sum_n ct @ unfold(x)^T
@@ -43,12 +43,12 @@ fn matches_im2col() -> Result<()> {
             let w2 = w.reshape((*cout, ()))?;
             let c3 = ct.reshape((n, *cout, l))?;
             let cols = w2.t()?.broadcast_matmul(&c3)?;
-            let dx_want = fold(&cols, g, &xs[2..], crate::kernels::Path::Fast)?;
+            let dx_want = fold(&cols, g, &xs[2..], Path::Fast)?;
             assert!(
                 max_diff(&grad_input(&ct, &w, g, &xs[2..])?, &dx_want)? < 1e-4,
                 "dx {g:?}"
             );
-            let each = c3.matmul(&unfold(&x, g, crate::kernels::Path::Fast)?.transpose(1, 2)?)?;
+            let each = c3.matmul(&unfold(&x, g, Path::Fast)?.transpose(1, 2)?)?;
             let each_want = each.reshape([&[n], w.dims()].concat())?;
             assert!(
                 max_diff(&grad_weight_each(&x, &ct, g)?, &each_want)? < 1e-3,

@@ -161,7 +161,7 @@ fn check_unfold_against_naive(ndim: usize) {
     for dtype in [DType::F32, DType::F64] {
         let x = randn(&dims, dtype);
         for g in geometries(&dims[2..]) {
-            let got = unfold(&x, &g, crate::kernels::Path::Fast).unwrap();
+            let got = unfold(&x, &g, Path::Fast).unwrap();
             assert_eq!(got.dtype(), dtype);
             let want = naive_unfold(&x, &g);
             assert_eq!(max_diff(&got, &want), 0.0, "{g:?} {dtype:?}");
@@ -190,7 +190,7 @@ fn unfold_3d_matches_naive() {
 fn unfold_2d_shape_and_order_like_torch() {
     // torch: F.unfold(arange(1*2*3*3).view(1,2,3,3), 2) rows (c, ki, kj).
     let x = Tensor::arange(0f32, 18., CPU).unwrap().reshape((1, 2, 3, 3)).unwrap();
-    let cols = unfold(&x, &ConvGeom::uniform(2, 2, 0, 1, 1), crate::kernels::Path::Fast).unwrap();
+    let cols = unfold(&x, &ConvGeom::uniform(2, 2, 0, 1, 1), Path::Fast).unwrap();
     assert_eq!(cols.dims(), &[1, 8, 4]);
     let rows: Vec<Vec<f32>> = cols.squeeze(0).unwrap().to_vec2().unwrap();
     assert_eq!(rows[0], [0., 1., 3., 4.]);
@@ -205,11 +205,11 @@ fn fold_is_adjoint_of_unfold() {
         let dims = input_dims(ndim);
         let x = randn(&dims, DType::F64);
         for g in geometries(&dims[2..]) {
-            let ux = unfold(&x, &g, crate::kernels::Path::Fast).unwrap();
+            let ux = unfold(&x, &g, Path::Fast).unwrap();
             let y = randn(ux.dims(), DType::F64);
             let lhs = (&ux * &y).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
             for fy in [
-                fold(&y, &g, &dims[2..], crate::kernels::Path::Fast).unwrap(),
+                fold(&y, &g, &dims[2..], Path::Fast).unwrap(),
                 fold_generic(&y, &g, &dims[2..]).unwrap(),
             ] {
                 assert_eq!(fy.dims(), &dims[..]);
@@ -226,7 +226,7 @@ fn fold_kernel_matches_generic_f32() {
     for g in geometries(&dims[2..]) {
         let out = g.out_spatial(&dims[2..]).unwrap();
         let y = randn(&[2, 3 * g.kernel_numel(), out.iter().product()], DType::F32);
-        let a = fold(&y, &g, &dims[2..], crate::kernels::Path::Fast).unwrap();
+        let a = fold(&y, &g, &dims[2..], Path::Fast).unwrap();
         let b = fold_generic(&y, &g, &dims[2..]).unwrap();
         assert!(max_diff(&a, &b) < 1e-5, "{g:?}");
     }
@@ -238,9 +238,9 @@ fn multithreaded_matches_generic() {
     let x = randn(&[16, 16, 32, 32], DType::F32);
     for stride in [1, 2] {
         let g = ConvGeom::uniform(2, 3, 1, stride, 1);
-        let a = unfold(&x, &g, crate::kernels::Path::Fast).unwrap();
+        let a = unfold(&x, &g, Path::Fast).unwrap();
         assert_eq!(max_diff(&a, &unfold_generic(&x, &g).unwrap()), 0.0);
-        let f = fold(&a, &g, &[32, 32], crate::kernels::Path::Fast).unwrap();
+        let f = fold(&a, &g, &[32, 32], Path::Fast).unwrap();
         assert!(max_diff(&f, &fold_generic(&a, &g, &[32, 32]).unwrap()) < 1e-5);
     }
 }
@@ -257,10 +257,10 @@ fn narrow_inputs_with_large_strides() {
     ];
     for (dims, g) in cases {
         let x = randn(&dims, DType::F64);
-        let ux = unfold(&x, &g, crate::kernels::Path::Fast).unwrap();
+        let ux = unfold(&x, &g, Path::Fast).unwrap();
         assert_eq!(max_diff(&ux, &naive_unfold(&x, &g)), 0.0, "{g:?}");
         let y = randn(ux.dims(), DType::F64);
-        let fy = fold(&y, &g, &dims[2..], crate::kernels::Path::Fast).unwrap();
+        let fy = fold(&y, &g, &dims[2..], Path::Fast).unwrap();
         assert!(max_diff(&fy, &fold_generic(&y, &g, &dims[2..]).unwrap()) < 1e-12);
     }
 }
@@ -273,23 +273,17 @@ fn non_contiguous_inputs() {
     let xt = base.transpose(2, 3).unwrap();
     assert!(!xt.is_contiguous());
     let want = naive_unfold(&xt, &g);
-    assert_eq!(
-        max_diff(&unfold(&xt, &g, crate::kernels::Path::Fast).unwrap(), &want),
-        0.0
-    );
+    assert_eq!(max_diff(&unfold(&xt, &g, Path::Fast).unwrap(), &want), 0.0);
     // Contiguous but at a non-zero start offset.
     let big = randn(&[5, 3, 9, 8], DType::F64);
     let xo = big.narrow(0, 2, 2).unwrap();
     assert!(xo.is_contiguous() && xo.layout().start_offset() > 0);
     assert_eq!(
-        max_diff(
-            &unfold(&xo, &g, crate::kernels::Path::Fast).unwrap(),
-            &naive_unfold(&xo, &g)
-        ),
+        max_diff(&unfold(&xo, &g, Path::Fast).unwrap(), &naive_unfold(&xo, &g)),
         0.0
     );
     // Non-contiguous columns for fold.
-    let cols = unfold(&xo, &g, crate::kernels::Path::Fast).unwrap();
+    let cols = unfold(&xo, &g, Path::Fast).unwrap();
     let cols_t = cols
         .transpose(1, 2)
         .unwrap()
@@ -298,11 +292,8 @@ fn non_contiguous_inputs() {
         .transpose(1, 2)
         .unwrap();
     assert!(!cols_t.is_contiguous());
-    let a = fold(&cols_t, &g, &[9, 8], crate::kernels::Path::Fast).unwrap();
-    assert_eq!(
-        max_diff(&a, &fold(&cols, &g, &[9, 8], crate::kernels::Path::Fast).unwrap()),
-        0.0
-    );
+    let a = fold(&cols_t, &g, &[9, 8], Path::Fast).unwrap();
+    assert_eq!(max_diff(&a, &fold(&cols, &g, &[9, 8], Path::Fast).unwrap()), 0.0);
 }
 
 /// Dtypes without a kernel take the generic path with the same result.
@@ -310,12 +301,12 @@ fn non_contiguous_inputs() {
 fn other_dtypes_fall_back() {
     let g = ConvGeom::uniform(2, 3, 1, 2, 2);
     let x = randn(&[2, 3, 9, 8], DType::F16);
-    let got = unfold(&x, &g, crate::kernels::Path::Fast).unwrap();
+    let got = unfold(&x, &g, Path::Fast).unwrap();
     assert_eq!(got.dtype(), DType::F16);
-    let want = unfold(&x.to_dtype(DType::F32).unwrap(), &g, crate::kernels::Path::Fast).unwrap();
+    let want = unfold(&x.to_dtype(DType::F32).unwrap(), &g, Path::Fast).unwrap();
     assert_eq!(max_diff(&got, &want), 0.0);
     let w = randn(&[4, 3, 3, 3], DType::F16);
-    let y = conv_unfold(&x, &w, &g, 1, crate::kernels::Path::Fast).unwrap();
+    let y = conv_unfold(&x, &w, &g, 1, Path::Fast).unwrap();
     assert_eq!(y.dtype(), DType::F16);
 }
 
@@ -335,7 +326,7 @@ fn conv1d_matches_candle() {
             let w = randn(&[8, 8 / groups, 3], dtype);
             for (s, p, d) in [(1, 0, 1), (2, 1, 1), (1, 2, 2), (3, 1, 2)] {
                 let g = ConvGeom::uniform(1, 3, p, s, d);
-                let got = conv_unfold(&x, &w, &g, groups, crate::kernels::Path::Fast).unwrap();
+                let got = conv_unfold(&x, &w, &g, groups, Path::Fast).unwrap();
                 let want = x.conv1d(&w, p, s, d, groups).unwrap();
                 assert!(max_diff(&got, &want) < conv_tol(dtype), "{g:?} groups {groups}");
             }
@@ -351,7 +342,7 @@ fn conv2d_matches_candle() {
             let w = randn(&[12, 8 / groups, 3, 3], dtype);
             for (s, p, d) in [(1, 0, 1), (2, 1, 1), (1, 2, 2), (3, 1, 2)] {
                 let g = ConvGeom::uniform(2, 3, p, s, d);
-                let got = conv_unfold(&x, &w, &g, groups, crate::kernels::Path::Fast).unwrap();
+                let got = conv_unfold(&x, &w, &g, groups, Path::Fast).unwrap();
                 let want = x.conv2d(&w, p, s, d, groups).unwrap();
                 assert!(max_diff(&got, &want) < conv_tol(dtype), "{g:?} groups {groups}");
             }
@@ -367,7 +358,7 @@ fn conv3d_matches_naive() {
             let w = randn(&[4, 4 / groups, 2, 3, 2], dtype);
             for (s, p, d) in [(1, 0, 1), (2, 1, 1), (1, 1, 2)] {
                 let g = geom(&[2, 3, 2], &[s; 3], &[p; 3], &[d; 3]);
-                let got = conv_unfold(&x, &w, &g, groups, crate::kernels::Path::Fast).unwrap();
+                let got = conv_unfold(&x, &w, &g, groups, Path::Fast).unwrap();
                 let want = naive_conv3d(&x, &w, &g, groups);
                 assert!(max_diff(&got, &want) < conv_tol(dtype), "{g:?} groups {groups}");
             }
@@ -380,19 +371,13 @@ fn conv3d_matches_naive() {
 fn fold_gradient_is_unfold() {
     let g = ConvGeom::uniform(2, 3, 1, 2, 1);
     let z = randn(&[2, 3, 9, 8], DType::F64);
-    let y =
-        Var::from_tensor(&unfold(&randn(&[2, 3, 9, 8], DType::F64), &g, crate::kernels::Path::Fast).unwrap()).unwrap();
-    let loss = (fold(&y, &g, &[9, 8], crate::kernels::Path::Fast).unwrap() * &z)
+    let y = Var::from_tensor(&unfold(&randn(&[2, 3, 9, 8], DType::F64), &g, Path::Fast).unwrap()).unwrap();
+    let loss = (fold(&y, &g, &[9, 8], Path::Fast).unwrap() * &z)
         .unwrap()
         .sum_all()
         .unwrap();
     let grad = loss.backward().unwrap();
-    assert!(
-        max_diff(
-            grad.get(&y).unwrap(),
-            &unfold(&z, &g, crate::kernels::Path::Fast).unwrap()
-        ) < 1e-12
-    );
+    assert!(max_diff(grad.get(&y).unwrap(), &unfold(&z, &g, Path::Fast).unwrap()) < 1e-12);
 }
 
 fn err(r: Result<Tensor>) -> String {
@@ -404,48 +389,26 @@ fn bad_shapes_are_errors() {
     let x = randn(&[2, 3, 5, 5], DType::F32);
     let g2 = ConvGeom::uniform(2, 3, 0, 1, 1);
     // Wrong rank.
-    assert!(err(unfold(
-        &x,
-        &ConvGeom::uniform(1, 3, 0, 1, 1),
-        crate::kernels::Path::Fast
-    ))
-    .contains("unfold"));
+    assert!(err(unfold(&x, &ConvGeom::uniform(1, 3, 0, 1, 1), Path::Fast)).contains("unfold"));
     // Mismatched vector lengths, zero stride, too many dims.
     let mut bad = g2.clone();
     bad.padding = vec![0];
-    assert!(err(unfold(&x, &bad, crate::kernels::Path::Fast)).contains("entries"));
-    assert!(err(unfold(
-        &x,
-        &ConvGeom::uniform(2, 3, 0, 0, 1),
-        crate::kernels::Path::Fast
-    ))
-    .contains("positive"));
+    assert!(err(unfold(&x, &bad, Path::Fast)).contains("entries"));
+    assert!(err(unfold(&x, &ConvGeom::uniform(2, 3, 0, 0, 1), Path::Fast)).contains("positive"));
     assert!(ConvGeom::uniform(4, 1, 0, 1, 1).out_spatial(&[1; 4]).is_err());
     // Window larger than the padded input.
-    assert!(err(unfold(
-        &x,
-        &ConvGeom::uniform(2, 4, 0, 1, 2),
-        crate::kernels::Path::Fast
-    ))
-    .contains("spans"));
+    assert!(err(unfold(&x, &ConvGeom::uniform(2, 4, 0, 1, 2), Path::Fast)).contains("spans"));
     assert!(err(unfold_generic(&x, &ConvGeom::uniform(2, 6, 0, 1, 1))).contains("spans"));
     // fold: wrong L, wrong rank, rows not a multiple of prod(kernel).
-    let cols = unfold(&x, &g2, crate::kernels::Path::Fast).unwrap();
-    assert!(err(fold(&cols, &g2, &[6, 5], crate::kernels::Path::Fast)).contains("fold"));
-    assert!(err(fold(&x, &g2, &[5, 5], crate::kernels::Path::Fast)).contains("rank 3"));
+    let cols = unfold(&x, &g2, Path::Fast).unwrap();
+    assert!(err(fold(&cols, &g2, &[6, 5], Path::Fast)).contains("fold"));
+    assert!(err(fold(&x, &g2, &[5, 5], Path::Fast)).contains("rank 3"));
     assert!(err(fold_generic(&cols.narrow(1, 0, 10).unwrap(), &g2, &[5, 5])).contains("fold"));
     // conv: channel/group mismatches and kernel mismatch.
     let w = randn(&[4, 3, 3, 3], DType::F32);
-    assert!(err(conv_unfold(&x, &w, &g2, 3, crate::kernels::Path::Fast)).contains("groups"));
-    assert!(err(conv_unfold(&x, &w, &g2, 0, crate::kernels::Path::Fast)).contains("groups"));
-    assert!(err(conv_unfold(
-        &x,
-        &w,
-        &ConvGeom::uniform(2, 2, 0, 1, 1),
-        1,
-        crate::kernels::Path::Fast
-    ))
-    .contains("kernel"));
+    assert!(err(conv_unfold(&x, &w, &g2, 3, Path::Fast)).contains("groups"));
+    assert!(err(conv_unfold(&x, &w, &g2, 0, Path::Fast)).contains("groups"));
+    assert!(err(conv_unfold(&x, &w, &ConvGeom::uniform(2, 2, 0, 1, 1), 1, Path::Fast)).contains("kernel"));
 }
 
 #[test]
@@ -456,6 +419,6 @@ fn out_spatial_formula() {
     // Padding alone can make room for an empty input.
     assert_eq!(ConvGeom::uniform(1, 1, 1, 1, 1).out_spatial(&[0]).unwrap(), vec![2]);
     let x = Tensor::zeros((1, 2, 0), DType::F32, CPU).unwrap();
-    let cols = unfold(&x, &ConvGeom::uniform(1, 1, 1, 1, 1), crate::kernels::Path::Fast).unwrap();
+    let cols = unfold(&x, &ConvGeom::uniform(1, 1, 1, 1, 1), Path::Fast).unwrap();
     assert_eq!(cols.dims(), &[1, 2, 2]);
 }
