@@ -274,3 +274,28 @@ fn a_checkpointed_lstm_gives_the_per_sample_gradients_and_clipped_sums_of_the_pl
         }
     }
 }
+
+#[test]
+fn a_recurrent_layer_checkpointed_every_zero_steps_is_an_error_and_nan_propagates() {
+    use candle_func::nn::{self, Params, RecurrentConfig};
+    use candle_nn::{VarBuilder, VarMap};
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F64, &Device::Cpu);
+    let lstm = nn::lstm(3, 4, RecurrentConfig::default(), vb.pp("lstm")).unwrap();
+    let x = rand(&[9, 3], 21);
+    let run = |layer: nn::Recurrent, x: &Tensor| {
+        jit(move |x: Tracer| layer.run(&Params::own(), &x, None)?.output.sum_all()).call(x)
+    };
+    match run(lstm.clone().with_checkpoint(0), &x) {
+        Err(e @ Error::Shape { .. }) => assert!(e.to_string().contains("checkpoint(0)"), "{e}"),
+        other => panic!("expected a shape error, got {other:?}"),
+    }
+    // a NaN in the sequence reaches the output, as without checkpoints
+    let mut v = x.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    v[4] = f64::NAN;
+    let bad = Tensor::from_vec(v, (9, 3), &Device::Cpu).unwrap();
+    for layer in [lstm.clone(), lstm.with_checkpoint(2)] {
+        let y = run(layer, &bad).unwrap().to_scalar::<f64>().unwrap();
+        assert!(y.is_nan(), "{y}");
+    }
+}
