@@ -193,14 +193,16 @@ pub mod tree {
 
 /// Process-wide defaults: what a transform uses for an option neither it
 /// nor an enclosing transform sets (the route, strict mode, the random
-/// stream), and the capacities of the caches.
+/// stream), the capacities of the caches, and the warnings a call gave
+/// ([`settings::capture_warnings`]).
 pub mod settings {
     pub use crate::interp::exec::PORTABLE_ENV;
     #[doc(hidden)]
     pub use crate::transforms::settings::warned;
     pub use crate::transforms::settings::{
-        auto_capacity, cache_capacity, conv_route, manual_seed, set_auto_capacity, set_cache_capacity, set_conv_route,
-        set_strict, strict, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY, ROUTE_ENV,
+        auto_capacity, cache_capacity, capture_warnings, conv_route, manual_seed, set_auto_capacity,
+        set_cache_capacity, set_conv_route, set_strict, strict, Warning, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY,
+        ROUTE_ENV,
     };
 }
 

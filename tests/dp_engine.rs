@@ -168,6 +168,46 @@ fn per_layer_clipping_clips_each_group() {
 }
 
 #[test]
+fn overlapping_or_repeated_clipping_groups_are_refused_naming_both() {
+    // a parameter in two groups would be clipped twice while the noise
+    // counts each group's bound once
+    let (xs, ys) = data(40);
+    let vm = model();
+    for (groups, named) in [
+        (
+            &[("l", 0.3), ("l.weight", 0.5), ("m", 0.7)][..],
+            "\"l\" and \"l.weight\"",
+        ),
+        (&[("l.bias", 0.3), ("m", 0.7), ("l", 0.5)][..], "\"l.bias\" and \"l\""),
+        (&[("l", 0.3), ("m", 0.7), ("l", 0.3)][..], "\"l\" and \"l\""),
+    ] {
+        let e = PrivacyEngine::new()
+            .make_private(
+                loss as fn(_, _, _) -> _,
+                &vm,
+                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                (&xs, &ys),
+                DpConfig::per_layer(10, 1.0, groups),
+            )
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(e, candle_func::Error::PrivacyConfig { .. }) && e.to_string().contains(named),
+            "{groups:?}: {e}"
+        );
+    }
+    // prefixes that share letters but not a component are apart
+    let ok = PrivacyEngine::new().make_private(
+        loss as fn(_, _, _) -> _,
+        &vm,
+        dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+        (&xs, &ys),
+        DpConfig::per_layer(10, 1.0, &[("l.weight", 0.3), ("l.bias", 0.2), ("m", 0.7)]),
+    );
+    assert!(ok.is_ok());
+}
+
+#[test]
 fn noise_has_the_promised_scale_and_new_sizes_never_trace() {
     // A loss with zero gradient: the update is the noise alone,
     // -lr N(0, (σ S)²) / (q N) per coordinate, with S = sqrt(Σ bounds²).
@@ -344,8 +384,22 @@ fn bad_input_is_refused() {
     );
     assert!(e.to_string().contains("no variables"), "{e}");
     // A seeded generator is allowed, with a warning that it is not private.
-    let _ = trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 0);
-    assert!(candle_func::settings::warned("dp-seeded-rng"));
+    let (_, warnings) =
+        candle_func::settings::capture_warnings(|| trainer(&vm, (&xs, &ys), 4, DpConfig::new(5, 1.0, 1.0), 0));
+    assert!(warnings.iter().any(|w| w.key == "dp-seeded-rng"), "{warnings:?}");
+    // and an OS-keyed one is not warned about
+    let (_, warnings) = candle_func::settings::capture_warnings(|| {
+        PrivacyEngine::new()
+            .make_private(
+                loss as fn(_, _, _) -> _,
+                &vm,
+                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                (&xs, &ys),
+                DpConfig::new(5, 1.0, 1.0),
+            )
+            .unwrap()
+    });
+    assert!(warnings.is_empty(), "{warnings:?}");
     let with_eps = |eps: f64, epochs: f64| {
         let engine = PrivacyEngine::new().rng(Rng::seeded(0));
         let t = with_epsilon(engine, &vm, (&xs, &ys), 5, (eps, 1e-5, epochs));

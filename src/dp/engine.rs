@@ -548,6 +548,17 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
             for (p, c) in groups {
                 super::positive("make_private", &format!("the bound of group {p:?}"), *c, false)?;
             }
+            // A parameter in two groups would be clipped to each bound in
+            // turn while the noise is scaled to sqrt(Σ bounds²) as if every
+            // parameter were in exactly one: refuse the overlap outright
+            // rather than let the first group win silently.
+            for (i, (a, _)) in groups.iter().enumerate() {
+                if let Some((b, _)) = groups[i + 1..].iter().find(|(b, _)| under(a, b) || under(b, a)) {
+                    let setting = format!("per-layer clipping groups {a:?} and {b:?}");
+                    let value = if a == b { "the same prefix twice" } else { "overlapping" };
+                    return Err(Error::privacy("make_private", setting, "disjoint", value));
+                }
+            }
             let of_leaf = names
                 .iter()
                 .map(|name| {

@@ -290,12 +290,12 @@ impl Groups {
                 "a prefix of none",
             ));
         }
-        if self.0.iter().any(|(p, _, _)| under(prefix, p) || under(p, prefix)) {
+        if let Some((other, _, _)) = self.0.iter().find(|(p, _, _)| under(prefix, p) || under(p, prefix)) {
             return Err(Error::privacy(
                 op,
                 format!("group {prefix:?}"),
                 "apart from every other group",
-                "overlapping",
+                format!("overlapping group {other:?}"),
             ));
         }
         self.0.push((prefix.to_string(), lr, wd));

@@ -224,12 +224,14 @@ where
         }
         // Counted before the update, as Opacus does: an update that fails
         // half-way has still released noisy values.
+        // The step count moves with the accountant, so that a checkpoint's
+        // history always holds exactly `steps` steps (resume checks it).
         self.accountant.step(self.noise_multiplier, self.sample_rate)?;
+        self.steps += 1;
         self.optimizer.step(&grads)?;
         if let Some(a) = &mut self.adaptive {
             a.update(unclipped, self.sample_rate * n as f64);
         }
-        self.steps += 1;
         if let Some(c) = &self.comm {
             collective::check_in_step(c.as_ref(), &self.params_now()?, "after a step")?;
         }

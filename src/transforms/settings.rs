@@ -119,9 +119,67 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
     })
 }
 
-/// Logs `msg` as a warning the first time `key` is seen in this process.
-/// Returns whether it was logged.
+/// A warning the crate gave (a loop fallback, a route that cannot apply, a
+/// seeded DP generator), as [`capture_warnings`] collects them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Warning {
+    /// What it is about, the same for every warning of one cause
+    /// (`"loop-custom"`, `"ghost-mul"`, `"dp-seeded-rng"`).
+    pub key: String,
+    /// The message, as logged.
+    pub message: String,
+}
+
+thread_local! {
+    /// The warnings each active [`capture_warnings`] on this thread has
+    /// collected, innermost last.
+    static CAPTURES: std::cell::RefCell<Vec<Vec<Warning>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` and returns its result with every warning the crate gave on
+/// this thread while it ran, each time its cause arose: the log says a
+/// cause once per process, this says it once per occurrence, so a caller
+/// (or a test) sees what its own call warned about whatever ran before.
+/// Warnings are given while tracing, on the calling thread; a transform
+/// called again with a signature it has traced gives none.
+///
+/// ```
+/// use candle_func::{settings, vmap, Tracer};
+/// let x = candle_core::Tensor::ones((3, 2), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+/// let (out, warnings) = settings::capture_warnings(|| vmap(|x: Tracer| x.exp()).call(&x));
+/// assert_eq!(out?.dims(), &[3, 2]);
+/// assert!(warnings.is_empty()); // exp has its own batching rule
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn capture_warnings<R>(f: impl FnOnce() -> R) -> (R, Vec<Warning>) {
+    /// Pops this capture's list even when `f` unwinds.
+    struct Scope;
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            CAPTURES.with(|c| c.borrow_mut().pop());
+        }
+    }
+    CAPTURES.with(|c| c.borrow_mut().push(Vec::new()));
+    let scope = Scope;
+    let out = f();
+    let got = CAPTURES.with(|c| c.borrow_mut().last_mut().map(std::mem::take).unwrap_or_default());
+    drop(scope);
+    (out, got)
+}
+
+/// Logs `msg` as a warning the first time `key` is seen in this process,
+/// and hands it to every [`capture_warnings`] active on this thread each
+/// time. Returns whether it was logged.
 pub(crate) fn warn_once(key: String, msg: String) -> bool {
+    CAPTURES.with(|c| {
+        for list in c.borrow_mut().iter_mut() {
+            list.push(Warning {
+                key: key.clone(),
+                message: msg.clone(),
+            });
+        }
+    });
     let mut guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
     let first = guard.get_or_insert_with(HashSet::new).insert(key);
     if first {
@@ -130,7 +188,9 @@ pub(crate) fn warn_once(key: String, msg: String) -> bool {
     first
 }
 
-/// Whether a warning with this key has been given (for tests).
+/// Whether a warning with this key has been given in this process (a
+/// test of one call's warnings should use [`capture_warnings`], which
+/// another call cannot satisfy).
 pub fn warned(key: &str) -> bool {
     let guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
     guard.as_ref().is_some_and(|s| s.contains(key))

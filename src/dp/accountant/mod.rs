@@ -136,6 +136,15 @@ impl Accountant {
         }
     }
 
+    /// This accountant with no steps recorded: the same mechanism and
+    /// error band.
+    pub(crate) fn emptied(&self) -> Accountant {
+        Accountant {
+            history: Vec::new(),
+            ..self.clone()
+        }
+    }
+
     /// The analysis this accountant reports by.
     pub fn mechanism(&self) -> Mechanism {
         self.mechanism

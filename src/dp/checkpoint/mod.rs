@@ -1,0 +1,406 @@
+//! A private trainer's whole state in one folder, so that a long run can
+//! stop and resume: `params.safetensors` (the trainable parameters),
+//! `optimizer.safetensors` (its moments), `state.json` (the step count,
+//! the accountant's history, the optimiser's numbers, adaptive clipping's
+//! bound, a seeded generator's position, and what the run was: its
+//! parameters' names and shapes, its data set's shapes, `q`, `σ`, the
+//! physical batch) and `checksums.sha256` (every other file's SHA-256).
+//!
+//! **Atomic.** A save writes the new folder beside the old one, flushes
+//! every file to disk, and renames it into place in one step (Linux's
+//! `renameat2` exchange; elsewhere two renames, between which the target
+//! is briefly absent while both folders are whole beside it). A save that
+//! fails half-way (a full disk, a kill) leaves the previous checkpoint as
+//! it was, so a DP run never has to start again and spend its budget
+//! twice. The folder is the checkpoint's alone: one holding other files is
+//! not replaced.
+//!
+//! **Checked.** `resume` verifies the digest before reading anything, so a
+//! file cut short or changed after the save is an error naming it; then
+//! every step of the saved accountant history must be one this trainer
+//! takes (its `σ` and `q`) and their count the saved step count. The ε
+//! the resumed trainer reports is recomputed from that history by the
+//! trainer's own accountant (its mechanism and error band, whatever the
+//! saved run's were).
+//!
+//! **Not a security boundary.** The digest catches accidents, not an
+//! adversary: whoever can write the folder can rewrite the digest with
+//! it, and so can make a run that spent ε = 4 report less (by saving a
+//! shorter history with matching step counts). Keep checkpoints where
+//! only the training job can write.
+//!
+//! **Keys.** An OS-keyed generator is never saved, and an OS-keyed
+//! trainer never adopts a saved key: it keeps its fresh OS key and takes
+//! the saved step count, accountant and moments. That is sound because
+//! DP-SGD's guarantee needs each step's noise to be fresh and secret, not
+//! to come from one stream: the accountant composes the steps whatever
+//! generator drew them. Saving the key would be unsound: ChaCha seeks
+//! backwards as easily as forwards, so whoever read the checkpoint could
+//! recompute every noise draw already released and subtract it. A seeded
+//! trainer (reproducible, not private) continues a seeded run's stream,
+//! with a warning; resuming an OS-keyed run with a seeded generator is an
+//! error, since it would make the rest of a private run predictable.
+
+mod folder;
+#[cfg(test)]
+mod tests;
+
+use super::accountant::Accountant;
+use super::optim::{Optimizer, OptimizerState};
+use super::rng::Rng;
+use super::trainer::PrivateTrainer;
+use crate::error::{Error, Result};
+use crate::transforms::settings::warn_once;
+use candle_core::{Device, Tensor};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// The folder's format: 2 added the digest; 1 is still read.
+const FORMAT: u64 = 2;
+
+fn bad(msg: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        what: "PrivateTrainer::resume",
+        msg: msg.into(),
+    }
+}
+
+fn io(what: &'static str, path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Checkpoint {
+        what,
+        msg: format!("{}: {e}", path.display()),
+    }
+}
+
+/// What the run is, given its trainable parameters' current values: a
+/// resumed run must be the same one.
+fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>, params: &BTreeMap<String, Tensor>) -> Value {
+    let params: Vec<Value> = params
+        .iter()
+        .map(|(k, v)| json!([k, v.dims(), format!("{:?}", v.dtype())]))
+        .collect();
+    let data: Vec<Value> = t.data.leaves.iter().map(|(k, v)| json!([k, v.dims()])).collect();
+    json!({
+        "trainable": params,
+        "examples": data,
+        "sample_rate": t.sample_rate,
+        "noise_multiplier": t.noise_multiplier,
+        "physical_batch": t.physical,
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    if s.len() != 64 {
+        return None;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Everything read back from a folder, checked, before any of it is used.
+struct Restored {
+    params: BTreeMap<String, Tensor>,
+    optimizer: OptimizerState,
+    accountant: Accountant,
+    rng: Keying,
+    steps: u64,
+    bound: Option<f64>,
+}
+
+/// The files of a checkpoint folder besides the digest.
+const FILES: [&str; 3] = ["params.safetensors", "optimizer.safetensors", "state.json"];
+
+/// How a saved run's generator and this trainer's combine on resume.
+enum Keying {
+    /// Keep this trainer's own generator (OS-keyed).
+    Keep,
+    /// Continue the saved seeded stream (a seeded trainer).
+    Adopt(Rng),
+}
+
+impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
+    /// Saves the whole state to the folder `dir`, atomically: the files are
+    /// written to a new folder beside it, flushed to disk, and that folder
+    /// takes `dir`'s place in one rename, so a save that fails half-way
+    /// leaves the previous checkpoint in `dir` whole and resumable (see the
+    /// module docs). `dir`'s parent is created if missing. An error when
+    /// the optimiser cannot save its state, a file cannot be written, or
+    /// `dir` holds files that are not a checkpoint's (the folder is
+    /// replaced whole, so it must be the checkpoint's own).
+    pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
+        const WHAT: &str = "PrivateTrainer::save";
+        let dir = dir.as_ref();
+        folder::check_replaceable(dir, &FILES, WHAT)?;
+        // everything read from the trainer before anything is written
+        let current = self.params_now()?;
+        let opt = self.optimizer.state()?;
+        let state = self.state_json(&current, &opt)?;
+        let mut staged = folder::Staged::new(dir, WHAT)?;
+        staged.file(FILES[0], WHAT, |p| save_tensors(&current, p))?;
+        staged.file(FILES[1], WHAT, |p| save_tensors(&opt.tensors, p))?;
+        staged.file(FILES[2], WHAT, |p| {
+            std::fs::write(p, &state).map_err(|e| io(WHAT, p, e))
+        })?;
+        staged.publish(WHAT)
+    }
+
+    /// `state.json`'s text.
+    fn state_json(&self, current: &BTreeMap<String, Tensor>, opt: &OptimizerState) -> Result<String> {
+        const WHAT: &str = "PrivateTrainer::save";
+        let accountant: Value = serde_json::from_str(&self.accountant.to_json())
+            .map_err(|e| Error::internal(WHAT, format!("the accountant's JSON: {e}")))?;
+        let rng = self
+            .rng
+            .state()
+            .map(|(key, stream, word)| json!({"key": hex(&key), "stream": stream, "word_pos": word.to_string()}));
+        let state = json!({
+            "format": FORMAT,
+            "run": identity(self, current),
+            "steps": self.steps,
+            "accountant": accountant,
+            "optimizer": {"kind": opt.kind, "scalars": opt.scalars},
+            "rng": rng,
+            "clip_bound": self.adaptive.as_ref().map(|a| a.bound),
+        });
+        serde_json::to_string_pretty(&state).map_err(|e| Error::internal(WHAT, e.to_string()))
+    }
+
+    /// Restores the state [`PrivateTrainer::save`] wrote into this trainer,
+    /// built as the saved one was (same loss, data, parameters and
+    /// configuration): all of it, or nothing and an error naming what is
+    /// missing, corrupt or different. The folder's digest is checked
+    /// first; the saved accountant history must hold only steps with this
+    /// trainer's noise multiplier and sample rate, as many as the saved
+    /// step count; ε is then recomputed from it by this trainer's own
+    /// accountant (its mechanism and error band).
+    ///
+    /// The generator: an OS-keyed trainer keeps its own fresh key whatever
+    /// the folder holds; a seeded one continues a seeded run's stream (so
+    /// the resumed run ends bit-identical to one that never stopped),
+    /// with the same warning as `make_private`, and refuses to resume an
+    /// OS-keyed run's folder. See the module docs.
+    pub fn resume(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let r = self.read(dir.as_ref())?;
+        // the optimiser checks its state whole before taking any of it; the
+        // parameters were checked by `read`
+        self.optimizer.load_state(&r.optimizer)?;
+        for k in &self.trainable {
+            self.set_param(k, &r.params[k])?;
+        }
+        self.accountant = r.accountant;
+        if let Keying::Adopt(rng) = r.rng {
+            self.rng = rng;
+        }
+        if let (Some(a), Some(c)) = (&mut self.adaptive, r.bound) {
+            a.bound = c;
+        }
+        self.steps = r.steps;
+        Ok(())
+    }
+
+    /// Reads and checks a saved folder against this trainer.
+    fn read(&self, dir: &Path) -> Result<Restored> {
+        // the digest first, so a file cut short is named as such rather
+        // than failing to parse
+        let digested = dir.join(folder::DIGEST).exists();
+        if digested {
+            folder::verify(dir, &FILES, "PrivateTrainer::resume")?;
+        }
+        let path = dir.join("state.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| io("PrivateTrainer::resume", &path, e))?;
+        let state: Value = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
+        match state["format"].as_u64() {
+            Some(FORMAT) if digested => {}
+            Some(FORMAT) => return Err(bad(format!("{} is missing", dir.join(folder::DIGEST).display()))),
+            // the first format had no digest: its history is still checked
+            Some(1) => {
+                warn_once(
+                    "dp-resume-no-digest".into(),
+                    format!(
+                        "PrivateTrainer::resume: {} was saved without a digest (format 1): \
+                         a truncated or edited file is caught only where it fails to parse",
+                        dir.display()
+                    ),
+                );
+            }
+            _ => {
+                return Err(bad(format!(
+                    "state.json has format {}, expected {FORMAT}",
+                    state["format"]
+                )))
+            }
+        }
+        let current = self.params_now()?;
+        let now = identity(self, &current);
+        for field in [
+            "trainable",
+            "examples",
+            "sample_rate",
+            "noise_multiplier",
+            "physical_batch",
+        ] {
+            if state["run"][field] != now[field] {
+                let msg = format!("{field} was {} when saved, is {} now", state["run"][field], now[field]);
+                return Err(bad(msg));
+            }
+        }
+        let device = self.data.leaves[0].1.device().clone();
+        let params = load_tensors(&dir.join("params.safetensors"), &device)?;
+        for (k, t) in &current {
+            match params.get(k) {
+                Some(p) if p.dims() == t.dims() && p.dtype() == t.dtype() => {}
+                _ => {
+                    return Err(bad(format!(
+                        "params.safetensors lacks {k:?} as {:?} {:?}",
+                        t.dims(),
+                        t.dtype()
+                    )))
+                }
+            }
+        }
+        let opt = &state["optimizer"];
+        let scalars = opt["scalars"]
+            .as_object()
+            .ok_or_else(|| bad("state.json: optimizer.scalars is not an object"))?
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    k.clone(),
+                    v.as_f64().ok_or_else(|| bad(format!("optimizer scalar {k:?}")))?,
+                ))
+            })
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let optimizer = OptimizerState {
+            kind: opt["kind"].as_str().unwrap_or_default().to_string(),
+            tensors: load_tensors(&dir.join("optimizer.safetensors"), &device)?,
+            scalars,
+        };
+        let steps = state["steps"]
+            .as_u64()
+            .ok_or_else(|| bad("state.json: steps is not a count"))?;
+        let accountant = self.checked_history(&state["accountant"], steps)?;
+        let rng = self.keying(&state["rng"], dir)?;
+        let bound = match (&self.adaptive, &state["clip_bound"]) {
+            (None, Value::Null) => None,
+            (Some(_), Value::Number(c)) => c.as_f64().filter(|c| c.is_finite() && *c > 0.0),
+            (_, v) => return Err(bad(format!("clip_bound {v} does not fit this trainer's clipping"))),
+        };
+        if self.adaptive.is_some() && bound.is_none() {
+            return Err(bad("clip_bound is not a positive number"));
+        }
+        Ok(Restored {
+            params,
+            optimizer,
+            accountant,
+            rng,
+            steps,
+            bound,
+        })
+    }
+
+    /// The saved history checked step by step against this trainer (every
+    /// step at its `σ` and `q`, `steps` of them), as this trainer's own
+    /// accountant: the mechanism and error band are the trainer's, the
+    /// saved ones only reported in a warning when they differ.
+    fn checked_history(&self, saved: &Value, steps: u64) -> Result<Accountant> {
+        let saved = Accountant::from_json(&saved.to_string())?;
+        let (sigma, q) = (self.noise_multiplier, self.sample_rate);
+        for (i, &(s, r, n)) in saved.history().iter().enumerate() {
+            if s.to_bits() != sigma.to_bits() || r.to_bits() != q.to_bits() {
+                return Err(bad(format!(
+                    "accountant history entry {i} records {n} steps at noise multiplier {s} and sample rate {r}; \
+                     this trainer steps at noise multiplier {sigma} and sample rate {q}"
+                )));
+            }
+        }
+        let recorded = saved
+            .history()
+            .iter()
+            .try_fold(0u64, |t, &(_, _, n)| t.checked_add(n as u64));
+        if recorded != Some(steps) {
+            let recorded = recorded.map_or("more than 2^64".to_string(), |r| r.to_string());
+            return Err(bad(format!(
+                "the accountant history records {recorded} steps, the step count is {steps}"
+            )));
+        }
+        if saved.mechanism() != self.accountant.mechanism() {
+            warn_once(
+                "dp-resume-mechanism".into(),
+                format!(
+                    "PrivateTrainer::resume: the saved run reported epsilon by {}, this trainer by {}: \
+                     epsilon is recomputed from the saved history by {}",
+                    saved.mechanism().name(),
+                    self.accountant.mechanism().name(),
+                    self.accountant.mechanism().name()
+                ),
+            );
+        }
+        let mut accountant = self.accountant.emptied();
+        let steps = usize::try_from(steps).map_err(|_| bad(format!("{steps} steps overflow usize")))?;
+        accountant.record(sigma, q, steps)?;
+        Ok(accountant)
+    }
+
+    /// What to do with the saved generator (see the module docs).
+    fn keying(&self, saved: &Value, dir: &Path) -> Result<Keying> {
+        match (saved, self.rng.is_seeded()) {
+            (Value::Null, false) => Ok(Keying::Keep),
+            (Value::Null, true) => Err(bad(format!(
+                "{} was saved by a run whose noise came from an OS-keyed generator; this trainer's is seeded \
+                 (PrivacyEngine::rng), which would make the rest of that private run's noise predictable from \
+                 its seed: build the trainer without .rng(..) to resume it",
+                dir.display()
+            ))),
+            (r, false) => {
+                rng_of(r).ok_or_else(|| bad(format!("state.json: rng {r} is not a generator's state")))?;
+                warn_once(
+                    "dp-resume-seeded-run".into(),
+                    format!(
+                        "PrivateTrainer::resume: {} was saved by a seeded run: its steps so far give no \
+                         privacy against whoever knows the seed; this trainer continues with its own OS key",
+                        dir.display()
+                    ),
+                );
+                Ok(Keying::Keep)
+            }
+            (r, true) => {
+                let rng = rng_of(r).ok_or_else(|| bad(format!("state.json: rng {r} is not a generator's state")))?;
+                warn_once(
+                    "dp-seeded-rng".into(),
+                    "PrivateTrainer::resume: a seeded generator makes the noise predictable from its seed: \
+                     reproducible, but not private"
+                        .into(),
+                );
+                Ok(Keying::Adopt(rng))
+            }
+        }
+    }
+}
+
+fn save_tensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
+    let map: HashMap<String, Tensor> = tensors.clone().into_iter().collect();
+    candle_core::safetensors::save(&map, path).map_err(|e| io("PrivateTrainer::save", path, e))
+}
+
+fn load_tensors(path: &Path, device: &Device) -> Result<BTreeMap<String, Tensor>> {
+    if !path.exists() {
+        return Err(bad(format!("{} is missing", path.display())));
+    }
+    let t = candle_core::safetensors::load(path, device).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    Ok(t.into_iter().collect())
+}
+
+fn rng_of(r: &Value) -> Option<Rng> {
+    let key = unhex(r["key"].as_str()?)?;
+    let stream = r["stream"].as_u64()?;
+    let word: u128 = r["word_pos"].as_str()?.parse().ok()?;
+    Some(Rng::from_state((key, stream, word)))
+}
