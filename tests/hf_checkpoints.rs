@@ -94,6 +94,34 @@ fn a_sharded_and_a_bf16_checkpoint_load_as_the_single_file_does() {
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
     let got = logits(&load_bert(&dir).unwrap(), &ids, &mask).unwrap();
     assert_eq!(got.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap());
+    // a weight in two shards (a stale copy in the shard that sorts last),
+    // one the index does not list, one the index places in a shard
+    // lacking it: each refused by name rather than read from either
+    let (first, second) = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors");
+    let stale_name = a.keys().next().unwrap().clone();
+    let mut b_stale = b.clone();
+    b_stale.insert(stale_name.clone(), a[&stale_name].zeros_like().unwrap());
+    candle_core::safetensors::save(&b_stale, dir.join(second)).unwrap();
+    let msg = model_error(load_bert(&dir));
+    assert!(
+        msg.contains(&format!("\"{stale_name}\"")) && msg.contains(&format!("is in {second}")) && msg.contains(first),
+        "{msg}"
+    );
+    let mut b_extra = b.clone();
+    b_extra.insert("extra.weight".into(), a[&stale_name].clone());
+    candle_core::safetensors::save(&b_extra, dir.join(second)).unwrap();
+    let msg = model_error(load_bert(&dir));
+    assert!(
+        msg.contains("\"extra.weight\"") && msg.contains("does not list it"),
+        "{msg}"
+    );
+    candle_core::safetensors::save(&b, dir.join(second)).unwrap();
+    let mut listed = map.clone();
+    listed.insert("ghost.weight".into(), first.into());
+    let index = serde_json::json!({ "metadata": {}, "weight_map": listed });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let msg = model_error(load_bert(&dir));
+    assert!(msg.contains("\"ghost.weight\"") && msg.contains("lacks it"), "{msg}");
     // a bf16 checkpoint, computed in f32
     let half: HashMap<String, Tensor> = all
         .iter()

@@ -326,3 +326,49 @@ fn merging_keeps_f64_precision_and_names_a_missing_adapter() {
         "{err}"
     );
 }
+
+#[test]
+fn an_adapter_on_a_lookup_table_is_refused_naming_it() {
+    // BERT's word embeddings (matched by peft's suffix rule), GPT-2's token
+    // and position tables (GPT-2's head is tied to wte: the table again)
+    for (name, targets, named) in [
+        ("bert_cls", &["word_embeddings", "query"][..], "word_embeddings"),
+        ("gpt2_lm", &["wte"][..], "wte"),
+        ("gpt2_lm", &["wpe"][..], "wpe"),
+        ("llama_lm", &["embed_tokens", "q_proj"][..], "embed_tokens"),
+    ] {
+        let m = load(name, &fixture(name));
+        let varmap = nn::varmap_of(m.as_ref()).unwrap();
+        let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(2, 4.0, targets)).unwrap();
+        let f = |x: Tracer| m.forward_with(&Params::own().lora(&lora), &x);
+        let err = jit(f).call(ids(2, 4)).unwrap_err();
+        assert!(
+            matches!(err, Error::Model { .. })
+                && err.to_string().contains(named)
+                && err.to_string().contains("lookup table"),
+            "{name} {targets:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn merging_into_a_map_without_the_base_weights_is_an_error_naming_one() {
+    let m = load("bert_cls", &fixture("bert_cls"));
+    let varmap = nn::varmap_of(m.as_ref()).unwrap();
+    let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(2, 4.0, &["query"])).unwrap();
+    // a map holding the adapters alone
+    let adapters_only = candle_nn::VarMap::new();
+    for (k, v) in varmap.data().lock().unwrap().iter() {
+        if k.contains(".lora_") {
+            adapters_only.data().lock().unwrap().insert(k.clone(), v.clone());
+        }
+    }
+    let err = lora.merged(&adapters_only).expect_err("no base weights");
+    assert!(
+        matches!(err, Error::Model { .. }) && err.to_string().contains("query.weight"),
+        "{err}"
+    );
+    // and an empty one
+    let err = lora.merged(&candle_nn::VarMap::new()).expect_err("an empty map");
+    assert!(err.to_string().contains("query.weight"), "{err}");
+}

@@ -365,3 +365,84 @@ fn long_bf16_sequences_count_their_steps_and_padding_never_reaches_the_state() {
         "zero outputs past it"
     );
 }
+
+#[test]
+fn lengths_outside_one_to_t_are_data_errors_naming_the_sequence() {
+    use candle_func::grad;
+    let map = VarMap::new();
+    let layer = nn::lstm(I, H, RecurrentConfig::default(), vb(&map).pp("l")).unwrap();
+    let x = rand(&[B, T, I], 4);
+    let run = |l: &Tensor| {
+        let f = |x: Tracer, l: Tracer| Ok(layer.run(&Params::own(), &x, Some(&l))?.output);
+        jit(f).call((&x, l))
+    };
+    let f64s = |v: &[f64]| Tensor::new(v, &Device::Cpu).unwrap();
+    let cases: Vec<(Tensor, &str)> = vec![
+        (
+            Tensor::new(&[T as i64 + 1, 3, 1], &Device::Cpu).unwrap(),
+            "length 8 of sequence 0",
+        ),
+        (
+            Tensor::new(&[2u32, 0, 1], &Device::Cpu).unwrap(),
+            "length 0 of sequence 1",
+        ),
+        (
+            Tensor::new(&[2i64, 3, -1], &Device::Cpu).unwrap(),
+            "length -1 of sequence 2",
+        ),
+        (f64s(&[2.5, 3.0, 1.0]), "length 2.5 of sequence 0"),
+        (f64s(&[2.0, f64::NAN, 1.0]), "length NaN of sequence 1"),
+    ];
+    for (l, named) in &cases {
+        let e = run(l).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Data {
+                    op: "Recurrent::run",
+                    ..
+                }
+            ) && e.to_string().contains(named),
+            "{named}: {e}"
+        );
+    }
+    // under vmap (a scalar length per example) and under grad the same
+    let per_example = |x: Tracer, l: Tracer| Ok(layer.run(&Params::own(), &x, Some(&l))?.output);
+    let e = vmap(per_example).call((&x, &cases[0].0)).unwrap_err();
+    assert!(
+        matches!(e, Error::Data { .. }) && e.to_string().contains("length 8"),
+        "{e}"
+    );
+    let loss = |x: Tracer, l: Tracer| layer.run(&Params::own(), &x, Some(&l))?.output.sum_all();
+    let e = grad(loss).call((&x, &cases[1].0)).unwrap_err();
+    assert!(
+        matches!(e, Error::Data { .. }) && e.to_string().contains("length 0"),
+        "{e}"
+    );
+    // the whole range is accepted, in any dtype
+    for l in [
+        Tensor::new(&[T as u32, 1, 4], &Device::Cpu).unwrap(),
+        f64s(&[T as f64, 1.0, 4.0]),
+    ] {
+        run(&l).unwrap();
+    }
+}
+
+#[test]
+fn a_candle_layer_read_at_the_wrong_prefix_is_an_error_naming_the_weight() {
+    let map = VarMap::new();
+    let lstm = candle_nn::rnn::lstm(I, H, LSTMConfig::default(), vb(&map).pp("enc")).unwrap();
+    let before = map.all_vars().len();
+    let e = Recurrent::from_candle_lstm(&[&lstm], I, vb(&map).pp("encoder")).unwrap_err();
+    assert!(
+        matches!(e, Error::Model { .. }) && e.to_string().contains("\"encoder.weight_ih_l0\""),
+        "{e}"
+    );
+    assert_eq!(map.all_vars().len(), before, "no new random weights were made");
+    let gru = candle_nn::rnn::gru(I, H, GRUConfig::default(), vb(&map).pp("g")).unwrap();
+    let e = Recurrent::from_candle_gru(&gru, I, vb(&map)).unwrap_err();
+    assert!(e.to_string().contains("\"weight_ih_l0\""), "{e}");
+    // at the right prefix it reads the trained weights
+    Recurrent::from_candle_lstm(&[&lstm], I, vb(&map).pp("enc")).unwrap();
+    Recurrent::from_candle_gru(&gru, I, vb(&map).pp("g")).unwrap();
+}

@@ -225,6 +225,38 @@ pub(crate) fn effective_limit(limit: Option<usize>) -> Option<usize> {
     limit.or_else(available_memory)
 }
 
+/// An error naming `op`, `what` and the size unless `elems` elements of
+/// `elem_bytes` bytes fit in usize and in the machine's available memory:
+/// the check before a host allocation sized from user input (a config
+/// field, a loop's trip count), which would otherwise abort the process
+/// where it fails.
+pub(crate) fn check_host_alloc(op: &str, what: &str, elems: usize, elem_bytes: usize) -> Result<()> {
+    let Some(bytes) = elems.checked_mul(elem_bytes) else {
+        return Err(Error::Config {
+            msg: format!("{op}: {what} of {elems} elements of {elem_bytes} bytes overflows usize"),
+        });
+    };
+    match available_memory() {
+        Some(avail) if bytes > avail => Err(Error::Config {
+            msg: format!(
+                "{op}: {what} of {elems} elements would take {bytes} bytes, more than the {avail} bytes this machine has available"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The element count of `shape`, or an error naming `op` and `what` where
+/// it overflows usize.
+pub(crate) fn checked_elems(op: &str, what: &str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::Config {
+            msg: format!("{op}: {what} of shape {shape:?} has more elements than usize holds"),
+        })
+}
+
 /// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
 fn available_memory() -> Option<usize> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;

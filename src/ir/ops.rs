@@ -47,6 +47,11 @@ pub(crate) enum Unary {
     /// the value unchanged, with no derivative: its cotangent and tangent
     /// are zero (JAX's `stop_gradient`, PyTorch's `detach`)
     StopGradient,
+    /// Sequence lengths checked when the graph runs: the value unchanged
+    /// with no derivative, or an error unless every element is a whole
+    /// number in `1..=steps` (PyTorch's `pack_padded_sequence` refuses
+    /// the others; a mask built from them would silently clamp)
+    Lengths(usize),
 }
 
 impl Unary {
@@ -70,6 +75,7 @@ impl Unary {
             Unary::Affine(m, a) => format!("affine[mul={m},add={a}]"),
             Unary::Cast(dt) => format!("cast[{}]", format!("{dt:?}").to_lowercase()),
             Unary::StopGradient => "stop_gradient".into(),
+            Unary::Lengths(steps) => format!("lengths[1..={steps}]"),
         }
     }
 }

@@ -61,8 +61,21 @@ impl Checkpoint {
             return Err(bad(config_path.display().to_string(), "is not a JSON object"));
         }
         let mut tensors = HashMap::new();
-        for file in weight_files(&dir)? {
-            tensors.extend(super::weights::read(&file, device, vars.then_some(dtype))?);
+        let (files, index) = weight_files(&dir)?;
+        for file in files {
+            let read = super::weights::read(&file, device, vars.then_some(dtype))?;
+            if let Some(index) = &index {
+                owned(index, &file, &read)?;
+            }
+            tensors.extend(read);
+        }
+        if let Some(index) = &index {
+            if let Some((name, shard)) = index.map.iter().find(|(n, _)| !tensors.contains_key(*n)) {
+                return Err(bad(
+                    format!("weight \"{name}\""),
+                    format!("{} lists it in {shard}, which lacks it", index.path.display()),
+                ));
+            }
         }
         Ok(Checkpoint {
             dir,
@@ -178,11 +191,46 @@ impl Checkpoint {
     }
 }
 
-/// `model.safetensors`, or the shards an index lists (each once).
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// A sharded checkpoint's index: which shard holds each weight.
+struct Index {
+    path: PathBuf,
+    map: HashMap<String, String>,
+}
+
+/// Every weight of the shard `file` is one the index places in it: a
+/// weight in two shards, or in one the index does not name for it, would
+/// otherwise load from whichever shard was read last.
+fn owned(index: &Index, file: &Path, read: &HashMap<String, Tensor>) -> Result<()> {
+    let shard = file
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    for name in read.keys() {
+        match index.map.get(name) {
+            Some(own) if *own == shard => {}
+            Some(own) => {
+                return Err(bad(
+                    format!("weight \"{name}\""),
+                    format!("is in {shard}, but {} places it in {own}", index.path.display()),
+                ))
+            }
+            None => {
+                return Err(bad(
+                    format!("weight \"{name}\""),
+                    format!("is in {shard}, but {} does not list it", index.path.display()),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `model.safetensors`, or the shards an index lists (each once) with the
+/// index.
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>)> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
-        return Ok(vec![single]);
+        return Ok((vec![single], None));
     }
     let index = dir.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index).map_err(|_| {
@@ -198,6 +246,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         .and_then(|m| m.as_object())
         .ok_or_else(|| bad(index.display().to_string(), "has no \"weight_map\" object"))?;
     let mut files = BTreeSet::new();
+    let mut owners = HashMap::with_capacity(map.len());
     for (name, file) in map {
         let f = file.as_str().ok_or_else(|| {
             bad(
@@ -213,9 +262,14 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             ));
         }
         files.insert(dir.join(f));
+        owners.insert(name.clone(), f.to_string());
     }
     if files.is_empty() {
         return Err(bad(index.display().to_string(), "lists no shards"));
     }
-    Ok(files.into_iter().collect())
+    let index = Index {
+        path: index,
+        map: owners,
+    };
+    Ok((files.into_iter().collect(), Some(index)))
 }

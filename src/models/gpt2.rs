@@ -72,11 +72,21 @@ fn conv1d(ck: &Checkpoint, name: &str, inp: usize, out: usize) -> Result<Linear>
 impl Block {
     fn load(ck: &Checkpoint, c: &Gpt2Config, name: &str) -> Result<Block> {
         let (d, eps) = (c.n_embd, c.layer_norm_epsilon);
-        let f = c.n_inner.unwrap_or(4 * d);
+        // sizes from config.json, checked: a wrapped product would be a
+        // shape no weight has, a panic in a debug build
+        let times = |k: usize| {
+            d.checked_mul(k)
+                .ok_or_else(|| super::unsupported("gpt2", "n_embd", format!("{k} x {d} overflows usize")))
+        };
+        let f = match c.n_inner {
+            Some(f) => f,
+            None => times(4)?,
+        };
+        let qkv = times(3)?;
         Ok(Block {
             ln_1: layer_norm(ck, &format!("{name}.ln_1"), d, eps)?,
             attn: SelfAttention::fused(
-                conv1d(ck, &format!("{name}.attn.c_attn"), d, 3 * d)?,
+                conv1d(ck, &format!("{name}.attn.c_attn"), d, qkv)?,
                 conv1d(ck, &format!("{name}.attn.c_proj"), d, d)?,
                 c.n_head,
             )?,

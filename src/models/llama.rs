@@ -6,7 +6,7 @@
 
 use super::{activation, as_batch, unsupported, Checkpoint};
 use crate::error::Result;
-use crate::nn::{rotary_tables, Activation, AttentionMask, Embedding, Linear, Module, Params, RmsNorm, SelfAttention};
+use crate::nn::{Activation, AttentionMask, Embedding, Linear, Module, Params, RmsNorm, RotaryCache, SelfAttention};
 use crate::trace::{Operand, Tracer};
 use candle_core::Tensor;
 use serde::Deserialize;
@@ -86,6 +86,9 @@ fn llama_eps() -> f64 {
 struct Resolved {
     kv_heads: usize,
     head_dim: usize,
+    // heads x head size of the queries and of the keys/values, checked
+    q_dim: usize,
+    kv_dim: usize,
     theta: f64,
     qkv_bias: bool,
     o_bias: bool,
@@ -146,6 +149,14 @@ impl LlamaConfig {
             ));
         }
         let theta = self.theta(m)?;
+        let product = |field: &'static str, n: usize| {
+            n.checked_mul(head_dim)
+                .ok_or_else(|| unsupported(m, field, format!("{n} heads of {head_dim} overflow usize")))
+        };
+        let (q_dim, kv_dim) = (
+            product("num_attention_heads", heads)?,
+            product("num_key_value_heads", kv_heads)?,
+        );
         let (qkv_bias, o_bias) = match (m, self.attention_bias) {
             ("qwen2", _) => (true, false),
             (_, Some(b)) => (b, b),
@@ -158,6 +169,8 @@ impl LlamaConfig {
         Ok(Resolved {
             kv_heads,
             head_dim,
+            q_dim,
+            kv_dim,
             theta,
             qkv_bias,
             o_bias,
@@ -231,7 +244,7 @@ fn rms(ck: &Checkpoint, name: &str, d: usize, eps: f64) -> Result<RmsNorm> {
 impl Block {
     fn load(ck: &Checkpoint, c: &LlamaConfig, r: &Resolved, name: &str) -> Result<Block> {
         let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
-        let (qd, kvd) = (c.num_attention_heads * r.head_dim, r.kv_heads * r.head_dim);
+        let (qd, kvd) = (r.q_dim, r.kv_dim);
         let a = |leaf: &str| format!("{name}.self_attn.{leaf}");
         let mlp = |leaf: &str| format!("{name}.mlp.{leaf}");
         Ok(Block {
@@ -270,8 +283,8 @@ pub struct LlamaForCausalLM {
     norm: RmsNorm,
     // None: tied to the embedding
     head: Option<Linear>,
-    cos: Tensor,
-    sin: Tensor,
+    // built for the lengths the model runs at, not max_position_embeddings
+    rotary: RotaryCache,
 }
 
 impl LlamaForCausalLM {
@@ -296,11 +309,10 @@ impl LlamaForCausalLM {
             false => Some(proj(ck, "lm_head", c.vocab_size, d, false)?),
         };
         let norm = rms(ck, "model.norm", d, c.rms_norm_eps)?;
-        let (cos, sin) = rotary_tables(r.head_dim, c.max_position_embeddings, r.theta, ck.dtype(), ck.device())?;
+        let rotary = RotaryCache::new(r.head_dim, r.theta, ck.dtype(), ck.device());
         Ok(LlamaForCausalLM {
             norm,
-            cos,
-            sin,
+            rotary,
             embed,
             blocks,
             head,
@@ -333,7 +345,8 @@ impl LlamaForCausalLM {
                 format!("a window of {w} tokens is shorter than the sequence of {t}: sliding-window attention is not implemented"),
             ));
         }
-        let (cos, sin) = (self.cos.to_tracer(&b.ids)?, self.sin.to_tracer(&b.ids)?);
+        let (cos, sin) = self.rotary.tables(t)?;
+        let (cos, sin) = (cos.to_tracer(&b.ids)?, sin.to_tracer(&b.ids)?);
         let attn_mask = AttentionMask {
             causal: true,
             keep: b.keep.clone(),

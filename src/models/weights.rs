@@ -62,7 +62,8 @@ pub(super) fn read(path: &Path, device: &Device, vars: Option<DType>) -> Result<
     let mut header = vec![0u8; n as usize];
     r.read_exact(&mut header).map_err(io)?;
     let mut entries = entries(path, &header, len - 8 - n)?;
-    entries.sort_by_key(|e| e.start);
+    entries.sort_by_key(|e| (e.start, e.end));
+    tiled(path, &entries, len - 8 - n)?;
     let mut at = 0u64; // the position in the data section
     let mut out = HashMap::with_capacity(entries.len());
     for e in entries {
@@ -75,6 +76,44 @@ pub(super) fn read(path: &Path, device: &Device, vars: Option<DType>) -> Result<
         out.insert(e.name, t);
     }
     Ok(out)
+}
+
+/// The entries (sorted by offset) tile the data section of `data` bytes
+/// exactly, as the format requires: no tensor's bytes overlap another's
+/// (one would alias the other's values), and no bytes lie between or after
+/// them (a hole is a writer's error or a truncated header). An error names
+/// the two tensors.
+fn tiled(path: &Path, entries: &[Entry], data: u64) -> Result<()> {
+    let mut prev: Option<&Entry> = None;
+    for e in entries {
+        let (end, before) = match prev {
+            Some(p) => (p.end, format!("\"{}\" (bytes {}..{})", p.name, p.start, p.end)),
+            None => (0, "the start of the data section".to_string()),
+        };
+        let this = format!("\"{}\" (bytes {}..{})", e.name, e.start, e.end);
+        if e.start < end {
+            return Err(bad(path, format!("tensors {before} and {this} overlap")));
+        }
+        if e.start > end {
+            return Err(bad(
+                path,
+                format!("{} unused bytes lie between {before} and {this}", e.start - end),
+            ));
+        }
+        prev = Some(e);
+    }
+    let end = prev.map_or(0, |p| p.end);
+    if end != data {
+        let last = prev.map_or("the header".to_string(), |p| format!("\"{}\"", p.name));
+        return Err(bad(
+            path,
+            format!(
+                "{} unused bytes lie after {last} at the end of the data section",
+                data - end
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The header's tensors, each checked: a dtype candle has, a shape whose
@@ -352,5 +391,36 @@ mod tests {
         let huge = format!("[{}, {}]", u64::MAX, u64::MAX);
         let msg = error_of(&with_header(&t("F32", &huge, "[0, 8]"), 8), "overflow");
         assert!(msg.contains("spans 8 bytes"), "{msg}");
+    }
+
+    #[test]
+    fn tensors_that_overlap_or_leave_holes_are_errors_naming_both() {
+        // two F32 [2] tensors, a at `a` and b at `b`, in `data` bytes
+        let two = |a: &str, b: &str, data: usize| {
+            let h = format!(
+                r#"{{"a":{{"dtype":"F32","shape":[2],"data_offsets":{a}}},"b":{{"dtype":"F32","shape":[2],"data_offsets":{b}}}}}"#
+            );
+            with_header(&h, data)
+        };
+        let msg = error_of(&two("[0, 8]", "[4, 12]", 12), "overlap");
+        assert!(
+            msg.contains("\"a\" (bytes 0..8) and \"b\" (bytes 4..12) overlap"),
+            "{msg}"
+        );
+        let msg = error_of(&two("[0, 8]", "[0, 8]", 8), "alias");
+        assert!(msg.contains("overlap"), "{msg}");
+        let msg = error_of(&two("[0, 8]", "[12, 20]", 20), "hole");
+        assert!(
+            msg.contains("4 unused bytes lie between \"a\" (bytes 0..8) and \"b\""),
+            "{msg}"
+        );
+        let msg = error_of(&two("[4, 12]", "[12, 20]", 20), "hole-first");
+        assert!(msg.contains("between the start of the data section and \"a\""), "{msg}");
+        let msg = error_of(&two("[0, 8]", "[8, 16]", 20), "trailing");
+        assert!(msg.contains("4 unused bytes lie after \"b\""), "{msg}");
+        // tiled exactly, in either order in the header, it reads
+        let path = file("tiled");
+        std::fs::write(&path, two("[8, 16]", "[0, 8]", 16)).unwrap();
+        assert_eq!(read(&path, &Device::Cpu, None).unwrap().len(), 2);
     }
 }

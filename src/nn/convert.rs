@@ -57,8 +57,8 @@ fn conv_t(
     let shape = [&[cin, cout / groups], &vec![k; nd][..]].concat();
     Ok(ConvTranspose {
         nd,
-        weight: vb.get_with_hints(shape, "weight", init)?,
-        bias: Some(vb.get_with_hints(cout, "bias", init)?),
+        weight: super::param(&vb, &shape, "weight", init)?,
+        bias: Some(super::param(&vb, &[cout], "bias", init)?),
         cfg,
         output_padding,
         prefix: vb.prefix(),

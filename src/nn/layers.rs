@@ -77,8 +77,13 @@ pub struct Linear {
 
 /// A linear layer with bias (candle_nn's `linear`).
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let weight = vb.get_with_hints((out_dim, in_dim), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
-    let bias = Some(vb.get_with_hints(out_dim, "bias", bias_init(in_dim))?);
+    let weight = super::param(
+        &vb,
+        &[out_dim, in_dim],
+        "weight",
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+    )?;
+    let bias = Some(super::param(&vb, &[out_dim], "bias", bias_init(in_dim))?);
     Ok(Linear {
         weight,
         bias,
@@ -90,7 +95,12 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
 
 /// A linear layer without bias.
 pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let weight = vb.get_with_hints((out_dim, in_dim), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    let weight = super::param(
+        &vb,
+        &[out_dim, in_dim],
+        "weight",
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+    )?;
     Ok(Linear {
         weight,
         bias: None,
@@ -197,10 +207,10 @@ pub struct Conv {
 
 fn conv(nd: usize, cin: usize, cout: usize, k: usize, cfg: ConvConfig, bias: bool, vb: VarBuilder) -> Result<Conv> {
     let shape = [&[cout, cin / cfg.groups.max(1)], &vec![k; nd][..]].concat();
-    let weight = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    let weight = super::param(&vb, &shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
     // candle_nn bounds the conv bias by the input channels, not the fan-in.
     let bias = if bias {
-        Some(vb.get_with_hints(cout, "bias", bias_init(cin))?)
+        Some(super::param(&vb, &[cout], "bias", bias_init(cin))?)
     } else {
         None
     };

@@ -238,6 +238,12 @@ impl Lora {
         self.dropout.train(on);
     }
 
+    /// Whether the layer `layer` (its weight's name without `.weight`) has
+    /// an adapter.
+    pub(crate) fn adapts(&self, layer: &str) -> bool {
+        self.adapters.contains_key(layer)
+    }
+
     /// The adapter's term for the layer `layer` on `x [.., in]`, if it has
     /// one: `(alpha / r) (dropout(x) A^T) B^T`, `[.., out]`.
     pub(crate) fn delta(&self, p: &Params, layer: &str, x: &Tracer) -> Result<Option<Tracer>> {
@@ -261,6 +267,20 @@ impl Lora {
             what: "Lora::merged".into(),
             msg: "the VarMap's lock is poisoned".into(),
         })?;
+        // every adapted layer's base weight must be there to merge into:
+        // a map without them would give a model without its adapters
+        if let Some(layer) = self
+            .adapters
+            .keys()
+            .find(|l| !data.contains_key(&format!("{l}.weight")))
+        {
+            return Err(Error::Model {
+                what: format!("weight \"{layer}.weight\""),
+                msg: "Lora::merged: the VarMap lacks this adapted layer's base weight (merge into the map \
+                      Lora::add was given)"
+                    .into(),
+            });
+        }
         let mut out = BTreeMap::new();
         for (name, var) in data.iter() {
             if name.contains(".lora_A.") || name.contains(".lora_B.") {

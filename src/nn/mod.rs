@@ -38,6 +38,7 @@ pub mod loss;
 mod norm;
 mod recurrent;
 mod transformer;
+pub(crate) use transformer::RotaryCache;
 
 pub use attention::{attend, mask_value, merge_heads, split_heads, AttentionMask, PostNormBlock, SelfAttention};
 pub use convert::{conv_transpose1d, conv_transpose2d, ConvTranspose};
@@ -61,6 +62,18 @@ use crate::trace::Tracer;
 use crate::transforms::{call_concrete, jit, GraphCache};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
+
+/// The parameter `name` of `shape` from `vb` (made by the VarMap's
+/// initialiser where missing), its size checked first: a layer sized from
+/// user input (a hidden size of 2^40) is an error naming it, never an
+/// aborted allocation.
+pub(crate) fn param(vb: &candle_nn::VarBuilder, shape: &[usize], name: &str, init: candle_nn::Init) -> Result<Tensor> {
+    use crate::interp::exec::{check_host_alloc, checked_elems};
+    let what = format!("parameter {:?}", layers::full_name(&vb.prefix(), name));
+    let n = checked_elems("nn", &what, shape)?;
+    check_host_alloc("nn", &what, n, vb.dtype().size_in_bytes())?;
+    Ok(vb.get_with_hints(shape, name, init)?)
+}
 
 /// Where a module reads its parameters: its own tensors (captured as
 /// constants of the trace), or replacements given by name
@@ -100,6 +113,30 @@ impl<'a> Params<'a> {
     /// The adapters these parameters apply, if any.
     pub(crate) fn adapters(&self) -> Option<&'a Lora> {
         self.lora
+    }
+
+    /// The table `{layer}.weight` of a lookup (an embedding, a position
+    /// table, a tied head), as [`Params::get`] gives it; an error naming
+    /// it where the adapters target it: LoRA adapts linear layers only,
+    /// and an adapter the forward pass never applies would train nothing
+    /// while `Lora::merged` still added it to the table.
+    pub(crate) fn table(&self, layer: &str, own: &Tensor, like: &Tracer) -> Result<Tracer> {
+        if let Some(lora) = self.lora.filter(|l| l.adapts(layer)) {
+            let targets = &lora.config().target_modules;
+            return Err(Error::Model {
+                what: format!("LoraConfig.target_modules {targets:?}"),
+                msg: format!(
+                    "target the lookup table {layer:?}, which takes no adapter (LoRA here adapts linear \
+                     layers only): leave it out of target_modules, or train it whole with modules_to_save"
+                ),
+            });
+        }
+        let name = if layer.is_empty() {
+            "weight".to_string()
+        } else {
+            format!("{layer}.weight")
+        };
+        self.get(&name, own, like)
     }
 
     /// The parameter `name`: the replacement if one is given (it must have

@@ -44,11 +44,11 @@ fn affine_along(x: &Tracer, w: Option<Tracer>, b: Option<Tracer>, axis: usize) -
 }
 
 fn ones(size: usize, name: &str, vb: &VarBuilder) -> Result<Tensor> {
-    Ok(vb.get_with_hints(size, name, Init::Const(1.))?)
+    super::param(vb, &[size], name, Init::Const(1.))
 }
 
 fn zeros(size: usize, name: &str, vb: &VarBuilder) -> Result<Tensor> {
-    Ok(vb.get_with_hints(size, name, Init::Const(0.))?)
+    super::param(vb, &[size], name, Init::Const(0.))
 }
 
 fn check_last(op: &'static str, x: &Tracer, size: usize) -> Result<()> {

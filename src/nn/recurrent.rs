@@ -14,7 +14,7 @@
 //! Variable lengths: given each sequence's length, the state stops
 //! changing after its last token, the outputs past it are zero, and the
 //! backward direction starts at it, as `pack_padded_sequence` makes
-//! PyTorch do.
+//! PyTorch do. A length outside `1..=T` is an error when the graph runs.
 
 use super::layers::full_name;
 use super::{EagerCache, Module, Params};
@@ -113,12 +113,12 @@ pub struct RecurrentOutput {
 /// its weights from `vb` under PyTorch's names, initialised as PyTorch
 /// does (uniform in `±1/sqrt(hidden)`).
 pub fn lstm(input: usize, hidden: usize, cfg: RecurrentConfig, vb: VarBuilder) -> Result<Recurrent> {
-    Recurrent::new(RecurrentCell::Lstm, input, hidden, cfg, vb)
+    Recurrent::new(RecurrentCell::Lstm, input, hidden, cfg, vb, None)
 }
 
 /// A GRU (PyTorch's `nn.GRU`); see [`lstm`].
 pub fn gru(input: usize, hidden: usize, cfg: RecurrentConfig, vb: VarBuilder) -> Result<Recurrent> {
-    Recurrent::new(RecurrentCell::Gru, input, hidden, cfg, vb)
+    Recurrent::new(RecurrentCell::Gru, input, hidden, cfg, vb, None)
 }
 
 /// A plain recurrent layer (PyTorch's `nn.RNN`, tanh or ReLU by `cell`);
@@ -131,7 +131,7 @@ pub fn rnn(
     vb: VarBuilder,
 ) -> Result<Recurrent> {
     match cell {
-        RecurrentCell::RnnTanh | RecurrentCell::RnnRelu => Recurrent::new(cell, input, hidden, cfg, vb),
+        RecurrentCell::RnnTanh | RecurrentCell::RnnRelu => Recurrent::new(cell, input, hidden, cfg, vb, None),
         other => Err(Error::Config {
             msg: format!("nn::rnn takes RecurrentCell::RnnTanh or RecurrentCell::RnnRelu, not {other:?} (use nn::lstm or nn::gru)"),
         }),
@@ -139,12 +139,16 @@ pub fn rnn(
 }
 
 impl Recurrent {
+    /// The layer with its weights from `vb`, made where missing (by the
+    /// VarMap's initialiser) unless `existing` names the constructor that
+    /// reads trained weights, which then refuses a missing one by name.
     fn new(
         cell: RecurrentCell,
         input: usize,
         hidden: usize,
         cfg: RecurrentConfig,
         vb: VarBuilder,
+        existing: Option<&'static str>,
     ) -> Result<Recurrent> {
         if input == 0 || hidden == 0 || cfg.layers == 0 {
             return Err(Error::Config {
@@ -166,7 +170,16 @@ impl Recurrent {
             for suffix in suffixes(&cfg) {
                 let mut get = |name: &str, shape: &[usize]| -> Result<()> {
                     let key = format!("{name}_l{layer}{suffix}");
-                    weights.insert(key.clone(), vb.get_with_hints(shape, &key, init)?);
+                    if let (Some(op), false) = (existing, vb.contains_tensor(&key)) {
+                        return Err(Error::Model {
+                            what: format!("weight {:?}", full_name(&vb.prefix(), &key)),
+                            msg: format!(
+                                "{op}: not in the VarBuilder, which would make new random weights in its \
+                                 place: give the VarBuilder at the prefix candle's layers were built at"
+                            ),
+                        });
+                    }
+                    weights.insert(key.clone(), super::param(&vb, shape, &key, init)?);
                     Ok(())
                 };
                 get("weight_ih", &[rows, fan_in])?;
@@ -194,7 +207,10 @@ impl Recurrent {
     /// reading from `vb` (the one they were built from) the weights under
     /// the names candle gave them, which are PyTorch's: the two share
     /// them. `input` is the first layer's input size (candle's layers do
-    /// not say it); an incomplete stack is an error naming what is missing.
+    /// not say it); an incomplete stack is an error naming what is missing,
+    /// and so is a weight `vb` lacks (a `VarBuilder` at another prefix
+    /// would otherwise make new random weights in place of the trained
+    /// ones).
     pub fn from_candle_lstm(layers: &[&candle_nn::LSTM], input: usize, vb: VarBuilder) -> Result<Recurrent> {
         let found: Vec<(usize, bool, bool, usize)> = layers
             .iter()
@@ -210,7 +226,14 @@ impl Recurrent {
             })
             .collect::<Result<_>>()?;
         let cfg = stack_config("lstm", &found)?;
-        Recurrent::new(RecurrentCell::Lstm, input, found[0].3, cfg, vb)
+        Recurrent::new(
+            RecurrentCell::Lstm,
+            input,
+            found[0].3,
+            cfg,
+            vb,
+            Some("Recurrent::from_candle_lstm"),
+        )
     }
 
     /// The GRU candle_nn's `gru` makes (one layer, forward: candle's GRU
@@ -222,7 +245,14 @@ impl Recurrent {
             bias: layer.config().b_ih_init.is_some(),
             ..RecurrentConfig::default()
         };
-        Recurrent::new(RecurrentCell::Gru, input, hidden, cfg, vb)
+        Recurrent::new(
+            RecurrentCell::Gru,
+            input,
+            hidden,
+            cfg,
+            vb,
+            Some("Recurrent::from_candle_gru"),
+        )
     }
 
     /// The layer with each direction's loop keeping one carry every `steps`
@@ -244,6 +274,11 @@ impl Recurrent {
     /// (batch first), from zero states. `lengths` (a scalar for one
     /// sequence, `[B]` for a batch; any dtype) gives each sequence's
     /// length: the steps past it leave the state alone and output zeros.
+    /// Each length must be a whole number in `1..=T`, as PyTorch's
+    /// `pack_padded_sequence` requires: the values are checked when the
+    /// graph runs (under `vmap`, `grad`, `jit` and eagerly alike), and any
+    /// other (0, above `T`, negative, fractional, NaN) is an
+    /// [`Error::Data`] naming it and its sequence, never clamped.
     pub fn run(&self, p: &Params, x: &Tracer, lengths: Option<&Tracer>) -> Result<RecurrentOutput> {
         let name = self.cell.name();
         let batched = match x.rank() {
@@ -272,7 +307,7 @@ impl Recurrent {
         let mut seq = if batched { x.transpose(0, 1)? } else { x.clone() };
         let steps = seq.dims()[0];
         let mask = match lengths {
-            Some(l) => Some(step_mask(&seq, l, steps)?),
+            Some(l) => Some(step_mask(&seq, &l.checked_lengths(steps)?, steps)?),
             None => None,
         };
         let (mut hs, mut cs) = (Vec::new(), Vec::new());

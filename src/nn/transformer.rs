@@ -4,7 +4,7 @@
 //! model built from them. Inputs are `[N, T, D]` (an example is usually
 //! one sequence, `N = 1`, under `vmap`).
 
-use super::layers::{full_name, linear, linear_no_bias, param_map, Activation, Linear};
+use super::layers::{linear, linear_no_bias, param_map, Activation, Linear};
 use super::norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 use super::{EagerCache, Module, Params};
 use crate::error::{CandleContext, Error, Result};
@@ -26,7 +26,7 @@ pub struct Embedding {
 
 /// An embedding of `vocab` ids as `dim` values.
 pub fn embedding(vocab: usize, dim: usize, vb: VarBuilder) -> Result<Embedding> {
-    let weight = vb.get_with_hints((vocab, dim), "weight", Init::Randn { mean: 0., stdev: 1. })?;
+    let weight = super::param(&vb, &[vocab, dim], "weight", Init::Randn { mean: 0., stdev: 1. })?;
     Ok(Embedding::from_tensors(weight, &vb.prefix()))
 }
 
@@ -35,7 +35,7 @@ impl Embedding {
     /// layer's own), in `like`'s trace: for lookups other than by id, such
     /// as the first `T` rows of a position table, or a tied output head.
     pub fn table(&self, p: &Params, like: &Tracer) -> Result<Tracer> {
-        p.get(&full_name(&self.prefix, "weight"), &self.weight, like)
+        p.table(&self.prefix, &self.weight, like)
     }
 
     /// An embedding over an existing table `[vocab, dim]`, sharing it.
@@ -67,7 +67,7 @@ impl Embedding {
 
 impl Module for Embedding {
     fn forward_with(&self, p: &Params, ids: &Tracer) -> Result<Tracer> {
-        let w = p.get(&full_name(&self.prefix, "weight"), &self.weight, ids)?;
+        let w = p.table(&self.prefix, &self.weight, ids)?;
         let rows = w.embedding(ids)?;
         let Some(pad) = self.padding_idx else { return Ok(rows) };
         // the padding row's value, cut off from the gradient, where the
@@ -146,6 +146,8 @@ pub fn rotary_tables(
             msg: format!("rotary_tables: the head size {dim} must be even"),
         });
     }
+    let elems = crate::interp::exec::checked_elems("rotary_tables", "the tables", &[max_seq, dim / 2])?;
+    crate::interp::exec::check_host_alloc("rotary_tables", "the tables' angles", elems, 8)?;
     let inv: Vec<f64> = (0..dim / 2)
         .map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim as f64))
         .collect();
@@ -155,6 +157,45 @@ pub fn rotary_tables(
     let a = Tensor::from_vec(angles, (max_seq, dim / 2), dev).op("rotary_tables")?;
     let (cos, sin) = (a.cos().op("rotary_tables")?, a.sin().op("rotary_tables")?);
     Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
+}
+
+/// Rotary tables built for the sequence lengths a model is run at, not for
+/// every position its configuration allows (a Llama's 1M-token
+/// `max_position_embeddings` would be 2 GiB of tables at load): the
+/// longest built so far is kept, and a shorter sequence reads its first
+/// rows.
+#[derive(Debug)]
+pub(crate) struct RotaryCache {
+    dim: usize,
+    theta: f64,
+    dtype: DType,
+    device: candle_core::Device,
+    built: std::sync::Mutex<Option<(Tensor, Tensor)>>,
+}
+
+impl RotaryCache {
+    /// Nothing built yet; `dim` must be even (checked by [`rotary_tables`]
+    /// when the first tables are built).
+    pub(crate) fn new(dim: usize, theta: f64, dtype: DType, device: &candle_core::Device) -> RotaryCache {
+        RotaryCache {
+            dim,
+            theta,
+            dtype,
+            device: device.clone(),
+            built: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// `(cos, sin)` of `[t, dim / 2]`.
+    pub(crate) fn tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
+        let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((cos, sin)) = built.as_ref().filter(|(c, _)| c.dims()[0] >= t) {
+            return Ok((cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?));
+        }
+        let tables = rotary_tables(self.dim, t, self.theta, self.dtype, &self.device)?;
+        *built = Some(tables.clone());
+        Ok(tables)
+    }
 }
 
 /// Multi-head self-attention over `[N, T, D]` with `heads` heads of `D /

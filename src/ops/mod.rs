@@ -97,6 +97,14 @@ impl Tracer {
     pub fn stop_gradient(&self) -> Result<Tracer> {
         self.unary(Unary::StopGradient)
     }
+
+    /// The same values, checked when the graph runs to be whole numbers
+    /// in `1..=steps` (an `Error::Data` naming the first that is not);
+    /// no derivative. For sequence lengths, whose values a trace cannot
+    /// see.
+    pub(crate) fn checked_lengths(&self, steps: usize) -> Result<Tracer> {
+        self.unary(Unary::Lengths(steps))
+    }
     /// `-x`
     pub fn neg(&self) -> Result<Tracer> {
         self.unary(Unary::Neg)

@@ -21,7 +21,7 @@ impl Rule for Unary {
         }
         let needs_float = !matches!(
             self,
-            Unary::Neg | Unary::Abs | Unary::Relu | Unary::Sqr | Unary::StopGradient
+            Unary::Neg | Unary::Abs | Unary::Relu | Unary::Sqr | Unary::StopGradient | Unary::Lengths(_)
         );
         if needs_float && !is_float(args[0].dtype) {
             return Err(Error::DType {
@@ -105,6 +105,10 @@ impl Rule for Unary {
             // padding row of a 30522-row table copied the table, 47 MB and
             // 23 ms a call, beyond the memory plan)
             Unary::StopGradient => x.force_contiguous(),
+            Unary::Lengths(steps) => {
+                check_lengths(x, *steps)?;
+                x.force_contiguous()
+            }
         };
         r.op(&self.name())
     }
@@ -132,12 +136,42 @@ impl Rule for Unary {
     }
 }
 
+/// An error naming the first of `lengths` that is not a whole number in
+/// `1..=steps` (NaN, fractions, 0 and negatives included), read to the
+/// host once (a few numbers a batch).
+fn check_lengths(lengths: &Tensor, steps: usize) -> Result<()> {
+    const OP: &str = "Recurrent::run";
+    let v = lengths
+        .flatten_all()
+        .and_then(|v| v.to_dtype(DType::F64))
+        .and_then(|v| v.to_vec1::<f64>())
+        .op(OP)?;
+    let bad = v
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| !(l.fract() == 0.0 && l >= 1.0 && l <= steps as f64));
+    match bad {
+        None => Ok(()),
+        Some((i, l)) => {
+            let at = if lengths.rank() == 0 {
+                String::new()
+            } else {
+                format!(" of sequence {i}")
+            };
+            Err(Error::data(
+                OP,
+                format!("the length {l}{at} is not a whole number in 1..={steps} (the sequences' {steps} steps)"),
+            ))
+        }
+    }
+}
+
 /// `d/dx` of each unary map, times the cotangent.
 fn unary_vjp(u: &Unary, b: &mut Builder, x: VarId, out: VarId, ct: VarId) -> Result<Option<VarId>> {
     use Binary::{Div, Mul};
     let g = match u {
         // no derivative: nothing flows back (or forward)
-        Unary::StopGradient => return Ok(None),
+        Unary::StopGradient | Unary::Lengths(_) => return Ok(None),
         Unary::Neg => b.un(Unary::Neg, ct)?,
         Unary::Exp => b.bin(Mul, ct, out)?,
         Unary::Log => b.bin(Div, ct, x)?,

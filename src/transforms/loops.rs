@@ -416,8 +416,13 @@ pub fn fori_loop(
     if upper <= lower {
         return Ok(init.to_vec());
     }
-    let steps: Vec<i64> = (lower..upper).map(|i| i as i64).collect();
-    let n = steps.len();
+    // the indices are a scanned operand: a trip count past memory is an
+    // error here, not an aborted allocation
+    let n = upper - lower;
+    crate::interp::exec::check_host_alloc("fori_loop", &format!("the indices {lower}..{upper}"), n, 8)?;
+    let steps: Vec<i64> = (lower..upper)
+        .map(|i| i64::try_from(i).map_err(|_| Error::shape("fori_loop", &[], format!("index {i} overflows i64"))))
+        .collect::<Result<_>>()?;
     let idx = candle_core::Tensor::from_vec(steps, n, &like.device())?.to_tracer(like)?;
     let (carry, _) = scan(
         |c: &[Tracer], i: &[Tracer]| Ok((body(&i[0], c)?, Vec::new())),

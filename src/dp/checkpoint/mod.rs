@@ -123,7 +123,7 @@ enum Keying {
     /// Keep this trainer's own generator (OS-keyed).
     Keep,
     /// Continue the saved seeded stream (a seeded trainer).
-    Adopt(Rng),
+    Adopt(Box<Rng>),
 }
 
 impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
@@ -197,7 +197,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         }
         self.accountant = r.accountant;
         if let Keying::Adopt(rng) = r.rng {
-            self.rng = rng;
+            self.rng = *rng;
         }
         if let (Some(a), Some(c)) = (&mut self.adaptive, r.bound) {
             a.bound = c;
@@ -379,7 +379,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
                      reproducible, but not private"
                         .into(),
                 );
-                Ok(Keying::Adopt(rng))
+                Ok(Keying::Adopt(Box::new(rng)))
             }
         }
     }
