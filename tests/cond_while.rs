@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_func::graph::TensorType;
 use candle_func::jacobian::jvp_fn;
 use candle_func::loops::{cond, fori_loop, scan, while_loop};
+use candle_func::tracer::Operand;
 use candle_func::{custom_op, grad, jit, jvp, vmap, Error, Function, Schedule, Tracer};
 use common::assert_close;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -104,7 +105,23 @@ fn a_shared_predicate_stays_one_cond_and_a_per_example_one_runs_each_examples_br
         (1, 3),
         "per example: each example's branch alone"
     );
-    assert_eq!(count(Schedule::Batched), (4, 4), "batched: both branches, then select");
+    assert_eq!(
+        count(Schedule::Batched),
+        (4, 4),
+        "batched: each branch taken by some example runs batched, then select"
+    );
+    // a branch no example takes is skipped
+    let positive = t64(&[1.0, 2.0, 3.0]);
+    for c in calls.iter() {
+        c.store(0, Ordering::SeqCst);
+    }
+    let y = vmap(f.clone()).schedule(Schedule::Batched).call(&positive).unwrap();
+    assert_close(&y, &t64(&[2.0, 4.0, 6.0]), 0.0, "all positive");
+    assert_eq!(
+        (calls[0].load(Ordering::SeqCst), calls[1].load(Ordering::SeqCst)),
+        (3, 0),
+        "the branch no example takes never ran"
+    );
     // one predicate for the whole batch: a cond of batched branches
     let shared = |p: Tracer, x: Tracer| {
         Ok(cond(
@@ -362,5 +379,133 @@ fn bodies_read_any_active_trace_draws_refuse_derivatives_and_a_cond_needs_no_ope
     match jit(mixed).call(&x) {
         Err(e @ Error::Shape { op: "cond", .. }) => assert!(e.to_string().contains("one dtype"), "{e}"),
         other => panic!("{other:?}"),
+    }
+}
+
+const SCHEDULES: [Option<Schedule>; 4] = [
+    None,
+    Some(Schedule::Batched),
+    Some(Schedule::Auto),
+    Some(Schedule::PerExample),
+];
+
+/// `vmap(f)` under `schedule` (`None`: the default).
+fn under<F>(f: F, schedule: Option<Schedule>) -> candle_func::transform::Vmap<F> {
+    match schedule {
+        Some(s) => vmap(f).schedule(s),
+        None => vmap(f),
+    }
+}
+
+fn table() -> Tensor {
+    Tensor::new(&[10f64, 11., 12., 13., 14.], &Device::Cpu).unwrap()
+}
+
+/// `i < 5 ? table[i] : 0` for an index `i` (f64, cast to a u32 index).
+fn guarded(i: Tracer) -> candle_func::Result<Tracer> {
+    let t = table();
+    let out = cond(
+        &i.lt(5.0)?,
+        move |o: &[Tracer]| {
+            Ok(vec![t
+                .to_tracer(&o[0])?
+                .index_select(&o[0].to_dtype(DType::U32)?.unsqueeze(0)?, 0)?
+                .squeeze(0)?])
+        },
+        |o: &[Tracer]| Ok(vec![o[0].affine(0.0, 0.0)?]),
+        std::slice::from_ref(&i),
+    )?;
+    Ok(out[0].clone())
+}
+
+#[test]
+fn a_guarded_branch_runs_only_on_rows_that_take_it_under_every_schedule() {
+    let is = [1.0, 7.0, 4.0, 5.0, 0.0];
+    let want: Vec<f64> = is.iter().map(|&i| if i < 5.0 { 10.0 + i } else { 0.0 }).collect();
+    // single calls
+    for (&i, &w) in is.iter().zip(&want) {
+        let y = jit(guarded).call(&Tensor::new(i, &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(y.to_scalar::<f64>().unwrap(), w, "single call at {i}");
+    }
+    for schedule in SCHEDULES {
+        let y = under(guarded, schedule).call(&t64(&is)).unwrap();
+        assert_close(&y, &t64(&want), 0.0, &format!("{schedule:?}"));
+        // every example out of the table: the guarded branch is skipped
+        let y = under(guarded, schedule).call(&t64(&[6.0, 9.0])).unwrap();
+        assert_close(&y, &t64(&[0.0, 0.0]), 0.0, &format!("{schedule:?}, none in range"));
+    }
+}
+
+/// `sqrt(|x|)` by a branch on the sign, each branch defined only on its side.
+fn sqrt_abs(x: Tracer) -> candle_func::Result<Tracer> {
+    let out = cond(
+        &x.gt(0.0)?,
+        |o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
+        |o: &[Tracer]| Ok(vec![o[0].neg()?.sqrt()?]),
+        std::slice::from_ref(&x),
+    )?;
+    Ok(out[0].clone())
+}
+
+#[test]
+fn the_branch_not_taken_never_reaches_a_gradient_under_any_schedule() {
+    let xs = t64(&[-4.0, 4.0, 0.25, -1.0]);
+    // d sqrt(|x|) / dx = sign(x) / (2 sqrt(|x|))
+    let want = t64(&[-0.25, 0.25, 1.0, -0.5]);
+    for schedule in SCHEDULES {
+        let what = format!("{schedule:?}");
+        let y = under(sqrt_abs, schedule).call(&xs).unwrap();
+        assert_close(&y, &t64(&[2.0, 2.0, 0.5, 1.0]), 1e-12, &what);
+        // grad of the batched function (grad(vmap)), and per-example
+        // gradients (vmap(grad)): no NaN from sqrt of the other side
+        let g = grad(move |x: Tracer| Function::apply(&under(sqrt_abs, schedule), (x,))?.sum_all())
+            .call(&xs)
+            .unwrap();
+        assert_close(&g, &want, 1e-12, &format!("grad(vmap) {what}"));
+        let g = under(grad(sqrt_abs), schedule).call(&xs).unwrap();
+        assert_close(&g, &want, 1e-12, &format!("vmap(grad) {what}"));
+        // forward mode alike
+        let ones = t64(&[1.0; 4]);
+        let (_, t) = under(jvp_fn(sqrt_abs), schedule).call((&xs, &ones)).unwrap();
+        assert_close(&t, &want, 1e-12, &format!("vmap(jvp) {what}"));
+        // every example on one side: the other branch never runs
+        let g = under(grad(sqrt_abs), schedule).call(&t64(&[4.0, 1.0])).unwrap();
+        assert_close(&g, &t64(&[0.25, 0.5]), 1e-12, &format!("one side {what}"));
+    }
+}
+
+/// Sums `table[i]` for `i` from its start while `i < 5`: a finished
+/// example's `i` is past the table.
+fn table_sum(i: Tracer) -> candle_func::Result<Tracer> {
+    let t = table();
+    let zero = i.affine(0.0, 0.0)?;
+    let out = while_loop(
+        |c: &[Tracer]| c[0].lt(5.0),
+        move |c: &[Tracer]| {
+            let v = t
+                .to_tracer(&c[0])?
+                .index_select(&c[0].to_dtype(DType::U32)?.unsqueeze(0)?, 0)?
+                .squeeze(0)?;
+            Ok(vec![c[0].affine(1.0, 1.0)?, c[1].add(&v)?])
+        },
+        &[i, zero],
+    )?;
+    Ok(out[1].clone())
+}
+
+#[test]
+fn a_finished_loop_example_no_longer_feeds_the_body_its_own_values() {
+    let is = [1.0, 7.0, 3.0, 5.0];
+    let want: Vec<f64> = is
+        .iter()
+        .map(|&i| (i as usize..5).map(|k| 10.0 + k as f64).sum())
+        .collect();
+    for (&i, &w) in is.iter().zip(&want) {
+        let y = jit(table_sum).call(&Tensor::new(i, &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(y.to_scalar::<f64>().unwrap(), w, "single call at {i}");
+    }
+    for schedule in SCHEDULES {
+        let y = under(table_sum, schedule).call(&t64(&is)).unwrap();
+        assert_close(&y, &t64(&want), 0.0, &format!("{schedule:?}"));
     }
 }

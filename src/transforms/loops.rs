@@ -434,10 +434,11 @@ pub fn fori_loop(
 
 /// `while_loop`: `carry = body_fun(carry)` while `cond_fun(carry)` (a
 /// scalar, nonzero: true) holds, as JAX's `lax.while_loop`; one node of
-/// the graph. Under `vmap` with a condition per example the loop runs
-/// until every example's fails, an example whose condition failed keeping
-/// its carry (under `Schedule::PerExample`, each example runs its own
-/// steps). Forward-differentiable (`jvp`); its gradient is an error, as
+/// the graph. Under `vmap` with a condition per example each example runs
+/// its own steps under every schedule: batched, the loop runs until every
+/// example's condition fails, a finished example keeping its carry and no
+/// longer feeding the body its own values (its rows are a running
+/// example's, discarded), so the body never sees a finished carry. Forward-differentiable (`jvp`); its gradient is an error, as
 /// in JAX, since the trip count is data: use [`fori_loop`].
 ///
 /// ```
@@ -490,8 +491,14 @@ pub fn while_loop(
 /// holds, else `on_false(operands)`, as JAX's `lax.cond`. The branch not
 /// taken does not run. Both branches give values of the same shapes and
 /// dtypes (one dtype among them). Under `vmap` with a predicate per
-/// example both branches run and each example takes its own (JAX's
-/// `select`); under `Schedule::PerExample` each runs only its own branch.
+/// example, each example's result and gradient are those of its own
+/// branch under every schedule: batched, each branch some example takes
+/// runs once on all rows, those of the examples not taking it replaced by
+/// a taking example's (so a guard such as `i < 5` before `table[i]` holds
+/// on every row it sees, and the branch not taken never puts a NaN in a
+/// gradient, unlike JAX's `select`), a branch no example takes does not
+/// run, and each example keeps its own result; under
+/// `Schedule::PerExample` each example runs only its own branch.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

@@ -3,15 +3,16 @@
 
 use super::folder::{DIGEST, FAIL_AT};
 use crate::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
-use crate::{nn, Tracer};
+use crate::nn;
+use crate::trace::Tracer;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> crate::Result<Tracer>;
+type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> crate::error::Result<Tracer>;
 
-fn loss(p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer) -> crate::Result<Tracer> {
+fn loss(p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer) -> crate::error::Result<Tracer> {
     let logits = x.unsqueeze(0)?.matmul(&p["w"].t()?)?;
     nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
 }

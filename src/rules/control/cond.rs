@@ -2,15 +2,22 @@
 //! graph runs (the interpreter runs only the branch taken).
 //!
 //! * batch: with one predicate for the whole batch, the same `cond` over
-//!   the branches batched; with a predicate per example, both branches run
-//!   batched and a `where` picks each example's (JAX's `select`). Under
-//!   `Schedule::PerExample` the unbatched graph runs per example, so each
-//!   example runs only its own branch.
+//!   the branches batched. With a predicate per example, each branch runs
+//!   batched inside a `cond` of its own that skips it when no example takes
+//!   it, on operands whose rows for the examples not taking it are copies
+//!   of a taking example's; a `where` then picks each example's result.
+//!   So an example's result and gradient depend only on the branch it
+//!   takes, as under `Schedule::PerExample` (where the unbatched graph runs
+//!   per example): a branch's guard holds on every row it runs on, and
+//!   the discarded rows are finite with zero cotangents (JAX runs both
+//!   branches on every row, so a NaN of the branch not taken reaches the
+//!   gradient through its `select`).
 //! * VJP and JVP: a `cond` of the branches' VJPs (their operands'
 //!   cotangents packed into one vector) and JVPs, on the same predicate.
 
-use super::{batched_graph, example_mask, flat, piece, shape_error};
+use super::{any_true, batched_graph, example_mask, flat, from_taking, piece, shape_error};
 use crate::error::{Error, Result};
+use crate::ir::ops::Compare;
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
 use crate::rules::facts::{self, Arg, Effect, Facts, Workspace};
 use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
@@ -50,6 +57,49 @@ pub(super) fn body_peak(gs: &[&Graph]) -> usize {
         })
         .max()
         .unwrap_or(0)
+}
+
+impl Cond {
+    /// The batching rule for a predicate per example `p` `[B]` (see the
+    /// module docs): each branch in a `cond` on whether any example takes
+    /// it, fed the operands with the other examples' rows taken from one
+    /// that does; then each example's result.
+    fn per_example(&self, cx: &mut BatchCx, p: VarId, ops: &[BVal]) -> Result<BVal> {
+        let zero = cx.b.scalar_as(0.0, p);
+        let takes = [cx.b.cmp(Compare::Ne, p, zero)?, cx.b.cmp(Compare::Eq, p, zero)?];
+        let batched_ops: Vec<bool> = ops.iter().map(|a| a.1.is_some()).collect();
+        let mut outs = Vec::with_capacity(2);
+        for (g, taking) in self.branches().into_iter().zip(takes) {
+            let fronts = ops
+                .iter()
+                .filter(|a| a.1.is_some())
+                .map(|&a| cx.front(a))
+                .collect::<Result<Vec<_>>>()?;
+            let mut fed = from_taking(cx.b, taking, cx.size, &fronts)?.into_iter();
+            let mut operands = vec![any_true(cx.b, taking)?];
+            for &(v, bd) in ops {
+                operands.push(match bd {
+                    Some(_) => fed.next().ok_or_else(|| Error::internal("cond", "an operand lost"))?,
+                    None => v,
+                });
+            }
+            let run = batched_graph(cx, g, &batched_ops, |icx, ins| {
+                let out = walk::batch_graph(g, icx, ins)?[0];
+                icx.materialize(out)
+            })?;
+            let ty = run.ty(run.outputs[0]).clone();
+            // taken by no example: skipped, its (discarded) result zeros
+            let skip = batched_graph(cx, g, &batched_ops, |icx, _| icx.b.zeros(ty.shape, ty.dtype))?;
+            let c = Cond {
+                on_true: Arc::new(run),
+                on_false: Arc::new(skip),
+            };
+            outs.push(cx.b.emit(Prim::Cond(Box::new(c)), &operands)?);
+        }
+        let rank = cx.b.ty(outs[0]).rank();
+        let mask = example_mask(cx.b, p, cx.size, rank)?;
+        Ok((cx.b.select(mask, outs[0], outs[1])?, Some(0)))
+    }
 }
 
 impl Rule for Cond {
@@ -107,16 +157,8 @@ impl Rule for Cond {
         }
         let ops = &args[1..];
         if let (p, Some(d)) = args[0] {
-            // a predicate per example: both branches, then each example's
-            let mut outs = Vec::with_capacity(2);
-            for g in self.branches() {
-                let out = walk::batch_graph(g, cx, ops)?[0];
-                outs.push(cx.materialize(out)?);
-            }
             let p = cx.front((p, Some(d)))?;
-            let rank = cx.b.ty(outs[0]).rank();
-            let mask = example_mask(cx.b, p, cx.size, rank)?;
-            return Ok(Some((cx.b.select(mask, outs[0], outs[1])?, Some(0))));
+            return self.per_example(cx, p, ops).map(Some);
         }
         // one predicate for all: the same choice between batched branches
         let mut operands = vec![args[0].0];

@@ -9,10 +9,11 @@ mod scan_vjp;
 mod while_loop;
 
 use crate::error::{Error, Result};
-use crate::ir::ops::Compare;
-use crate::ir::{Graph, TensorType, VarId};
+use crate::ir::ops::{Compare, IndexOp, Lookup, Reduce, Unary};
+use crate::ir::{Graph, Prim, TensorType, VarId};
 use crate::rules::facts::{self, Effect};
 use crate::rules::{BVal, BatchCx, Builder};
+use candle_core::DType;
 
 /// An error where a body of `op` draws random numbers: its derivative
 /// runs the body again, which would draw anew, so the derivative would be
@@ -77,6 +78,53 @@ fn example_mask(b: &mut Builder, p: VarId, size: usize, rank: usize) -> Result<V
     let mut shape = vec![size];
     shape.resize(rank, 1);
     b.reshape(mask, shape)
+}
+
+/// Whether any entry of the mask `m` `[B]` (nonzero: true) holds: a
+/// scalar `u8`, the predicate of a loop or a branch that some example is
+/// still in.
+fn any_true(b: &mut Builder, m: VarId) -> Result<VarId> {
+    let zero = b.scalar_as(0.0, m);
+    let on = b.cmp(Compare::Ne, m, zero)?;
+    let on = b.un(Unary::Cast(DType::F32), on)?;
+    let n = b.sum_axes(on, vec![0], false)?;
+    let zero = b.scalar_as(0.0, n);
+    b.cmp(Compare::Gt, n, zero)
+}
+
+/// The batched values `vs` (batch first, `B ..`) as a path that only the
+/// examples where `taking` `[B]` holds take should see them: each other
+/// example's row replaced by the first taking example's
+/// (`where(taking, v, v[first])`). An example then runs a branch or a
+/// loop step only on values some example really takes it with, so a
+/// guard (`i < 5` before `table[i]`, `x > 0` before `sqrt(x)`) holds on
+/// every row, and what it computes for the others (discarded by the
+/// caller's select) is finite and has a zero cotangent. With no taking
+/// example the rows are row 0's: the caller skips the path then.
+fn from_taking(b: &mut Builder, taking: VarId, size: usize, vs: &[VarId]) -> Result<Vec<VarId>> {
+    let zero = b.scalar_as(0.0, taking);
+    let on = b.cmp(Compare::Ne, taking, zero)?;
+    let score = b.un(Unary::Cast(DType::F32), on)?;
+    // B -> 1: the first example taking it (argmax's first of ties)
+    let first = b.emit(
+        Prim::Reduce(Reduce::Arg {
+            axis: 0,
+            keepdim: true,
+            min: false,
+        }),
+        &[score],
+    )?;
+    vs.iter()
+        .map(|&v| {
+            // B .. -> 1 ..: that example's row, broadcast against the rest
+            let row = b.emit(Prim::Index(IndexOp::IndexSelect(0, Lookup::Index)), &[v, first])?;
+            let rank = b.ty(v).rank();
+            let mut shape = vec![size];
+            shape.resize(rank, 1);
+            let keep = b.reshape(on, shape)?;
+            b.select(keep, v, row)
+        })
+        .collect()
 }
 
 /// `v` as one vector (`.. -> (..)`).

@@ -3,22 +3,25 @@
 //!
 //! * batch: with one condition for the whole batch (it reads nothing
 //!   batched), the same loop over the body batched; with a condition per
-//!   example, the loop runs while any example's holds and an example whose
-//!   condition fails keeps its carry (JAX's rule). Under
-//!   `Schedule::PerExample` each example runs its own number of steps.
+//!   example, the loop runs while any example's holds, and an example
+//!   whose condition fails keeps its carry and no longer feeds the body
+//!   its own values: its rows of the body's inputs are copies of a running
+//!   example's, so the body only ever runs on values some example really
+//!   steps with (a finished example's `table[i]` with `i` past the table
+//!   is never read), as under `Schedule::PerExample`, where each example
+//!   runs its own number of steps.
 //! * JVP: a loop carrying the carry and its tangent side by side.
 //! * VJP: none, as in JAX: the trip count is data, so the carries to run
 //!   back over are not known in advance. `fori_loop` (a `scan` of a fixed
 //!   length) is the reverse-differentiable loop.
 
 use super::cond::{body_peak, effect};
-use super::{batched_graph, example_mask, flat, piece, shape_error};
+use super::{any_true, batched_graph, example_mask, flat, from_taking, piece, shape_error};
 use crate::error::{Error, Result};
-use crate::ir::ops::{Compare, Unary};
 use crate::ir::{Graph, Prim, TensorType, VarId, While};
 use crate::rules::facts::{self, Arg, Facts, Workspace};
 use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::sync::Arc;
 
 impl Rule for While {
@@ -93,14 +96,28 @@ impl Rule for While {
             }
         })?;
         let body = batched_graph(cx, &self.body, &batched, |icx, ins| {
-            let next = walk::batch_graph(&self.body, icx, ins)?[0];
-            let next = icx.materialize(next)?;
             if !per_example {
-                return Ok(next);
+                let next = walk::batch_graph(&self.body, icx, ins)?[0];
+                return icx.materialize(next);
             }
-            // an example whose condition fails keeps its carry
             let p = walk::batch_graph(&self.cond, icx, ins)?[0];
             let p = icx.materialize(p)?;
+            // a finished example's rows: a running example's values
+            let rows: Vec<VarId> = ins.iter().filter(|a| a.1.is_some()).map(|a| a.0).collect();
+            let mut fed = from_taking(icx.b, p, icx.size, &rows)?.into_iter();
+            let fed_ins = ins
+                .iter()
+                .map(|&(v, bd)| match bd {
+                    Some(_) => fed
+                        .next()
+                        .map(|f| (f, bd))
+                        .ok_or_else(|| Error::internal("while_loop", "an input lost")),
+                    None => Ok((v, bd)),
+                })
+                .collect::<Result<Vec<BVal>>>()?;
+            let next = walk::batch_graph(&self.body, icx, &fed_ins)?[0];
+            let next = icx.materialize(next)?;
+            // and keeps its own carry
             let rank = icx.b.ty(next).rank();
             let go = example_mask(icx.b, p, icx.size, rank)?;
             icx.b.select(go, next, ins[0].0)
@@ -169,15 +186,4 @@ impl Rule for While {
         let state = b.emit(Prim::While(Box::new(w)), &operands)?;
         Ok(Some(Some(piece(b, state, 0, ncf, &carry_ty.shape)?)))
     }
-}
-
-/// Whether any entry of the per-example condition `p` `[B]` holds: a
-/// scalar `u8`.
-fn any_true(b: &mut Builder, p: VarId) -> Result<VarId> {
-    let zero = b.scalar_as(0.0, p);
-    let go = b.cmp(Compare::Ne, p, zero)?;
-    let go = b.un(Unary::Cast(DType::F32), go)?;
-    let n = b.sum_axes(go, vec![0], false)?;
-    let zero = b.scalar_as(0.0, n);
-    b.cmp(Compare::Gt, n, zero)
 }
