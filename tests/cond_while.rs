@@ -424,14 +424,14 @@ fn a_guarded_branch_runs_only_on_rows_that_take_it_under_every_schedule() {
     let want: Vec<f64> = is.iter().map(|&i| if i < 5.0 { 10.0 + i } else { 0.0 }).collect();
     // single calls
     for (&i, &w) in is.iter().zip(&want) {
-        let y = jit(guarded).call(&Tensor::new(i, &Device::Cpu).unwrap()).unwrap();
+        let y = jit(guarded).call(Tensor::new(i, &Device::Cpu).unwrap()).unwrap();
         assert_eq!(y.to_scalar::<f64>().unwrap(), w, "single call at {i}");
     }
     for schedule in SCHEDULES {
-        let y = under(guarded, schedule).call(&t64(&is)).unwrap();
+        let y = under(guarded, schedule).call(t64(&is)).unwrap();
         assert_close(&y, &t64(&want), 0.0, &format!("{schedule:?}"));
         // every example out of the table: the guarded branch is skipped
-        let y = under(guarded, schedule).call(&t64(&[6.0, 9.0])).unwrap();
+        let y = under(guarded, schedule).call(t64(&[6.0, 9.0])).unwrap();
         assert_close(&y, &t64(&[0.0, 0.0]), 0.0, &format!("{schedule:?}, none in range"));
     }
 }
@@ -469,7 +469,7 @@ fn the_branch_not_taken_never_reaches_a_gradient_under_any_schedule() {
         let (_, t) = under(jvp_fn(sqrt_abs), schedule).call((&xs, &ones)).unwrap();
         assert_close(&t, &want, 1e-12, &format!("vmap(jvp) {what}"));
         // every example on one side: the other branch never runs
-        let g = under(grad(sqrt_abs), schedule).call(&t64(&[4.0, 1.0])).unwrap();
+        let g = under(grad(sqrt_abs), schedule).call(t64(&[4.0, 1.0])).unwrap();
         assert_close(&g, &t64(&[0.25, 0.5]), 1e-12, &format!("one side {what}"));
     }
 }
@@ -501,11 +501,141 @@ fn a_finished_loop_example_no_longer_feeds_the_body_its_own_values() {
         .map(|&i| (i as usize..5).map(|k| 10.0 + k as f64).sum())
         .collect();
     for (&i, &w) in is.iter().zip(&want) {
-        let y = jit(table_sum).call(&Tensor::new(i, &Device::Cpu).unwrap()).unwrap();
+        let y = jit(table_sum).call(Tensor::new(i, &Device::Cpu).unwrap()).unwrap();
         assert_eq!(y.to_scalar::<f64>().unwrap(), w, "single call at {i}");
     }
     for schedule in SCHEDULES {
-        let y = under(table_sum, schedule).call(&t64(&is)).unwrap();
+        let y = under(table_sum, schedule).call(t64(&is)).unwrap();
         assert_close(&y, &t64(&want), 0.0, &format!("{schedule:?}"));
+    }
+}
+
+#[test]
+fn nested_vmaps_of_a_guarded_lookup_agree_with_single_calls() {
+    let look = |i: Tracer| -> candle_func::Result<Tracer> {
+        let table = Tensor::new(&[10f32, 11., 12., 13., 14.], &Device::Cpu).unwrap();
+        let out = cond(
+            &i.lt(5.0)?,
+            move |o: &[Tracer]| {
+                Ok(vec![table
+                    .to_tracer(&o[0])?
+                    .index_select(&o[0].reshape(1)?, 0)?
+                    .squeeze(0)?])
+            },
+            |o: &[Tracer]| Ok(vec![o[0].to_dtype(DType::F32)?.affine(0.0, 0.0)?]),
+            &[i],
+        )?;
+        Ok(out[0].clone())
+    };
+    let is = Tensor::new(&[[1i64, 7], [7, 2], [9, 8]], &Device::Cpu).unwrap();
+    for schedule in SCHEDULES {
+        let y = under(vmap(look), schedule).call(&is).unwrap();
+        assert_eq!(
+            y.to_vec2::<f32>().unwrap(),
+            [[11., 0.], [0., 12.], [0., 0.]],
+            "{schedule:?}"
+        );
+    }
+}
+
+/// Steps `x` by `table[floor x] + 0` until it reaches 5.
+fn walk_table(x: Tracer) -> candle_func::Result<Tracer> {
+    let table = Tensor::new(&[1f64, 1., 2., 1., 1.], &Device::Cpu).unwrap();
+    let out = while_loop(
+        |c: &[Tracer]| c[0].lt(5.0),
+        move |c: &[Tracer]| {
+            let step = table
+                .to_tracer(&c[0])?
+                .index_select(&c[0].to_dtype(DType::I64)?.reshape(1)?, 0)?;
+            Ok(vec![c[0].add(&step.squeeze(0)?)?])
+        },
+        &[x],
+    )?;
+    Ok(out[0].clone())
+}
+
+#[test]
+fn a_finished_example_stays_out_of_the_loop_under_jvp_of_vmap_and_vmap_of_jvp() {
+    let xs = t64(&[0.5, 4.5, 2.25, 7.0]);
+    let ones = t64(&[1.0; 4]);
+    let want = under(walk_table, Some(Schedule::PerExample)).call(&xs).unwrap();
+    for schedule in SCHEDULES {
+        let what = format!("{schedule:?}");
+        assert_close(&under(walk_table, schedule).call(&xs).unwrap(), &want, 0.0, &what);
+        let (y, t) = under(jvp_fn(walk_table), schedule).call((&xs, &ones)).unwrap();
+        assert_close(&y, &want, 0.0, &format!("vmap(jvp) {what}"));
+        assert_close(&t, &ones, 0.0, &format!("vmap(jvp) {what}"));
+        let batched = under(walk_table, schedule);
+        let (y, t) = jvp(&move |x: Tracer| Function::apply(&batched, (x,)), &xs, &ones).unwrap();
+        assert_close(&y, &want, 0.0, &format!("jvp(vmap) {what}"));
+        assert_close(&t, &ones, 0.0, &format!("jvp(vmap) {what}"));
+    }
+}
+
+#[test]
+fn vector_operands_and_a_cond_inside_a_scan_keep_each_examples_gradient() {
+    // a vector operand and a second, batched one the branches ignore
+    let f = |x: Tracer| -> candle_func::Result<Tracer> {
+        let z = x.affine(0.0, 7.0)?;
+        let out = cond(
+            &x.sum_all()?.gt(0.0)?,
+            |o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
+            |o: &[Tracer]| Ok(vec![o[0].neg()?.sqrt()?]),
+            &[x, z],
+        )?;
+        Ok(out[0].clone())
+    };
+    let x = Tensor::new(&[[-4f64, -1.0], [4., 9.]], &Device::Cpu).unwrap();
+    let want = Tensor::new(&[[-0.25f64, -0.5], [0.25, 1.0 / 6.0]], &Device::Cpu).unwrap();
+    for schedule in SCHEDULES {
+        let g = grad(move |x: Tracer| Function::apply(&under(f, schedule), (x,))?.sum_all())
+            .call(&x)
+            .unwrap();
+        assert_close(&g, &want, 1e-12, &format!("vectors {schedule:?}"));
+    }
+    // sqrt(|x_t|) summed by a scan, a branch per step and per example
+    let h = |xs: Tracer| -> candle_func::Result<Tracer> {
+        let init = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
+        let (c, _) = scan(
+            |c: &[Tracer], x: &[Tracer]| Ok((vec![c[0].add(&sqrt_abs(x[0].clone())?)?], vec![])),
+            &[init],
+            &[xs],
+        )?;
+        Ok(c[0].clone())
+    };
+    let xs = Tensor::new(&[[-4f64, 4.0, 1.0], [9.0, -1.0, -9.0]], &Device::Cpu).unwrap();
+    let want = Tensor::new(&[[-0.25f64, 0.25, 0.5], [1.0 / 6.0, -0.5, -1.0 / 6.0]], &Device::Cpu).unwrap();
+    for schedule in SCHEDULES {
+        let g = under(grad(h), schedule).call(&xs).unwrap();
+        assert_close(&g, &want, 1e-12, &format!("scan vmap(grad) {schedule:?}"));
+        let g = grad(move |x: Tracer| Function::apply(&under(h, schedule), (x,))?.sum_all())
+            .call(&xs)
+            .unwrap();
+        assert_close(&g, &want, 1e-12, &format!("scan grad(vmap) {schedule:?}"));
+    }
+}
+
+#[test]
+fn an_example_whose_rows_are_copied_keeps_its_own_gradient_at_a_singular_point() {
+    // x = 0 takes sqrt, whose derivative there is infinite; the other two
+    // examples' sqrt rows are copies of it, discarded: their zero
+    // cotangents must not turn its infinite derivative into NaN
+    let f = |x: Tracer| -> candle_func::Result<Tracer> {
+        let out = cond(
+            &x.ge(0.0)?,
+            |o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
+            |o: &[Tracer]| Ok(vec![o[0].affine(2.0, 0.0)?]),
+            &[x],
+        )?;
+        Ok(out[0].clone())
+    };
+    let x = t64(&[0.0, -3.0, -1.0]);
+    for schedule in SCHEDULES {
+        let g = grad(move |x: Tracer| Function::apply(&under(f, schedule), (x,))?.sum_all())
+            .call(&x)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        assert_eq!(g, [f64::INFINITY, 2.0, 2.0], "{schedule:?}");
     }
 }

@@ -498,7 +498,10 @@ pub fn while_loop(
 /// on every row it sees, and the branch not taken never puts a NaN in a
 /// gradient, unlike JAX's `select`), a branch no example takes does not
 /// run, and each example keeps its own result; under
-/// `Schedule::PerExample` each example runs only its own branch.
+/// `Schedule::PerExample` each example runs only its own branch. Pass
+/// what the branches compute on as `operands`: an operation a branch
+/// applies to a tracer it reads from outside is traced before the `cond`
+/// and runs whatever the predicate.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

@@ -15,7 +15,7 @@
 //! * VJP and JVP: a `cond` of the branches' VJPs (their operands'
 //!   cotangents packed into one vector) and JVPs, on the same predicate.
 
-use super::{any_true, batched_graph, example_mask, flat, from_taking, piece, shape_error};
+use super::{any_true, batched_graph, example_mask, flat, from_taking, lanes_graph, piece, shape_error};
 use crate::error::{Error, Result};
 use crate::ir::ops::Compare;
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
@@ -67,34 +67,39 @@ impl Cond {
     fn per_example(&self, cx: &mut BatchCx, p: VarId, ops: &[BVal]) -> Result<BVal> {
         let zero = cx.b.scalar_as(0.0, p);
         let takes = [cx.b.cmp(Compare::Ne, p, zero)?, cx.b.cmp(Compare::Eq, p, zero)?];
-        let batched_ops: Vec<bool> = ops.iter().map(|a| a.1.is_some()).collect();
+        // the inner conds' operands: whether each example takes the branch
+        // (its rows are replaced inside, only when it runs), then the
+        // operands, batched ones batch first
+        let mut types = vec![(cx.b.ty(takes[0]).clone().with_shape(vec![]), true)];
+        let mut operands = Vec::with_capacity(ops.len());
+        for &(v, bd) in ops {
+            let mut ty = cx.b.ty(v).clone();
+            if let Some(d) = bd {
+                ty.shape.remove(d);
+            }
+            types.push((ty, bd.is_some()));
+            operands.push(match bd {
+                Some(_) => cx.front((v, bd))?,
+                None => v,
+            });
+        }
         let mut outs = Vec::with_capacity(2);
         for (g, taking) in self.branches().into_iter().zip(takes) {
-            let fronts = ops
-                .iter()
-                .filter(|a| a.1.is_some())
-                .map(|&a| cx.front(a))
-                .collect::<Result<Vec<_>>>()?;
-            let mut fed = from_taking(cx.b, taking, cx.size, &fronts)?.into_iter();
-            let mut operands = vec![any_true(cx.b, taking)?];
-            for &(v, bd) in ops {
-                operands.push(match bd {
-                    Some(_) => fed.next().ok_or_else(|| Error::internal("cond", "an operand lost"))?,
-                    None => v,
-                });
-            }
-            let run = batched_graph(cx, g, &batched_ops, |icx, ins| {
-                let out = walk::batch_graph(g, icx, ins)?[0];
+            let run = lanes_graph(cx, &types, |icx, ins| {
+                let fed = from_taking(icx.b, ins[0].0, icx.size, &ins[1..])?;
+                let out = walk::batch_graph(g, icx, &fed)?[0];
                 icx.materialize(out)
             })?;
             let ty = run.ty(run.outputs[0]).clone();
             // taken by no example: skipped, its (discarded) result zeros
-            let skip = batched_graph(cx, g, &batched_ops, |icx, _| icx.b.zeros(ty.shape, ty.dtype))?;
+            let skip = lanes_graph(cx, &types, |icx, _| icx.b.zeros(ty.shape, ty.dtype))?;
             let c = Cond {
                 on_true: Arc::new(run),
                 on_false: Arc::new(skip),
             };
-            outs.push(cx.b.emit(Prim::Cond(Box::new(c)), &operands)?);
+            let mut args = vec![any_true(cx.b, taking)?, taking];
+            args.extend_from_slice(&operands);
+            outs.push(cx.b.emit(Prim::Cond(Box::new(c)), &args)?);
         }
         let rank = cx.b.ty(outs[0]).rank();
         let mask = example_mask(cx.b, p, cx.size, rank)?;

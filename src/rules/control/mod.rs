@@ -46,15 +46,29 @@ fn batched_graph(
     batched: &[bool],
     out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<VarId>,
 ) -> Result<Graph> {
-    let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
-    let mut sb = scratch.borrow_mut();
-    let ins: Vec<BVal> = g
+    let types: Vec<(TensorType, bool)> = g
         .inputs
         .iter()
         .zip(batched)
-        .map(|(&i, &on)| {
-            let mut ty = g.ty(i).clone();
-            if on {
+        .map(|(&i, &on)| (g.ty(i).clone(), on))
+        .collect();
+    lanes_graph(cx, &types, out)
+}
+
+/// A graph of inputs of the per-example types `types` (batched at axis 0
+/// where flagged: `X -> B X`) and the one output `out` makes of them.
+fn lanes_graph(
+    cx: &BatchCx,
+    types: &[(TensorType, bool)],
+    out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<VarId>,
+) -> Result<Graph> {
+    let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
+    let mut sb = scratch.borrow_mut();
+    let ins: Vec<BVal> = types
+        .iter()
+        .map(|(ty, on)| {
+            let mut ty = ty.clone();
+            if *on {
                 ty.shape.insert(0, cx.size);
             }
             (sb.input(ty), on.then_some(0))
@@ -92,16 +106,18 @@ fn any_true(b: &mut Builder, m: VarId) -> Result<VarId> {
     b.cmp(Compare::Gt, n, zero)
 }
 
-/// The batched values `vs` (batch first, `B ..`) as a path that only the
-/// examples where `taking` `[B]` holds take should see them: each other
-/// example's row replaced by the first taking example's
-/// (`where(taking, v, v[first])`). An example then runs a branch or a
-/// loop step only on values some example really takes it with, so a
-/// guard (`i < 5` before `table[i]`, `x > 0` before `sqrt(x)`) holds on
-/// every row, and what it computes for the others (discarded by the
-/// caller's select) is finite and has a zero cotangent. With no taking
-/// example the rows are row 0's: the caller skips the path then.
-fn from_taking(b: &mut Builder, taking: VarId, size: usize, vs: &[VarId]) -> Result<Vec<VarId>> {
+/// The values `ins` (batched ones batch first, `B ..`) as a path that
+/// only the examples where `taking` `[B]` holds take should see them: each
+/// other example's row replaced by the first taking example's
+/// (`where(taking, v, stop_gradient(v[first]))`). An example then runs a
+/// branch or a loop step only on values some example really takes it
+/// with, so a guard (`i < 5` before `table[i]`, `x > 0` before `sqrt(x)`)
+/// holds on every row, and what it computes for the others (discarded by
+/// the caller's select) gets a zero cotangent that reaches nothing: the
+/// copy's gradient is stopped, or `0 f'(x)` at a point where `f'` is
+/// infinite would put a NaN in the taking example's own gradient. With no
+/// taking example the rows are row 0's: the caller skips the path then.
+fn from_taking(b: &mut Builder, taking: VarId, size: usize, ins: &[BVal]) -> Result<Vec<BVal>> {
     let zero = b.scalar_as(0.0, taking);
     let on = b.cmp(Compare::Ne, taking, zero)?;
     let score = b.un(Unary::Cast(DType::F32), on)?;
@@ -114,15 +130,22 @@ fn from_taking(b: &mut Builder, taking: VarId, size: usize, vs: &[VarId]) -> Res
         }),
         &[score],
     )?;
-    vs.iter()
-        .map(|&v| {
+    ins.iter()
+        .map(|&(v, bd)| {
+            if bd.is_none() {
+                return Ok((v, bd));
+            }
             // B .. -> 1 ..: that example's row, broadcast against the rest
             let row = b.emit(Prim::Index(IndexOp::IndexSelect(0, Lookup::Index)), &[v, first])?;
+            let row = match b.ty(v).dtype.is_float() {
+                true => b.un(Unary::StopGradient, row)?,
+                false => row,
+            };
             let rank = b.ty(v).rank();
             let mut shape = vec![size];
             shape.resize(rank, 1);
             let keep = b.reshape(on, shape)?;
-            b.select(keep, v, row)
+            Ok((b.select(keep, v, row)?, bd))
         })
         .collect()
 }

@@ -103,19 +103,8 @@ impl Rule for While {
             let p = walk::batch_graph(&self.cond, icx, ins)?[0];
             let p = icx.materialize(p)?;
             // a finished example's rows: a running example's values
-            let rows: Vec<VarId> = ins.iter().filter(|a| a.1.is_some()).map(|a| a.0).collect();
-            let mut fed = from_taking(icx.b, p, icx.size, &rows)?.into_iter();
-            let fed_ins = ins
-                .iter()
-                .map(|&(v, bd)| match bd {
-                    Some(_) => fed
-                        .next()
-                        .map(|f| (f, bd))
-                        .ok_or_else(|| Error::internal("while_loop", "an input lost")),
-                    None => Ok((v, bd)),
-                })
-                .collect::<Result<Vec<BVal>>>()?;
-            let next = walk::batch_graph(&self.body, icx, &fed_ins)?[0];
+            let fed = from_taking(icx.b, p, icx.size, ins)?;
+            let next = walk::batch_graph(&self.body, icx, &fed)?[0];
             let next = icx.materialize(next)?;
             // and keeps its own carry
             let rank = icx.b.ty(next).rank();
