@@ -639,3 +639,36 @@ fn an_example_whose_rows_are_copied_keeps_its_own_gradient_at_a_singular_point()
         assert_eq!(g, [f64::INFINITY, 2.0, 2.0], "{schedule:?}");
     }
 }
+
+#[test]
+fn a_per_example_cond_differentiates_as_a_single_calls_does_or_refuses_alike() {
+    use candle_func::Randomness;
+    // a branch that draws: its gradient is refused batched as in one call
+    let noisy = |x: Tracer| -> candle_func::Result<Tracer> {
+        let out = cond(
+            &x.gt(0.0)?,
+            |o: &[Tracer]| Ok(vec![o[0].mul(&o[0].rand_uniform_like()?)?]),
+            |o: &[Tracer]| Ok(vec![o[0].neg()?]),
+            &[x],
+        )?;
+        Ok(out[0].clone())
+    };
+    let xs = t64(&[-1.0, 2.0]);
+    let single = grad(noisy)
+        .call(Tensor::new(2.0f64, &Device::Cpu).unwrap())
+        .unwrap_err();
+    let batched =
+        grad(move |x: Tracer| Function::apply(&vmap(noisy).randomness(Randomness::Different), (x,))?.sum_all())
+            .call(&xs)
+            .unwrap_err();
+    for e in [single, batched] {
+        assert!(
+            matches!(e, Error::Unsupported { .. }) && e.to_string().contains("random"),
+            "{e}"
+        );
+    }
+    // running it is fine: each example its own branch
+    let y = vmap(noisy).randomness(Randomness::Different).call(&xs).unwrap();
+    let y = y.to_vec1::<f64>().unwrap();
+    assert!(y[0] == 1.0 && (0.0..2.0).contains(&y[1]), "{y:?}");
+}

@@ -67,7 +67,7 @@ use super::adaptive::{Adaptive, AdaptiveClipping};
 use super::clip::clipped_grad_sum;
 use super::optim::Optimizer;
 use super::rng::Rng;
-use super::trainable::{under, Trainable};
+use super::trainable::{overlap, under, Trainable};
 pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
 use super::trainer::{Examples, Masked};
 use crate::error::{Error, Result};
@@ -553,7 +553,7 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
             // parameter were in exactly one: refuse the overlap outright
             // rather than let the first group win silently.
             for (i, (a, _)) in groups.iter().enumerate() {
-                if let Some((b, _)) = groups[i + 1..].iter().find(|(b, _)| under(a, b) || under(b, a)) {
+                if let Some((b, _)) = groups[i + 1..].iter().find(|(b, _)| overlap(a, b)) {
                     let setting = format!("per-layer clipping groups {a:?} and {b:?}");
                     let value = if a == b { "the same prefix twice" } else { "overlapping" };
                     return Err(Error::privacy("make_private", setting, "disjoint", value));

@@ -3,7 +3,7 @@
 //! DP-Adam and DP-AdamW: everything they do after the noise is
 //! post-processing of private values, at no privacy cost.
 
-use super::trainable::under;
+use super::trainable::{overlap, under};
 use crate::error::{Error, Result};
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
@@ -290,7 +290,7 @@ impl Groups {
                 "a prefix of none",
             ));
         }
-        if let Some((other, _, _)) = self.0.iter().find(|(p, _, _)| under(prefix, p) || under(p, prefix)) {
+        if let Some((other, _, _)) = self.0.iter().find(|(p, _, _)| overlap(prefix, p)) {
             return Err(Error::privacy(
                 op,
                 format!("group {prefix:?}"),

@@ -6,6 +6,12 @@
 
 use crate::error::{Error, Result};
 pub(crate) use crate::nn::under;
+
+/// Whether two prefixes hold a parameter in common: one is the other or a
+/// `.`-separated head of it (`fc` and `fc.weight`, not `fc` and `fc2`).
+pub(crate) fn overlap(a: &str, b: &str) -> bool {
+    under(a, b) || under(b, a)
+}
 use std::fmt;
 use std::sync::Arc;
 

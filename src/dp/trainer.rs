@@ -405,7 +405,9 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
         Ok(())
     }
 
-    /// Steps taken, counting those before a [`PrivateTrainer::resume`].
+    /// Steps taken, counting those before a [`PrivateTrainer::resume`]: each
+    /// accounted step, also one whose update failed after its noise was
+    /// drawn.
     pub fn steps(&self) -> u64 {
         self.steps
     }
@@ -446,8 +448,11 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
         &self.accountant
     }
 
-    /// Replaces the accountant (to resume the whole run, see
-    /// [`PrivateTrainer::resume`]).
+    /// Replaces the accountant (to report ε by another analysis, say). Its
+    /// history must still be this trainer's own steps (its noise multiplier
+    /// and sample rate, [`PrivateTrainer::steps`] of them) for
+    /// [`PrivateTrainer::save`], which refuses any other; to continue a
+    /// saved run, use [`PrivateTrainer::resume`].
     pub fn set_accountant(&mut self, accountant: Accountant) {
         self.accountant = accountant;
     }

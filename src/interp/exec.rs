@@ -246,6 +246,24 @@ pub(crate) fn check_host_alloc(op: &str, what: &str, elems: usize, elem_bytes: u
     }
 }
 
+/// [`checked_elems`] then [`check_host_alloc`]: `shape` of `elem_bytes`
+/// each fits in usize and in the machine's memory.
+pub(crate) fn check_host_shape(op: &str, what: &str, shape: &[usize], elem_bytes: usize) -> Result<()> {
+    let n = checked_elems(op, what, shape)?;
+    check_host_alloc(op, what, n, elem_bytes)
+}
+
+/// A vector with room for `n` values, or an error naming `op` and `what`
+/// where the allocator refuses it (the portable backstop of
+/// [`check_host_alloc`], which reads the available memory on Linux only).
+pub(crate) fn host_vec<T>(op: &str, what: &str, n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| Error::Config {
+        msg: format!("{op}: {what} of {n} elements cannot be allocated: {e}"),
+    })?;
+    Ok(v)
+}
+
 /// The element count of `shape`, or an error naming `op` and `what` where
 /// it overflows usize.
 pub(crate) fn checked_elems(op: &str, what: &str, shape: &[usize]) -> Result<usize> {

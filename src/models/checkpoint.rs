@@ -69,14 +69,9 @@ impl Checkpoint {
             }
             tensors.extend(read);
         }
-        if let Some(index) = &index {
-            if let Some((name, shard)) = index.map.iter().find(|(n, _)| !tensors.contains_key(*n)) {
-                return Err(bad(
-                    format!("weight \"{name}\""),
-                    format!("{} lists it in {shard}, which lacks it", index.path.display()),
-                ));
-            }
-        }
+        // A name the index lists that no shard holds is not an error here:
+        // converted Hub checkpoints list tied weights (`lm_head.weight`)
+        // their shards dropped; `weight` names one a model really needs.
         Ok(Checkpoint {
             dir,
             config,

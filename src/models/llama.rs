@@ -309,7 +309,7 @@ impl LlamaForCausalLM {
             false => Some(proj(ck, "lm_head", c.vocab_size, d, false)?),
         };
         let norm = rms(ck, "model.norm", d, c.rms_norm_eps)?;
-        let rotary = RotaryCache::new(r.head_dim, r.theta, ck.dtype(), ck.device());
+        let rotary = RotaryCache::new(r.head_dim, r.theta, c.max_position_embeddings, ck.dtype(), ck.device());
         Ok(LlamaForCausalLM {
             norm,
             rotary,

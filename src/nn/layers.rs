@@ -75,14 +75,14 @@ pub struct Linear {
     cache: EagerCache,
 }
 
+/// A layer's `weight` of `shape`, initialised as candle_nn's layers do.
+fn kaiming_weight(vb: &VarBuilder, shape: &[usize]) -> Result<Tensor> {
+    super::param(vb, shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)
+}
+
 /// A linear layer with bias (candle_nn's `linear`).
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let weight = super::param(
-        &vb,
-        &[out_dim, in_dim],
-        "weight",
-        candle_nn::init::DEFAULT_KAIMING_NORMAL,
-    )?;
+    let weight = kaiming_weight(&vb, &[out_dim, in_dim])?;
     let bias = Some(super::param(&vb, &[out_dim], "bias", bias_init(in_dim))?);
     Ok(Linear {
         weight,
@@ -95,12 +95,7 @@ pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
 
 /// A linear layer without bias.
 pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let weight = super::param(
-        &vb,
-        &[out_dim, in_dim],
-        "weight",
-        candle_nn::init::DEFAULT_KAIMING_NORMAL,
-    )?;
+    let weight = kaiming_weight(&vb, &[out_dim, in_dim])?;
     Ok(Linear {
         weight,
         bias: None,
@@ -207,7 +202,7 @@ pub struct Conv {
 
 fn conv(nd: usize, cin: usize, cout: usize, k: usize, cfg: ConvConfig, bias: bool, vb: VarBuilder) -> Result<Conv> {
     let shape = [&[cout, cin / cfg.groups.max(1)], &vec![k; nd][..]].concat();
-    let weight = super::param(&vb, &shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    let weight = kaiming_weight(&vb, &shape)?;
     // candle_nn bounds the conv bias by the input channels, not the fan-in.
     let bias = if bias {
         Some(super::param(&vb, &[cout], "bias", bias_init(cin))?)

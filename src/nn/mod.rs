@@ -68,10 +68,14 @@ use std::collections::BTreeMap;
 /// user input (a hidden size of 2^40) is an error naming it, never an
 /// aborted allocation.
 pub(crate) fn param(vb: &candle_nn::VarBuilder, shape: &[usize], name: &str, init: candle_nn::Init) -> Result<Tensor> {
-    use crate::interp::exec::{check_host_alloc, checked_elems};
+    use crate::interp::exec::{check_host_shape, checked_elems};
     let what = format!("parameter {:?}", layers::full_name(&vb.prefix(), name));
-    let n = checked_elems("nn", &what, shape)?;
-    check_host_alloc("nn", &what, n, vb.dtype().size_in_bytes())?;
+    // the host's memory bounds a parameter made on the host only (a GPU's
+    // is another size); every device's bounds the element count
+    match vb.device().is_cpu() {
+        true => check_host_shape("nn", &what, shape, vb.dtype().size_in_bytes())?,
+        false => checked_elems("nn", &what, shape).map(|_| ())?,
+    }
     Ok(vb.get_with_hints(shape, name, init)?)
 }
 

@@ -146,14 +146,14 @@ pub fn rotary_tables(
             msg: format!("rotary_tables: the head size {dim} must be even"),
         });
     }
-    let elems = crate::interp::exec::checked_elems("rotary_tables", "the tables", &[max_seq, dim / 2])?;
-    crate::interp::exec::check_host_alloc("rotary_tables", "the tables' angles", elems, 8)?;
+    use crate::interp::exec::{check_host_shape, host_vec};
+    let what = "the tables' angles";
+    check_host_shape("rotary_tables", what, &[max_seq, dim / 2], 8)?;
     let inv: Vec<f64> = (0..dim / 2)
         .map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim as f64))
         .collect();
-    let angles: Vec<f64> = (0..max_seq)
-        .flat_map(|t| inv.iter().map(move |f| t as f64 * f))
-        .collect();
+    let mut angles: Vec<f64> = host_vec("rotary_tables", what, max_seq * (dim / 2))?;
+    angles.extend((0..max_seq).flat_map(|t| inv.iter().map(move |f| t as f64 * f)));
     let a = Tensor::from_vec(angles, (max_seq, dim / 2), dev).op("rotary_tables")?;
     let (cos, sin) = (a.cos().op("rotary_tables")?, a.sin().op("rotary_tables")?);
     Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
@@ -163,11 +163,15 @@ pub fn rotary_tables(
 /// every position its configuration allows (a Llama's 1M-token
 /// `max_position_embeddings` would be 2 GiB of tables at load): the
 /// longest built so far is kept, and a shorter sequence reads its first
-/// rows.
+/// rows (each row depends on its position alone, so they are the values a
+/// table of that length would hold). A longer one builds the next power
+/// of two of rows, up to `max`, so that lengths growing one at a time
+/// build `log T` tables, not `T`.
 #[derive(Debug)]
 pub(crate) struct RotaryCache {
     dim: usize,
     theta: f64,
+    max: usize,
     dtype: DType,
     device: candle_core::Device,
     built: std::sync::Mutex<Option<(Tensor, Tensor)>>,
@@ -176,10 +180,11 @@ pub(crate) struct RotaryCache {
 impl RotaryCache {
     /// Nothing built yet; `dim` must be even (checked by [`rotary_tables`]
     /// when the first tables are built).
-    pub(crate) fn new(dim: usize, theta: f64, dtype: DType, device: &candle_core::Device) -> RotaryCache {
+    pub(crate) fn new(dim: usize, theta: f64, max: usize, dtype: DType, device: &candle_core::Device) -> RotaryCache {
         RotaryCache {
             dim,
             theta,
+            max,
             dtype,
             device: device.clone(),
             built: std::sync::Mutex::new(None),
@@ -192,9 +197,10 @@ impl RotaryCache {
         if let Some((cos, sin)) = built.as_ref().filter(|(c, _)| c.dims()[0] >= t) {
             return Ok((cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?));
         }
-        let tables = rotary_tables(self.dim, t, self.theta, self.dtype, &self.device)?;
-        *built = Some(tables.clone());
-        Ok(tables)
+        let rows = t.checked_next_power_of_two().unwrap_or(t).min(self.max).max(t);
+        let (cos, sin) = rotary_tables(self.dim, rows, self.theta, self.dtype, &self.device)?;
+        *built = Some((cos.clone(), sin.clone()));
+        Ok((cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?))
     }
 }
 

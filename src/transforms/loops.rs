@@ -420,9 +420,15 @@ pub fn fori_loop(
     // error here, not an aborted allocation
     let n = upper - lower;
     crate::interp::exec::check_host_alloc("fori_loop", &format!("the indices {lower}..{upper}"), n, 8)?;
-    let steps: Vec<i64> = (lower..upper)
-        .map(|i| i64::try_from(i).map_err(|_| Error::shape("fori_loop", &[], format!("index {i} overflows i64"))))
-        .collect::<Result<_>>()?;
+    if i64::try_from(upper - 1).is_err() {
+        return Err(Error::shape(
+            "fori_loop",
+            &[],
+            format!("index {} overflows i64", upper - 1),
+        ));
+    }
+    let mut steps: Vec<i64> = crate::interp::exec::host_vec("fori_loop", "the indices", n)?;
+    steps.extend((lower..upper).map(|i| i as i64));
     let idx = candle_core::Tensor::from_vec(steps, n, &like.device())?.to_tracer(like)?;
     let (carry, _) = scan(
         |c: &[Tracer], i: &[Tracer]| Ok((body(&i[0], c)?, Vec::new())),

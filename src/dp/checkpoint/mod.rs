@@ -9,14 +9,18 @@
 //! **Atomic.** A save writes the new folder beside the old one, flushes
 //! every file to disk, and renames it into place in one step (Linux's
 //! `renameat2` exchange; elsewhere two renames, between which the target
-//! is briefly absent while both folders are whole beside it). A save that
-//! fails half-way (a full disk, a kill) leaves the previous checkpoint as
-//! it was, so a DP run never has to start again and spend its budget
-//! twice. The folder is the checkpoint's alone: one holding other files is
-//! not replaced.
+//! is briefly absent while both folders are whole beside it: `resume`
+//! names the one moved aside if a kill lands there). A save that fails
+//! half-way (a full disk, a kill) leaves the previous checkpoint as it
+//! was, so a DP run never has to start again and spend its budget twice.
+//! The folder is the checkpoint's alone: one holding other files is not
+//! replaced; its parent must be writable (a mount point cannot be
+//! replaced: save into a folder inside the volume).
 //!
-//! **Checked.** `resume` verifies the digest before reading anything, so a
-//! file cut short or changed after the save is an error naming it; then
+//! **Checked.** `resume` verifies the digest before reading anything (a
+//! folder of the first format, which had none, is read with a warning),
+//! so a file cut short or changed after the save is an error naming it;
+//! then
 //! every step of the saved accountant history must be one this trainer
 //! takes (its `σ` and `q`) and their count the saved step count. The ε
 //! the resumed trainer reports is recomputed from that history by the
@@ -52,6 +56,7 @@ use super::trainer::PrivateTrainer;
 use crate::error::{Error, Result};
 use crate::transforms::settings::warn_once;
 use candle_core::{Device, Tensor};
+use folder::{hex, io};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -63,13 +68,6 @@ fn bad(msg: impl Into<String>) -> Error {
     Error::Checkpoint {
         what: "PrivateTrainer::resume",
         msg: msg.into(),
-    }
-}
-
-fn io(what: &'static str, path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Checkpoint {
-        what,
-        msg: format!("{}: {e}", path.display()),
     }
 }
 
@@ -90,13 +88,10 @@ fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>, params: &BTreeMap<String, Tens
     })
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn unhex(s: &str) -> Option<[u8; 32]> {
     let mut out = [0u8; 32];
-    if s.len() != 64 {
+    // hex digits only (`from_str_radix` takes a leading `+` too)
+    if s.len() != 64 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     for (i, o) in out.iter_mut().enumerate() {
@@ -139,6 +134,9 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         const WHAT: &str = "PrivateTrainer::save";
         let dir = dir.as_ref();
         folder::check_replaceable(dir, &FILES, WHAT)?;
+        // a history this trainer's own resume would refuse (one given by
+        // set_accountant) is refused before anything is written
+        self.check_history(&self.accountant, self.steps, WHAT)?;
         // everything read from the trainer before anything is written
         let current = self.params_now()?;
         let opt = self.optimizer.state()?;
@@ -188,6 +186,15 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
     /// with the same warning as `make_private`, and refuses to resume an
     /// OS-keyed run's folder. See the module docs.
     pub fn resume(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        // steps taken before the resume would vanish from the accounting,
+        // though what they released (their reports, a model evaluated
+        // then) may be out
+        if self.steps != 0 || self.accountant.steps() != 0 {
+            return Err(bad(format!(
+                "this trainer has taken {} steps: resume into a newly built one, whose accounting is empty",
+                self.steps.max(self.accountant.steps() as u64)
+            )));
+        }
         let r = self.read(dir.as_ref())?;
         // the optimiser checks its state whole before taking any of it; the
         // parameters were checked by `read`
@@ -215,7 +222,16 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             folder::verify(dir, &FILES, "PrivateTrainer::resume")?;
         }
         let path = dir.join("state.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| io("PrivateTrainer::resume", &path, e))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| match folder::moved_aside(dir) {
+            Some(aside) if !dir.exists() => bad(format!(
+                "{} is missing; a save interrupted between its two renames left the previous checkpoint at {}: \
+                 rename that folder to {} to resume it",
+                dir.display(),
+                aside.display(),
+                dir.display()
+            )),
+            _ => io("PrivateTrainer::resume", &path, e),
+        })?;
         let state: Value = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
         match state["format"].as_u64() {
             Some(FORMAT) if digested => {}
@@ -252,7 +268,11 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
                 return Err(bad(msg));
             }
         }
-        let device = self.data.leaves[0].1.device().clone();
+        // onto the parameters' device (the data may live elsewhere)
+        let device = match current.values().next() {
+            Some(t) => t.device().clone(),
+            None => self.data.leaves[0].1.device().clone(),
+        };
         let params = load_tensors(&dir.join("params.safetensors"), &device)?;
         for (k, t) in &current {
             match params.get(k) {
@@ -312,25 +332,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
     /// saved ones only reported in a warning when they differ.
     fn checked_history(&self, saved: &Value, steps: u64) -> Result<Accountant> {
         let saved = Accountant::from_json(&saved.to_string())?;
-        let (sigma, q) = (self.noise_multiplier, self.sample_rate);
-        for (i, &(s, r, n)) in saved.history().iter().enumerate() {
-            if s.to_bits() != sigma.to_bits() || r.to_bits() != q.to_bits() {
-                return Err(bad(format!(
-                    "accountant history entry {i} records {n} steps at noise multiplier {s} and sample rate {r}; \
-                     this trainer steps at noise multiplier {sigma} and sample rate {q}"
-                )));
-            }
-        }
-        let recorded = saved
-            .history()
-            .iter()
-            .try_fold(0u64, |t, &(_, _, n)| t.checked_add(n as u64));
-        if recorded != Some(steps) {
-            let recorded = recorded.map_or("more than 2^64".to_string(), |r| r.to_string());
-            return Err(bad(format!(
-                "the accountant history records {recorded} steps, the step count is {steps}"
-            )));
-        }
+        self.check_history(&saved, steps, "PrivateTrainer::resume")?;
         if saved.mechanism() != self.accountant.mechanism() {
             warn_once(
                 "dp-resume-mechanism".into(),
@@ -345,8 +347,34 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         }
         let mut accountant = self.accountant.emptied();
         let steps = usize::try_from(steps).map_err(|_| bad(format!("{steps} steps overflow usize")))?;
-        accountant.record(sigma, q, steps)?;
+        accountant.record(self.noise_multiplier, self.sample_rate, steps)?;
         Ok(accountant)
+    }
+
+    /// An error of `what` unless every step `acc` records is one this
+    /// trainer takes (its `σ` and `q`), `steps` of them.
+    fn check_history(&self, acc: &Accountant, steps: u64, what: &'static str) -> Result<()> {
+        let bad = |msg: String| Error::Checkpoint { what, msg };
+        let (sigma, q) = (self.noise_multiplier, self.sample_rate);
+        for (i, &(s, r, n)) in acc.history().iter().enumerate() {
+            if s.to_bits() != sigma.to_bits() || r.to_bits() != q.to_bits() {
+                return Err(bad(format!(
+                    "accountant history entry {i} records {n} steps at noise multiplier {s} and sample rate {r}; \
+                     this trainer steps at noise multiplier {sigma} and sample rate {q}"
+                )));
+            }
+        }
+        let recorded = acc
+            .history()
+            .iter()
+            .try_fold(0u64, |t, &(_, _, n)| t.checked_add(n as u64));
+        if recorded != Some(steps) {
+            let recorded = recorded.map_or("more than 2^64".to_string(), |r| r.to_string());
+            return Err(bad(format!(
+                "the accountant history records {recorded} steps, the step count is {steps}"
+            )));
+        }
+        Ok(())
     }
 
     /// What to do with the saved generator (see the module docs).

@@ -83,16 +83,18 @@ fn a_save_that_fails_at_any_file_leaves_the_previous_checkpoint_resumable() {
         t.step().unwrap();
     }
     let after_four = bits(&vm);
-    for point in [
-        "params.safetensors",
-        "optimizer.safetensors",
-        "state.json",
-        DIGEST,
-        "publish",
-    ] {
-        FAIL_AT.with(|f| f.set(Some(point)));
+    const POINTS: [&[&str]; 5] = [
+        &["params.safetensors"],
+        &["optimizer.safetensors"],
+        &["state.json"],
+        &[DIGEST],
+        &["publish"],
+    ];
+    for points in POINTS {
+        let point = points[0];
+        FAIL_AT.with(|f| f.set(points));
         let e = t.save(&dir).unwrap_err();
-        FAIL_AT.with(|f| f.set(None));
+        FAIL_AT.with(|f| f.set(&[]));
         assert!(
             e.to_string().contains(&format!("injected failure at {point}")),
             "{point}: {e}"
@@ -156,5 +158,100 @@ fn a_save_replaces_the_previous_folder_whole() {
         std::fs::remove_dir_all(&a).unwrap();
         std::fs::remove_dir_all(&b).unwrap();
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_two_renames_replace_the_folder_where_the_exchange_cannot_and_undo_a_failure() {
+    let (vm, xs, ys) = setup();
+    let mut t = trainer(&vm, &xs, &ys);
+    let dir = folder("fallback");
+    t.step().unwrap();
+    t.save(&dir).unwrap();
+    t.step().unwrap();
+    let after_two = bits(&vm);
+    // the second of the two renames fails: the first is undone
+    FAIL_AT.with(|f| f.set(&["exchange", "second rename"]));
+    let e = t.save(&dir).unwrap_err();
+    FAIL_AT.with(|f| f.set(&[]));
+    assert!(e.to_string().contains("injected failure at second rename"), "{e}");
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    let (vm2, _, _) = setup();
+    let mut back = trainer(&vm2, &xs, &ys);
+    back.resume(&dir).unwrap();
+    assert_eq!(back.steps(), 1);
+    // no exchange: the two renames put the new folder in place
+    FAIL_AT.with(|f| f.set(&["exchange"]));
+    t.save(&dir).unwrap();
+    FAIL_AT.with(|f| f.set(&[]));
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    let (vm3, _, _) = setup();
+    let mut back = trainer(&vm3, &xs, &ys);
+    back.resume(&dir).unwrap();
+    assert_eq!((back.steps(), bits(&vm3)), (2, after_two));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn folders_a_dead_save_left_are_removed_or_named() {
+    let (vm, xs, ys) = setup();
+    let mut t = trainer(&vm, &xs, &ys);
+    let dir = folder("stale");
+    let parent = dir.parent().unwrap().to_path_buf();
+    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+    t.save(&dir).unwrap();
+    // a staging folder of a process that is gone (no pid reaches 2^30)
+    let stale = parent.join(format!(".{name}.saving-1073741824-00"));
+    std::fs::create_dir_all(&stale).unwrap();
+    t.step().unwrap();
+    t.save(&dir).unwrap();
+    #[cfg(target_os = "linux")]
+    assert!(!stale.exists(), "a dead save's staging folder was left");
+    let _ = std::fs::remove_dir_all(&stale);
+    // the target missing, the previous checkpoint moved aside by a save
+    // that died between its two renames: kept, and named by resume
+    let aside = parent.join(format!(".{name}.saving-1073741824-01.old"));
+    std::fs::rename(&dir, &aside).unwrap();
+    let (vm2, _, _) = setup();
+    let e = trainer(&vm2, &xs, &ys).resume(&dir).unwrap_err();
+    assert!(e.to_string().contains(&aside.display().to_string()), "{e}");
+    std::fs::rename(&aside, &dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_relative_target_is_resolved_to_the_folder_it_names() {
+    let cwd = std::fs::canonicalize(".").unwrap();
+    for (given, name) in [("ckpt", "ckpt"), ("ckpt/", "ckpt"), ("./ckpt", "ckpt")] {
+        let (parent, got) = super::folder::resolve(Path::new(given), "test").unwrap();
+        assert_eq!((parent, got.as_str()), (cwd.clone(), name), "{given}");
+    }
+    assert!(!Path::new("ckpt").exists(), "resolving made the target");
+}
+
+#[test]
+fn a_trainer_resumes_only_with_an_empty_account_and_saves_only_its_own_history() {
+    let (vm, xs, ys) = setup();
+    let mut t = trainer(&vm, &xs, &ys);
+    t.step().unwrap();
+    let dir = folder("fresh_only");
+    t.save(&dir).unwrap();
+    // a trainer that has stepped would drop its own steps from epsilon
+    let (vm2, _, _) = setup();
+    let mut stepped = trainer(&vm2, &xs, &ys);
+    stepped.step().unwrap();
+    let e = stepped.resume(&dir).unwrap_err();
+    assert!(e.to_string().contains("has taken 1 steps"), "{e}");
+    // an accountant set by hand that this trainer's resume would refuse
+    let mut other = crate::dp::accountant::Accountant::default();
+    other.step(9.0, 0.2).unwrap();
+    t.set_accountant(other);
+    let e = t.save(&dir).unwrap_err();
+    assert!(e.to_string().contains("noise multiplier 9"), "{e}");
+    // and the folder is still the earlier save
+    let (vm3, _, _) = setup();
+    let mut back = trainer(&vm3, &xs, &ys);
+    back.resume(&dir).unwrap();
+    assert_eq!(back.steps(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
