@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_func::nn::{self, Module};
+use candle_func::nn::{self, BlockConfig, Module, NormKind};
 use candle_func::tracer::Operand;
 use candle_func::{grad, jit, vmap, Error, Tracer};
 use candle_nn::{VarBuilder, VarMap};
@@ -186,22 +186,66 @@ fn attention_masks_hide_what_they_should() {
         "causal",
     );
     assert!(common::max_diff(&y.narrow(1, 4, 1).unwrap(), &y2.narrow(1, 4, 1).unwrap()) > 1e-3);
-    // key padding: a padded key changes no other position's output
+    // the crate's one mask convention (nonzero: a real token, as the
+    // models' attention_mask): a padded key changes no other position's
+    // output
     let open = nn::multi_head_attention(8, 2, false, vb(&vm).pp("open")).unwrap();
-    let pad = Tensor::new(&[[0u8, 0, 1, 0, 0]], &Device::Cpu).unwrap();
+    let keep = Tensor::new(&[[1u8, 1, 0, 1, 1]], &Device::Cpu).unwrap();
     let f = |x: Tracer, m: Tracer| open.forward_masked(&nn::Params::own(), &x, Some(&m));
     let mut v = x.to_vec3::<f32>().unwrap();
     v[0][2] = vec![-2.0; 8];
     let x3 = Tensor::new(v, &Device::Cpu).unwrap();
-    let (a, b) = (jit(f).call((&x, &pad)).unwrap(), jit(f).call((&x3, &pad)).unwrap());
+    let (a, b) = (jit(f).call((&x, &keep)).unwrap(), jit(f).call((&x3, &keep)).unwrap());
     for t in [0, 1, 3, 4] {
         assert_close(
             &a.narrow(1, t, 1).unwrap(),
             &b.narrow(1, t, 1).unwrap(),
             1e-6,
-            "key padding",
+            "padding mask",
         );
     }
+    // every token real: the unmasked layer; no token real: finite (each
+    // query averages the hidden keys, as Hugging Face's eager attention)
+    let all = Tensor::ones((1, 5), DType::U8, &Device::Cpu).unwrap();
+    let plain = jit(|x: Tracer| open.forward(&x)).call(&x).unwrap();
+    assert_close(&jit(f).call((&x, &all)).unwrap(), &plain, 1e-6, "all real");
+    let none = jit(f).call((&x, &all.zeros_like().unwrap())).unwrap();
+    let finite = |t: &Tensor| {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .all(|v| v.is_finite())
+    };
+    assert!(finite(&none), "a fully hidden query is finite");
+    // the previous release's layer reads the inverse mask, and gives NaN
+    // where every key is hidden
+    #[allow(deprecated)]
+    let legacy = nn::multi_head_attention_key_padding(8, 2, false, vb(&vm).pp("open")).unwrap();
+    let pad = keep.eq(0u8).unwrap();
+    let g = |x: Tracer, m: Tracer| legacy.forward_masked(&nn::Params::own(), &x, Some(&m));
+    assert_close(&jit(g).call((&x, &pad)).unwrap(), &a, 1e-6, "legacy padding mask");
+    let hidden = jit(g).call((&x, &all)).unwrap();
+    assert!(!finite(&hidden), "legacy: NaN where every key is padding");
+    // a block takes the models' mask the same way
+    let c = BlockConfig {
+        dim: 8,
+        heads: 2,
+        ff: 16,
+        causal: false,
+        norm: NormKind::LayerNorm,
+        act: nn::Activation::Gelu,
+    };
+    let block = nn::transformer_block(c, vb(&vm).pp("blk")).unwrap();
+    let fb = |x: Tracer, m: Tracer| block.forward_masked(&nn::Params::own(), &x, Some(&m));
+    let (a, b) = (jit(fb).call((&x, &keep)).unwrap(), jit(fb).call((&x3, &keep)).unwrap());
+    assert_close(
+        &a.narrow(1, 0, 2).unwrap(),
+        &b.narrow(1, 0, 2).unwrap(),
+        1e-6,
+        "block mask",
+    );
     let r = jit(f).call((&x, &Tensor::zeros((1, 4), DType::U8, &Device::Cpu).unwrap()));
     assert!(matches!(r, Err(Error::Shape { op: "attention", .. })));
     assert!(nn::multi_head_attention(8, 3, false, vb(&vm).pp("bad")).is_err());

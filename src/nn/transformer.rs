@@ -207,9 +207,11 @@ impl RotaryCache {
 /// Multi-head self-attention over `[N, T, D]` with `heads` heads of `D /
 /// heads`: `q`, `k`, `v` and `o` are linear layers with bias (PyTorch's
 /// parameter names under the prefix: `q.weight`, ...). Scores are `q k^T /
-/// sqrt(D / heads)`; a causal mask hides the keys after each query, a
-/// key-padding mask (`[N, T]`, nonzero at padding) hides padded keys, and
-/// optional rotary tables rotate `q` and `k` ([`rope`]).
+/// sqrt(D / heads)`; a causal mask hides the keys after each query, an
+/// attention mask (`[N, T]`, nonzero for a real token and 0 for padding:
+/// the crate's one convention, Hugging Face's `attention_mask`) hides
+/// padded keys, and optional rotary tables rotate `q` and `k` ([`rope`]).
+/// The scores go through [`attend`](super::attend), as the models' do.
 pub struct MultiHeadAttention {
     q: Linear,
     k: Linear,
@@ -219,10 +221,39 @@ pub struct MultiHeadAttention {
     dim: usize,
     causal: bool,
     rotary: Option<(Tensor, Tensor)>,
+    // the deprecated constructors' convention: nonzero marks padding
+    key_padding: bool,
 }
 
-/// Self-attention of `dim` features in `heads` heads, causal or not.
+/// Self-attention of `dim` features in `heads` heads, causal or not; its
+/// mask is nonzero for a real token (see [`MultiHeadAttention`]).
 pub fn multi_head_attention(dim: usize, heads: usize, causal: bool, vb: VarBuilder) -> Result<MultiHeadAttention> {
+    attention_layer(dim, heads, causal, false, vb)
+}
+
+/// The previous release's attention, whose mask is nonzero where a key is
+/// **padding** (the inverse of every other mask of the crate) and whose
+/// fully hidden query gets NaN.
+#[deprecated(
+    since = "0.2.0",
+    note = "use nn::multi_head_attention, whose mask is nonzero for a real token (Hugging Face's attention_mask, as the models take it): invert a padding mask with mask.eq(0.0)"
+)]
+pub fn multi_head_attention_key_padding(
+    dim: usize,
+    heads: usize,
+    causal: bool,
+    vb: VarBuilder,
+) -> Result<MultiHeadAttention> {
+    attention_layer(dim, heads, causal, true, vb)
+}
+
+fn attention_layer(
+    dim: usize,
+    heads: usize,
+    causal: bool,
+    key_padding: bool,
+    vb: VarBuilder,
+) -> Result<MultiHeadAttention> {
     if heads == 0 || !dim.is_multiple_of(heads) {
         return Err(Error::Config {
             msg: format!("multi_head_attention: {heads} heads do not divide {dim} features"),
@@ -237,6 +268,7 @@ pub fn multi_head_attention(dim: usize, heads: usize, causal: bool, vb: VarBuild
         dim,
         causal,
         rotary: None,
+        key_padding,
     })
 }
 
@@ -255,10 +287,15 @@ impl MultiHeadAttention {
             .permute(&[0, 2, 1, 3])
     }
 
-    /// Attention with an optional key-padding mask `[N, T]` (nonzero where
-    /// a key is padding). A query whose keys are all hidden gets NaN, as in
-    /// PyTorch.
-    pub fn forward_masked(&self, p: &Params, x: &Tracer, key_padding: Option<&Tracer>) -> Result<Tracer> {
+    /// Attention with an optional mask `[N, T]`, nonzero for a real token
+    /// and 0 for padding (Hugging Face's `attention_mask`, as the models'
+    /// `forward_masked` take it): padded keys get the dtype's lowest finite
+    /// score ([`mask_value`](super::mask_value)), so a query whose keys are
+    /// all hidden averages them rather than giving NaN (Hugging Face's eager
+    /// attention). A layer from the deprecated
+    /// [`multi_head_attention_key_padding`] reads the mask inverted
+    /// (nonzero: padding) and fills with `-inf`, as before.
+    pub fn forward_masked(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
         if x.rank() != 3 || x.dims()[2] != self.dim {
             return Err(Error::shape(
                 "attention",
@@ -276,6 +313,16 @@ impl MultiHeadAttention {
             k = rope(&k, &cos, &sin)?;
         }
         let scale = 1.0 / ((self.dim / self.heads) as f64).sqrt();
+        if !self.key_padding {
+            let mask = super::AttentionMask {
+                causal: self.causal,
+                keep: mask.cloned(),
+            };
+            let out = super::attend(&q, &k, &v, &mask, scale)?; // [N, H, T, D/H]
+            let merged = out.permute(&[0, 2, 1, 3])?.reshape((n, t, self.dim))?;
+            return self.o.forward_with(p, &merged);
+        }
+        let key_padding = mask;
         // [N, H, T, T]
         let mut scores = q.matmul(&k.transpose(2, 3)?)?.affine(scale, 0.0)?;
         if self.causal {
@@ -385,11 +432,26 @@ pub struct TransformerBlock {
     act: Activation,
 }
 
-/// A pre-norm block of the given shape.
+/// A pre-norm block of the given shape; its mask is nonzero for a real
+/// token (see [`MultiHeadAttention::forward_masked`]).
 pub fn transformer_block(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBlock> {
+    block(c, false, vb)
+}
+
+/// The previous release's block, whose mask is nonzero where a key is
+/// **padding** (see [`multi_head_attention_key_padding`]).
+#[deprecated(
+    since = "0.2.0",
+    note = "use nn::transformer_block, whose mask is nonzero for a real token (Hugging Face's attention_mask): invert a padding mask with mask.eq(0.0)"
+)]
+pub fn transformer_block_key_padding(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBlock> {
+    block(c, true, vb)
+}
+
+fn block(c: BlockConfig, key_padding: bool, vb: VarBuilder) -> Result<TransformerBlock> {
     Ok(TransformerBlock {
         ln1: norm(c.norm, c.dim, vb.pp("ln1"))?,
-        attn: multi_head_attention(c.dim, c.heads, c.causal, vb.clone())?,
+        attn: attention_layer(c.dim, c.heads, c.causal, key_padding, vb.clone())?,
         ln2: norm(c.norm, c.dim, vb.pp("ln2"))?,
         ff1: linear(c.dim, c.ff, vb.pp("ff1"))?,
         ff2: linear(c.ff, c.dim, vb.pp("ff2"))?,
@@ -398,13 +460,10 @@ pub fn transformer_block(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBl
 }
 
 impl TransformerBlock {
-    /// The block with a key-padding mask for its attention.
-    pub fn forward_masked(&self, p: &Params, x: &Tracer, key_padding: Option<&Tracer>) -> Result<Tracer> {
-        let x = x.add(
-            &self
-                .attn
-                .forward_masked(p, &self.ln1.forward_with(p, x)?, key_padding)?,
-        )?;
+    /// The block with an attention mask `[N, T]` for its attention,
+    /// nonzero for a real token (see [`MultiHeadAttention::forward_masked`]).
+    pub fn forward_masked(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
+        let x = x.add(&self.attn.forward_masked(p, &self.ln1.forward_with(p, x)?, mask)?)?;
         let h = self
             .act
             .forward_with(p, &self.ff1.forward_with(p, &self.ln2.forward_with(p, &x)?)?)?;
