@@ -219,15 +219,6 @@ fn attention_masks_hide_what_they_should() {
             .all(|v| v.is_finite())
     };
     assert!(finite(&none), "a fully hidden query is finite");
-    // the previous release's layer reads the inverse mask, and gives NaN
-    // where every key is hidden
-    #[allow(deprecated)]
-    let legacy = nn::multi_head_attention_key_padding(8, 2, false, vb(&vm).pp("open")).unwrap();
-    let pad = keep.eq(0u8).unwrap();
-    let g = |x: Tracer, m: Tracer| legacy.forward_masked(&nn::Params::own(), &x, Some(&m));
-    assert_close(&jit(g).call((&x, &pad)).unwrap(), &a, 1e-6, "legacy padding mask");
-    let hidden = jit(g).call((&x, &all)).unwrap();
-    assert!(!finite(&hidden), "legacy: NaN where every key is padding");
     // a block takes the models' mask the same way
     let c = BlockConfig {
         dim: 8,
