@@ -298,6 +298,52 @@ impl IndexOp {
     }
 }
 
+// ---- attention
+
+/// Scaled dot-product attention as one primitive,
+/// `softmax(mask(q k^T * scale)) v` over `q`, `k`, `v` `[N, H, T, D]`
+/// (operands `q, k, v`, then `keep [N, T]` where `masked`: nonzero for a
+/// real token), and its gradient (`backward`: operands `q, k, v, o,
+/// dout`, then `keep`; result `dq | dk | dv` packed `[N, H, T, 3D]`). A
+/// hidden score (a key after its query where `causal`, a padded key)
+/// becomes the dtype's lowest finite value, as in Hugging Face's eager
+/// attention.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct AttnOp {
+    /// The factor on `q k^T`.
+    pub(crate) scale: f64,
+    /// Hide the keys after each query.
+    pub(crate) causal: bool,
+    /// Whether a `keep` mask follows the tensors.
+    pub(crate) masked: bool,
+    /// The gradient rather than the attention.
+    pub(crate) backward: bool,
+}
+
+impl AttnOp {
+    pub(crate) fn name(&self) -> String {
+        let kind = if self.backward { "attention_grad" } else { "attention" };
+        let mut s = format!("{kind}[scale={}", self.scale);
+        if self.causal {
+            s.push_str(",causal");
+        }
+        if self.masked {
+            s.push_str(",masked");
+        }
+        s.push(']');
+        s
+    }
+
+    /// Operands before `keep`: `q, k, v`, and `o, dout` for the gradient.
+    pub(crate) fn tensors(&self) -> usize {
+        if self.backward {
+            5
+        } else {
+            3
+        }
+    }
+}
+
 // ---- pool
 
 /// Pooling primitives and their gradients.

@@ -2,7 +2,7 @@
 //! `ops.rs` / `conv.rs` beside this file; their rules are in `crate::rules`.
 
 use super::conv::ConvOp;
-use super::ops::{Binary, Compare, IndexOp, PlaceOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
+use super::ops::{AttnOp, Binary, Compare, IndexOp, PlaceOp, PoolOp, Reduce, ShapeOp, Unary, Uniform};
 use super::options::Opts;
 use super::{Graph, TensorType};
 use candle_core::Tensor;
@@ -38,6 +38,8 @@ pub(crate) enum Prim {
     Conv(ConvOp),
     /// Max and average pooling.
     Pool(PoolOp),
+    /// Scaled dot-product attention and its gradient, fused.
+    Attention(AttnOp),
     /// A per-example sub-graph mapped over a batch axis: the generic
     /// batching fallback and the conv `Loop` route.
     Map(Box<Map>),
@@ -83,6 +85,7 @@ impl Prim {
             Prim::Matmul => "matmul".to_string(),
             Prim::Conv(c) => c.name(),
             Prim::Pool(p) => p.name(),
+            Prim::Attention(a) => a.name(),
             Prim::Map(m) => m.name(),
             Prim::Scan(s) => s.name(),
             Prim::Cond(c) => c.name(),

@@ -32,6 +32,7 @@
 //! Each is a multi-threaded CPU kernel for f32/f64 with a generic
 //! candle-op fallback on every other device and dtype.
 
+pub(crate) mod attention;
 pub mod bmm;
 pub mod compare;
 pub(crate) mod copies;

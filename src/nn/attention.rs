@@ -41,12 +41,7 @@ pub fn merge_heads(x: &Tracer) -> Result<Tracer> {
 /// hidden score, so that a query whose keys are all hidden averages them
 /// (where `-inf` would give NaN).
 pub fn mask_value(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => f64::MIN,
-        DType::F16 => -65504.0,
-        DType::BF16 => -3.3895313892515355e38,
-        _ => f32::MIN as f64,
-    }
+    crate::rules::attention::lowest(dtype)
 }
 
 /// What attention may not look at.
@@ -63,7 +58,12 @@ pub struct AttentionMask {
 /// `[N, Hkv, T, Dh]` where `Hkv` divides `H` (grouped-query attention:
 /// query head `h` reads key/value head `h / (H / Hkv)`, as Hugging Face's
 /// `repeat_kv`; `Hkv = 1` is multi-query attention). Hidden scores get
-/// [`mask_value`], as in Hugging Face's eager attention.
+/// [`mask_value`], as in Hugging Face's eager attention. One primitive of
+/// the graph: its kernel works through a block of queries at a time, and
+/// its gradient recomputes a block's probabilities from its scores, so
+/// neither holds the `[N, H, T, T]` probabilities (a BERT-base layer at
+/// `T = 1024` and `N = 8` kept 384 MiB of them for the backward); every
+/// transform goes through its rules.
 pub fn attend(q: &Tracer, k: &Tracer, v: &Tracer, mask: &AttentionMask, scale: f64) -> Result<Tracer> {
     let (qd, kd) = (q.dims(), k.dims());
     let fits = qd.len() == 4
@@ -81,19 +81,9 @@ pub fn attend(q: &Tracer, k: &Tracer, v: &Tracer, mask: &AttentionMask, scale: f
             "expected q [N, H, T, Dh] and k, v [N, Hkv, T, Dh] with Hkv dividing H",
         ));
     }
-    let (n, h, t) = (qd[0], qd[1], qd[2]);
-    let group = h / kd[1];
+    let (n, t) = (qd[0], qd[2]);
+    let group = qd[1] / kd[1];
     let (k, v) = (repeat_kv(k, group)?, repeat_kv(v, group)?);
-    let fill = mask_value(q.dtype());
-    let mut scores = q.matmul(&k.transpose(2, 3)?)?.affine(scale, 0.0)?; // N H T T
-    if mask.causal {
-        let pos = Tracer::arange(q, 0, t as i64, DType::U32)?;
-        let after = pos
-            .unsqueeze(0)?
-            .broadcast_as((t, t))?
-            .gt(&pos.unsqueeze(1)?.broadcast_as((t, t))?)?;
-        scores = scores.masked_fill(&after, fill)?;
-    }
     if let Some(keep) = &mask.keep {
         if keep.dims() != [n, t] {
             return Err(Error::shape(
@@ -102,11 +92,10 @@ pub fn attend(q: &Tracer, k: &Tracer, v: &Tracer, mask: &AttentionMask, scale: f
                 "the attention mask must be [N, T], as the token ids",
             ));
         }
-        // N T -> N 1 1 T: one row of hidden keys for every head and query
-        let hidden = keep.eq(0.0)?.reshape((n, 1, 1, t))?;
-        scores = scores.masked_fill(&hidden, fill)?;
     }
-    scores.softmax(-1)?.matmul(&v)
+    // one primitive: scores, mask, softmax and the weighted sum, whose
+    // gradient recomputes the probabilities rather than keeping them
+    q.attention(&k, &v, mask.keep.as_ref(), mask.causal, scale)
 }
 
 /// `[N, Hkv, T, Dh] -> [N, Hkv * group, T, Dh]`, each head repeated

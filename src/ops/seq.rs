@@ -6,7 +6,7 @@
 
 use super::Axis;
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::ops::{Reduce, Unary};
+use crate::ir::ops::{AttnOp, Reduce, Unary};
 use crate::ir::Prim;
 use crate::trace::{Operand, Tracer};
 use candle_core::{DType, Tensor};
@@ -91,6 +91,32 @@ impl Tracer {
         }
         let high = self.gt(max)?.where_cond(max, self)?;
         self.lt(min)?.where_cond(min, &high)
+    }
+
+    /// Scaled dot-product attention with this tensor as the queries,
+    /// `softmax(mask(q k^T * scale)) v` over `q`, `k`, `v` `[N, H, T, D]`
+    /// with `keep [N, T]` (nonzero for a real token) and the causal mask
+    /// hiding keys (a hidden score becomes the dtype's lowest finite
+    /// value): one primitive whose gradient keeps no `T x T` matrix (see
+    /// [`nn::attend`](crate::nn::attend), which takes grouped keys and
+    /// values too).
+    pub(crate) fn attention(
+        &self,
+        k: &Tracer,
+        v: &Tracer,
+        keep: Option<&Tracer>,
+        causal: bool,
+        scale: f64,
+    ) -> Result<Tracer> {
+        let op = AttnOp {
+            scale,
+            causal,
+            masked: keep.is_some(),
+            backward: false,
+        };
+        let mut others = vec![k, v];
+        others.extend(keep);
+        self.emit(Prim::Attention(op), &others)
     }
 
     /// `value` where `mask` (a `u8` tensor broadcast to this shape) is

@@ -15,6 +15,7 @@
 //! primitive has several lowerings (the conv routes) the rule asks the
 //! [`plan::Planner`] in its context, which the transforms supply.
 
+pub(crate) mod attention;
 pub(crate) mod builder;
 pub(crate) mod control;
 pub(crate) mod conv;
@@ -144,6 +145,7 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Matmul => &matmul::Matmul,
         Prim::Conv(r) => r,
         Prim::Pool(r) => r,
+        Prim::Attention(r) => r,
         Prim::Map(r) => r.as_ref(),
         Prim::Scan(r) => r.as_ref(),
         Prim::Cond(r) => r.as_ref(),

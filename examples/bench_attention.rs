@@ -1,0 +1,178 @@
+//! Attention at length: a BERT-base-shaped encoder (12 post-norm layers,
+//! hidden 768, 12 heads, feed-forward 3072, GELU; random weights from a
+//! `VarMap`, token and position embeddings, a 2-class head) at B = 8,
+//! T = 1024, every example padded past its own length, one variant per
+//! process so that the peak resident memory is the variant's:
+//!
+//! * `dp`: one DP-SGD step through `dp::PrivacyEngine` (ghost clipping,
+//!   secure noise, SGD), the batch as the whole data set;
+//! * `step`: the ordinary training step's gradient;
+//! * `forward`: the logits.
+//!
+//! ```text
+//! cargo run --release --example bench_attention -- --variant dp --reps 2
+//! ```
+//!
+//! It prints `RESULT ours_<variant> median_ms .. first_ms .. peak_rss_mib
+//! .. plan_mib ..` (the plan is the gradient's for `step`). `--layers`,
+//! `--t` and `--b` shrink it.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
+use candle_func::nn::{self, cross_entropy, Activation, AttentionMask, Module, Params, PostNormBlock, Reduction};
+use candle_func::{grad, jit, make_graph, Tracer};
+use candle_nn::{VarBuilder, VarMap};
+use common::arg;
+use std::collections::BTreeMap;
+
+const D: usize = 768;
+const HEADS: usize = 12;
+const FF: usize = 3072;
+const VOCAB: usize = 30522;
+
+struct Encoder {
+    words: nn::Embedding,
+    positions: nn::Embedding,
+    norm: nn::LayerNorm,
+    blocks: Vec<PostNormBlock>,
+    head: nn::Linear,
+}
+
+fn encoder(layers: usize, t: usize, vb: VarBuilder) -> candle_func::Result<Encoder> {
+    let ln = |vb: VarBuilder| nn::layer_norm(D, 1e-12, vb);
+    let blocks = (0..layers)
+        .map(|i| {
+            let vb = vb.pp(format!("layer.{i}"));
+            let lin = |i: usize, o: usize, name: &str| nn::linear(i, o, vb.pp(name));
+            let attn = nn::SelfAttention::separate(
+                lin(D, D, "query")?,
+                lin(D, D, "key")?,
+                lin(D, D, "value")?,
+                lin(D, D, "attention_out")?,
+                HEADS,
+                HEADS,
+            )?;
+            let ff = (lin(D, FF, "intermediate")?, Activation::Gelu, lin(FF, D, "output")?);
+            Ok(PostNormBlock::new(
+                attn,
+                ln(vb.pp("attention_norm"))?,
+                ff,
+                ln(vb.pp("output_norm"))?,
+            ))
+        })
+        .collect::<candle_func::Result<Vec<_>>>()?;
+    Ok(Encoder {
+        words: nn::embedding(VOCAB, D, vb.pp("words"))?,
+        positions: nn::embedding(t, D, vb.pp("positions"))?,
+        norm: ln(vb.pp("embeddings_norm"))?,
+        blocks,
+        head: nn::linear(D, 2, vb.pp("classifier"))?,
+    })
+}
+
+impl Encoder {
+    /// Logits `[.., 2]` of ids and mask `[.., 2, T]` (one example or a batch).
+    fn logits(&self, p: &Params, x: &Tracer) -> candle_func::Result<Tracer> {
+        let one = x.rank() == 2;
+        let x = if one { x.unsqueeze(0)? } else { x.clone() };
+        let (ids, keep) = (x.narrow(1, 0, 1)?.squeeze(1)?, x.narrow(1, 1, 1)?.squeeze(1)?);
+        let t = ids.dims()[1];
+        let pos = Tracer::arange(&ids, 0, t as i64, DType::U32)?;
+        let h = self
+            .words
+            .forward_with(p, &ids)?
+            .broadcast_add(&self.positions.forward_with(p, &pos)?)?;
+        let mut h = self.norm.forward_with(p, &h)?;
+        let mask = AttentionMask {
+            causal: false,
+            keep: Some(keep.clone()),
+        };
+        for b in &self.blocks {
+            h = b.forward(p, &h, &mask)?;
+        }
+        let first = h.narrow(1, 0, 1)?.squeeze(1)?; // the [CLS] position
+        let logits = self.head.forward_with(p, &first)?;
+        if one {
+            logits.squeeze(0)
+        } else {
+            Ok(logits)
+        }
+    }
+}
+
+/// `[B, 2, T]` ids and masks (example `i` keeps `T - 32 i` tokens, at
+/// least 16) and labels `[B]`.
+fn batch(b: usize, t: usize) -> candle_func::Result<(Tensor, Tensor)> {
+    let (mut ids, mut keep) = (vec![0u32; b * t], vec![0u32; b * t]);
+    let mut state = 7u64;
+    for i in 0..b {
+        let len = t.saturating_sub(32 * i).max(16.min(t));
+        for j in 0..len {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ids[i * t + j] = 1000 + (state >> 33) as u32 % (VOCAB as u32 - 1000);
+            keep[i * t + j] = 1;
+        }
+    }
+    let ids = Tensor::from_vec(ids, (b, 1, t), &Device::Cpu)?;
+    let keep = Tensor::from_vec(keep, (b, 1, t), &Device::Cpu)?;
+    let labels = Tensor::from_vec((0..b as u32).map(|i| i % 2).collect(), b, &Device::Cpu)?;
+    Ok((Tensor::cat(&[ids, keep], 1)?, labels))
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let variant: String = arg("--variant", "dp".to_string());
+    let reps: usize = arg("--reps", 2);
+    let layers: usize = arg("--layers", 12);
+    let (b, t): (usize, usize) = (arg("--b", 8), arg("--t", 1024));
+    let varmap = VarMap::new();
+    let model = encoder(layers, t, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    let (xs, ys) = batch(b, t)?;
+    let params: BTreeMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        let logits = model.logits(&Params::with(&p), &x)?;
+        cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
+    };
+    let batch_loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        cross_entropy(&model.logits(&Params::with(&p), &x)?, &y, Reduction::Mean)
+    };
+    let forward = jit(|p: BTreeMap<String, Tracer>, x: Tracer| model.logits(&Params::with(&p), &x));
+    let step = grad(batch_loss);
+    let mut trainer = PrivacyEngine::new()
+        .rng(dp::rng::Rng::seeded(0))
+        .physical_batch(b)
+        .make_private(
+            one,
+            &varmap,
+            dp::Sgd::new(&varmap, 1e-4, 0.0)?,
+            (&xs, &ys),
+            DpConfig::new(b, 1.0, 1.0),
+        )?;
+    let run = || -> candle_func::Result<()> {
+        match variant.as_str() {
+            "forward" => forward.call((&params, &xs)).map(|_| ()),
+            "step" => step.call((&params, &xs, &ys)).map(|_| ()),
+            "dp" => trainer.step().map(|_| ()),
+            other => Err(candle_func::Error::Config {
+                msg: format!("--variant {other}: one of forward, step, dp"),
+            }),
+        }
+    };
+    common::report(&variant, reps, run, || -> candle_func::Result<usize> {
+        Ok(match variant.as_str() {
+            "forward" => make_graph(&forward, (&params, &xs))?.planned_peak_bytes(),
+            "step" => make_graph(&step, (&params, &xs, &ys))?.planned_peak_bytes(),
+            _ => 0,
+        })
+    })?;
+    Ok(())
+}

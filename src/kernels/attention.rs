@@ -1,0 +1,690 @@
+//! Attention, `softmax(mask(q k^T * scale)) v`, and its gradient without
+//! the `T x T` probabilities ever held whole: each thread takes one head
+//! at a time and works through its queries in blocks of [`BQ`] rows, so
+//! what it holds besides the operands is a block's scores (`BQ x T`) and,
+//! in the backward, their gradient. The backward recomputes a block's
+//! probabilities from its scores (the rows are whole, so each row's
+//! maximum and sum come from the block itself: no statistics are saved
+//! between the passes, and no product is done twice).
+//!
+//! Masking is Hugging Face's eager attention's: a hidden score (a key
+//! after the query, with `causal`; a key whose `keep` is 0) is replaced by
+//! the dtype's lowest finite value, so a query whose keys are all hidden
+//! averages them, and a hidden score gets no gradient. A causal block
+//! reads only the keys up to its last query (the others' probabilities are
+//! exactly 0), except where one of its rows hides every key it reads,
+//! which then averages over all `T` keys as the whole computation does.
+//!
+//! The layout is `[N, H, T, D]` for `q`, `k`, `v` and the result, `[N, T]`
+//! for `keep` (nonzero: a real token); the gradient is packed `[N, H, T,
+//! 3D]` (`dq | dk | dv` along the last axis). f32 and f64 on the CPU take
+//! the kernel; every other device and dtype (f16 and bf16 computed in f32)
+//! candle's operations, which hold the scores whole.
+
+use super::fastmath::{exp, widest, Fused, Madd, Plain};
+use super::{product, run_jobs, zeroed, Elem, Mat, Path};
+use candle_core::{bail, DType, Result, Storage, Tensor};
+
+/// Query rows per block.
+const BQ: usize = 64;
+
+/// Below this many multiply-adds (`N H T^2 D`) one thread does it all.
+const MIN_PARALLEL_WORK: usize = 1 << 21;
+
+/// The float types the kernel computes in.
+pub(crate) trait Real: Elem + std::ops::Sub<Output = Self> + std::ops::Div<Output = Self> {
+    /// The lowest finite value: what a hidden score becomes.
+    const LOWEST: Self;
+    /// 1.
+    const ONE: Self;
+    fn of(v: f64) -> Self;
+    /// `row[j] = e^(row[j] - m)` for every `j`; their sum.
+    fn exp_shifted(row: &mut [Self], m: Self) -> Self;
+}
+
+impl Real for f64 {
+    const LOWEST: f64 = f64::MIN;
+    const ONE: f64 = 1.0;
+    fn of(v: f64) -> f64 {
+        v
+    }
+    fn exp_shifted(row: &mut [f64], m: f64) -> f64 {
+        let mut s = 0.0;
+        for x in row.iter_mut() {
+            *x = (*x - m).exp();
+            s += *x;
+        }
+        s
+    }
+}
+
+/// `row[j] = e^(row[j] - m)` by the vectorised `exp`, and the sum in
+/// sixteen partial sums (vectorises where one running sum does not).
+#[inline(always)]
+fn exp_row<A: Madd>(row: &mut [f32], m: f32, sum: &mut f32) {
+    let mut s = [0f32; 16];
+    let mut chunks = row.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for j in 0..16 {
+            c[j] = exp::<A>(c[j] - m);
+            s[j] += c[j];
+        }
+    }
+    let mut tail = 0.0;
+    for x in chunks.into_remainder() {
+        *x = exp::<A>(*x - m);
+        tail += *x;
+    }
+    *sum = s.iter().sum::<f32>() + tail;
+}
+
+impl Real for f32 {
+    const LOWEST: f32 = f32::MIN;
+    const ONE: f32 = 1.0;
+    fn of(v: f64) -> f32 {
+        v as f32
+    }
+    fn exp_shifted(row: &mut [f32], m: f32) -> f32 {
+        let mut sum = 0.0;
+        exp_row_widest(row, m, &mut sum);
+        sum
+    }
+}
+
+fn exp_row_widest(row: &mut [f32], m: f32, s: &mut f32) {
+    widest!(exp_row(row: &mut [f32], m: f32, s: &mut f32))
+}
+
+/// The largest of `x`, NaN skipped (a NaN score reaches every probability
+/// of its row through its own `exp` and the sum, as in PyTorch).
+fn row_max<T: Real>(x: &[T]) -> T {
+    x.iter().fold(T::LOWEST, |a, &v| if v > a { v } else { a })
+}
+
+/// The shape of one call: heads (`N H`), positions, head size, and how
+/// the scores are scaled and masked.
+#[derive(Clone, Copy)]
+struct Geometry<'a> {
+    heads: usize,
+    per_n: usize,
+    t: usize,
+    d: usize,
+    causal: bool,
+    scale: f64,
+    keep: Option<&'a [bool]>,
+}
+
+impl Geometry<'_> {
+    /// Whether query `i` may not see key `j` of head `head`.
+    #[inline(always)]
+    fn hidden(&self, head: usize, i: usize, j: usize) -> bool {
+        (self.causal && j > i) || self.keep.is_some_and(|k| !k[(head / self.per_n) * self.t + j])
+    }
+
+    /// The keys a causal block of queries ending before `r1` reads.
+    fn keys(&self, r1: usize) -> usize {
+        if self.causal {
+            r1
+        } else {
+            self.t
+        }
+    }
+
+    /// `s [rows, kend] = scale * q[r0..r0 + rows] k[..kend]^T` with hidden
+    /// scores replaced by the lowest value; whether some row hides every
+    /// key it read.
+    fn scores<T: Real>(
+        &self,
+        head: usize,
+        q: &[T],
+        k: &[T],
+        (r0, rows, kend): (usize, usize, usize),
+        s: &mut [T],
+    ) -> bool {
+        let d = self.d;
+        let lhs = Mat {
+            data: &q[r0 * d..],
+            rs: d,
+            cs: 1,
+        };
+        let rhs = Mat { data: k, rs: 1, cs: d };
+        product(
+            s,
+            (kend, 1),
+            lhs,
+            rhs,
+            (rows, kend, d),
+            false,
+            T::ONE,
+            gemm::Parallelism::None,
+        );
+        let scale = T::of(self.scale);
+        let mut some_row_hidden = false;
+        for (i, row) in s.chunks_exact_mut(kend).enumerate() {
+            let mut seen = false;
+            for (j, x) in row.iter_mut().enumerate() {
+                if self.hidden(head, r0 + i, j) {
+                    *x = T::LOWEST;
+                } else {
+                    *x = *x * scale;
+                    seen = true;
+                }
+            }
+            some_row_hidden |= !seen;
+        }
+        some_row_hidden
+    }
+
+    /// The scores of a block, its probabilities in their place, and the
+    /// number of keys they span (all `T` where a row hides every key the
+    /// block would read).
+    fn probabilities<T: Real>(&self, head: usize, q: &[T], k: &[T], r0: usize, rows: usize, s: &mut [T]) -> usize {
+        let mut kend = self.keys(r0 + rows);
+        if self.scores(head, q, k, (r0, rows, kend), &mut s[..rows * kend]) && kend < self.t {
+            kend = self.t;
+            self.scores(head, q, k, (r0, rows, kend), &mut s[..rows * kend]);
+        }
+        for row in s[..rows * kend].chunks_exact_mut(kend) {
+            let m = row_max(row);
+            let r = T::ONE / T::exp_shifted(row, m);
+            for x in row.iter_mut() {
+                *x = *x * r;
+            }
+        }
+        kend
+    }
+
+    /// One head's output `[T, D]` into `out`.
+    fn forward_head<T: Real>(&self, head: usize, q: &[T], k: &[T], v: &[T], out: &mut [T], s: &mut [T]) {
+        let (t, d) = (self.t, self.d);
+        for r0 in (0..t).step_by(BQ) {
+            let rows = BQ.min(t - r0);
+            let kend = self.probabilities(head, q, k, r0, rows, s);
+            let p = Mat {
+                data: &s[..rows * kend],
+                rs: kend,
+                cs: 1,
+            };
+            let vm = Mat { data: v, rs: d, cs: 1 };
+            let dst = &mut out[r0 * d..(r0 + rows) * d];
+            product(
+                dst,
+                (d, 1),
+                p,
+                vm,
+                (rows, d, kend),
+                false,
+                T::ONE,
+                gemm::Parallelism::None,
+            );
+        }
+    }
+
+    /// One head's gradient `[T, 3D]` (`dq | dk | dv`, zeros on entry)
+    /// from its output `o` and the output's cotangent `dout`.
+    fn backward_head<T: Real>(
+        &self,
+        head: usize,
+        [q, k, v, o, dout]: [&[T]; 5],
+        dst: &mut [T],
+        s: &mut [T],
+        dp: &mut [T],
+    ) {
+        let (t, d) = (self.t, self.d);
+        // D_i = sum_c dout[i, c] o[i, c]: what each row's probabilities
+        // sum their gradient against
+        let dot: Vec<T> = (0..t)
+            .map(|i| {
+                let (a, b) = (&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
+                a.iter().zip(b).fold(T::default(), |acc, (&x, &y)| acc + x * y)
+            })
+            .collect();
+        let scale = T::of(self.scale);
+        for r0 in (0..t).step_by(BQ) {
+            let rows = BQ.min(t - r0);
+            let kend = self.probabilities(head, q, k, r0, rows, s);
+            let p = &s[..rows * kend];
+            let do_b = Mat {
+                data: &dout[r0 * d..],
+                rs: d,
+                cs: 1,
+            };
+            // dv[..kend] += p^T dout_b
+            let pt = Mat {
+                data: p,
+                rs: 1,
+                cs: kend,
+            };
+            product(
+                &mut dst[2 * d..],
+                (3 * d, 1),
+                pt,
+                do_b,
+                (kend, d, rows),
+                true,
+                T::ONE,
+                gemm::Parallelism::None,
+            );
+            // dp = dout_b v[..kend]^T
+            let vt = Mat { data: v, rs: 1, cs: d };
+            let dpb = &mut dp[..rows * kend];
+            product(
+                dpb,
+                (kend, 1),
+                do_b,
+                vt,
+                (rows, kend, d),
+                false,
+                T::ONE,
+                gemm::Parallelism::None,
+            );
+            // ds = p (dp - D) * scale, none where the score was hidden
+            for (i, (drow, prow)) in dpb.chunks_exact_mut(kend).zip(p.chunks_exact(kend)).enumerate() {
+                for (j, (x, &pj)) in drow.iter_mut().zip(prow).enumerate() {
+                    *x = match self.hidden(head, r0 + i, j) {
+                        true => T::default(),
+                        false => pj * (*x - dot[r0 + i]) * scale,
+                    };
+                }
+            }
+            let ds = Mat {
+                data: &dp[..rows * kend],
+                rs: kend,
+                cs: 1,
+            };
+            // dq_b = ds k[..kend]
+            let km = Mat { data: k, rs: d, cs: 1 };
+            let dq = &mut dst[r0 * 3 * d..];
+            product(
+                dq,
+                (3 * d, 1),
+                ds,
+                km,
+                (rows, d, kend),
+                false,
+                T::ONE,
+                gemm::Parallelism::None,
+            );
+            // dk[..kend] += ds^T q_b
+            let dst_t = Mat {
+                data: &dp[..rows * kend],
+                rs: 1,
+                cs: kend,
+            };
+            let qb = Mat {
+                data: &q[r0 * d..],
+                rs: d,
+                cs: 1,
+            };
+            product(
+                &mut dst[d..],
+                (3 * d, 1),
+                dst_t,
+                qb,
+                (kend, d, rows),
+                true,
+                T::ONE,
+                gemm::Parallelism::None,
+            );
+        }
+    }
+
+    /// `f(head, chunk)` for each head's `per`-element chunk of `dst`, the
+    /// heads spread over threads where the work pays for them.
+    fn each_head<T: Real>(&self, dst: &mut [T], per: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+        let work = self.heads.saturating_mul(self.t * self.t).saturating_mul(self.d);
+        let threads = super::max_threads().min(self.heads).max(1);
+        if threads == 1 || work < MIN_PARALLEL_WORK {
+            dst.chunks_exact_mut(per).enumerate().for_each(|(h, c)| f(h, c));
+            return;
+        }
+        let group = self.heads.div_ceil(threads);
+        let jobs: Vec<(usize, &mut [T])> = dst.chunks_mut(group * per).enumerate().collect();
+        run_jobs(jobs, |(g, chunk)| {
+            for (i, c) in chunk.chunks_exact_mut(per).enumerate() {
+                f(g * group + i, c)
+            }
+        });
+    }
+}
+
+/// A CPU tensor's values as a slice (contiguous).
+fn values<'a, T: candle_core::WithDType>(s: &'a Storage, t: &Tensor) -> Result<&'a [T]> {
+    let Storage::Cpu(c) = s else {
+        bail!("attention: not a CPU tensor")
+    };
+    let (start, end) = match t.layout().contiguous_offsets() {
+        Some(o) => o,
+        None => bail!("attention: the kernel reads contiguous operands"),
+    };
+    Ok(&c.as_slice::<T>()?[start..end])
+}
+
+/// `keep [N, T]` as flags (nonzero: a real token).
+fn flags(keep: Option<&Tensor>) -> Result<Option<Vec<bool>>> {
+    keep.map(|k| {
+        let v = k.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        Ok(v.into_iter().map(|x| x != 0.0).collect())
+    })
+    .transpose()
+}
+
+/// Whether the kernel takes these operands.
+fn fast(q: &Tensor, path: Path) -> bool {
+    super::has_cpu_kernel(q, path)
+}
+
+/// `[N, H, T, D]` of `q`, checked against `k`, `v` and `keep`.
+fn dims(q: &Tensor, k: &Tensor, v: &Tensor, keep: Option<&Tensor>) -> Result<(usize, usize, usize, usize)> {
+    let (n, h, t, d) = q.dims4()?;
+    if k.dims() != q.dims() || v.dims() != q.dims() || keep.is_some_and(|m| m.dims() != [n, t]) {
+        bail!(
+            "attention: q {:?}, k {:?}, v {:?} and keep {:?} do not fit [N, H, T, D] and [N, T]",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            keep.map(|m| m.dims())
+        )
+    }
+    Ok((n, h, t, d))
+}
+
+/// `softmax(mask(q k^T * scale)) v`, `[N, H, T, D]` (see the module docs).
+pub(crate) fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    keep: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+    path: Path,
+) -> Result<Tensor> {
+    let (n, h, t, d) = dims(q, k, v, keep)?;
+    if !fast(q, path) {
+        return generic::forward(q, k, v, keep, causal, scale);
+    }
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let flags = flags(keep)?;
+    let g = Geometry {
+        heads: n * h,
+        per_n: h,
+        t,
+        d,
+        causal,
+        scale,
+        keep: flags.as_deref(),
+    };
+    match q.dtype() {
+        DType::F32 => forward_as::<f32>(&g, &q, &k, &v),
+        _ => forward_as::<f64>(&g, &q, &k, &v),
+    }
+}
+
+fn forward_as<T: Real + candle_core::WithDType>(g: &Geometry, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (sq, sk, sv) = (
+        q.storage_and_layout().0,
+        k.storage_and_layout().0,
+        v.storage_and_layout().0,
+    );
+    let (qs, ks, vs) = (values::<T>(&sq, q)?, values::<T>(&sk, k)?, values::<T>(&sv, v)?);
+    let per = g.t * g.d;
+    let mut out = super::output::<T>(g.heads * per)?;
+    g.each_head(&mut out, per, |head, o| {
+        let at = head * per..(head + 1) * per;
+        let mut s = vec![T::default(); BQ.min(g.t) * g.t];
+        g.forward_head(head, &qs[at.clone()], &ks[at.clone()], &vs[at], o, &mut s);
+    });
+    Tensor::from_vec(out, q.dims(), q.device())
+}
+
+/// The gradient of [`forward`]'s result `o` with cotangent `dout`: `dq |
+/// dk | dv` packed along the last axis, `[N, H, T, 3D]`.
+pub(crate) fn backward(
+    [q, k, v, o, dout]: [&Tensor; 5],
+    keep: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+    path: Path,
+) -> Result<Tensor> {
+    let (n, h, t, d) = dims(q, k, v, keep)?;
+    if o.dims() != q.dims() || dout.dims() != q.dims() {
+        bail!(
+            "attention backward: the output {:?} and its cotangent {:?} are not q's shape",
+            o.dims(),
+            dout.dims()
+        )
+    }
+    if !fast(q, path) {
+        return generic::backward([q, k, v, o, dout], keep, causal, scale);
+    }
+    let ts: Vec<Tensor> = [q, k, v, o, dout]
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<_>>()?;
+    let flags = flags(keep)?;
+    let g = Geometry {
+        heads: n * h,
+        per_n: h,
+        t,
+        d,
+        causal,
+        scale,
+        keep: flags.as_deref(),
+    };
+    match q.dtype() {
+        DType::F32 => backward_as::<f32>(&g, &ts),
+        _ => backward_as::<f64>(&g, &ts),
+    }
+}
+
+fn backward_as<T: Real + candle_core::WithDType>(g: &Geometry, ts: &[Tensor]) -> Result<Tensor> {
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout().0).collect();
+    let vals: Vec<&[T]> = guards
+        .iter()
+        .zip(ts)
+        .map(|(s, t)| values::<T>(s, t))
+        .collect::<Result<_>>()?;
+    let (per, per3) = (g.t * g.d, 3 * g.t * g.d);
+    // dk and dv accumulate over the query blocks: zeros written out
+    let mut dst = zeroed::<T>(g.heads * per3)?;
+    g.each_head(&mut dst, per3, |head, out| {
+        let at = head * per..(head + 1) * per;
+        let head_vals = [0, 1, 2, 3, 4].map(|i| &vals[i][at.clone()]);
+        let rows = BQ.min(g.t);
+        let (mut s, mut dp) = (vec![T::default(); rows * g.t], vec![T::default(); rows * g.t]);
+        g.backward_head(head, head_vals, out, &mut s, &mut dp);
+    });
+    let mut shape = ts[0].dims().to_vec();
+    shape[3] *= 3;
+    Tensor::from_vec(dst, shape, ts[0].device())
+}
+
+/// Bytes the kernel holds besides its operands and result, at most:
+/// a block's scores and their gradient per thread, for `threads` heads at
+/// once. The generic path holds the scores whole: what
+/// [`generic_scratch`] counts.
+pub(crate) fn kernel_scratch(t: usize, elem: usize, threads: usize) -> usize {
+    2usize
+        .saturating_mul(BQ.min(t))
+        .saturating_mul(t)
+        .saturating_mul(elem)
+        .saturating_mul(threads)
+}
+
+/// Bytes the generic path holds: the scores and probabilities of every
+/// head (`[N, H, T, T]`, twice; three times in the backward), in f32 at
+/// least.
+pub(crate) fn generic_scratch(heads: usize, t: usize, elem: usize) -> usize {
+    3usize
+        .saturating_mul(heads)
+        .saturating_mul(t)
+        .saturating_mul(t)
+        .saturating_mul(elem.max(4))
+}
+
+/// The same computations in candle's operations, for every other device
+/// and dtype (f16 and bf16 in f32).
+mod generic {
+    use candle_core::{DType, Result, Tensor, D};
+
+    fn work_dtype(dt: DType) -> DType {
+        match dt {
+            DType::F16 | DType::BF16 => DType::F32,
+            other => other,
+        }
+    }
+
+    /// `[N, 1, T, T]` (or `[1, 1, T, T]`): 1 where query `i` may not see
+    /// key `j`.
+    fn hidden(keep: Option<&Tensor>, causal: bool, n: usize, t: usize, q: &Tensor) -> Result<Option<Tensor>> {
+        let dev = q.device();
+        let mut m: Option<Tensor> = None;
+        if causal {
+            let pos = Tensor::arange(0u32, t as u32, dev)?;
+            let after = pos.unsqueeze(0)?.broadcast_gt(&pos.unsqueeze(1)?)?; // T T: j > i
+            m = Some(after.reshape((1, 1, t, t))?);
+        }
+        if let Some(k) = keep {
+            let pad = k.eq(0.0)?.reshape((n, 1, 1, t))?;
+            m = Some(match m {
+                Some(c) => c.broadcast_maximum(&pad)?,
+                None => pad,
+            });
+        }
+        Ok(m)
+    }
+
+    fn lowest(dt: DType) -> f64 {
+        match dt {
+            DType::F64 => f64::MIN,
+            _ => f32::MIN as f64,
+        }
+    }
+
+    /// The probabilities `[N, H, T, T]` and the hidden mask, in the work dtype.
+    fn probabilities(
+        q: &Tensor,
+        k: &Tensor,
+        keep: Option<&Tensor>,
+        causal: bool,
+        scale: f64,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (n, _, t, _) = q.dims4()?;
+        let s = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+        let hidden = hidden(keep, causal, n, t, q)?;
+        let s = match &hidden {
+            Some(m) => {
+                let m = m.broadcast_as(s.shape())?;
+                let fill = Tensor::full(lowest(s.dtype()), s.shape(), s.device())?.to_dtype(s.dtype())?;
+                m.where_cond(&fill, &s)?
+            }
+            None => s,
+        };
+        Ok((candle_nn::ops::softmax_last_dim(&s)?, hidden))
+    }
+
+    pub(super) fn forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        keep: Option<&Tensor>,
+        causal: bool,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let (dt, wt) = (q.dtype(), work_dtype(q.dtype()));
+        let (q, k, v) = (q.to_dtype(wt)?, k.to_dtype(wt)?, v.to_dtype(wt)?);
+        let (p, _) = probabilities(&q, &k, keep, causal, scale)?;
+        p.matmul(&v.contiguous()?)?.to_dtype(dt)
+    }
+
+    pub(super) fn backward(ts: [&Tensor; 5], keep: Option<&Tensor>, causal: bool, scale: f64) -> Result<Tensor> {
+        let (dt, wt) = (ts[0].dtype(), work_dtype(ts[0].dtype()));
+        let [q, k, v, o, dout] = ts.map(|t| t.to_dtype(wt).and_then(|t| t.contiguous()));
+        let (q, k, v, o, dout) = (q?, k?, v?, o?, dout?);
+        let (p, hidden) = probabilities(&q, &k, keep, causal, scale)?;
+        let dv = p.t()?.contiguous()?.matmul(&dout)?;
+        let dp = dout.matmul(&v.t()?.contiguous()?)?;
+        let dot = (&dout * &o)?.sum_keepdim(D::Minus1)?;
+        let mut ds = (p * dp.broadcast_sub(&dot)?)?;
+        if let Some(m) = hidden {
+            let m = m.broadcast_as(ds.shape())?;
+            ds = m.where_cond(&ds.zeros_like()?, &ds)?;
+        }
+        let ds = (ds * scale)?;
+        let dq = ds.matmul(&k)?;
+        let dk = ds.t()?.contiguous()?.matmul(&q)?;
+        Tensor::cat(&[dq, dk, dv], 3)?.to_dtype(dt)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn rand(shape: &[usize], seed: u64, dt: DType) -> Tensor {
+        let mut rng = crate::kernels::rng::Rng::seeded(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| rng.normal()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    }
+
+    fn diff(a: &Tensor, b: &Tensor) -> f64 {
+        super::super::max_diff(&a.to_dtype(DType::F64).unwrap(), &b.to_dtype(DType::F64).unwrap()).unwrap()
+    }
+
+    /// The kernel against candle's operations: forward and backward, f32
+    /// and f64, causal or not, with padding (one sequence all padding, so
+    /// its queries average every key), at lengths below, at and past a
+    /// block, and with the causal blocks' shortcut exercised.
+    #[test]
+    fn the_kernel_equals_candles_operations() {
+        for dt in [DType::F64, DType::F32] {
+            let tol = if dt == DType::F64 { 1e-12 } else { 2e-5 };
+            for (n, h, t, d) in [(2, 3, 5, 4), (1, 2, 64, 8), (2, 2, 150, 16)] {
+                let (q, k, v, dout) = (
+                    rand(&[n, h, t, d], 1, dt),
+                    rand(&[n, h, t, d], 2, dt),
+                    rand(&[n, h, t, d], 3, dt),
+                    rand(&[n, h, t, d], 4, dt),
+                );
+                let mut keep = vec![1f32; n * t];
+                // sequence 0 padded past its half
+                keep[t / 2..t].iter_mut().for_each(|x| *x = 0.0);
+                if n > 1 {
+                    for j in 0..t {
+                        keep[t + j] = if j < 3 { 0.0 } else { 1.0 }; // left padding
+                    }
+                }
+                let keep = Tensor::from_vec(keep, (n, t), &Device::Cpu).unwrap();
+                for causal in [false, true] {
+                    for mask in [None, Some(&keep)] {
+                        let what = format!("{dt:?} {n} {h} {t} {d} causal {causal} mask {}", mask.is_some());
+                        let fast = forward(&q, &k, &v, mask, causal, 0.3, Path::Fast).unwrap();
+                        let slow = forward(&q, &k, &v, mask, causal, 0.3, Path::Portable).unwrap();
+                        assert!(diff(&fast, &slow) < tol, "forward {what}: {}", diff(&fast, &slow));
+                        let args = [&q, &k, &v, &slow, &dout];
+                        let gf = backward(args, mask, causal, 0.3, Path::Fast).unwrap();
+                        let gs = backward(args, mask, causal, 0.3, Path::Portable).unwrap();
+                        assert!(diff(&gf, &gs) < 10.0 * tol, "backward {what}: {}", diff(&gf, &gs));
+                    }
+                }
+            }
+        }
+    }
+
+    /// NaN in a query reaches its row, and only its row.
+    #[test]
+    fn nan_reaches_its_row() {
+        let q = rand(&[1, 1, 4, 2], 1, DType::F32);
+        let mut v = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v[2] = f32::NAN; // row 1
+        let q = Tensor::from_vec(v, (1, 1, 4, 2), &Device::Cpu).unwrap();
+        let k = rand(&[1, 1, 4, 2], 2, DType::F32);
+        let o = forward(&q, &k, &k, None, false, 1.0, Path::Fast).unwrap();
+        let rows = o.squeeze(0).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+        for (i, r) in rows.iter().enumerate() {
+            assert_eq!(r.iter().all(|x| x.is_nan()), i == 1, "row {i}: {r:?}");
+        }
+    }
+}
