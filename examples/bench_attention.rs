@@ -14,7 +14,9 @@
 //! ```
 //!
 //! It prints `RESULT ours_<variant> median_ms .. first_ms .. peak_rss_mib
-//! .. plan_mib ..` (the plan is the gradient's for `step`). `--layers`,
+//! .. plan_mib ..` (the plan is the gradient's for `step`, the clipping
+//! step's for `dp`; `--top K` lists that graph's K largest values first).
+//! `--layers`,
 //! `--t` and `--b` shrink it.
 
 mod common;
@@ -167,11 +169,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }),
         }
     };
+    if arg("--top", 0usize) > 0 {
+        // the largest values of the clipping step's graph, by bytes
+        let g = make_graph(&dp::clipped_grad_sum(one, 1.0), (&params, &xs, &ys))?;
+        let mut nodes: Vec<(usize, String, Vec<usize>)> = g
+            .nodes()
+            .map(|n| {
+                (
+                    n.ty().elem_count() * n.ty().dtype.size_in_bytes(),
+                    n.name(),
+                    n.ty().shape.clone(),
+                )
+            })
+            .collect();
+        nodes.sort_by_key(|n| std::cmp::Reverse(n.0));
+        for (bytes, name, shape) in nodes.iter().take(arg("--top", 0usize)) {
+            println!("{:>9.1} MiB  {name} {shape:?}", *bytes as f64 / (1 << 20) as f64);
+        }
+    }
     common::report(&variant, reps, run, || -> candle_func::Result<usize> {
         Ok(match variant.as_str() {
             "forward" => make_graph(&forward, (&params, &xs))?.planned_peak_bytes(),
             "step" => make_graph(&step, (&params, &xs, &ys))?.planned_peak_bytes(),
-            _ => 0,
+            // the trainer's clipping step, as a transform of its own
+            _ => make_graph(&dp::clipped_grad_sum(one, 1.0), (&params, &xs, &ys))?.planned_peak_bytes(),
         })
     })?;
     Ok(())

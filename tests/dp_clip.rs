@@ -350,3 +350,49 @@ fn per_sample_grad_norms_match_the_materialised_norms_without_them() {
         .call((&p, &x));
     assert!(err.is_err());
 }
+
+#[test]
+fn a_long_sequence_of_few_distinct_tokens_ghosts_its_embedding_by_grouping_ids() {
+    use candle_func::nn::{self, Module, Params as With};
+    // T = 12 of a 20-token vocabulary: T² > V (the pairwise form would
+    // cost more than the table), T < V (grouping equal ids costs less):
+    // ghosted, with repeated ids in every example
+    let (v, t, d, b) = (20usize, 12usize, 4, 5usize);
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+    let emb = nn::embedding(v, d, vb.pp("emb")).unwrap();
+    let head = nn::linear(d, 3, vb.pp("head")).unwrap();
+    let mut p = emb.params();
+    p.extend(head.params());
+    let xs = Tensor::from_vec(
+        (0..(b * t) as u32)
+            .map(|i| (i * i + 3 * (i / t as u32)) % v as u32)
+            .collect(),
+        (b, t),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ys = Tensor::from_vec((0..b as u32).map(|i| i % 3).collect(), b, &Device::Cpu).unwrap();
+    let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        let p = With::with(&p);
+        let h = emb.forward_with(&p, &x)?.sin()?.mean_keepdim(0)?; // 1 D
+        nn::cross_entropy(&head.forward_with(&p, &h)?, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    };
+    let per = vmap(grad(loss))
+        .in_dims([None, Some(0), Some(0)])
+        .call((&p, &xs, &ys))
+        .unwrap();
+    let norms = dp::norm_per_sample(&per).unwrap();
+    let c = norms.to_vec1::<f32>().unwrap()[2] as f64;
+    let want = dp::clip_per_sample(&per, c).unwrap();
+    let step = |ghost: bool| dp::clipped_grad_sum(loss, c).ghost(ghost).call((&p, &xs, &ys)).unwrap();
+    let ((ghost, gn, _), (full, fnorms, _)) = (step(true), step(false));
+    assert!(rel(&gn, &fnorms) < 1e-10, "norms: {}", rel(&gn, &fnorms));
+    for (k, g) in &ghost {
+        assert!(rel(g, &full[k]) < 1e-10, "{k}: {}", rel(g, &full[k]));
+        assert!(rel(g, &want[k].sum(0).unwrap()) < 1e-5, "{k} against the reference");
+    }
+    let g = make_graph(&dp::clipped_grad_sum(loss, c), (&p, &xs, &ys)).unwrap();
+    assert!(g.nodes().any(|n| n.name().starts_with("lookup_sq_norms")), "{g}");
+    assert!(!has_per_sample(&g, b, v * d), "a per-sample embedding gradient in\n{g}");
+}

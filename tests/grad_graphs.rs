@@ -230,7 +230,8 @@ fn per_example_jacobians_are_written_in_their_own_layout() {
 /// Per-sample gradients of sequence layers scale: a linear layer on `[T,
 /// D]` inputs makes one `[B, out, in]` product (no `[B, T, out, in]`), an
 /// embedding's gradient is an index-add of rows (no one-hot `[B, T, V]`),
-/// and attention runs as batched products (no per-example map).
+/// and attention is one batched primitive (no per-example map, and no
+/// `T x T` value kept).
 #[test]
 fn sequence_layers_per_sample_gradients_scale() {
     use candle_func::nn::{self, BlockConfig, CrossEntropy, Module, NormKind};
@@ -261,6 +262,12 @@ fn sequence_layers_per_sample_gradients_scale() {
     let biggest = g.nodes().map(|n| n.ty().elem_count()).max().unwrap();
     assert_eq!(biggest, b * v * d, "{g}");
     assert!(!has(&g, "map"), "no per-example loop: {g}");
+    assert!(has(&g, "attention_grad"), "the fused attention's gradient: {g}");
+    let square = |n: &candle_func::graph::NodeView| {
+        let s = &n.ty().shape;
+        s.len() >= 2 && s[s.len() - 1] == t && s[s.len() - 2] == t
+    };
+    assert_eq!(count(&g, square), 0, "no T x T value: {g}");
     // no value has a [.., T, .., V, .., D] layout of T x V x D elements
     assert_eq!(count(&g, |n| n.ty().elem_count() >= b * t * v * d / 2), 0, "{g}");
     let per = vmap(grad(loss))

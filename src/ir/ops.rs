@@ -273,6 +273,13 @@ pub(crate) enum IndexOp {
         /// Size of the result along `axis`.
         size: usize,
     },
+    /// Ghost clipping's norm of an embedding's per-example gradient: for
+    /// rows `[B, T, D]` added into a `[size, D]` table at ids `[B, T]`,
+    /// each example's squared norm of its table, `[B]`, without the table.
+    LookupSqNorms {
+        /// The table's rows (the ids' range).
+        size: usize,
+    },
 }
 
 /// What the user asked for when an index primitive was recorded: its
@@ -294,6 +301,7 @@ impl IndexOp {
             IndexOp::Gather(a, l) => format!("gather[axis={a}{}]", tag(l)),
             IndexOp::IndexAdd { axis, size } => format!("index_add[axis={axis},size={size}]"),
             IndexOp::ScatterAdd { axis, size } => format!("scatter_add[axis={axis},size={size}]"),
+            IndexOp::LookupSqNorms { size } => format!("lookup_sq_norms[size={size}]"),
         }
     }
 }
@@ -303,8 +311,8 @@ impl IndexOp {
 /// Scaled dot-product attention as one primitive,
 /// `softmax(mask(q k^T * scale)) v` over `q`, `k`, `v` `[N, H, T, D]`
 /// (operands `q, k, v`, then `keep [N, T]` where `masked`: nonzero for a
-/// real token), and its gradient (`backward`: operands `q, k, v, o,
-/// dout`, then `keep`; result `dq | dk | dv` packed `[N, H, T, 3D]`). A
+/// real token), and its gradient (`backward`: operands `q, k, v, dout`,
+/// then `keep`; result `dq | dk | dv` packed `[N, H, T, 3D]`). A
 /// hidden score (a key after its query where `causal`, a padded key)
 /// becomes the dtype's lowest finite value, as in Hugging Face's eager
 /// attention.
@@ -334,10 +342,10 @@ impl AttnOp {
         s
     }
 
-    /// Operands before `keep`: `q, k, v`, and `o, dout` for the gradient.
+    /// Operands before `keep`: `q, k, v`, and `dout` for the gradient.
     pub(crate) fn tensors(&self) -> usize {
         if self.backward {
-            5
+            4
         } else {
             3
         }

@@ -17,7 +17,9 @@
 //!
 //! The layout is `[N, H, T, D]` for `q`, `k`, `v` and the result, `[N, T]`
 //! for `keep` (nonzero: a real token); the gradient is packed `[N, H, T,
-//! 3D]` (`dq | dk | dv` along the last axis). f32 and f64 on the CPU take
+//! 3D]` (`dq | dk | dv` along the last axis), from `q`, `k`, `v` and the
+//! output's cotangent alone (each row's `sum_j p_ij dp_ij` stands for
+//! `sum_c dout_ic o_ic`, so the output need not be kept for it). f32 and f64 on the CPU take
 //! the kernel; every other device and dtype (f16 and bf16 computed in f32)
 //! candle's operations, which hold the scores whole.
 
@@ -221,24 +223,16 @@ impl Geometry<'_> {
     }
 
     /// One head's gradient `[T, 3D]` (`dq | dk | dv`, zeros on entry)
-    /// from its output `o` and the output's cotangent `dout`.
+    /// from the output's cotangent `dout`.
     fn backward_head<T: Real>(
         &self,
         head: usize,
-        [q, k, v, o, dout]: [&[T]; 5],
+        [q, k, v, dout]: [&[T]; 4],
         dst: &mut [T],
         s: &mut [T],
         dp: &mut [T],
     ) {
         let (t, d) = (self.t, self.d);
-        // D_i = sum_c dout[i, c] o[i, c]: what each row's probabilities
-        // sum their gradient against
-        let dot: Vec<T> = (0..t)
-            .map(|i| {
-                let (a, b) = (&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
-                a.iter().zip(b).fold(T::default(), |acc, (&x, &y)| acc + x * y)
-            })
-            .collect();
         let scale = T::of(self.scale);
         for r0 in (0..t).step_by(BQ) {
             let rows = BQ.min(t - r0);
@@ -278,12 +272,15 @@ impl Geometry<'_> {
                 T::ONE,
                 gemm::Parallelism::None,
             );
-            // ds = p (dp - D) * scale, none where the score was hidden
+            // ds = p (dp - D) * scale with D_i = sum_j p_ij dp_ij (which is
+            // sum_c dout_ic o_ic: the output is not needed), none where
+            // the score was hidden
             for (i, (drow, prow)) in dpb.chunks_exact_mut(kend).zip(p.chunks_exact(kend)).enumerate() {
+                let dot = drow.iter().zip(prow).fold(T::default(), |a, (&x, &pj)| a + x * pj);
                 for (j, (x, &pj)) in drow.iter_mut().zip(prow).enumerate() {
                     *x = match self.hidden(head, r0 + i, j) {
                         true => T::default(),
-                        false => pj * (*x - dot[r0 + i]) * scale,
+                        false => pj * (*x - dot) * scale,
                     };
                 }
             }
@@ -437,30 +434,23 @@ fn forward_as<T: Real + candle_core::WithDType>(g: &Geometry, q: &Tensor, k: &Te
     Tensor::from_vec(out, q.dims(), q.device())
 }
 
-/// The gradient of [`forward`]'s result `o` with cotangent `dout`: `dq |
-/// dk | dv` packed along the last axis, `[N, H, T, 3D]`.
+/// The gradient of [`forward`]'s result with cotangent `dout`: `dq | dk |
+/// dv` packed along the last axis, `[N, H, T, 3D]`.
 pub(crate) fn backward(
-    [q, k, v, o, dout]: [&Tensor; 5],
+    [q, k, v, dout]: [&Tensor; 4],
     keep: Option<&Tensor>,
     causal: bool,
     scale: f64,
     path: Path,
 ) -> Result<Tensor> {
     let (n, h, t, d) = dims(q, k, v, keep)?;
-    if o.dims() != q.dims() || dout.dims() != q.dims() {
-        bail!(
-            "attention backward: the output {:?} and its cotangent {:?} are not q's shape",
-            o.dims(),
-            dout.dims()
-        )
+    if dout.dims() != q.dims() {
+        bail!("attention backward: the cotangent {:?} is not q's shape", dout.dims())
     }
     if !fast(q, path) {
-        return generic::backward([q, k, v, o, dout], keep, causal, scale);
+        return generic::backward([q, k, v, dout], keep, causal, scale);
     }
-    let ts: Vec<Tensor> = [q, k, v, o, dout]
-        .iter()
-        .map(|t| t.contiguous())
-        .collect::<Result<_>>()?;
+    let ts: Vec<Tensor> = [q, k, v, dout].iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let flags = flags(keep)?;
     let g = Geometry {
         heads: n * h,
@@ -489,7 +479,7 @@ fn backward_as<T: Real + candle_core::WithDType>(g: &Geometry, ts: &[Tensor]) ->
     let mut dst = zeroed::<T>(g.heads * per3)?;
     g.each_head(&mut dst, per3, |head, out| {
         let at = head * per..(head + 1) * per;
-        let head_vals = [0, 1, 2, 3, 4].map(|i| &vals[i][at.clone()]);
+        let head_vals = [0, 1, 2, 3].map(|i| &vals[i][at.clone()]);
         let rows = BQ.min(g.t);
         let (mut s, mut dp) = (vec![T::default(); rows * g.t], vec![T::default(); rows * g.t]);
         g.backward_head(head, head_vals, out, &mut s, &mut dp);
@@ -597,14 +587,14 @@ mod generic {
         p.matmul(&v.contiguous()?)?.to_dtype(dt)
     }
 
-    pub(super) fn backward(ts: [&Tensor; 5], keep: Option<&Tensor>, causal: bool, scale: f64) -> Result<Tensor> {
+    pub(super) fn backward(ts: [&Tensor; 4], keep: Option<&Tensor>, causal: bool, scale: f64) -> Result<Tensor> {
         let (dt, wt) = (ts[0].dtype(), work_dtype(ts[0].dtype()));
-        let [q, k, v, o, dout] = ts.map(|t| t.to_dtype(wt).and_then(|t| t.contiguous()));
-        let (q, k, v, o, dout) = (q?, k?, v?, o?, dout?);
+        let [q, k, v, dout] = ts.map(|t| t.to_dtype(wt).and_then(|t| t.contiguous()));
+        let (q, k, v, dout) = (q?, k?, v?, dout?);
         let (p, hidden) = probabilities(&q, &k, keep, causal, scale)?;
         let dv = p.t()?.contiguous()?.matmul(&dout)?;
         let dp = dout.matmul(&v.t()?.contiguous()?)?;
-        let dot = (&dout * &o)?.sum_keepdim(D::Minus1)?;
+        let dot = (&p * &dp)?.sum_keepdim(D::Minus1)?;
         let mut ds = (p * dp.broadcast_sub(&dot)?)?;
         if let Some(m) = hidden {
             let m = m.broadcast_as(ds.shape())?;
@@ -663,7 +653,7 @@ mod tests {
                         let fast = forward(&q, &k, &v, mask, causal, 0.3, Path::Fast).unwrap();
                         let slow = forward(&q, &k, &v, mask, causal, 0.3, Path::Portable).unwrap();
                         assert!(diff(&fast, &slow) < tol, "forward {what}: {}", diff(&fast, &slow));
-                        let args = [&q, &k, &v, &slow, &dout];
+                        let args = [&q, &k, &v, &dout];
                         let gf = backward(args, mask, causal, 0.3, Path::Fast).unwrap();
                         let gs = backward(args, mask, causal, 0.3, Path::Portable).unwrap();
                         assert!(diff(&gf, &gs) < 10.0 * tol, "backward {what}: {}", diff(&gf, &gs));

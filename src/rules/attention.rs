@@ -96,7 +96,7 @@ impl Rule for AttnOp {
         match self.backward {
             false => kernel::forward(args[0], args[1], args[2], keep, self.causal, self.scale, cx.path).op("attention"),
             true => kernel::backward(
-                [args[0], args[1], args[2], args[3], args[4]],
+                [args[0], args[1], args[2], args[3]],
                 keep,
                 self.causal,
                 self.scale,
@@ -129,7 +129,7 @@ impl Rule for AttnOp {
         Ok(Some((cx.b.reshape(out, d)?, Some(0))))
     }
 
-    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
         let tensors = self.tensors();
         let wrt: Vec<bool> = (0..args.len()).map(|k| k < tensors).collect();
         if self.backward {
@@ -142,7 +142,9 @@ impl Rule for AttnOp {
             backward: true,
             ..self.clone()
         };
-        let mut operands = vec![args[0], args[1], args[2], out, ct];
+        // the output is not an operand: the gradient needs q, k, v alone,
+        // so the output need not be kept for it
+        let mut operands = vec![args[0], args[1], args[2], ct];
         operands.extend(self.masked.then(|| args[3]));
         let packed = b.emit(Prim::Attention(grad), &operands)?;
         let d = b.dims(args[0])[3];
@@ -209,17 +211,17 @@ impl AttnOp {
         Ok((p, hidden))
     }
 
-    /// `dq | dk | dv` from `q, k, v, o, dout` (see `kernels::attention`).
+    /// `dq | dk | dv` from `q, k, v, dout` (see `kernels::attention`).
     fn gradient(&self, b: &mut Builder, ins: &[VarId], keep: Option<VarId>) -> Result<VarId> {
-        let [q, k, v, o, dout] = [ins[0], ins[1], ins[2], ins[3], ins[4]];
+        let [q, k, v, dout] = [ins[0], ins[1], ins[2], ins[3]];
         let (p, hidden) = self.probabilities(b, q, k, keep)?;
         let t = |b: &mut Builder, x: VarId| b.permute(x, vec![0, 1, 3, 2]);
         let pt = t(b, p)?;
         let dv = b.emit(Prim::Matmul, &[pt, dout])?;
         let vt = t(b, v)?;
         let dp = b.emit(Prim::Matmul, &[dout, vt])?;
-        let od = b.bin(Binary::Mul, dout, o)?;
-        let dot = b.sum_axes(od, vec![3], true)?;
+        let pdp = b.bin(Binary::Mul, p, dp)?;
+        let dot = b.sum_axes(pdp, vec![3], true)?;
         let centred = b.bin(Binary::Sub, dp, dot)?;
         let mut ds = b.bin(Binary::Mul, p, centred)?;
         let zero = b.scalar_as(0.0, ds);

@@ -27,7 +27,7 @@
 use super::Builder;
 use crate::error::Result;
 use crate::ir::conv::ConvOp;
-use crate::ir::ops::{Binary, Compare, IndexOp, Reduce, ShapeOp, Unary};
+use crate::ir::ops::{Binary, IndexOp, Reduce, ShapeOp, Unary};
 use crate::ir::{ConvGeom, Prim, VarId};
 
 /// A shape-only step from a product to the per-example gradient, batch
@@ -189,12 +189,12 @@ pub(crate) struct Lookup {
 }
 
 impl Lookup {
-    /// Whether the masked `T x T` Gram matrix is cheaper than writing the
-    /// `V x D` gradient of each example: `T² < V` (the ghost norm costs
-    /// `T² D` an example, materialising `V D`).
+    /// Whether the ghost norm is cheaper than writing the `V x D`
+    /// gradient of each example: `T < V` (summing each group of equal
+    /// ids' rows costs `T D` an example, and `T log T` to find the groups:
+    /// `lookup_sq_norms`).
     pub(crate) fn ghost_pays(&self, b: &Builder) -> bool {
-        let t = b.dims(self.rows)[1] as u128;
-        t * t < self.size as u128
+        b.dims(self.rows)[1] < self.size
     }
 }
 
@@ -295,19 +295,19 @@ pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
             let prod = b.bin(Binary::Mul, gx, gy)?;
             b.sum_axes(prod, vec![1, 2], false)
         }
-        // Σ_ts [id_t = id_s] (c_t . c_s): B T T
+        // Σ_v |Σ_{t: id_t = v} c_t|²: each group of equal ids' rows
+        // summed once (no B T T Gram matrix, no B V D table)
         Plan::GhostLookup(l) => {
-            let t = b.dims(l.rows)[1];
-            let ct = swap(b, l.rows)?;
-            let gram = b.emit(Prim::Matmul, &[l.rows, ct])?;
-            let lead = b.dims(l.ids)[..b.ty(l.ids).rank() - 1].to_vec();
-            let col = b.reshape(l.ids, [lead.as_slice(), &[t, 1]].concat())?;
-            let row = b.reshape(l.ids, [lead.as_slice(), &[1, t]].concat())?;
-            let same = b.cmp(Compare::Eq, col, row)?;
-            let dtype = b.ty(l.rows).dtype;
-            let same = b.un(Unary::Cast(dtype), same)?;
-            let masked = b.bin(Binary::Mul, gram, same)?;
-            b.sum_axes(masked, vec![1, 2], false)
+            let rd = b.dims(l.rows);
+            // shared ids [T] -> [B, T]
+            let ids = match b.dims(l.ids).len() {
+                1 => {
+                    let i = b.reshape(l.ids, vec![1, rd[1]])?;
+                    b.broadcast(i, rd[..2].to_vec())?
+                }
+                _ => l.ids,
+            };
+            b.emit(Prim::Index(IndexOp::LookupSqNorms { size: l.size }), &[l.rows, ids])
         }
         Plan::ConvChunked(c) => b.emit(Prim::Conv(ConvOp::GradWeightSqNorms(c.geom.clone())), &[c.x, c.ct]),
         // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no

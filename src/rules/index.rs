@@ -98,6 +98,17 @@ impl Rule for IndexOp {
                 d[axis] = size;
                 Ok(x.with_shape(d))
             }
+            IndexOp::LookupSqNorms { .. } => {
+                check_index_dtype("lookup_sq_norms", idx)?;
+                if xs.len() != 3 || is != &xs[..2] || !x.dtype.is_float() {
+                    return Err(Error::shape(
+                        "lookup_sq_norms",
+                        &[xs, is],
+                        "takes float rows [B, T, D] and their ids [B, T]",
+                    ));
+                }
+                Ok(x.with_shape(vec![xs[0]]))
+            }
             IndexOp::ScatterAdd { axis, size } => {
                 check_index_dtype("scatter_add", idx)?;
                 if axis >= xs.len() || is != xs {
@@ -124,13 +135,15 @@ impl Rule for IndexOp {
         let copies = x.copy_if_strided() + idx.copy_if_strided() + 8 * idx.ty.elem_count();
         let scratch = match self {
             IndexOp::IndexSelect(..) | IndexOp::Gather(..) => 0,
+            // each example's order of positions, a row of sums per thread
+            IndexOp::LookupSqNorms { .. } => 8 * idx.ty.elem_count() + bytes(x.ty) / x.ty.shape[1].max(1),
             // the zeros added into, beside the result
             IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } => bytes(out),
         };
         Workspace { copies, scratch }
     }
 
-    fn run(&self, args: &[&Tensor], out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
         let (kind, size) = match *self {
@@ -142,6 +155,7 @@ impl Rule for IndexOp {
             IndexOp::Gather(axis, _) => ("gather", x.dims()[axis]),
             IndexOp::IndexAdd { axis, .. } => ("index_add", out.shape[axis]),
             IndexOp::ScatterAdd { axis, .. } => ("scatter_add", out.shape[axis]),
+            IndexOp::LookupSqNorms { size } => ("lookup_sq_norms", size),
         };
         in_range(idx, size, kind)?;
         match *self {
@@ -157,6 +171,7 @@ impl Rule for IndexOp {
             IndexOp::ScatterAdd { axis, .. } => Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
                 .and_then(|z| z.scatter_add(&idx.contiguous()?, &x.contiguous()?, axis))
                 .op(&op),
+            IndexOp::LookupSqNorms { .. } => crate::kernels::segments::lookup_sq_norms(x, idx, cx.path).op(&op),
         }
     }
 
@@ -225,6 +240,16 @@ impl Rule for IndexOp {
                 let ib = cx.materialize(idx)?;
                 cx.b.emit(Prim::Index(IndexOp::ScatterAdd { axis: axis + 1, size }), &[xb, ib])?
             }
+            // independent per example: the outer batch folded into B,
+            // B' B T D -> (B' B) T D, then (B' B) -> B' B
+            (IndexOp::LookupSqNorms { .. }, _) => {
+                let (xb, ib) = (cx.materialize(x)?, cx.materialize(idx)?);
+                let (xd, id) = (cx.b.dims(xb), cx.b.dims(ib));
+                let xf = cx.b.reshape(xb, vec![xd[0] * xd[1], xd[2], xd[3]])?;
+                let iff = cx.b.reshape(ib, vec![id[0] * id[1], id[2]])?;
+                let n = cx.b.emit(Prim::Index(*self), &[xf, iff])?;
+                cx.b.reshape(n, vec![xd[0], xd[1]])?
+            }
         };
         Ok(Some((out, Some(0))))
     }
@@ -248,14 +273,28 @@ impl Rule for IndexOp {
             IndexOp::ScatterAdd { axis, .. } => {
                 b.emit(Prim::Index(IndexOp::Gather(axis, Lookup::Index)), &[ct, idx])?
             }
+            IndexOp::LookupSqNorms { .. } => return Err(not_differentiable("grad")),
         };
         Ok(Some(vec![Some(g), None]))
     }
 
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        if let IndexOp::LookupSqNorms { .. } = self {
+            return Err(not_differentiable("jvp"));
+        }
         // linear in the indexed values; the indices are integers
         multilinear_jvp(b, &Prim::Index(*self), args, tans, &[0]).map(Some)
     }
+}
+
+/// Ghost clipping's norms are computed, not differentiated: an error
+/// naming them under a transform that would.
+fn not_differentiable(transform: &'static str) -> Error {
+    Error::unsupported(
+        "lookup_sq_norms",
+        transform,
+        "ghost clipping's per-example norms of an embedding's gradient have no derivative here",
+    )
 }
 
 /// Zero-pads `v` at the end of each axis up to `shape` (a gather's index may
