@@ -10,7 +10,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_func::jacobian::hvp_fn;
 use candle_func::nn::{self, AttentionMask};
-use candle_func::{grad, jit, jvp, make_graph, vmap, Error, Tracer};
+use candle_func::{grad, jit, jvp, make_graph, vmap, Error, Options, Tracer};
 use common::assert_close;
 
 const N: usize = 2;
@@ -164,4 +164,103 @@ fn the_gradient_keeps_no_scores_and_a_bad_mask_is_named() {
     let bad = Tensor::ones((N, t + 1), DType::U8, &Device::Cpu).unwrap();
     let e = grad(loss(fused, false)).call((&q, &k, &v, &bad)).unwrap_err();
     assert!(matches!(e, Error::Shape { op: "attention", .. }), "{e}");
+}
+
+#[test]
+fn long_causal_sequences_with_left_padding_and_batched_masks_agree() {
+    // T = 70: a first block of 64 queries and a second of 6; sequence 1's
+    // first real key is at 5, so its first block's early queries see no
+    // key at all and average every one, its second block reads only the
+    // keys up to its last query
+    let t = 70;
+    let (q, k, v) = (rand(&[N, H, t, D], 7), rand(&[N, H, t, D], 8), rand(&[N, H, t, D], 9));
+    let m = Tensor::from_vec(
+        (0..N * t)
+            .map(|i| u8::from(if i < t { i < 60 } else { i - t >= 5 }))
+            .collect::<Vec<u8>>(),
+        (N, t),
+        &Device::Cpu,
+    )
+    .unwrap();
+    for causal in [true, false] {
+        let (lf, lw) = (loss(fused, causal), loss(written_out, causal));
+        let a = jit(lf).call((&q, &k, &v, &m)).unwrap();
+        let b = jit(lw).call((&q, &k, &v, &m)).unwrap();
+        assert_close(&a, &b, 1e-10, &format!("value, causal {causal}"));
+        for (ga, gb) in [
+            (
+                grad(lf).call((&q, &k, &v, &m)).unwrap(),
+                grad(lw).call((&q, &k, &v, &m)).unwrap(),
+            ),
+            (
+                grad(lf).argnum::<2>().call((&q, &k, &v, &m)).unwrap(),
+                grad(lw).argnum::<2>().call((&q, &k, &v, &m)).unwrap(),
+            ),
+        ] {
+            assert_close(&ga, &gb, 1e-10, &format!("grad, causal {causal}"));
+        }
+        // forward mode with the mask
+        let tq = rand(&[N, H, t, D], 10);
+        let tangent = |attn: Attn| {
+            let (mc, k, v) = (m.clone(), k.clone(), v.clone());
+            let f = move |q: Tracer| {
+                let like = |x: &Tensor| candle_func::tracer::Operand::to_tracer(x, &q);
+                attn(&q, &like(&k)?, &like(&v)?, Some(&like(&mc)?), causal)
+            };
+            jvp(&f, &q, &tq).unwrap().1
+        };
+        assert_close(
+            &tangent(fused),
+            &tangent(written_out),
+            1e-10,
+            &format!("jvp, causal {causal}"),
+        );
+    }
+    // only the masks batched: the same q, k, v under each example's mask
+    let masks = m.unsqueeze(1).unwrap(); // N 1 T: one [1, T] mask an example
+    let one = |q: Tracer, k: Tracer, v: Tracer, keep: Tracer, attn: Attn| {
+        attn(
+            &q.narrow(0, 0, 1)?,
+            &k.narrow(0, 0, 1)?,
+            &v.narrow(0, 0, 1)?,
+            Some(&keep),
+            true,
+        )
+    };
+    let f = |q: Tracer, k: Tracer, v: Tracer, keep: Tracer| one(q, k, v, keep, fused);
+    let w = |q: Tracer, k: Tracer, v: Tracer, keep: Tracer| one(q, k, v, keep, written_out);
+    let dims = [None, None, None, Some(0)];
+    let a = vmap(f).in_dims(dims).call((&q, &k, &v, &masks)).unwrap();
+    let b = vmap(w).in_dims(dims).call((&q, &k, &v, &masks)).unwrap();
+    assert_close(&a, &b, 1e-12, "masks alone batched");
+}
+
+#[test]
+fn the_portable_path_takes_the_heads_as_a_model_splits_them() {
+    // q, k, v as permuted views of projections [N, T, H D] (N, H > 1):
+    // candle's products refuse such a layout, so the portable path makes
+    // them contiguous first
+    let t = 9;
+    let x = rand(&[N, t, H * D], 11).to_dtype(DType::F32).unwrap();
+    let keep = Tensor::ones((N, t), DType::U8, &Device::Cpu).unwrap();
+    let f = |x: Tracer, keep: Tracer| {
+        let heads = |s: f64| nn::split_heads(&x.affine(s, 0.0)?, H);
+        let mask = AttentionMask {
+            causal: true,
+            keep: Some(keep),
+        };
+        nn::attend(&heads(1.0)?, &heads(0.5)?, &heads(2.0)?, &mask, 0.3)
+    };
+    let fast = jit(f).call((&x, &keep)).unwrap();
+    let portable = jit(f).options(Options::new().portable(true)).call((&x, &keep)).unwrap();
+    assert_close(&portable, &fast, 1e-5, "portable against the kernel");
+    let g = |x: Tracer, keep: Tracer| f(x, keep)?.sqr()?.sum_all();
+    let (gf, gp) = (
+        grad(g).call((&x, &keep)).unwrap(),
+        grad(g)
+            .options(Options::new().portable(true))
+            .call((&x, &keep))
+            .unwrap(),
+    );
+    assert_close(&gp, &gf, 1e-4, "portable gradient against the kernel");
 }

@@ -85,20 +85,24 @@ fn the_key_padding_attention_keeps_its_inverted_mask() {
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
     let x = rand(&[1, 5, 8], 50);
-    let new = nn::multi_head_attention(8, 2, false, vb.pp("a")).unwrap();
-    let old = nn::multi_head_attention_key_padding(8, 2, false, vb.pp("a")).unwrap();
+    let attn = nn::multi_head_attention(8, 2, false, vb.pp("a")).unwrap();
     let keep = Tensor::new(&[[1u8, 1, 0, 1, 1]], &Device::Cpu).unwrap();
     let pad = keep.eq(0u8).unwrap();
-    let run = |m: &nn::MultiHeadAttention, mask: &Tensor| {
-        jit(|x: Tracer, k: Tracer| m.forward_masked(&nn::Params::own(), &x, Some(&k)))
-            .call((&x, mask))
-            .unwrap()
-    };
-    // the same layer, each mask in its own reading: the same output
-    assert!(max_diff(&run(&old, &pad), &run(&new, &keep)) < 1e-6);
+    let p = nn::Params::own();
+    let old = |x: Tracer, k: Tracer| attn.forward_masked(&p, &x, Some(&k));
+    let new = |x: Tracer, k: Tracer| attn.forward_with_mask(&p, &x, Some(&k));
+    // each mask in its own reading: the same output
+    let (a, b) = (jit(old).call((&x, &pad)).unwrap(), jit(new).call((&x, &keep)).unwrap());
+    assert!(max_diff(&a, &b) < 1e-6);
     // and the old NaN where every key is padding
     let all = Tensor::ones((1, 5), DType::U8, &Device::Cpu).unwrap();
-    let hidden = run(&old, &all).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let hidden = jit(old)
+        .call((&x, &all))
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     assert!(hidden.iter().any(|v| v.is_nan()));
     // the block alike
     let c = nn::BlockConfig {
@@ -109,14 +113,9 @@ fn the_key_padding_attention_keeps_its_inverted_mask() {
         norm: nn::NormKind::LayerNorm,
         act: nn::Activation::Gelu,
     };
-    let (nb, ob) = (
-        nn::transformer_block(c, vb.pp("b")).unwrap(),
-        nn::transformer_block_key_padding(c, vb.pp("b")).unwrap(),
-    );
-    let runb = |m: &nn::TransformerBlock, mask: &Tensor| {
-        jit(|x: Tracer, k: Tracer| m.forward_masked(&nn::Params::own(), &x, Some(&k)))
-            .call((&x, mask))
-            .unwrap()
-    };
-    assert!(max_diff(&runb(&ob, &pad), &runb(&nb, &keep)) < 1e-6);
+    let block = nn::transformer_block(c, vb.pp("b")).unwrap();
+    let old = |x: Tracer, k: Tracer| block.forward_masked(&p, &x, Some(&k));
+    let new = |x: Tracer, k: Tracer| block.forward_with_mask(&p, &x, Some(&k));
+    let (a, b) = (jit(old).call((&x, &pad)).unwrap(), jit(new).call((&x, &keep)).unwrap());
+    assert!(max_diff(&a, &b) < 1e-6);
 }

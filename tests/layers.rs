@@ -191,7 +191,7 @@ fn attention_masks_hide_what_they_should() {
     // output
     let open = nn::multi_head_attention(8, 2, false, vb(&vm).pp("open")).unwrap();
     let keep = Tensor::new(&[[1u8, 1, 0, 1, 1]], &Device::Cpu).unwrap();
-    let f = |x: Tracer, m: Tracer| open.forward_masked(&nn::Params::own(), &x, Some(&m));
+    let f = |x: Tracer, m: Tracer| open.forward_with_mask(&nn::Params::own(), &x, Some(&m));
     let mut v = x.to_vec3::<f32>().unwrap();
     v[0][2] = vec![-2.0; 8];
     let x3 = Tensor::new(v, &Device::Cpu).unwrap();
@@ -229,7 +229,7 @@ fn attention_masks_hide_what_they_should() {
         act: nn::Activation::Gelu,
     };
     let block = nn::transformer_block(c, vb(&vm).pp("blk")).unwrap();
-    let fb = |x: Tracer, m: Tracer| block.forward_masked(&nn::Params::own(), &x, Some(&m));
+    let fb = |x: Tracer, m: Tracer| block.forward_with_mask(&nn::Params::own(), &x, Some(&m));
     let (a, b) = (jit(fb).call((&x, &keep)).unwrap(), jit(fb).call((&x3, &keep)).unwrap());
     assert_close(
         &a.narrow(1, 0, 2).unwrap(),

@@ -5,15 +5,18 @@
 //! in the backward, their gradient. The backward recomputes a block's
 //! probabilities from its scores (the rows are whole, so each row's
 //! maximum and sum come from the block itself: no statistics are saved
-//! between the passes, and no product is done twice).
+//! between the passes).
 //!
 //! Masking is Hugging Face's eager attention's: a hidden score (a key
 //! after the query, with `causal`; a key whose `keep` is 0) is replaced by
 //! the dtype's lowest finite value, so a query whose keys are all hidden
 //! averages them, and a hidden score gets no gradient. A causal block
 //! reads only the keys up to its last query (the others' probabilities are
-//! exactly 0), except where one of its rows hides every key it reads,
-//! which then averages over all `T` keys as the whole computation does.
+//! exactly 0), except where its first query sees no key at all (left
+//! padding), whose row then averages over all `T` keys as the whole
+//! computation does. So, as in PyTorch's fused attention, a NaN or
+//! infinity in a key or value after a block's last query does not reach
+//! that block (the written-out product would carry `0 * NaN` into it).
 //!
 //! The layout is `[N, H, T, D]` for `q`, `k`, `v` and the result, `[N, T]`
 //! for `keep` (nonzero: a real token); the gradient is packed `[N, H, T,
@@ -114,6 +117,8 @@ struct Geometry<'a> {
     causal: bool,
     scale: f64,
     keep: Option<&'a [bool]>,
+    /// Each sequence's first real key (`T` where it has none).
+    first: &'a [usize],
 }
 
 impl Geometry<'_> {
@@ -123,26 +128,20 @@ impl Geometry<'_> {
         (self.causal && j > i) || self.keep.is_some_and(|k| !k[(head / self.per_n) * self.t + j])
     }
 
-    /// The keys a causal block of queries ending before `r1` reads.
-    fn keys(&self, r1: usize) -> usize {
-        if self.causal {
-            r1
-        } else {
-            self.t
+    /// The keys the block of queries `r0..r1` of `head` reads: a causal
+    /// block those up to its last query (past them every probability is
+    /// 0), unless its first query sees no key at all (left padding): such
+    /// a row averages every key, as the whole computation does.
+    fn keys(&self, head: usize, r0: usize, r1: usize) -> usize {
+        match self.causal && self.first[head / self.per_n] <= r0 {
+            true => r1,
+            false => self.t,
         }
     }
 
     /// `s [rows, kend] = scale * q[r0..r0 + rows] k[..kend]^T` with hidden
-    /// scores replaced by the lowest value; whether some row hides every
-    /// key it read.
-    fn scores<T: Real>(
-        &self,
-        head: usize,
-        q: &[T],
-        k: &[T],
-        (r0, rows, kend): (usize, usize, usize),
-        s: &mut [T],
-    ) -> bool {
+    /// scores replaced by the lowest value.
+    fn scores<T: Real>(&self, head: usize, q: &[T], k: &[T], (r0, rows, kend): (usize, usize, usize), s: &mut [T]) {
         let d = self.d;
         let lhs = Mat {
             data: &q[r0 * d..],
@@ -161,31 +160,21 @@ impl Geometry<'_> {
             gemm::Parallelism::None,
         );
         let scale = T::of(self.scale);
-        let mut some_row_hidden = false;
         for (i, row) in s.chunks_exact_mut(kend).enumerate() {
-            let mut seen = false;
             for (j, x) in row.iter_mut().enumerate() {
-                if self.hidden(head, r0 + i, j) {
-                    *x = T::LOWEST;
-                } else {
-                    *x = *x * scale;
-                    seen = true;
-                }
+                *x = match self.hidden(head, r0 + i, j) {
+                    true => T::LOWEST,
+                    false => *x * scale,
+                };
             }
-            some_row_hidden |= !seen;
         }
-        some_row_hidden
     }
 
     /// The scores of a block, its probabilities in their place, and the
-    /// number of keys they span (all `T` where a row hides every key the
-    /// block would read).
+    /// number of keys they span.
     fn probabilities<T: Real>(&self, head: usize, q: &[T], k: &[T], r0: usize, rows: usize, s: &mut [T]) -> usize {
-        let mut kend = self.keys(r0 + rows);
-        if self.scores(head, q, k, (r0, rows, kend), &mut s[..rows * kend]) && kend < self.t {
-            kend = self.t;
-            self.scores(head, q, k, (r0, rows, kend), &mut s[..rows * kend]);
-        }
+        let kend = self.keys(head, r0, r0 + rows);
+        self.scores(head, q, k, (r0, rows, kend), &mut s[..rows * kend]);
         for row in s[..rows * kend].chunks_exact_mut(kend) {
             let m = row_max(row);
             let r = T::ONE / T::exp_shifted(row, m);
@@ -329,6 +318,9 @@ impl Geometry<'_> {
     /// `f(head, chunk)` for each head's `per`-element chunk of `dst`, the
     /// heads spread over threads where the work pays for them.
     fn each_head<T: Real>(&self, dst: &mut [T], per: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+        if per == 0 {
+            return;
+        }
         let work = self.heads.saturating_mul(self.t * self.t).saturating_mul(self.d);
         let threads = super::max_threads().min(self.heads).max(1);
         if threads == 1 || work < MIN_PARALLEL_WORK {
@@ -350,20 +342,38 @@ fn values<'a, T: candle_core::WithDType>(s: &'a Storage, t: &Tensor) -> Result<&
     let Storage::Cpu(c) = s else {
         bail!("attention: not a CPU tensor")
     };
-    let (start, end) = match t.layout().contiguous_offsets() {
-        Some(o) => o,
-        None => bail!("attention: the kernel reads contiguous operands"),
-    };
-    Ok(&c.as_slice::<T>()?[start..end])
+    super::contiguous_slice("attention", c.as_slice::<T>()?, t.layout())
 }
 
-/// `keep [N, T]` as flags (nonzero: a real token).
-fn flags(keep: Option<&Tensor>) -> Result<Option<Vec<bool>>> {
-    keep.map(|k| {
-        let v = k.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        Ok(v.into_iter().map(|x| x != 0.0).collect())
-    })
-    .transpose()
+/// `keep [N, T]` as flags (nonzero, in its own dtype: a real token), and
+/// each sequence's first real key (`T` where none is; every sequence's is
+/// 0 without a mask).
+fn flags(keep: Option<&Tensor>, n: usize, t: usize) -> Result<(Option<Vec<bool>>, Vec<usize>)> {
+    let Some(k) = keep else {
+        return Ok((None, vec![0; n]));
+    };
+    let v: Vec<bool> = k
+        .ne(0.0)?
+        .flatten_all()?
+        .to_vec1::<u8>()?
+        .into_iter()
+        .map(|x| x != 0)
+        .collect();
+    let first = (0..n)
+        .map(|i| v[i * t..(i + 1) * t].iter().position(|&x| x).unwrap_or(t))
+        .collect();
+    Ok((Some(v), first))
+}
+
+/// The lowest finite value of `dtype`: what a hidden score becomes
+/// (Hugging Face's `torch.finfo(dtype).min`).
+pub(crate) fn lowest(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => f64::MIN,
+        DType::F16 => -65504.0,
+        DType::BF16 => -3.3895313892515355e38,
+        _ => f32::MIN as f64,
+    }
 }
 
 /// Whether the kernel takes these operands.
@@ -401,7 +411,7 @@ pub(crate) fn forward(
         return generic::forward(q, k, v, keep, causal, scale);
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let flags = flags(keep)?;
+    let (flags, first) = flags(keep, n, t)?;
     let g = Geometry {
         heads: n * h,
         per_n: h,
@@ -410,6 +420,7 @@ pub(crate) fn forward(
         causal,
         scale,
         keep: flags.as_deref(),
+        first: &first,
     };
     match q.dtype() {
         DType::F32 => forward_as::<f32>(&g, &q, &k, &v),
@@ -451,7 +462,7 @@ pub(crate) fn backward(
         return generic::backward([q, k, v, dout], keep, causal, scale);
     }
     let ts: Vec<Tensor> = [q, k, v, dout].iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
-    let flags = flags(keep)?;
+    let (flags, first) = flags(keep, n, t)?;
     let g = Geometry {
         heads: n * h,
         per_n: h,
@@ -460,6 +471,7 @@ pub(crate) fn backward(
         causal,
         scale,
         keep: flags.as_deref(),
+        first: &first,
     };
     match q.dtype() {
         DType::F32 => backward_as::<f32>(&g, &ts),
@@ -544,13 +556,6 @@ mod generic {
         Ok(m)
     }
 
-    fn lowest(dt: DType) -> f64 {
-        match dt {
-            DType::F64 => f64::MIN,
-            _ => f32::MIN as f64,
-        }
-    }
-
     /// The probabilities `[N, H, T, T]` and the hidden mask, in the work dtype.
     fn probabilities(
         q: &Tensor,
@@ -560,13 +565,14 @@ mod generic {
         scale: f64,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (n, _, t, _) = q.dims4()?;
-        let s = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+        let s = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
         let hidden = hidden(keep, causal, n, t, q)?;
         let s = match &hidden {
             Some(m) => {
                 let m = m.broadcast_as(s.shape())?;
-                let fill = Tensor::full(lowest(s.dtype()), s.shape(), s.device())?.to_dtype(s.dtype())?;
-                m.where_cond(&fill, &s)?
+                // one value broadcast, not a score-sized tensor of it
+                let fill = Tensor::new(super::lowest(s.dtype()), s.device())?.to_dtype(s.dtype())?;
+                m.where_cond(&fill.broadcast_as(s.shape())?, &s)?
             }
             None => s,
         };
@@ -582,7 +588,9 @@ mod generic {
         scale: f64,
     ) -> Result<Tensor> {
         let (dt, wt) = (q.dtype(), work_dtype(q.dtype()));
-        let (q, k, v) = (q.to_dtype(wt)?, k.to_dtype(wt)?, v.to_dtype(wt)?);
+        // operands as the model makes them (a permuted view of a projection):
+        // candle's product takes them contiguous
+        let (q, k, v) = (q.to_dtype(wt)?.contiguous()?, k.to_dtype(wt)?, v.to_dtype(wt)?);
         let (p, _) = probabilities(&q, &k, keep, causal, scale)?;
         p.matmul(&v.contiguous()?)?.to_dtype(dt)
     }
@@ -598,7 +606,10 @@ mod generic {
         let mut ds = (p * dp.broadcast_sub(&dot)?)?;
         if let Some(m) = hidden {
             let m = m.broadcast_as(ds.shape())?;
-            ds = m.where_cond(&ds.zeros_like()?, &ds)?;
+            let zero = Tensor::new(0f64, ds.device())?
+                .to_dtype(ds.dtype())?
+                .broadcast_as(ds.shape())?;
+            ds = m.where_cond(&zero, &ds)?;
         }
         let ds = (ds * scale)?;
         let dq = ds.matmul(&k)?;

@@ -5,7 +5,8 @@
 //! by side, so each group's rows are summed once: `T log T + T D` an
 //! example, where writing the table costs `V D` and the pairwise form
 //! (`sum_ts [id_t = id_s] c_t . c_s`) `T^2 D` (a BERT-sized vocabulary at
-//! `T = 1024` held a 715 MiB `[8, 30522, 768]` gradient for it).
+//! `T = 1024` held a 715 MiB `[8, 30522, 768]` gradient for it). Other
+//! devices and dtypes group the same way in candle's operations.
 
 use super::{output, run_jobs, Elem, Path};
 use candle_core::{bail, DType, Result, Storage, Tensor, D};
@@ -22,22 +23,29 @@ pub(crate) fn lookup_sq_norms(rows: &Tensor, ids: &Tensor, path: Path) -> Result
             rows.dims()
         )
     }
-    if !super::has_cpu_kernel(rows, path) {
-        return pairwise(rows, ids);
-    }
     let ids: Vec<i64> = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
+    if !super::has_cpu_kernel(rows, path) {
+        return grouped(rows, &ids, (b, t));
+    }
     let rows = rows.contiguous()?;
     let (storage, _) = rows.storage_and_layout();
     let Storage::Cpu(c) = &*storage else {
         bail!("lookup_sq_norms: not a CPU tensor")
     };
-    let (start, end) = match rows.layout().contiguous_offsets() {
-        Some(o) => o,
-        None => bail!("lookup_sq_norms: the rows are not contiguous"),
-    };
+    let (op, l) = ("lookup_sq_norms", rows.layout());
     match rows.dtype() {
-        DType::F32 => norms(&c.as_slice::<f32>()?[start..end], &ids, (b, t, d), rows.device()),
-        _ => norms(&c.as_slice::<f64>()?[start..end], &ids, (b, t, d), rows.device()),
+        DType::F32 => norms(
+            super::contiguous_slice(op, c.as_slice::<f32>()?, l)?,
+            &ids,
+            (b, t, d),
+            rows.device(),
+        ),
+        _ => norms(
+            super::contiguous_slice(op, c.as_slice::<f64>()?, l)?,
+            &ids,
+            (b, t, d),
+            rows.device(),
+        ),
     }
 }
 
@@ -78,15 +86,35 @@ fn norms<T: Elem + candle_core::WithDType>(
     Tensor::from_vec(out, b, dev)
 }
 
-/// The pairwise form in candle's operations (every other device and
-/// dtype): `sum_ts [id_t = id_s] (c_t . c_s)`, a `[B, T, T]` Gram matrix.
-fn pairwise(rows: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    let gram = rows.matmul(&rows.t()?.contiguous()?)?;
-    let same = ids
-        .unsqueeze(2)?
-        .broadcast_eq(&ids.unsqueeze(1)?)?
-        .to_dtype(rows.dtype())?;
-    (gram * same)?.sum(D::Minus1)?.sum(D::Minus1)
+/// The same grouping in candle's operations (every other device and
+/// dtype, f16/bf16 summed in f32): each example's ids ranked on the host
+/// (they were read for the range check already), its rows added into one
+/// row per distinct id, and that table's squared sum: `[U, D]` an
+/// example, `U` its distinct ids, never a `T x T` or `V x D` value.
+fn grouped(rows: &Tensor, ids: &[i64], (b, t): (usize, usize)) -> Result<Tensor> {
+    if b == 0 {
+        return Tensor::zeros(0, rows.dtype(), rows.device());
+    }
+    let work = match rows.dtype() {
+        DType::F16 | DType::BF16 => DType::F32,
+        dt => dt,
+    };
+    let mut norms = Vec::with_capacity(b);
+    for i in 0..b {
+        let ex = &ids[i * t..(i + 1) * t];
+        let mut distinct: Vec<i64> = ex.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let rank: Vec<u32> = ex
+            .iter()
+            .map(|id| distinct.partition_point(|d| d < id) as u32)
+            .collect();
+        let rank = Tensor::from_vec(rank, t, rows.device())?;
+        let r = rows.get(i)?.to_dtype(work)?.contiguous()?;
+        let table = Tensor::zeros((distinct.len(), r.dim(D::Minus1)?), work, rows.device())?;
+        norms.push(table.index_add(&rank, &r, 0)?.sqr()?.sum_all()?);
+    }
+    Tensor::stack(&norms, 0)?.to_dtype(rows.dtype())
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ pub fn merge_heads(x: &Tracer) -> Result<Tracer> {
 /// hidden score, so that a query whose keys are all hidden averages them
 /// (where `-inf` would give NaN).
 pub fn mask_value(dtype: DType) -> f64 {
-    crate::rules::attention::lowest(dtype)
+    crate::kernels::attention::lowest(dtype)
 }
 
 /// What attention may not look at.

@@ -208,10 +208,11 @@ impl RotaryCache {
 /// heads`: `q`, `k`, `v` and `o` are linear layers with bias (PyTorch's
 /// parameter names under the prefix: `q.weight`, ...). Scores are `q k^T /
 /// sqrt(D / heads)`; a causal mask hides the keys after each query, an
-/// attention mask (`[N, T]`, nonzero for a real token and 0 for padding:
-/// the crate's one convention, Hugging Face's `attention_mask`) hides
-/// padded keys, and optional rotary tables rotate `q` and `k` ([`rope`]).
-/// The scores go through [`attend`](super::attend), as the models' do.
+/// attention mask ([`MultiHeadAttention::forward_with_mask`]: `[N, T]`,
+/// nonzero for a real token and 0 for padding, the crate's one convention
+/// and Hugging Face's `attention_mask`) hides padded keys, and optional
+/// rotary tables rotate `q` and `k` ([`rope`]). The scores go through
+/// [`attend`](super::attend), as the models' do.
 pub struct MultiHeadAttention {
     q: Linear,
     k: Linear,
@@ -221,39 +222,10 @@ pub struct MultiHeadAttention {
     dim: usize,
     causal: bool,
     rotary: Option<(Tensor, Tensor)>,
-    // the deprecated constructors' convention: nonzero marks padding
-    key_padding: bool,
 }
 
-/// Self-attention of `dim` features in `heads` heads, causal or not; its
-/// mask is nonzero for a real token (see [`MultiHeadAttention`]).
+/// Self-attention of `dim` features in `heads` heads, causal or not.
 pub fn multi_head_attention(dim: usize, heads: usize, causal: bool, vb: VarBuilder) -> Result<MultiHeadAttention> {
-    attention_layer(dim, heads, causal, false, vb)
-}
-
-/// The previous release's attention, whose mask is nonzero where a key is
-/// **padding** (the inverse of every other mask of the crate) and whose
-/// fully hidden query gets NaN.
-#[deprecated(
-    since = "0.2.0",
-    note = "use nn::multi_head_attention, whose mask is nonzero for a real token (Hugging Face's attention_mask, as the models take it): invert a padding mask with mask.eq(0.0)"
-)]
-pub fn multi_head_attention_key_padding(
-    dim: usize,
-    heads: usize,
-    causal: bool,
-    vb: VarBuilder,
-) -> Result<MultiHeadAttention> {
-    attention_layer(dim, heads, causal, true, vb)
-}
-
-fn attention_layer(
-    dim: usize,
-    heads: usize,
-    causal: bool,
-    key_padding: bool,
-    vb: VarBuilder,
-) -> Result<MultiHeadAttention> {
     if heads == 0 || !dim.is_multiple_of(heads) {
         return Err(Error::Config {
             msg: format!("multi_head_attention: {heads} heads do not divide {dim} features"),
@@ -268,7 +240,6 @@ fn attention_layer(
         dim,
         causal,
         rotary: None,
-        key_padding,
     })
 }
 
@@ -287,15 +258,9 @@ impl MultiHeadAttention {
             .permute(&[0, 2, 1, 3])
     }
 
-    /// Attention with an optional mask `[N, T]`, nonzero for a real token
-    /// and 0 for padding (Hugging Face's `attention_mask`, as the models'
-    /// `forward_masked` take it): padded keys get the dtype's lowest finite
-    /// score ([`mask_value`](super::mask_value)), so a query whose keys are
-    /// all hidden averages them rather than giving NaN (Hugging Face's eager
-    /// attention). A layer from the deprecated
-    /// [`multi_head_attention_key_padding`] reads the mask inverted
-    /// (nonzero: padding) and fills with `-inf`, as before.
-    pub fn forward_masked(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
+    /// `x [N, T, D]` checked, and its queries (rotated), keys (rotated)
+    /// and values, `[N, H, T, D/H]` each.
+    fn project(&self, p: &Params, x: &Tracer) -> Result<(Tracer, Tracer, Tracer)> {
         if x.rank() != 3 || x.dims()[2] != self.dim {
             return Err(Error::shape(
                 "attention",
@@ -303,7 +268,6 @@ impl MultiHeadAttention {
                 format!("expected [N, T, {}]", self.dim),
             ));
         }
-        let (n, t) = (x.dims()[0], x.dims()[1]);
         let mut q = self.split_heads(&self.q.forward_with(p, x)?)?;
         let mut k = self.split_heads(&self.k.forward_with(p, x)?)?;
         let v = self.split_heads(&self.v.forward_with(p, x)?)?;
@@ -312,17 +276,44 @@ impl MultiHeadAttention {
             q = rope(&q, &cos, &sin)?;
             k = rope(&k, &cos, &sin)?;
         }
+        Ok((q, k, v))
+    }
+
+    /// `[N, H, T, D/H] -> [N, T, D]`, then the output projection.
+    fn merge(&self, p: &Params, out: &Tracer) -> Result<Tracer> {
+        let (n, t) = (out.dims()[0], out.dims()[2]);
+        self.o
+            .forward_with(p, &out.permute(&[0, 2, 1, 3])?.reshape((n, t, self.dim))?)
+    }
+
+    /// Attention with an optional mask `[N, T]`, nonzero for a real token
+    /// and 0 for padding (Hugging Face's `attention_mask`, as the models'
+    /// `forward_masked` take it): padded keys get the dtype's lowest finite
+    /// score ([`mask_value`](super::mask_value)), so a query whose keys are
+    /// all hidden averages them rather than giving NaN (Hugging Face's eager
+    /// attention).
+    pub fn forward_with_mask(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
+        let (q, k, v) = self.project(p, x)?;
+        let mask = super::AttentionMask {
+            causal: self.causal,
+            keep: mask.cloned(),
+        };
         let scale = 1.0 / ((self.dim / self.heads) as f64).sqrt();
-        if !self.key_padding {
-            let mask = super::AttentionMask {
-                causal: self.causal,
-                keep: mask.cloned(),
-            };
-            let out = super::attend(&q, &k, &v, &mask, scale)?; // [N, H, T, D/H]
-            let merged = out.permute(&[0, 2, 1, 3])?.reshape((n, t, self.dim))?;
-            return self.o.forward_with(p, &merged);
-        }
-        let key_padding = mask;
+        self.merge(p, &super::attend(&q, &k, &v, &mask, scale)?)
+    }
+
+    /// The previous release's masked attention, whose mask is nonzero
+    /// where a key is **padding** (the inverse of every other mask of the
+    /// crate, the models' included) and fills hidden scores with `-inf`, so
+    /// a query whose keys are all hidden gets NaN; written out, not fused.
+    #[deprecated(
+        since = "0.2.0",
+        note = "use forward_with_mask, whose mask is nonzero for a real token (Hugging Face's attention_mask, as the models take it): pass mask.eq(0.0) of a padding mask"
+    )]
+    pub fn forward_masked(&self, p: &Params, x: &Tracer, key_padding: Option<&Tracer>) -> Result<Tracer> {
+        let (q, k, v) = self.project(p, x)?;
+        let (n, t) = (x.dims()[0], x.dims()[1]);
+        let scale = 1.0 / ((self.dim / self.heads) as f64).sqrt();
         // [N, H, T, T]
         let mut scores = q.matmul(&k.transpose(2, 3)?)?.affine(scale, 0.0)?;
         if self.causal {
@@ -344,15 +335,13 @@ impl MultiHeadAttention {
             let hidden = pad.ne(0.0)?.reshape((n, 1, 1, t))?;
             scores = scores.masked_fill(&hidden, f64::NEG_INFINITY)?;
         }
-        let out = scores.softmax(-1)?.matmul(&v)?; // [N, H, T, D/H]
-        let merged = out.permute(&[0, 2, 1, 3])?.reshape((n, t, self.dim))?;
-        self.o.forward_with(p, &merged)
+        self.merge(p, &scores.softmax(-1)?.matmul(&v)?)
     }
 }
 
 impl Module for MultiHeadAttention {
     fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
-        self.forward_masked(p, x, None)
+        self.forward_with_mask(p, x, None)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
         [&self.q, &self.k, &self.v, &self.o]
@@ -432,26 +421,11 @@ pub struct TransformerBlock {
     act: Activation,
 }
 
-/// A pre-norm block of the given shape; its mask is nonzero for a real
-/// token (see [`MultiHeadAttention::forward_masked`]).
+/// A pre-norm block of the given shape.
 pub fn transformer_block(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBlock> {
-    block(c, false, vb)
-}
-
-/// The previous release's block, whose mask is nonzero where a key is
-/// **padding** (see [`multi_head_attention_key_padding`]).
-#[deprecated(
-    since = "0.2.0",
-    note = "use nn::transformer_block, whose mask is nonzero for a real token (Hugging Face's attention_mask): invert a padding mask with mask.eq(0.0)"
-)]
-pub fn transformer_block_key_padding(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBlock> {
-    block(c, true, vb)
-}
-
-fn block(c: BlockConfig, key_padding: bool, vb: VarBuilder) -> Result<TransformerBlock> {
     Ok(TransformerBlock {
         ln1: norm(c.norm, c.dim, vb.pp("ln1"))?,
-        attn: attention_layer(c.dim, c.heads, c.causal, key_padding, vb.clone())?,
+        attn: multi_head_attention(c.dim, c.heads, c.causal, vb.clone())?,
         ln2: norm(c.norm, c.dim, vb.pp("ln2"))?,
         ff1: linear(c.dim, c.ff, vb.pp("ff1"))?,
         ff2: linear(c.ff, c.dim, vb.pp("ff2"))?,
@@ -461,19 +435,39 @@ fn block(c: BlockConfig, key_padding: bool, vb: VarBuilder) -> Result<Transforme
 
 impl TransformerBlock {
     /// The block with an attention mask `[N, T]` for its attention,
-    /// nonzero for a real token (see [`MultiHeadAttention::forward_masked`]).
-    pub fn forward_masked(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
-        let x = x.add(&self.attn.forward_masked(p, &self.ln1.forward_with(p, x)?, mask)?)?;
+    /// nonzero for a real token (see
+    /// [`MultiHeadAttention::forward_with_mask`]).
+    pub fn forward_with_mask(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
+        let a = self.attn.forward_with_mask(p, &self.ln1.forward_with(p, x)?, mask)?;
+        self.feed_forward(p, &x.add(&a)?)
+    }
+
+    /// The previous release's masked block, whose mask is nonzero where a
+    /// key is **padding** (see [`MultiHeadAttention::forward_masked`]).
+    #[deprecated(
+        since = "0.2.0",
+        note = "use forward_with_mask, whose mask is nonzero for a real token (Hugging Face's attention_mask): pass mask.eq(0.0) of a padding mask"
+    )]
+    pub fn forward_masked(&self, p: &Params, x: &Tracer, key_padding: Option<&Tracer>) -> Result<Tracer> {
+        #[allow(deprecated)]
+        let a = self
+            .attn
+            .forward_masked(p, &self.ln1.forward_with(p, x)?, key_padding)?;
+        self.feed_forward(p, &x.add(&a)?)
+    }
+
+    /// `x + ff2(act(ff1(ln2(x))))`.
+    fn feed_forward(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
         let h = self
             .act
-            .forward_with(p, &self.ff1.forward_with(p, &self.ln2.forward_with(p, &x)?)?)?;
+            .forward_with(p, &self.ff1.forward_with(p, &self.ln2.forward_with(p, x)?)?)?;
         x.add(&self.ff2.forward_with(p, &h)?)
     }
 }
 
 impl Module for TransformerBlock {
     fn forward_with(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
-        self.forward_masked(p, x, None)
+        self.forward_with_mask(p, x, None)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
         let mut m = self.ln1.params();

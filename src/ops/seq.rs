@@ -120,8 +120,9 @@ impl Tracer {
     }
 
     /// `value` where `mask` (a `u8` tensor broadcast to this shape) is
-    /// nonzero, else this value (PyTorch's `masked_fill`; an attention
-    /// mask fills with `f64::NEG_INFINITY`).
+    /// nonzero, else this value (PyTorch's `masked_fill`; attention fills
+    /// hidden scores with [`nn::mask_value`](crate::nn::mask_value), as
+    /// [`nn::attend`](crate::nn::attend) does).
     pub fn masked_fill(&self, mask: impl Operand, value: f64) -> Result<Tracer> {
         let mask = mask.to_tracer(self)?;
         if mask.dtype() != DType::U8 {

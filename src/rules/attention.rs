@@ -19,16 +19,7 @@ use crate::ir::{Graph, Prim, TensorType, VarId};
 use crate::kernels::attention as kernel;
 use candle_core::{DType, Tensor};
 
-/// The lowest finite value of `dtype`: a hidden score (Hugging Face's
-/// `torch.finfo(dtype).min`).
-pub(crate) fn lowest(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => f64::MIN,
-        DType::F16 => -65504.0,
-        DType::BF16 => -3.3895313892515355e38,
-        _ => f32::MIN as f64,
-    }
-}
+pub(crate) use kernel::lowest;
 
 fn bad(op: &AttnOp, args: &[&TensorType], msg: impl Into<String>) -> Error {
     let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
@@ -46,11 +37,7 @@ impl Rule for AttnOp {
             return Err(bad(self, args, "q must be a float [N, H, T, D]"));
         }
         if args[..self.tensors()].iter().any(|a| *a != q) {
-            return Err(bad(
-                self,
-                args,
-                "q, k and v (and o, dout) must share one shape and dtype",
-            ));
+            return Err(bad(self, args, "q, k and v (and dout) must share one shape and dtype"));
         }
         let (n, t) = (q.shape[0], q.shape[2]);
         if self.masked && args[self.tensors()].shape != [n, t] {
@@ -79,9 +66,9 @@ impl Rule for AttnOp {
             DType::F32 | DType::F64 => kernel::kernel_scratch(t, elem, heads.min(64)),
             _ => kernel::generic_scratch(heads, t, elem),
         };
-        // the mask is read to the host as flags
+        // the mask is read to the host as flags (a byte each, twice)
         let flags = if self.masked {
-            args[self.tensors()].ty.elem_count() * 5
+            args[self.tensors()].ty.elem_count() * 2
         } else {
             0
         };
@@ -114,9 +101,11 @@ impl Rule for AttnOp {
         // every operand batch first, the batch folded into N:
         // B N .. -> (B N) ..
         let mut folded = Vec::with_capacity(args.len());
+        let mut n = 0;
         for &a in args {
             let v = cx.materialize(a)?;
             let mut d = cx.b.dims(v);
+            n = d[1];
             let bn = d[0] * d[1];
             d.splice(0..2, [bn]);
             folded.push(cx.b.reshape(v, d)?);
@@ -124,8 +113,7 @@ impl Rule for AttnOp {
         let out = cx.b.emit(Prim::Attention(self.clone()), &folded)?;
         // (B N) H T X -> B N H T X
         let mut d = cx.b.dims(out);
-        d[0] /= cx.size.max(1);
-        d.insert(0, cx.size);
+        d.splice(0..1, [cx.size, n]);
         Ok(Some((cx.b.reshape(out, d)?, Some(0))))
     }
 

@@ -16,9 +16,11 @@
 //! The ghost norm costs `B K² (m + n)` multiply-adds where materialising
 //! costs `B K m n`, so it is chosen when `K (m + n) < m n` (long sequences
 //! on narrow layers materialise). An embedding's per-example gradient adds
-//! rows `c_t` at ids: its squared norm is `Σ_ts [id_t = id_s] (c_t . c_s)`
-//! (Opacus counts repeated ids to the same end), chosen when `T² < V`, and
-//! its clipped sum is one index-add of the reweighted rows. Other
+//! rows `c_t` at ids: its squared norm is `Σ_v |Σ_{t: id_t = v} c_t|²`,
+//! each example's positions grouped by id (`lookup_sq_norms`, `T log T +
+//! T D` an example; Opacus counts repeated ids to the same end), chosen
+//! when `T < V`, and its clipped sum is one index-add of the reweighted
+//! rows. Other
 //! per-example gradients (biases and norm scales, which are sums;
 //! convolutions) are materialised here and their norms and weighted sums
 //! read them. These rules only emit: the DP transform in `dp` decides and
@@ -54,7 +56,8 @@ pub(crate) struct Product {
 pub(crate) enum Plan {
     /// From the Gram matrices and one folded product.
     Ghost(Product),
-    /// From the rows' Gram matrix masked by equal ids, and one index-add.
+    /// From each example's rows summed by id (`lookup_sq_norms`), and one
+    /// index-add.
     GhostLookup(Lookup),
     /// From norms computed a chunk of examples at a time, and one ordinary
     /// weight gradient of the reweighted output gradients.
