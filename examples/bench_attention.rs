@@ -17,22 +17,52 @@
 //! .. plan_mib ..` (the plan is the gradient's for `step`, the clipping
 //! step's for `dp`; `--top K` lists that graph's K largest values first).
 //! `--layers`,
-//! `--t` and `--b` shrink it.
+//! `--t` and `--b` shrink it; `--shape minilm` takes all-MiniLM-L6-v2's
+//! sizes instead (6 layers, hidden 384, 12 heads, feed-forward 1536), and
+//! `--profile RUNS` prints where the variant's graph spends its time
+//! instead (per node, per primitive, each product shape's GFLOP/s), and
+//! `--variant psg` times every parameter's per-sample gradient
+//! (`vmap(grad)`). `benches/peers/bench_encoder.py` is the same encoder in
+//! PyTorch, and `scripts/cpu_scaling.sh` runs both at 1, 4 and 16 threads.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::dp::{self, DpConfig, PrivacyEngine};
 use candle_func::nn::{self, cross_entropy, Activation, AttentionMask, Module, Params, PostNormBlock, Reduction};
-use candle_func::{grad, jit, make_graph, Tracer};
+use candle_func::{grad, jit, make_graph, vmap, Tracer};
 use candle_nn::{VarBuilder, VarMap};
 use common::arg;
 use std::collections::BTreeMap;
 
-const D: usize = 768;
-const HEADS: usize = 12;
-const FF: usize = 3072;
 const VOCAB: usize = 30522;
+
+/// The encoder's sizes: hidden, heads, feed-forward, and the default depth.
+#[derive(Clone, Copy)]
+struct Shape {
+    d: usize,
+    heads: usize,
+    ff: usize,
+    layers: usize,
+}
+
+fn shape(name: &str) -> Result<Shape, String> {
+    match name {
+        "bert-base" => Ok(Shape {
+            d: 768,
+            heads: 12,
+            ff: 3072,
+            layers: 12,
+        }),
+        "minilm" => Ok(Shape {
+            d: 384,
+            heads: 12,
+            ff: 1536,
+            layers: 6,
+        }),
+        other => Err(format!("--shape {other}: one of bert-base, minilm")),
+    }
+}
 
 struct Encoder {
     words: nn::Embedding,
@@ -42,21 +72,28 @@ struct Encoder {
     head: nn::Linear,
 }
 
-fn encoder(layers: usize, t: usize, vb: VarBuilder) -> candle_func::Result<Encoder> {
-    let ln = |vb: VarBuilder| nn::layer_norm(D, 1e-12, vb);
+fn encoder(s: Shape, layers: usize, t: usize, vb: VarBuilder) -> candle_func::Result<Encoder> {
+    let Shape {
+        d, heads, ff: ff_dim, ..
+    } = s;
+    let ln = |vb: VarBuilder| nn::layer_norm(d, 1e-12, vb);
     let blocks = (0..layers)
         .map(|i| {
             let vb = vb.pp(format!("layer.{i}"));
             let lin = |i: usize, o: usize, name: &str| nn::linear(i, o, vb.pp(name));
             let attn = nn::SelfAttention::separate(
-                lin(D, D, "query")?,
-                lin(D, D, "key")?,
-                lin(D, D, "value")?,
-                lin(D, D, "attention_out")?,
-                HEADS,
-                HEADS,
+                lin(d, d, "query")?,
+                lin(d, d, "key")?,
+                lin(d, d, "value")?,
+                lin(d, d, "attention_out")?,
+                heads,
+                heads,
             )?;
-            let ff = (lin(D, FF, "intermediate")?, Activation::Gelu, lin(FF, D, "output")?);
+            let ff = (
+                lin(d, ff_dim, "intermediate")?,
+                Activation::Gelu,
+                lin(ff_dim, d, "output")?,
+            );
             Ok(PostNormBlock::new(
                 attn,
                 ln(vb.pp("attention_norm"))?,
@@ -66,11 +103,11 @@ fn encoder(layers: usize, t: usize, vb: VarBuilder) -> candle_func::Result<Encod
         })
         .collect::<candle_func::Result<Vec<_>>>()?;
     Ok(Encoder {
-        words: nn::embedding(VOCAB, D, vb.pp("words"))?,
-        positions: nn::embedding(t, D, vb.pp("positions"))?,
+        words: nn::embedding(VOCAB, d, vb.pp("words"))?,
+        positions: nn::embedding(t, d, vb.pp("positions"))?,
         norm: ln(vb.pp("embeddings_norm"))?,
         blocks,
-        head: nn::linear(D, 2, vb.pp("classifier"))?,
+        head: nn::linear(d, 2, vb.pp("classifier"))?,
     })
 }
 
@@ -128,10 +165,11 @@ fn batch(b: usize, t: usize) -> candle_func::Result<(Tensor, Tensor)> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let variant: String = arg("--variant", "dp".to_string());
     let reps: usize = arg("--reps", 2);
-    let layers: usize = arg("--layers", 12);
+    let s = shape(&arg("--shape", "bert-base".to_string()))?;
+    let layers: usize = arg("--layers", s.layers);
     let (b, t): (usize, usize) = (arg("--b", 8), arg("--t", 1024));
     let varmap = VarMap::new();
-    let model = encoder(layers, t, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    let model = encoder(s, layers, t, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
     let (xs, ys) = batch(b, t)?;
     let params: BTreeMap<String, Tensor> = varmap
         .data()
@@ -149,6 +187,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let forward = jit(|p: BTreeMap<String, Tracer>, x: Tracer| model.logits(&Params::with(&p), &x));
     let step = grad(batch_loss);
+    let psg = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
     let mut trainer = PrivacyEngine::new()
         .rng(dp::rng::Rng::seeded(0))
         .physical_batch(b)
@@ -163,12 +202,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         match variant.as_str() {
             "forward" => forward.call((&params, &xs)).map(|_| ()),
             "step" => step.call((&params, &xs, &ys)).map(|_| ()),
+            "psg" => psg.call((&params, &xs, &ys)).map(|_| ()),
             "dp" => trainer.step().map(|_| ()),
             other => Err(candle_func::Error::Config {
-                msg: format!("--variant {other}: one of forward, step, dp"),
+                msg: format!("--variant {other}: one of forward, step, psg, dp"),
             }),
         }
     };
+    if arg("--profile", 0usize) > 0 {
+        // the variant's graph with per-node timings (`--profile RUNS`)
+        let mut inputs: Vec<Tensor> = params.values().cloned().collect();
+        inputs.push(xs.clone());
+        let g = match variant.as_str() {
+            "forward" => make_graph(&forward, (&params, &xs))?,
+            "step" => make_graph(&step, (&params, &xs, &ys))?,
+            "psg" => make_graph(&psg, (&params, &xs, &ys))?,
+            _ => make_graph(&dp::clipped_grad_sum(one, 1.0), (&params, &xs, &ys))?,
+        };
+        if variant != "forward" {
+            inputs.push(ys.clone());
+        }
+        let title = format!("{variant}, B={b}, T={t}, {layers} layers");
+        return Ok(common::profile::report(&title, &g, &inputs, arg("--profile", 0usize))?);
+    }
     if arg("--top", 0usize) > 0 {
         // the largest values of the clipping step's graph, by bytes
         let g = make_graph(&dp::clipped_grad_sum(one, 1.0), (&params, &xs, &ys))?;
@@ -191,6 +247,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(match variant.as_str() {
             "forward" => make_graph(&forward, (&params, &xs))?.planned_peak_bytes(),
             "step" => make_graph(&step, (&params, &xs, &ys))?.planned_peak_bytes(),
+            "psg" => make_graph(&psg, (&params, &xs, &ys))?.planned_peak_bytes(),
             // the trainer's clipping step, as a transform of its own
             _ => make_graph(&dp::clipped_grad_sum(one, 1.0), (&params, &xs, &ys))?.planned_peak_bytes(),
         })

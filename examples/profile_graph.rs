@@ -23,51 +23,7 @@ use common::models::{build, c3d, cnn_o, cnn_t, mlp, tiny_lm};
 use std::collections::BTreeMap;
 
 fn report(title: &str, g: &Graph, inputs: &[Tensor]) -> candle_func::Result<()> {
-    g.run(inputs)?; // warm-up
-    let mut runs = Vec::new();
-    for _ in 0..common::arg("--runs", 3usize).max(1) {
-        runs.push(g.run_profiled(inputs)?.1);
-    }
-    // Each node's median over the runs, so one noisy run does not decide.
-    let times: Vec<(usize, f64)> = (0..runs[0].len())
-        .map(|i| {
-            let mut t: Vec<f64> = runs.iter().map(|r| r[i].1).collect();
-            t.sort_by(f64::total_cmp);
-            (runs[0][i].0, t[t.len() / 2])
-        })
-        .collect();
-    let times = &times;
-    let sum = total(times);
-    println!(
-        "\n## {title}: {:.2} ms over {} nodes\n\nslowest nodes:",
-        sum * 1e3,
-        times.len()
-    );
-    let mut by_node: Vec<(f64, String)> = times
-        .iter()
-        .filter_map(|&(v, t)| g.node(v).map(|n| (t, format!("{} -> {:?}", n.name(), n.ty().shape))))
-        .collect();
-    by_node.sort_by(|a, b| b.0.total_cmp(&a.0));
-    for (t, what) in by_node.iter().take(15) {
-        println!("{:>9.3} ms  {what}", t * 1e3);
-    }
-    let mut by_prim: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    for (n, t) in times.iter().filter_map(|&(v, t)| g.node(v).map(|n| (n, t))) {
-        let e = by_prim.entry(n.name()).or_default();
-        e.0 += t;
-        e.1 += 1;
-    }
-    let mut by_prim: Vec<_> = by_prim.into_iter().collect();
-    by_prim.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-    println!("\nby primitive:");
-    for (name, (t, n)) in by_prim {
-        println!("{:>9.3} ms  {:>5.1}%  {n:>3} x {name}", t * 1e3, 100. * t / sum);
-    }
-    Ok(())
-}
-
-fn total(times: &[(usize, f64)]) -> f64 {
-    times.iter().map(|t| t.1).sum()
+    common::profile::report(title, g, inputs, common::arg("--runs", 3usize))
 }
 
 fn labels(b: usize) -> candle_core::Result<Tensor> {

@@ -372,3 +372,59 @@ fn merging_into_a_map_without_the_base_weights_is_an_error_naming_one() {
     let err = lora.merged(&candle_nn::VarMap::new()).expect_err("an empty map");
     assert!(err.to_string().contains("query.weight"), "{err}");
 }
+
+/// The non-private LoRA step: the gradient with respect to
+/// `Lora::trainable_params` alone equals those entries of the gradient
+/// with respect to every weight, an optimiser step moves the adapters and
+/// leaves the base, and a map without the adapters is refused by name.
+#[test]
+fn a_lora_step_differentiates_the_adapters_alone() {
+    use candle_func::dp::Optimizer;
+    for (name, targets) in FAMILIES {
+        let m = load(name, &fixture(name));
+        let varmap = nn::varmap_of(m.as_ref()).unwrap();
+        let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(2, 4.0, targets)).unwrap();
+        randomise_b(&varmap, 5);
+        let loss = |p: Map, x: Tracer| {
+            let y = m.forward_with(&Params::with(&p).lora(&lora), &x)?;
+            y.sqr()?.mean_all()
+        };
+        let trainable = lora.trainable_params(&varmap).unwrap();
+        assert_eq!(trainable.len(), 2 * lora.layers().len(), "{name}");
+        assert!(trainable.keys().all(|k| k.contains(".lora_")), "{name}");
+        let all: BTreeMap<String, Tensor> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        let x = ids(3, 6);
+        let g = candle_func::grad(loss).call((&trainable, &x)).unwrap();
+        let g_all = candle_func::grad(loss).call((&all, &x)).unwrap();
+        assert_eq!(g.len(), trainable.len(), "{name}: a gradient for the adapters only");
+        for (k, v) in &g {
+            let scale = common::max_abs(&g_all[k]).max(1e-6);
+            assert!(max_diff(v, &g_all[k]) <= 1e-5 * scale, "{name} {k}");
+        }
+        let base_name = m.params().keys().next().unwrap().clone();
+        let base = m.params()[&base_name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let a_name = trainable.keys().find(|k| k.contains("lora_A")).unwrap().clone();
+        let a = trainable[&a_name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut sgd = dp::Sgd::new(&varmap, 0.5, 0.0).unwrap();
+        sgd.step(&g).unwrap();
+        let moved = trainable[&a_name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_ne!(moved, a, "{name}: the map sees the stepped adapter");
+        assert_eq!(
+            m.params()[&base_name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            base,
+            "{name}: the base is frozen"
+        );
+        let other = nn::varmap_of(m.as_ref()).unwrap();
+        let err = lora.trainable_params(&other).unwrap_err().to_string();
+        assert!(
+            err.contains("lora_A.weight") || err.contains("lora_B.weight"),
+            "{name}: {err}"
+        );
+    }
+}

@@ -10,8 +10,12 @@
 //! at PyTorch's `bmm` speed (~290 GFLOP/s) as one GEMM per thread.
 
 use super::copies::Copies;
-use super::{has_cpu_kernel, max_threads, output, par_blocks_mut, product, Elem, Mat, Path};
+use super::{
+    assume_written, has_cpu_kernel, max_threads, output, output_uninit, par_blocks_mut, product, product_into, Elem,
+    Mat, Path,
+};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use std::mem::MaybeUninit;
 
 /// One operand: its storage slice from the layout's start, and the batch,
 /// row and column strides.
@@ -55,18 +59,23 @@ fn bmm_cpu<T: Elem>(
     (nb, m, k, n): (usize, usize, usize, usize),
     one: T,
 ) -> candle_core::Result<Vec<T>> {
-    let mut dst = output(nb * m * n)?;
-    if k == 0 {
-        return Ok(dst); // an empty sum: zeros
+    if nb * m * n == 0 {
+        return Ok(Vec::new());
     }
-    let gemm_one = |i: usize, d: &mut [T], par: gemm::Parallelism| {
-        product(d, (n, 1), a.mat(i * a.sb), b.mat(i * b.sb), (m, n, k), false, one, par);
-    };
+    if k == 0 {
+        return output(nb * m * n); // an empty sum: zeros
+    }
     let parts = split_k((nb, m, n, k));
     if parts > 1 {
+        let mut dst = output(nb * m * n)?;
         split_k_cpu(a, b, (m, n, k), parts, one, &mut dst)?;
         return Ok(dst);
     }
+    // written in full by the products below, so never zeroed
+    let mut dst = output_uninit::<T>(nb * m * n)?;
+    let gemm_one = |i: usize, d: &mut [MaybeUninit<T>], par: gemm::Parallelism| {
+        product_into(d, a.mat(i * a.sb), b.mat(i * b.sb), (m, n, k), one, par);
+    };
     if nb >= 2 * max_threads() {
         // Threads are spawned per call: worth it only for enough products
         // (a multiply-add counts as a sixteenth of a copied element, so the
@@ -85,7 +94,10 @@ fn bmm_cpu<T: Elem>(
             gemm_one(i, d, par);
         }
     }
-    Ok(dst)
+    // SAFETY: the nb blocks of m n elements tile `dst` (chunks_exact over a
+    // length of nb m n; par_blocks_mut hands out every whole block), and
+    // product_into wrote each block in full (k > 0)
+    Ok(unsafe { assume_written(dst) })
 }
 
 /// Products of fewer multiply-adds than this run on one thread: gemm
@@ -218,9 +230,10 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result
         let spread = a.dims()[0] >= 2 * max_threads() && b.stride()[0] != 0;
         let (ad, bd) = (a.dims(), b.dims());
         let split = split_k((ad[0], ad[1], bd[2], ad[2])) > 1;
-        // one thread packs a column-major `b` itself, faster than a copy
+        // one thread packs a column-major `b` itself, faster than a copy,
+        // and so do the threads for a product of many rows
         let alone = one_thread(ad[1], bd[2], ad[2]);
-        if column_major(b) && !spread && !split && !alone {
+        if column_major(b) && !spread && !split && !alone && ad[1] < PACKS_RHS_ROWS {
             return by_row_major_rhs(a, b, copies);
         }
         return a.apply_op2_no_bwd(b, &BmmOp);
@@ -237,7 +250,7 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result
 pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_t: bool) -> usize {
     let parts = split_k((nb, m, n, k));
     let spread = nb >= 2 * max_threads();
-    let copies = if b_t && !spread && parts == 1 && !one_thread(m, n, k) {
+    let copies = if b_t && !spread && parts == 1 && !one_thread(m, n, k) && m < PACKS_RHS_ROWS {
         let copy_a = if a_t { 0 } else { m * k };
         (k * n).min(copy_a + 2 * m * n)
     } else {
@@ -252,6 +265,15 @@ pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_
     };
     copies + partial + packed
 }
+
+/// From this many rows up, gemm threads a product with a column-major
+/// right operand as fast as a row-major one (it packs the operand's
+/// panels itself: `[512, 896] @ [896, 151936]`, a tied vocabulary head,
+/// 334 against 360 GFLOP/s on two threads), so it is not copied: the
+/// transposed product `by_row_major_rhs` ran instead, with its 311 MB
+/// result transposed back on one thread, took that head 1.7 s, 82 GFLOP/s.
+/// Below it the copy pays (`[64, 9216] @ [9216, 128]`: 50 against 80).
+const PACKS_RHS_ROWS: usize = 128;
 
 /// `a @ b` for a column-major `b`, which gemm packs slowly when it splits
 /// one product over the threads (a linear

@@ -117,6 +117,67 @@ fn grouped(rows: &Tensor, ids: &[i64], (b, t): (usize, usize)) -> Result<Tensor>
     Tensor::stack(&norms, 0)?.to_dtype(rows.dtype())
 }
 
+/// `out [V, ..] = 0`, then row `ids[n]` of `out` += row `n` of `x [N, ..]`
+/// (an embedding's gradient: `index_add` along axis 0 with ids `[N]`),
+/// threaded on the CPU for f32/f64 (None elsewhere: the caller uses
+/// candle's). Each thread owns a range of the table's rows, zeroes it and
+/// adds the rows whose id falls in it, so no two threads write one row and
+/// each row's sum runs in the order of `n`, as candle's. candle's runs on
+/// one thread: a BERT vocabulary's gradient took 27 ms of a 16-thread
+/// training step that way.
+pub(crate) fn index_add_rows(x: &Tensor, ids: &Tensor, v: usize, path: Path) -> Result<Option<Tensor>> {
+    let n = ids.elem_count();
+    if !super::has_cpu_kernel(x, path) || ids.rank() != 1 || x.rank() == 0 || x.dims()[0] != n {
+        return Ok(None);
+    }
+    let d: usize = x.dims()[1..].iter().product();
+    if n == 0 || d == 0 || v == 0 {
+        return Ok(None);
+    }
+    let ids: Vec<i64> = ids.to_dtype(DType::I64)?.to_vec1()?;
+    if ids.iter().any(|&i| i < 0 || i as usize >= v) {
+        bail!("index_add: an id outside 0..{v}")
+    }
+    let x = x.contiguous()?;
+    let (storage, l) = x.storage_and_layout();
+    let Storage::Cpu(c) = &*storage else { return Ok(None) };
+    let shape: Vec<usize> = [&[v], &x.dims()[1..]].concat();
+    let op = "index_add";
+    Ok(Some(match x.dtype() {
+        DType::F32 => {
+            let out = add_rows(super::contiguous_slice(op, c.as_slice::<f32>()?, l)?, &ids, (v, d))?;
+            Tensor::from_vec(out, shape, x.device())?
+        }
+        _ => {
+            let out = add_rows(super::contiguous_slice(op, c.as_slice::<f64>()?, l)?, &ids, (v, d))?;
+            Tensor::from_vec(out, shape, x.device())?
+        }
+    }))
+}
+
+fn add_rows<T: Elem>(x: &[T], ids: &[i64], (v, d): (usize, usize)) -> Result<Vec<T>> {
+    let mut out = output::<T>(v * d)?;
+    // writing the table is the work (V D), adding the rows the rest (N D)
+    let work = (v + ids.len()).saturating_mul(d);
+    let threads = super::max_threads()
+        .min(v)
+        .min((work / super::MIN_ELEMS_PER_THREAD).max(1));
+    let per = v.div_ceil(threads);
+    let jobs: Vec<(usize, &mut [T])> = out.chunks_mut(per * d).enumerate().collect();
+    run_jobs(jobs, |(j, rows)| {
+        let first = j * per;
+        let mine = first..first + rows.len() / d;
+        for (n, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if mine.contains(&id) {
+                let dst = &mut rows[(id - first) * d..(id - first + 1) * d];
+                dst.iter_mut().zip(&x[n * d..(n + 1) * d]).for_each(|(a, &b)| *a += b);
+            }
+        }
+    });
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,5 +212,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The threaded index-add against candle's, f32 and f64, with repeated
+    /// ids, rank-3 rows, and a table larger than the rows.
+    #[test]
+    fn index_add_rows_matches_candle() {
+        for dt in [DType::F32, DType::F64] {
+            for (n, v, rest) in [
+                (7usize, 5usize, vec![3usize]),
+                (600, 30522, vec![384]),
+                (40, 9, vec![2, 3]),
+            ] {
+                let shape: Vec<usize> = [&[n], rest.as_slice()].concat();
+                let x = Tensor::randn(0f32, 1., shape.clone(), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap();
+                let ids: Vec<u32> = (0..n).map(|i| ((i * 7919) % v.min(13)) as u32).collect();
+                let ids = Tensor::from_vec(ids, n, &Device::Cpu).unwrap();
+                let table: Vec<usize> = [&[v], rest.as_slice()].concat();
+                let want = Tensor::zeros(table, dt, &Device::Cpu)
+                    .unwrap()
+                    .index_add(&ids, &x, 0)
+                    .unwrap();
+                let got = index_add_rows(&x, &ids, v, Path::Fast).unwrap().unwrap();
+                assert!(crate::kernels::max_diff(&got, &want).unwrap() < 1e-5, "{n} {v} {dt:?}");
+            }
+        }
+        let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
+        let bad = Tensor::new(&[0u32, 4], &Device::Cpu).unwrap();
+        assert!(index_add_rows(&x, &bad, 4, Path::Fast).is_err());
+        assert!(index_add_rows(&x, &bad, 4, Path::Portable).unwrap().is_none());
     }
 }

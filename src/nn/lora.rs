@@ -233,6 +233,66 @@ impl Lora {
         adapters.chain(self.config.modules_to_save.iter().cloned()).collect()
     }
 
+    /// What trains, by name, from `varmap` (the map [`Lora::add`] added the
+    /// adapters to): every adapter's `A` and `B` and every variable under
+    /// `modules_to_save`. Differentiate with respect to these alone and the
+    /// frozen weights stay constants of the trace (read by
+    /// [`Params::with`] from the model itself), so a step computes no
+    /// gradient for them — a non-private LoRA training step:
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_func::nn::{self, Lora, LoraConfig, Module, Params};
+    /// use candle_func::{grad, Tracer};
+    /// use candle_func::dp::{Optimizer, Sgd};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use std::collections::BTreeMap;
+    /// let base = VarMap::new();
+    /// let model = nn::linear(4, 3, VarBuilder::from_varmap(&base, DType::F32, &Device::Cpu).pp("proj"))?;
+    /// let varmap = nn::varmap_of(&model)?;
+    /// let lora = Lora::add(&model, &varmap, LoraConfig::new(2, 4.0, &["proj"]))?;
+    /// let loss = |p: BTreeMap<String, Tracer>, x: Tracer| {
+    ///     model.forward_with(&Params::with(&p).lora(&lora), &x)?.sqr()?.mean_all()
+    /// };
+    /// let step = grad(loss);
+    /// let mut opt = Sgd::new(&varmap, 0.1, 0.0)?;
+    /// // the map's tensors share the variables' storage: one map for every step
+    /// let trainable = lora.trainable_params(&varmap)?;
+    /// let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
+    /// let w = model.params()["proj.weight"].to_vec2::<f32>()?;
+    /// for _ in 0..3 {
+    ///     let grads = step.call((&trainable, &x))?; // proj.lora_A.weight, proj.lora_B.weight
+    ///     opt.step(&grads)?;
+    /// }
+    /// assert_eq!(model.params()["proj.weight"].to_vec2::<f32>()?, w); // frozen
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn trainable_params(&self, varmap: &VarMap) -> Result<BTreeMap<String, Tensor>> {
+        let data = varmap.data().lock().map_err(|_| Error::Model {
+            what: "Lora::trainable_params".into(),
+            msg: "the VarMap's lock is poisoned".into(),
+        })?;
+        let prefixes = self.trainable_prefixes();
+        let mut out = BTreeMap::new();
+        for (name, var) in data.iter() {
+            if prefixes.iter().any(|p| super::under(name, p)) {
+                out.insert(name.clone(), var.as_tensor().clone());
+            }
+        }
+        for layer in self.adapters.keys() {
+            for half in ["lora_A", "lora_B"] {
+                let name = format!("{layer}.{half}.weight");
+                if !out.contains_key(&name) {
+                    return Err(Error::Model {
+                        what: "Lora::trainable_params".into(),
+                        msg: format!("the VarMap holds no {name:?}: pass the map the adapters were added to"),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Training mode (the adapters' dropout is active only in it).
     pub fn train(&self, on: bool) {
         self.dropout.train(on);

@@ -165,9 +165,17 @@ impl Rule for IndexOp {
                 .index_select(&idx.contiguous().op(&op)?, axis)
                 .op(&op),
             IndexOp::Gather(axis, _) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
-            IndexOp::IndexAdd { axis, .. } => Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
-                .and_then(|z| z.index_add(&idx.contiguous()?, &x.contiguous()?, axis))
-                .op(&op),
+            IndexOp::IndexAdd { axis, .. } => {
+                if axis == 0 {
+                    let v = out.shape[0];
+                    if let Some(y) = crate::kernels::segments::index_add_rows(x, idx, v, cx.path).op(&op)? {
+                        return Ok(y);
+                    }
+                }
+                Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
+                    .and_then(|z| z.index_add(&idx.contiguous()?, &x.contiguous()?, axis))
+                    .op(&op)
+            }
             IndexOp::ScatterAdd { axis, .. } => Tensor::zeros(out.shape.as_slice(), x.dtype(), x.device())
                 .and_then(|z| z.scatter_add(&idx.contiguous()?, &x.contiguous()?, axis))
                 .op(&op),

@@ -1,0 +1,217 @@
+//! A causal language model at real size (issue 36): a checkpoint folder that
+//! `scripts/make_scale_checkpoint.py` writes (Qwen2-0.5B's, SmolLM2-360M's or
+//! GPT-2 medium's configuration, random weights, f32), B=4 sequences of
+//! T=128 tokens (example i keeps 128 - 16 i, the rest padding), one variant
+//! per process so that the process's peak resident memory is that
+//! variant's:
+//!
+//! * `forward`: the batch's logits;
+//! * `lora_step`: a non-private LoRA training step (rank 8, alpha 16, on
+//!   `q_proj` and `v_proj`, GPT-2's `c_attn`): the gradient of the batch's
+//!   loss with respect to the adapters alone (`Lora::trainable_params`;
+//!   the base weights are constants of the trace), then SGD;
+//! * `dp_lora`: one DP-SGD step through `dp::PrivacyEngine` training the same
+//!   adapters (ghost clipping, secure noise, SGD), the batch as the data set;
+//! * `dp`: the same DP step training every weight.
+//!
+//! The loss is each example's mean next-token cross-entropy over its real
+//! tokens (`models::causal_lm_loss`), averaged over the batch.
+//!
+//! ```text
+//! PY="$HOME/peers/bin/python"
+//! dir="$("$PY" scripts/make_scale_checkpoint.py qwen2-0.5b)"
+//! cargo run --release --example bench_llm -- --model "$dir" --variant lora_step --reps 2
+//! ```
+//!
+//! It prints `RESULT ours_<variant> median_ms .. first_ms .. peak_rss_mib ..
+//! plan_mib ..`; `benches/peers/side_by_side_llm.py` pairs it with
+//! `benches/peers/bench_llm.py` (transformers, peft, Opacus). `--b` and `--t`
+//! change the batch; `--profile RUNS` prints where the variant's graph
+//! spends its time instead (per node, per primitive, GFLOP/s per product).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::dp::{self, DpConfig, Optimizer, PrivacyEngine, Trainable};
+use candle_func::models::gpt2::Gpt2LmHeadModel;
+use candle_func::models::llama::LlamaForCausalLM;
+use candle_func::models::{causal_lm_loss, Checkpoint};
+use candle_func::nn::{self, cross_entropy, Lora, LoraConfig, Module, Params, Reduction};
+use candle_func::{grad, jit, make_graph, Tracer};
+use common::arg;
+use std::collections::BTreeMap;
+
+/// The families the scale checkpoints come in.
+enum Lm {
+    Llama(Box<LlamaForCausalLM>),
+    Gpt2(Box<Gpt2LmHeadModel>),
+}
+
+impl Lm {
+    fn load(ck: &Checkpoint) -> candle_func::Result<Lm> {
+        Ok(match ck.model_type()?.as_str() {
+            "gpt2" => Lm::Gpt2(Box::new(Gpt2LmHeadModel::load(ck)?)),
+            _ => Lm::Llama(Box::new(LlamaForCausalLM::load(ck)?)),
+        })
+    }
+
+    fn module(&self) -> &dyn Module {
+        match self {
+            Lm::Llama(m) => m.as_ref(),
+            Lm::Gpt2(m) => m.as_ref(),
+        }
+    }
+
+    fn logits(&self, p: &Params, ids: &Tracer, mask: &Tracer) -> candle_func::Result<Tracer> {
+        match self {
+            Lm::Llama(m) => m.forward_full(p, ids, Some(mask)),
+            Lm::Gpt2(m) => m.forward_full(p, ids, Some(mask)),
+        }
+    }
+
+    /// peft's usual targets: the query and value projections.
+    fn lora_targets(&self) -> &'static [&'static str] {
+        match self {
+            Lm::Llama(_) => &["q_proj", "v_proj"],
+            Lm::Gpt2(_) => &["c_attn"],
+        }
+    }
+
+    fn vocab(&self) -> usize {
+        match self {
+            Lm::Llama(m) => m.config().vocab_size,
+            Lm::Gpt2(m) => m.config().vocab_size,
+        }
+    }
+}
+
+/// Ids and mask `[B, T]` as `bench_llm.py` draws them (the same recurrence):
+/// example `i` keeps `T - 16 i` tokens (at least 2), then padding (id 0).
+fn batch(b: usize, t: usize, vocab: usize) -> candle_func::Result<(Tensor, Tensor)> {
+    let (mut ids, mut mask) = (vec![0u32; b * t], vec![0u32; b * t]);
+    let mut state = 2024u64;
+    for i in 0..b {
+        for j in 0..t.saturating_sub(16 * i).max(2.min(t)) {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ids[i * t + j] = ((state >> 33) % vocab as u64) as u32;
+            mask[i * t + j] = 1;
+        }
+    }
+    Ok((
+        Tensor::from_vec(ids, (b, t), &Device::Cpu)?,
+        Tensor::from_vec(mask, (b, t), &Device::Cpu)?,
+    ))
+}
+
+type Map = BTreeMap<String, Tracer>;
+
+/// `p`, with the adapters applied where there are any.
+fn params<'a>(p: &'a Map, lora: &'a Option<Lora>) -> Params<'a> {
+    match lora {
+        Some(l) => Params::with(p).lora(l),
+        None => Params::with(p),
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let variant: String = arg("--variant", "forward".to_string());
+    let reps: usize = arg("--reps", 2);
+    let (b, t): (usize, usize) = (arg("--b", 4), arg("--t", 128));
+    let dir: String = arg("--model", std::env::var("CANDLE_FUNC_SCALE_MODEL").unwrap_or_default());
+    if dir.is_empty() {
+        return Err("--model DIR: a folder scripts/make_scale_checkpoint.py printed".into());
+    }
+    if !matches!(variant.as_str(), "forward" | "lora_step" | "dp_lora" | "dp") {
+        return Err(format!("--variant {variant}: one of forward, lora_step, dp_lora, dp").into());
+    }
+    // the weights read straight into the variables the optimisers step
+    let model = Lm::load(&Checkpoint::load_variables(&dir, DType::F32, &Device::Cpu)?)?;
+    let varmap = nn::varmap_of(model.module())?;
+    let lora = match variant.as_str() {
+        "lora_step" | "dp_lora" => Some(Lora::add(
+            model.module(),
+            &varmap,
+            LoraConfig::new(8, 16.0, model.lora_targets()),
+        )?),
+        _ => None,
+    };
+    let (ids, mask) = batch(b, t, model.vocab())?;
+    let all: BTreeMap<String, Tensor> = model.module().params();
+    let trainable = match &lora {
+        Some(l) => l.trainable_params(&varmap)?,
+        None => all.clone(),
+    };
+    // the batch's loss: each example's token mean, averaged (as batched
+    // operations: one cross-entropy over every position of the batch)
+    let batch_loss = |p: Map, ids: Tracer, mask: Tracer| {
+        let logits = model.logits(&params(&p, &lora), &ids, &mask)?;
+        let v = logits.dims()[2];
+        // B T V -> (B T-1) V: positions 0..T-1 predict tokens 1..T
+        let pred = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
+        let target = ids.narrow(1, 1, t - 1)?.reshape(b * (t - 1))?;
+        let losses = cross_entropy(&pred, &target, Reduction::None)?.reshape((b, t - 1))?;
+        let w = mask.narrow(1, 1, t - 1)?.ne(0.0)?.to_dtype(losses.dtype())?;
+        losses.mul(&w)?.sum(1)?.div(&w.sum(1)?)?.mean_all()
+    };
+    // one example's loss, for the DP trainer
+    let one = |p: Map, ids: Tracer, mask: Tracer| {
+        let logits = model.logits(&params(&p, &lora), &ids, &mask)?;
+        causal_lm_loss(&logits, &ids, Some(&mask))
+    };
+    let forward = jit(|p: Map, ids: Tracer, mask: Tracer| model.logits(&params(&p, &lora), &ids, &mask));
+    let step = grad(batch_loss);
+    let mut sgd = dp::Sgd::new(&varmap, 1e-4, 0.0)?;
+    let mut trainer = match variant.as_str() {
+        "dp" | "dp_lora" => Some(
+            PrivacyEngine::new()
+                .physical_batch(b)
+                .trainable(match &lora {
+                    Some(l) => Trainable::prefixes(&l.trainable_prefixes()),
+                    None => Trainable::all(),
+                })
+                .make_private(
+                    one,
+                    &varmap,
+                    dp::Sgd::new(&varmap, 1e-4, 0.0)?,
+                    (&ids, &mask),
+                    DpConfig::new(b, 1.0, 1.0),
+                )?,
+        ),
+        _ => None,
+    };
+    if arg("--profile", 0usize) > 0 {
+        // the variant's graph with per-node timings (`--profile RUNS`)
+        let (g, p) = match variant.as_str() {
+            "forward" => (make_graph(&forward, (&all, &ids, &mask))?, &all),
+            "lora_step" => (make_graph(&step, (&trainable, &ids, &mask))?, &trainable),
+            _ => (
+                make_graph(&dp::clipped_grad_sum(one, 1.0), (&trainable, &ids, &mask))?,
+                &trainable,
+            ),
+        };
+        let mut inputs: Vec<Tensor> = p.values().cloned().collect();
+        inputs.extend([ids.clone(), mask.clone()]);
+        let title = format!("{variant}, B={b}, T={t}");
+        return Ok(common::profile::report(&title, &g, &inputs, arg("--profile", 0usize))?);
+    }
+    let run = || -> candle_func::Result<()> {
+        match (variant.as_str(), trainer.as_mut()) {
+            ("forward", _) => forward.call((&all, &ids, &mask)).map(|_| ()),
+            ("lora_step", _) => sgd.step(&step.call((&trainable, &ids, &mask))?),
+            (_, Some(tr)) => tr.step().map(|_| ()),
+            (other, None) => Err(candle_func::Error::Config {
+                msg: format!("--variant {other}: no trainer was made for it"),
+            }),
+        }
+    };
+    common::report(&variant, reps, run, || -> candle_func::Result<usize> {
+        Ok(match variant.as_str() {
+            "forward" => make_graph(&forward, (&all, &ids, &mask))?.planned_peak_bytes(),
+            "lora_step" => make_graph(&step, (&trainable, &ids, &mask))?.planned_peak_bytes(),
+            _ => make_graph(&dp::clipped_grad_sum(one, 1.0), (&trainable, &ids, &mask))?.planned_peak_bytes(),
+        })
+    })?;
+    Ok(())
+}
