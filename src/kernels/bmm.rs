@@ -233,7 +233,7 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result
         // one thread packs a column-major `b` itself, faster than a copy,
         // and so do the threads for a product of many rows
         let alone = one_thread(ad[1], bd[2], ad[2]);
-        if column_major(b) && !spread && !split && !alone && ad[1] < PACKS_RHS_ROWS {
+        if column_major(b) && !spread && !split && !alone && !gemm_packs_rhs(ad[1], bd[2]) {
             return by_row_major_rhs(a, b, copies);
         }
         return a.apply_op2_no_bwd(b, &BmmOp);
@@ -250,7 +250,7 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, copies: &Copies, path: Path) -> Result
 pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_t: bool) -> usize {
     let parts = split_k((nb, m, n, k));
     let spread = nb >= 2 * max_threads();
-    let copies = if b_t && !spread && parts == 1 && !one_thread(m, n, k) && m < PACKS_RHS_ROWS {
+    let copies = if b_t && !spread && parts == 1 && !one_thread(m, n, k) && !gemm_packs_rhs(m, n) {
         let copy_a = if a_t { 0 } else { m * k };
         (k * n).min(copy_a + 2 * m * n)
     } else {
@@ -266,14 +266,19 @@ pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_
     copies + partial + packed
 }
 
-/// From this many rows up, gemm threads a product with a column-major
-/// right operand as fast as a row-major one (it packs the operand's
-/// panels itself: `[512, 896] @ [896, 151936]`, a tied vocabulary head,
-/// 334 against 360 GFLOP/s on two threads), so it is not copied: the
-/// transposed product `by_row_major_rhs` ran instead, with its 311 MB
-/// result transposed back on one thread, took that head 1.7 s, 82 GFLOP/s.
-/// Below it the copy pays (`[64, 9216] @ [9216, 128]`: 50 against 80).
-const PACKS_RHS_ROWS: usize = 128;
+/// Whether a product `[m, k] @ [k, n]` with a column-major right operand
+/// goes to gemm as it is rather than through [`by_row_major_rhs`]: for
+/// many rows and a large result. gemm threads such a product about as
+/// fast as a row-major one (`[512, 896] @ [896, 151936]`, a tied
+/// vocabulary head: 334 against 360 GFLOP/s on two threads), while the
+/// transposed product transposed its 311 MB result back on one thread
+/// (1.7 s, 82 GFLOP/s in all). A small result stays with the copy: going
+/// to gemm directly made the Opacus CNN ensemble's products (`m n` of a
+/// few ten thousand) 1.4x slower, and below 128 rows gemm reads the
+/// operand unpacked (`[64, 9216] @ [9216, 128]`: 50 against 80 GFLOP/s).
+fn gemm_packs_rhs(m: usize, n: usize) -> bool {
+    m >= 128 && m.saturating_mul(n) >= 1 << 22
+}
 
 /// `a @ b` for a column-major `b`, which gemm packs slowly when it splits
 /// one product over the threads (a linear
