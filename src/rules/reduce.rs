@@ -268,6 +268,10 @@ impl Rule for Reduce {
                 None => candle_nn::ops::softmax_last_dim(&x.contiguous().op(&op)?).op(&op),
             },
             Reduce::Softmax(a) => candle_nn::ops::softmax(x, *a).op(&op),
+            Reduce::LogSoftmax(a) if *a + 1 == x.rank() => match softmax::log_softmax_last_dim(x, cx.path).op(&op)? {
+                Some(y) => Ok(y),
+                None => candle_nn::ops::log_softmax(x, *a).op(&op),
+            },
             Reduce::LogSoftmax(a) => candle_nn::ops::log_softmax(x, *a).op(&op),
             Reduce::Arg { axis, min, .. } => arg_extreme(x, *axis, *min)?.reshape(out.shape.as_slice()).op(&op),
         }
