@@ -139,6 +139,18 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    /// Rows with a NaN, all -inf, a +inf, and a -inf beside finite values.
+    fn special_rows() -> Result<Tensor> {
+        let inf = f32::INFINITY;
+        let rows = [
+            [1.0, f32::NAN, 2.0],
+            [-inf, -inf, -inf],
+            [0.0, inf, 1.0],
+            [-inf, 0.0, 0.0],
+        ];
+        Tensor::new(&rows, &Device::Cpu)
+    }
+
     /// Against candle's kernel on rows of several lengths (shorter than,
     /// equal to and longer than the lanes, with remainders), on both code
     /// paths; and PyTorch's handling of NaN and infinities.
@@ -157,16 +169,7 @@ mod tests {
             let worst = plain.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
             assert!(worst < 1e-6, "n = {n}, plain: {worst}");
         }
-        let inf = f32::INFINITY;
-        let x = Tensor::new(
-            &[
-                [1.0, f32::NAN, 2.0],
-                [-inf, -inf, -inf],
-                [0.0, inf, 1.0],
-                [-inf, 0.0, 0.0],
-            ],
-            &Device::Cpu,
-        )?;
+        let x = special_rows()?;
         let y = softmax_last_dim(&x, crate::kernels::Path::Fast)?
             .expect("f32")
             .to_vec2::<f32>()?;
@@ -195,16 +198,7 @@ mod tests {
             let worst = plain.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
             assert!(worst < 2e-5, "n = {n}, plain: {worst}");
         }
-        let inf = f32::INFINITY;
-        let x = Tensor::new(
-            &[
-                [1.0, f32::NAN, 2.0],
-                [-inf, -inf, -inf],
-                [0.0, inf, 1.0],
-                [-inf, 0.0, 0.0],
-            ],
-            &Device::Cpu,
-        )?;
+        let (x, inf) = (special_rows()?, f32::INFINITY);
         let y = log_softmax_last_dim(&x, crate::kernels::Path::Fast)?
             .expect("f32")
             .to_vec2::<f32>()?;
