@@ -118,4 +118,20 @@ fn the_key_padding_attention_keeps_its_inverted_mask() {
     let new = |x: Tracer, k: Tracer| block.forward_with_mask(&p, &x, Some(&k));
     let (a, b) = (jit(old).call((&x, &pad)).unwrap(), jit(new).call((&x, &keep)).unwrap());
     assert!(max_diff(&a, &b) < 1e-6);
+    // the padding constructors of the 0.2 development builds: the same
+    // layers (same weights from the same VarMap paths), read as padding
+    let attn_pad = nn::multi_head_attention_key_padding(8, 2, false, vb.pp("a")).unwrap();
+    let via = |x: Tracer, k: Tracer| attn_pad.forward_masked(&p, &x, Some(&k));
+    let attn_new = |x: Tracer, k: Tracer| attn.forward_with_mask(&p, &x, Some(&k));
+    let (a, b) = (
+        jit(via).call((&x, &pad)).unwrap(),
+        jit(attn_new).call((&x, &keep)).unwrap(),
+    );
+    assert!(max_diff(&a, &b) < 1e-6);
+    let block_pad = nn::transformer_block_key_padding(c, vb.pp("b")).unwrap();
+    let via = |x: Tracer, k: Tracer| block_pad.forward_masked(&p, &x, Some(&k));
+    let (a, b) = (jit(via).call((&x, &pad)).unwrap(), jit(new).call((&x, &keep)).unwrap());
+    assert!(max_diff(&a, &b) < 1e-6);
+    // bad heads are the same error as the new constructor's
+    assert!(nn::multi_head_attention_key_padding(8, 3, false, vb.pp("bad")).is_err());
 }

@@ -56,6 +56,9 @@ pub use transformer::{
     embedding, gpt, multi_head_attention, norm, rope, rope_i, rotary_tables, transformer_block, BlockConfig, Embedding,
     Gpt, MultiHeadAttention, Norm, NormKind, TransformerBlock,
 };
+#[allow(deprecated)]
+#[doc(hidden)]
+pub use transformer::{multi_head_attention_key_padding, transformer_block_key_padding};
 
 use crate::error::{Error, Result};
 use crate::trace::Tracer;

@@ -243,6 +243,22 @@ pub fn multi_head_attention(dim: usize, heads: usize, causal: bool, vb: VarBuild
     })
 }
 
+/// The attention an earlier 0.2 development build made for a padding
+/// mask: the same layer, whose deprecated
+/// [`MultiHeadAttention::forward_masked`] reads its mask as padding.
+#[deprecated(
+    since = "0.2.0",
+    note = "use nn::multi_head_attention and forward_with_mask, whose mask is nonzero for a real token: invert a padding mask with mask.eq(0.0)"
+)]
+pub fn multi_head_attention_key_padding(
+    dim: usize,
+    heads: usize,
+    causal: bool,
+    vb: VarBuilder,
+) -> Result<MultiHeadAttention> {
+    multi_head_attention(dim, heads, causal, vb)
+}
+
 impl MultiHeadAttention {
     /// Rotates queries and keys by position with these tables
     /// ([`rotary_tables`] of the head size).
@@ -431,6 +447,17 @@ pub fn transformer_block(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBl
         ff2: linear(c.ff, c.dim, vb.pp("ff2"))?,
         act: c.act,
     })
+}
+
+/// The block an earlier 0.2 development build made for a padding mask:
+/// the same block, whose deprecated [`TransformerBlock::forward_masked`]
+/// reads its mask as padding.
+#[deprecated(
+    since = "0.2.0",
+    note = "use nn::transformer_block and forward_with_mask, whose mask is nonzero for a real token: invert a padding mask with mask.eq(0.0)"
+)]
+pub fn transformer_block_key_padding(c: BlockConfig, vb: VarBuilder) -> Result<TransformerBlock> {
+    transformer_block(c, vb)
 }
 
 impl TransformerBlock {
