@@ -121,7 +121,27 @@ struct Geometry<'a> {
     first: &'a [usize],
 }
 
-impl Geometry<'_> {
+impl<'a> Geometry<'a> {
+    /// `n` sequences of `h` heads, `t` positions of `d` features.
+    fn new(
+        (n, h, t, d): (usize, usize, usize, usize),
+        causal: bool,
+        scale: f64,
+        keep: Option<&'a [bool]>,
+        first: &'a [usize],
+    ) -> Self {
+        Geometry {
+            heads: n * h,
+            per_n: h,
+            t,
+            d,
+            causal,
+            scale,
+            keep,
+            first,
+        }
+    }
+
     /// Whether query `i` may not see key `j` of head `head`.
     #[inline(always)]
     fn hidden(&self, head: usize, i: usize, j: usize) -> bool {
@@ -410,39 +430,46 @@ pub(crate) fn forward(
     if !fast(q, path) {
         return generic::forward(q, k, v, keep, causal, scale);
     }
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let ts: Vec<Tensor> = [q, k, v].iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let (flags, first) = flags(keep, n, t)?;
-    let g = Geometry {
-        heads: n * h,
-        per_n: h,
-        t,
-        d,
-        causal,
-        scale,
-        keep: flags.as_deref(),
-        first: &first,
-    };
+    let g = Geometry::new((n, h, t, d), causal, scale, flags.as_deref(), &first);
     match q.dtype() {
-        DType::F32 => forward_as::<f32>(&g, &q, &k, &v),
-        _ => forward_as::<f64>(&g, &q, &k, &v),
+        DType::F32 => forward_as::<f32>(&g, &ts),
+        _ => forward_as::<f64>(&g, &ts),
     }
 }
 
-fn forward_as<T: Real + candle_core::WithDType>(g: &Geometry, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (sq, sk, sv) = (
-        q.storage_and_layout().0,
-        k.storage_and_layout().0,
-        v.storage_and_layout().0,
-    );
-    let (qs, ks, vs) = (values::<T>(&sq, q)?, values::<T>(&sk, k)?, values::<T>(&sv, v)?);
+/// `f` on the host slices of contiguous `ts` (their storage read-locked
+/// meanwhile).
+fn with_values<T: Real + candle_core::WithDType, R>(ts: &[Tensor], f: impl FnOnce(&[&[T]]) -> Result<R>) -> Result<R> {
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout().0).collect();
+    let vals: Vec<&[T]> = guards
+        .iter()
+        .zip(ts)
+        .map(|(s, t)| values::<T>(s, t))
+        .collect::<Result<_>>()?;
+    f(&vals)
+}
+
+fn forward_as<T: Real + candle_core::WithDType>(g: &Geometry, ts: &[Tensor]) -> Result<Tensor> {
     let per = g.t * g.d;
-    let mut out = super::output::<T>(g.heads * per)?;
-    g.each_head(&mut out, per, |head, o| {
-        let at = head * per..(head + 1) * per;
-        let mut s = vec![T::default(); BQ.min(g.t) * g.t];
-        g.forward_head(head, &qs[at.clone()], &ks[at.clone()], &vs[at], o, &mut s);
-    });
-    Tensor::from_vec(out, q.dims(), q.device())
+    let out = with_values::<T, _>(ts, |vals| {
+        let mut out = super::output::<T>(g.heads * per)?;
+        g.each_head(&mut out, per, |head, o| {
+            let at = head * per..(head + 1) * per;
+            let mut s = vec![T::default(); BQ.min(g.t) * g.t];
+            g.forward_head(
+                head,
+                &vals[0][at.clone()],
+                &vals[1][at.clone()],
+                &vals[2][at],
+                o,
+                &mut s,
+            );
+        });
+        Ok(out)
+    })?;
+    Tensor::from_vec(out, ts[0].dims(), ts[0].device())
 }
 
 /// The gradient of [`forward`]'s result with cotangent `dout`: `dq | dk |
@@ -463,16 +490,7 @@ pub(crate) fn backward(
     }
     let ts: Vec<Tensor> = [q, k, v, dout].iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let (flags, first) = flags(keep, n, t)?;
-    let g = Geometry {
-        heads: n * h,
-        per_n: h,
-        t,
-        d,
-        causal,
-        scale,
-        keep: flags.as_deref(),
-        first: &first,
-    };
+    let g = Geometry::new((n, h, t, d), causal, scale, flags.as_deref(), &first);
     match q.dtype() {
         DType::F32 => backward_as::<f32>(&g, &ts),
         _ => backward_as::<f64>(&g, &ts),
@@ -480,22 +498,19 @@ pub(crate) fn backward(
 }
 
 fn backward_as<T: Real + candle_core::WithDType>(g: &Geometry, ts: &[Tensor]) -> Result<Tensor> {
-    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout().0).collect();
-    let vals: Vec<&[T]> = guards
-        .iter()
-        .zip(ts)
-        .map(|(s, t)| values::<T>(s, t))
-        .collect::<Result<_>>()?;
     let (per, per3) = (g.t * g.d, 3 * g.t * g.d);
-    // dk and dv accumulate over the query blocks: zeros written out
-    let mut dst = zeroed::<T>(g.heads * per3)?;
-    g.each_head(&mut dst, per3, |head, out| {
-        let at = head * per..(head + 1) * per;
-        let head_vals = [0, 1, 2, 3].map(|i| &vals[i][at.clone()]);
-        let rows = BQ.min(g.t);
-        let (mut s, mut dp) = (vec![T::default(); rows * g.t], vec![T::default(); rows * g.t]);
-        g.backward_head(head, head_vals, out, &mut s, &mut dp);
-    });
+    let dst = with_values::<T, _>(ts, |vals| {
+        // dk and dv accumulate over the query blocks: zeros written out
+        let mut dst = zeroed::<T>(g.heads * per3)?;
+        g.each_head(&mut dst, per3, |head, out| {
+            let at = head * per..(head + 1) * per;
+            let head_vals = [0, 1, 2, 3].map(|i| &vals[i][at.clone()]);
+            let rows = BQ.min(g.t);
+            let (mut s, mut dp) = (vec![T::default(); rows * g.t], vec![T::default(); rows * g.t]);
+            g.backward_head(head, head_vals, out, &mut s, &mut dp);
+        });
+        Ok(dst)
+    })?;
     let mut shape = ts[0].dims().to_vec();
     shape[3] *= 3;
     Tensor::from_vec(dst, shape, ts[0].device())
