@@ -60,6 +60,15 @@ fn plain(m: &dyn Module, ids: &Tensor) -> Tensor {
     jit(|x: Tracer| m.forward(&x)).call(ids).unwrap()
 }
 
+/// The map's variables whose names `keep` accepts, by name.
+fn vars(varmap: &candle_nn::VarMap, keep: impl Fn(&str) -> bool) -> BTreeMap<String, Tensor> {
+    let data = varmap.data().lock().unwrap();
+    data.iter()
+        .filter(|(k, _)| keep(k))
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect()
+}
+
 fn randomise_b(varmap: &candle_nn::VarMap, seed: u64) {
     for (k, v) in varmap.data().lock().unwrap().iter() {
         if k.ends_with("lora_B.weight") {
@@ -116,14 +125,7 @@ fn ghost_norms_of_the_adapters_equal_the_materialised_ones() {
         let varmap = nn::varmap_of(m.as_ref()).unwrap();
         let lora = Lora::add(m.as_ref(), &varmap, LoraConfig::new(3, 6.0, targets)).unwrap();
         randomise_b(&varmap, 3);
-        let adapters: BTreeMap<String, Tensor> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| k.contains(".lora_"))
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
+        let adapters = vars(&varmap, |k| k.contains(".lora_"));
         let loss = |p: Map, x: Tracer| {
             let y = m.forward_with(&Params::with(&p).lora(&lora), &x.unsqueeze(0)?)?;
             y.sqr()?.mean_all()
@@ -392,13 +394,7 @@ fn a_lora_step_differentiates_the_adapters_alone() {
         let trainable = lora.trainable_params(&varmap).unwrap();
         assert_eq!(trainable.len(), 2 * lora.layers().len(), "{name}");
         assert!(trainable.keys().all(|k| k.contains(".lora_")), "{name}");
-        let all: BTreeMap<String, Tensor> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
+        let all = vars(&varmap, |_| true);
         let x = ids(3, 6);
         let g = candle_func::grad(loss).call((&trainable, &x)).unwrap();
         let g_all = candle_func::grad(loss).call((&all, &x)).unwrap();
