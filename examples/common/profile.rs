@@ -45,10 +45,13 @@ pub fn report(title: &str, g: &Graph, inputs: &[Tensor], runs: usize) -> candle_
         let e = by_prim.entry(n.name()).or_default();
         e.0 += t;
         e.1 += 1;
-        if n.name() == "matmul" {
+        // plain products and those fused with their epilogue (operands
+        // `[x, w, bias?]`: the first two are the product's)
+        if n.name() == "matmul" || n.name().starts_with("fused[matmul") {
             let shapes: Vec<Vec<usize>> = n
                 .args()
                 .iter()
+                .take(2)
                 .filter_map(|&a| g.node(a).map(|a| a.ty().shape.clone()))
                 .collect();
             let k = shapes.first().and_then(|s| s.last()).copied().unwrap_or(0);
