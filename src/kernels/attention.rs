@@ -100,10 +100,38 @@ fn exp_row_widest(row: &mut [f32], m: f32, s: &mut f32) {
     widest!(exp_row(row: &mut [f32], m: f32, s: &mut f32))
 }
 
+/// Lanes of the partial maxima and sums below: one running value is a
+/// chain of dependent operations that does not vectorise (float addition
+/// is not associative, and NaN makes `max` order-dependent).
+const LANES: usize = 16;
+
 /// The largest of `x`, NaN skipped (a NaN score reaches every probability
 /// of its row through its own `exp` and the sum, as in PyTorch).
+#[inline(always)]
 fn row_max<T: Real>(x: &[T]) -> T {
-    x.iter().fold(T::LOWEST, |a, &v| if v > a { v } else { a })
+    let pick = |a: T, v: T| if v > a { v } else { a };
+    let mut m = [T::LOWEST; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            m[j] = pick(m[j], c[j]);
+        }
+    }
+    chunks.remainder().iter().chain(&m).fold(T::LOWEST, |a, &v| pick(a, v))
+}
+
+/// `sum_j a_j b_j` in [`LANES`] partial sums.
+#[inline(always)]
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut s = [T::default(); LANES];
+    let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for j in 0..LANES {
+            s[j] = s[j] + x[j] * y[j];
+        }
+    }
+    let tail = ca.remainder().iter().zip(cb.remainder()).fold(T::default(), |t, (&x, &y)| t + x * y);
+    s.iter().fold(tail, |t, &v| t + v)
 }
 
 /// The shape of one call: heads (`N H`), positions, head size, and how
@@ -142,10 +170,19 @@ impl<'a> Geometry<'a> {
         }
     }
 
-    /// Whether query `i` may not see key `j` of head `head`.
+    /// Which of the first `kend` keys of `head` query `i` may see: those
+    /// before the returned count (all of them, or up to `i` with
+    /// `causal`), and of those the ones whose flag in the returned slice
+    /// is set (every one without `keep`). Whole rows at a time, so the
+    /// loops that mask a row vectorise.
     #[inline(always)]
-    fn hidden(&self, head: usize, i: usize, j: usize) -> bool {
-        (self.causal && j > i) || self.keep.is_some_and(|k| !k[(head / self.per_n) * self.t + j])
+    fn visible(&self, head: usize, i: usize, kend: usize) -> (usize, Option<&'a [bool]>) {
+        let lim = match self.causal {
+            true => (i + 1).min(kend),
+            false => kend,
+        };
+        let seq = (head / self.per_n) * self.t;
+        (lim, self.keep.map(|k| &k[seq..seq + lim]))
     }
 
     /// The keys the block of queries `r0..r1` of `head` reads: a causal
@@ -181,11 +218,15 @@ impl<'a> Geometry<'a> {
         );
         let scale = T::of(self.scale);
         for (i, row) in s.chunks_exact_mut(kend).enumerate() {
-            for (j, x) in row.iter_mut().enumerate() {
-                *x = match self.hidden(head, r0 + i, j) {
-                    true => T::LOWEST,
-                    false => *x * scale,
-                };
+            let (lim, keep) = self.visible(head, r0 + i, kend);
+            let (seen, unseen) = row.split_at_mut(lim);
+            unseen.fill(T::LOWEST);
+            match keep {
+                None => seen.iter_mut().for_each(|x| *x = *x * scale),
+                Some(k) => seen
+                    .iter_mut()
+                    .zip(k)
+                    .for_each(|(x, &keep)| *x = if keep { *x * scale } else { T::LOWEST }),
             }
         }
     }
@@ -285,12 +326,16 @@ impl<'a> Geometry<'a> {
             // sum_c dout_ic o_ic: the output is not needed), none where
             // the score was hidden
             for (i, (drow, prow)) in dpb.chunks_exact_mut(kend).zip(p.chunks_exact(kend)).enumerate() {
-                let dot = drow.iter().zip(prow).fold(T::default(), |a, (&x, &pj)| a + x * pj);
-                for (j, (x, &pj)) in drow.iter_mut().zip(prow).enumerate() {
-                    *x = match self.hidden(head, r0 + i, j) {
-                        true => T::default(),
-                        false => pj * (*x - dot) * scale,
-                    };
+                let dot = dot(drow, prow);
+                let (lim, keep) = self.visible(head, r0 + i, kend);
+                let (seen, unseen) = drow.split_at_mut(lim);
+                unseen.fill(T::default());
+                let ds = |x: T, pj: T| pj * (x - dot) * scale;
+                match keep {
+                    None => seen.iter_mut().zip(prow).for_each(|(x, &pj)| *x = ds(*x, pj)),
+                    Some(k) => seen.iter_mut().zip(prow).zip(k).for_each(|((x, &pj), &keep)| {
+                        *x = if keep { ds(*x, pj) } else { T::default() };
+                    }),
                 }
             }
             let ds = Mat {
