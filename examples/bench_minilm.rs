@@ -18,6 +18,10 @@
 //!   cargo run --release --example bench_minilm -- --variant dp --reps 5
 //! ```
 //!
+//! `--profile RUNS` prints where the variant's graph spends its time
+//! instead (`forward`, `step`, `psg`; `dp` profiles the clipped gradient
+//! sum): per node, per primitive, and each product shape's GFLOP/s.
+//!
 //! It prints `RESULT ours_<variant> median_ms .. first_ms .. peak_rss_mib ..
 //! plan_mib ..`; `benches/peers/side_by_side_minilm.py` pairs it with
 //! `bench_minilm.py` (Hugging Face's `BertForSequenceClassification` in
@@ -134,6 +138,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             (&xs, &ys),
             DpConfig::new(B, 1.0, 1.0),
         )?;
+    if arg("--profile", 0usize) > 0 {
+        let g = match variant.as_str() {
+            "forward" => make_graph(&forward, (&params, &xs))?,
+            "step" => make_graph(&step, (&params, &xs, &ys))?,
+            "psg" => make_graph(&psg, (&params, &xs, &ys))?,
+            _ => make_graph(&dp::clipped_grad_sum(one, 1.0), (&params, &xs, &ys))?,
+        };
+        let mut inputs: Vec<Tensor> = params.values().cloned().collect();
+        inputs.push(xs.clone());
+        if variant != "forward" {
+            inputs.push(ys.clone());
+        }
+        let title = format!("{variant}, B={B}, T={T}");
+        return Ok(common::profile::report(&title, &g, &inputs, arg("--profile", 0usize))?);
+    }
     let run = || -> candle_func::Result<()> {
         match variant.as_str() {
             "forward" => forward.call((&params, &xs)).map(|_| ()),

@@ -268,16 +268,22 @@ pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_
 
 /// Whether a product `[m, k] @ [k, n]` with a column-major right operand
 /// goes to gemm as it is rather than through [`by_row_major_rhs`]: for
-/// many rows and a large result. gemm threads such a product about as
-/// fast as a row-major one (`[512, 896] @ [896, 151936]`, a tied
-/// vocabulary head: 334 against 360 GFLOP/s on two threads), while the
-/// transposed product transposed its 311 MB result back on one thread
-/// (1.7 s, 82 GFLOP/s in all). A small result stays with the copy: going
-/// to gemm directly made the Opacus CNN ensemble's products (`m n` of a
-/// few ten thousand) 1.4x slower, and below 128 rows gemm reads the
-/// operand unpacked (`[64, 9216] @ [9216, 128]`: 50 against 80 GFLOP/s).
+/// at least 128 rows and 128 columns. gemm packs such an operand itself
+/// as fast as a row-major one, where the copy costs a pass over the
+/// weight each call: a linear layer of Qwen2-0.5B at B=4, T=128 (`[512,
+/// 896] @ [896, 896]^T`) ran at 161-245 GFLOP/s through the copy and
+/// 281-323 directly on two threads (`[512, 896] @ [896, 128]^T`: 137-213
+/// against 237-277; `examples/bench_gemm.rs`), and a tied vocabulary head
+/// (`[512, 896] @ [896, 151936]^T`) would transpose its 311 MB result
+/// back on one thread (1.7 s, 82 GFLOP/s in all). Below 128 rows gemm
+/// reads the operand unpacked (`[64, 9216] @ [9216, 128]`: 50 against 80
+/// GFLOP/s), and with fewer than 128 columns its threads split them
+/// badly: the MLP ensemble's `[1280, 784] @ [784, 64]^T` made that
+/// benchmark 1.4x slower directly. A result under 64K elements stays with
+/// the copy too (the Opacus CNN ensemble's products, `m n` of a few ten
+/// thousand, ran 1.4x slower directly).
 fn gemm_packs_rhs(m: usize, n: usize) -> bool {
-    m >= 128 && m.saturating_mul(n) >= 1 << 22
+    m >= 128 && n >= 128 && m.saturating_mul(n) >= 1 << 16
 }
 
 /// `a @ b` for a column-major `b`, which gemm packs slowly when it splits
