@@ -433,6 +433,23 @@ mod tests {
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
             }
         }
+        // one tall product in bands of rows (where there are several
+        // threads), the last band shorter, with a row- or column-major
+        // right operand and a batch of two taken one product at a time
+        for dt in [DType::F32, DType::F64] {
+            let (m, k, n) = (MIN_BAND_ROWS * max_threads() + 3, 260, 130);
+            assert!(max_threads() == 1 || row_bands(m, n, k) > 1);
+            let a = Tensor::randn(0f32, 1., (2, m, k), &d)?.to_dtype(dt)?;
+            let b = Tensor::randn(0f32, 1., (2, k, n), &d)?.to_dtype(dt)?;
+            let bt = Tensor::randn(0f32, 1., (2, n, k), &d)?.to_dtype(dt)?.transpose(1, 2)?;
+            for y in [&b, &bt] {
+                let diff = max_diff(
+                    &bmm(&a, y, &Copies::default(), Path::Fast)?,
+                    &a.matmul(&y.contiguous()?)?,
+                )?;
+                assert!(diff < 1e-3, "bands: {:?}", y.layout());
+            }
+        }
         // one product of a small output and a long inner dimension: split
         // between the threads (where there are several), either layout of b
         for dt in [DType::F32, DType::F64] {
