@@ -130,7 +130,11 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
             s[j] = s[j] + x[j] * y[j];
         }
     }
-    let tail = ca.remainder().iter().zip(cb.remainder()).fold(T::default(), |t, (&x, &y)| t + x * y);
+    let tail = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .fold(T::default(), |t, (&x, &y)| t + x * y);
     s.iter().fold(tail, |t, &v| t + v)
 }
 

@@ -11,8 +11,8 @@
 
 use super::copies::Copies;
 use super::{
-    assume_written, has_cpu_kernel, max_threads, output, output_uninit, par_blocks_mut, product, product_into, run_jobs,
-    Elem, Mat, Path,
+    assume_written, has_cpu_kernel, max_threads, output, output_uninit, par_blocks_mut, product, product_into,
+    run_jobs, Elem, Mat, Path,
 };
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use std::mem::MaybeUninit;
