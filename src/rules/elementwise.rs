@@ -69,13 +69,14 @@ impl Rule for Unary {
             }
             Unary::Neg => x.neg(),
             // f32 on the CPU: one vectorised pass instead of libm per element
-            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid
                 if cx.path == Path::Fast && x.dtype() == DType::F32 && x.device().is_cpu() =>
             {
                 let m = match self {
                     Unary::Exp => fastmath::Math::Exp,
                     Unary::Tanh => fastmath::Math::Tanh,
                     Unary::Gelu => fastmath::Math::Gelu,
+                    Unary::Sigmoid => fastmath::Math::Sigmoid,
                     _ => fastmath::Math::Erf,
                 };
                 return fastmath::apply(x, m, cx.path)
