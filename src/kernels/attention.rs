@@ -127,7 +127,7 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     for (x, y) in (&mut ca).zip(&mut cb) {
         for j in 0..LANES {
-            s[j] = s[j] + x[j] * y[j];
+            s[j] += x[j] * y[j];
         }
     }
     let tail = ca
