@@ -49,6 +49,7 @@ pub mod softmax;
 pub mod transpose;
 pub mod unfold;
 pub(crate) mod ziggurat;
+pub(crate) mod zip;
 
 use candle_core::{bail, DType, Layout, Result, Tensor};
 use std::mem::MaybeUninit;

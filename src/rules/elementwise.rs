@@ -6,6 +6,7 @@ use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Ru
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
+use crate::kernels::zip::{zip, Arith};
 use crate::kernels::{compare, fastmath, scale, Path};
 use candle_core::{DType, Tensor};
 
@@ -297,6 +298,12 @@ impl Rule for Binary {
 
     fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
+        // same-shape float arithmetic on rayon's pool (`kernels::zip`)
+        if let Some(op) = arith(*self) {
+            if let Some(t) = zip(a, b, op, cx.path).op(self.name())? {
+                return Ok(t);
+            }
+        }
         let r = match self {
             // Integer arithmetic wraps, as PyTorch's does (candle's panics
             // on overflow in debug builds, and `i64::MIN / -1` always).
@@ -441,6 +448,17 @@ fn no_zero_divisor(b: &Tensor) -> Result<()> {
 /// `r` (a maximum or minimum of `a` and `b`) with NaN wherever either
 /// operand is NaN, as PyTorch's `maximum`/`minimum` (candle's keep the
 /// other operand when the first is not NaN).
+/// The arithmetic `kernels::zip` runs, if `op` is one.
+fn arith(op: Binary) -> Option<Arith> {
+    match op {
+        Binary::Add => Some(Arith::Add),
+        Binary::Sub => Some(Arith::Sub),
+        Binary::Mul => Some(Arith::Mul),
+        Binary::Div => Some(Arith::Div),
+        _ => None,
+    }
+}
+
 fn keep_nan(r: Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if !is_float(r.dtype()) {
         return Ok(r);
