@@ -185,7 +185,12 @@ impl Optimizer for Sgd {
                 Some(prev) if self.momentum != 0.0 => ((prev * self.momentum)? + &g)?,
                 _ => g,
             };
-            var.set(&(var.as_tensor() - (&v * lr)?)?)?;
+            // in place, one pass over the weight, where the crate's CPU
+            // kernels run; else a scaled copy, a difference and `set`
+            let path = crate::interp::exec::portable_path(None);
+            if !crate::kernels::zip::axpy_in_place(var.as_tensor(), &v, -lr, path)? {
+                var.set(&(var.as_tensor() - (&v * lr)?)?)?;
+            }
             self.velocity.insert(name.clone(), v);
         }
         Ok(())

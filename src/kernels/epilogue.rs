@@ -61,7 +61,7 @@ fn epilogue_cpu<T: Elem>(y: &mut [T], bias: Option<(&[T], &[usize])>, dims: &[us
 }
 
 /// The slice a contiguous layout covers.
-fn own_slice<'a, T>(op: &str, v: &'a mut [T], l: &Layout) -> Result<&'a mut [T]> {
+pub(super) fn own_slice<'a, T>(op: &str, v: &'a mut [T], l: &Layout) -> Result<&'a mut [T]> {
     match l.contiguous_offsets() {
         Some((a, b)) if b <= v.len() => Ok(&mut v[a..b]),
         _ => bail!("{op}: expected a contiguous output, got {l:?}"),

@@ -6,10 +6,11 @@
 //! takes a core from the product that follows (a Qwen2-0.5B LoRA step on
 //! two threads makes 722 such products of a gate, a norm or a rotation).
 //! The results are candle's: each element is one IEEE operation, NaN
-//! propagating as it does.
+//! propagating as it does. [`axpy_in_place`] is an optimiser's update,
+//! `w += alpha v`, in one pass over the weight.
 
 use super::{assume_written, by_blocks, contiguous_slice, output_uninit, Elem, Path};
-use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Result, Shape, Tensor};
 use std::mem::MaybeUninit;
 use std::ops::{Div, Sub};
 
@@ -115,6 +116,74 @@ pub(crate) fn zip(a: &Tensor, b: &Tensor, op: Arith, path: Path) -> Result<Optio
     Ok(Some(a.apply_op2_no_bwd(b, &ZipOp(op))?))
 }
 
+/// `y += alpha x`, element by element as `y + (alpha x)` (two roundings,
+/// as candle's `y - x * lr` with `alpha = -lr`), threaded by blocks.
+struct Axpy(f64);
+
+fn axpy<T: Num>(y: &mut [T], x: &[T], alpha: T) {
+    by_blocks(y, 3, |start, d| {
+        let x = &x[start..start + d.len()];
+        d.iter_mut().zip(x).for_each(|(v, &g)| *v += alpha * g);
+    });
+}
+
+impl InplaceOp2 for Axpy {
+    fn name(&self) -> &'static str {
+        "axpy"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+        if l1.dims() != l2.dims() {
+            bail!("axpy: shapes {:?} and {:?} differ", l1.dims(), l2.dims())
+        }
+        match (s1, s2) {
+            (CpuStorage::F32(y), CpuStorage::F32(x)) => axpy(
+                super::epilogue::own_slice("axpy", y, l1)?,
+                contiguous_slice("axpy", x, l2)?,
+                self.0 as f32,
+            ),
+            (CpuStorage::F64(y), CpuStorage::F64(x)) => axpy(
+                super::epilogue::own_slice("axpy", y, l1)?,
+                contiguous_slice("axpy", x, l2)?,
+                self.0,
+            ),
+            _ => bail!("axpy: no CPU kernel for these dtypes"),
+        }
+        Ok(())
+    }
+}
+
+/// Whether two tensors read the same storage (locking both for reading at
+/// once is safe; a write lock on one and a read on the other would wait
+/// on itself).
+fn share_storage(a: &Tensor, b: &Tensor) -> bool {
+    let (ga, _) = a.storage_and_layout();
+    let (gb, _) = b.storage_and_layout();
+    std::ptr::eq(&*ga, &*gb)
+}
+
+/// `y += alpha x` in place for contiguous CPU tensors of one shape and
+/// dtype (f32 or f64) that do not share storage: an optimiser's update of
+/// a weight (`y`, every tensor sharing its storage sees the new values,
+/// as after candle's `Var::set`) in one pass, instead of a scaled copy of
+/// `x`, a difference and a copy back. `false`, nothing done, otherwise.
+pub(crate) fn axpy_in_place(y: &Tensor, x: &Tensor, alpha: f64, path: Path) -> Result<bool> {
+    let takes = path == Path::Fast
+        && y.device().is_cpu()
+        && x.device().is_cpu()
+        && matches!(y.dtype(), DType::F32 | DType::F64)
+        && y.dtype() == x.dtype()
+        && y.dims() == x.dims()
+        && y.is_contiguous()
+        && x.is_contiguous()
+        && !share_storage(y, x);
+    if !takes {
+        return Ok(false);
+    }
+    y.inplace_op2(x, &Axpy(alpha))?;
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +220,42 @@ mod tests {
                 assert!(g[5].is_nan(), "{op:?}: NaN reaches its element");
             }
         }
+        Ok(())
+    }
+
+    /// The update equals candle's `y - x * lr` bit for bit, reaches every
+    /// tensor sharing the weight's storage, and leaves alone what it does
+    /// not take (a gradient sharing the weight's storage, a transposed
+    /// view, another dtype, the portable path).
+    #[test]
+    fn axpy_equals_candles_update() -> Result<()> {
+        let n = 3 * super::super::BLOCK + 5;
+        for dt in [DType::F32, DType::F64] {
+            let w = Tensor::randn(0f32, 1.0, n, &Device::Cpu)?.to_dtype(dt)?;
+            let g = Tensor::randn(0f32, 1.0, n, &Device::Cpu)?.to_dtype(dt)?;
+            let want = w.broadcast_sub(&g.affine(0.01, 0.0)?)?;
+            let var = candle_core::Var::from_tensor(&w)?;
+            let alias = var.as_tensor().clone();
+            assert!(axpy_in_place(var.as_tensor(), &g, -0.01, Path::Fast)?);
+            for got in [var.as_tensor(), &alias] {
+                let (a, b) = (
+                    got.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                    want.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                );
+                assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{dt:?}");
+            }
+            assert!(!axpy_in_place(var.as_tensor(), &alias, -0.01, Path::Fast)?);
+            assert!(!axpy_in_place(var.as_tensor(), &g, -0.01, Path::Portable)?);
+        }
+        let m = Tensor::ones((4, 5), DType::F32, &Device::Cpu)?;
+        let v = candle_core::Var::from_tensor(&Tensor::zeros((5, 4), DType::F32, &Device::Cpu)?)?;
+        assert!(!axpy_in_place(v.as_tensor(), &m.t()?, 1.0, Path::Fast)?);
+        assert!(!axpy_in_place(
+            v.as_tensor(),
+            &m.t()?.to_dtype(DType::F64)?,
+            1.0,
+            Path::Fast
+        )?);
         Ok(())
     }
 
