@@ -97,20 +97,24 @@ impl CustomOp2 for ZipOp {
     }
 }
 
-/// `a op b` for two contiguous CPU tensors of one shape and dtype (f32 or
-/// f64) of at least [`MIN_ELEMS`] elements; `None` otherwise (the caller
-/// uses candle's, which broadcasts and takes any layout).
-pub(crate) fn zip(a: &Tensor, b: &Tensor, op: Arith, path: Path) -> Result<Option<Tensor>> {
-    let takes = path == Path::Fast
+/// Whether the kernels here take `a` and `b`: the fast path, both
+/// contiguous CPU tensors of one shape and one dtype, f32 or f64.
+fn pair_fits(a: &Tensor, b: &Tensor, path: Path) -> bool {
+    path == Path::Fast
         && a.device().is_cpu()
         && b.device().is_cpu()
         && matches!(a.dtype(), DType::F32 | DType::F64)
         && a.dtype() == b.dtype()
         && a.dims() == b.dims()
-        && a.elem_count() >= MIN_ELEMS
         && a.is_contiguous()
-        && b.is_contiguous();
-    if !takes {
+        && b.is_contiguous()
+}
+
+/// `a op b` for two contiguous CPU tensors of one shape and dtype (f32 or
+/// f64) of at least [`MIN_ELEMS`] elements; `None` otherwise (the caller
+/// uses candle's, which broadcasts and takes any layout).
+pub(crate) fn zip(a: &Tensor, b: &Tensor, op: Arith, path: Path) -> Result<Option<Tensor>> {
+    if !pair_fits(a, b, path) || a.elem_count() < MIN_ELEMS {
         return Ok(None);
     }
     Ok(Some(a.apply_op2_no_bwd(b, &ZipOp(op))?))
@@ -168,16 +172,7 @@ fn share_storage(a: &Tensor, b: &Tensor) -> bool {
 /// as after candle's `Var::set`) in one pass, instead of a scaled copy of
 /// `x`, a difference and a copy back. `false`, nothing done, otherwise.
 pub(crate) fn axpy_in_place(y: &Tensor, x: &Tensor, alpha: f64, path: Path) -> Result<bool> {
-    let takes = path == Path::Fast
-        && y.device().is_cpu()
-        && x.device().is_cpu()
-        && matches!(y.dtype(), DType::F32 | DType::F64)
-        && y.dtype() == x.dtype()
-        && y.dims() == x.dims()
-        && y.is_contiguous()
-        && x.is_contiguous()
-        && !share_storage(y, x);
-    if !takes {
+    if !pair_fits(y, x, path) || share_storage(y, x) {
         return Ok(false);
     }
     y.inplace_op2(x, &Axpy(alpha))?;
