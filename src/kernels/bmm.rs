@@ -108,8 +108,9 @@ fn bmm_cpu<T: Elem>(
         }
     }
     // SAFETY: the nb blocks of m n elements tile `dst` (chunks_exact over a
-    // length of nb m n; par_blocks_mut hands out every whole block), and
-    // product_into wrote each block in full (k > 0)
+    // length of nb m n; par_blocks_mut hands out every whole block; a
+    // block in bands is tiled by chunks of whole rows, the last shorter),
+    // and product_into wrote each block or band in full (k > 0)
     Ok(unsafe { assume_written(dst) })
 }
 
@@ -293,12 +294,13 @@ pub(crate) fn scratch((nb, m, k, n): (usize, usize, usize, usize), a_t: bool, b_
         0
     };
     let partial = if parts > 1 { parts * m * n } else { 0 };
-    // gemm packs the right-hand side in panels of up to 512 rows per thread
-    let packed = if m > 32 {
-        k.min(512) * n * max_threads().min(nb.max(1))
-    } else {
-        0
+    // gemm packs the right-hand side in panels of up to 512 rows per
+    // thread; a product in bands of rows packs one per band
+    let packers = match row_bands(m, n, k) {
+        1 => max_threads().min(nb.max(1)),
+        bands => bands,
     };
+    let packed = if m > 32 { k.min(512) * n * packers } else { 0 };
     copies + partial + packed
 }
 

@@ -157,13 +157,12 @@ impl InplaceOp2 for Axpy {
     }
 }
 
-/// Whether two tensors read the same storage (locking both for reading at
-/// once is safe; a write lock on one and a read on the other would wait
-/// on itself).
+/// Whether two tensors read the same storage (a write lock on one and a
+/// read on the other would wait on itself). One lock at a time: the
+/// storage's address is fixed while the tensor holds it.
 fn share_storage(a: &Tensor, b: &Tensor) -> bool {
-    let (ga, _) = a.storage_and_layout();
-    let (gb, _) = b.storage_and_layout();
-    std::ptr::eq(&*ga, &*gb)
+    let at = |t: &Tensor| std::ptr::from_ref(&*t.storage_and_layout().0).addr();
+    at(a) == at(b)
 }
 
 /// `y += alpha x` in place for contiguous CPU tensors of one shape and

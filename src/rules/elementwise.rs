@@ -51,7 +51,7 @@ impl Rule for Unary {
             // integer maps go through the host: the values and the result
             Unary::Neg | Unary::Sqr if !is_float(args[0].ty.dtype) => Workspace::scratch(2 * bytes(out)),
             // the crate's CPU kernels read a contiguous operand
-            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Relu => {
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Relu => {
                 Workspace::copies(args[0].copy_if_strided())
             }
             _ => Workspace::NONE,
@@ -445,9 +445,6 @@ fn no_zero_divisor(b: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `r` (a maximum or minimum of `a` and `b`) with NaN wherever either
-/// operand is NaN, as PyTorch's `maximum`/`minimum` (candle's keep the
-/// other operand when the first is not NaN).
 /// The arithmetic `kernels::zip` runs, if `op` is one.
 fn arith(op: Binary) -> Option<Arith> {
     match op {
@@ -459,6 +456,9 @@ fn arith(op: Binary) -> Option<Arith> {
     }
 }
 
+/// `r` (a maximum or minimum of `a` and `b`) with NaN wherever either
+/// operand is NaN, as PyTorch's `maximum`/`minimum` (candle's keep the
+/// other operand when the first is not NaN).
 fn keep_nan(r: Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if !is_float(r.dtype()) {
         return Ok(r);
