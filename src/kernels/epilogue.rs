@@ -4,7 +4,7 @@
 //! ReLU each allocate a tensor as large as `y` (new pages to fault in) and
 //! stream it through memory again.
 
-use super::{par_blocks_mut, Elem};
+use super::{own_slice_mut, par_blocks_mut, Elem};
 use candle_core::{bail, CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
 
 /// `y`'s dimensions with the bias's strides (0 where it is broadcast),
@@ -60,14 +60,6 @@ fn epilogue_cpu<T: Elem>(y: &mut [T], bias: Option<(&[T], &[usize])>, dims: &[us
     });
 }
 
-/// The slice a contiguous layout covers.
-pub(super) fn own_slice<'a, T>(op: &str, v: &'a mut [T], l: &Layout) -> Result<&'a mut [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) if b <= v.len() => Ok(&mut v[a..b]),
-        _ => bail!("{op}: expected a contiguous output, got {l:?}"),
-    }
-}
-
 struct Epilogue {
     relu: bool,
 }
@@ -79,8 +71,8 @@ impl InplaceOp1 for Epilogue {
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
         match s {
-            CpuStorage::F32(v) => epilogue_cpu(own_slice("epilogue", v, l)?, None, l.dims(), self.relu),
-            CpuStorage::F64(v) => epilogue_cpu(own_slice("epilogue", v, l)?, None, l.dims(), self.relu),
+            CpuStorage::F32(v) => epilogue_cpu(own_slice_mut("epilogue", v, l)?, None, l.dims(), self.relu),
+            CpuStorage::F64(v) => epilogue_cpu(own_slice_mut("epilogue", v, l)?, None, l.dims(), self.relu),
             _ => bail!("epilogue: no CPU kernel for this dtype"),
         }
         Ok(())
@@ -103,11 +95,11 @@ impl InplaceOp2 for Epilogue {
         let (dims, strides, start) = (l1.dims(), l2.stride(), l2.start_offset());
         match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(b)) => {
-                let y = own_slice("epilogue", y, l1)?;
+                let y = own_slice_mut("epilogue", y, l1)?;
                 epilogue_cpu(y, Some((&b[start..], strides)), dims, self.relu)
             }
             (CpuStorage::F64(y), CpuStorage::F64(b)) => {
-                let y = own_slice("epilogue", y, l1)?;
+                let y = own_slice_mut("epilogue", y, l1)?;
                 epilogue_cpu(y, Some((&b[start..], strides)), dims, self.relu)
             }
             _ => bail!("epilogue: no CPU kernel for these dtypes"),

@@ -397,6 +397,15 @@ unsafe fn gemm_checked<T: Elem>(
     }
 }
 
+/// The slice a contiguous layout covers, for a kernel that writes its
+/// operand in place (an epilogue, an optimiser's update).
+pub(crate) fn own_slice_mut<'a, T>(op: &str, v: &'a mut [T], l: &Layout) -> Result<&'a mut [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) if b <= v.len() => Ok(&mut v[a..b]),
+        _ => bail!("{op}: expected a contiguous output, got {l:?}"),
+    }
+}
+
 /// The contiguous slice a layout describes (the kernels index planes
 /// directly, so they need it; the wrappers call `.contiguous()` first).
 pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) -> Result<&'a [T]> {

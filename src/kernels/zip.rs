@@ -9,8 +9,8 @@
 //! propagating as it does. [`axpy_in_place`] is an optimiser's update,
 //! `w += alpha v`, in one pass over the weight.
 
-use super::{assume_written, by_blocks, contiguous_slice, output_uninit, Elem, Path};
-use candle_core::{bail, CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Result, Shape, Tensor};
+use super::{assume_written, by_blocks, contiguous_slice, has_cpu_kernel, output_uninit, own_slice_mut, Elem, Path};
+use candle_core::{bail, CpuStorage, CustomOp2, InplaceOp2, Layout, Result, Shape, Tensor};
 use std::mem::MaybeUninit;
 use std::ops::{Div, Sub};
 
@@ -97,13 +97,11 @@ impl CustomOp2 for ZipOp {
     }
 }
 
-/// Whether the kernels here take `a` and `b`: the fast path, both
-/// contiguous CPU tensors of one shape and one dtype, f32 or f64.
+/// Whether the kernels here take `a` and `b`: both contiguous, of one
+/// shape and one dtype, each with a CPU kernel on `path`.
 fn pair_fits(a: &Tensor, b: &Tensor, path: Path) -> bool {
-    path == Path::Fast
-        && a.device().is_cpu()
-        && b.device().is_cpu()
-        && matches!(a.dtype(), DType::F32 | DType::F64)
+    has_cpu_kernel(a, path)
+        && has_cpu_kernel(b, path)
         && a.dtype() == b.dtype()
         && a.dims() == b.dims()
         && a.is_contiguous()
@@ -142,15 +140,13 @@ impl InplaceOp2 for Axpy {
         }
         match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(x)) => axpy(
-                super::epilogue::own_slice("axpy", y, l1)?,
+                own_slice_mut("axpy", y, l1)?,
                 contiguous_slice("axpy", x, l2)?,
                 self.0 as f32,
             ),
-            (CpuStorage::F64(y), CpuStorage::F64(x)) => axpy(
-                super::epilogue::own_slice("axpy", y, l1)?,
-                contiguous_slice("axpy", x, l2)?,
-                self.0,
-            ),
+            (CpuStorage::F64(y), CpuStorage::F64(x)) => {
+                axpy(own_slice_mut("axpy", y, l1)?, contiguous_slice("axpy", x, l2)?, self.0)
+            }
             _ => bail!("axpy: no CPU kernel for these dtypes"),
         }
         Ok(())
@@ -181,7 +177,7 @@ pub(crate) fn axpy_in_place(y: &Tensor, x: &Tensor, alpha: f64, path: Path) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     /// Bit for bit candle's, NaN and infinities included, for each
     /// operation and dtype, at a length with a partial last block.
