@@ -73,16 +73,22 @@ fn bmm_cpu<T: Elem>(
     }
     // written in full by the products below, so never zeroed
     let mut dst = output_uninit::<T>(nb * m * n)?;
-    let gemm_one = |i: usize, d: &mut [MaybeUninit<T>], par: gemm::Parallelism| {
-        product_into(d, a.mat(i * a.sb), b.mat(i * b.sb), (m, n, k), one, par);
-    };
     if nb >= 2 * max_threads() {
         // Threads are spawned per call: worth it only for enough products
         // (a multiply-add counts as a sixteenth of a copied element, so the
         // copying kernels' threshold serves; 10 x [64, 128] @ [128, 10]
         // ran 0.25 ms on two threads and a tenth of that on one).
         let work = (nb * m * n).saturating_mul(k) / 16;
-        par_blocks_mut(&mut dst, m * n, work, |i, d| gemm_one(i, d, gemm::Parallelism::None));
+        par_blocks_mut(&mut dst, m * n, work, |i, d| {
+            product_into(
+                d,
+                a.mat(i * a.sb),
+                b.mat(i * b.sb),
+                (m, n, k),
+                one,
+                gemm::Parallelism::None,
+            )
+        });
     } else {
         // Few products: each split over all threads, as candle does, but
         // written into `output`'s huge pages; a small one on one thread,
@@ -91,19 +97,17 @@ fn bmm_cpu<T: Elem>(
             true => gemm::Parallelism::None,
             false => gemm::Parallelism::Rayon(max_threads()),
         };
-        let bands = row_bands(m, n, k);
+        // [m, n] -> bands of `rows` x n: one band split over the threads
+        // by gemm (`par`), or one band per thread, each a one-thread GEMM
+        let (rows, par) = match row_bands(m, n, k) {
+            1 => (m, par),
+            bands => (m.div_ceil(bands), gemm::Parallelism::None),
+        };
         for (i, d) in dst.chunks_exact_mut(m * n).enumerate() {
-            if bands <= 1 {
-                gemm_one(i, d, par);
-                continue;
-            }
-            // [m, n] -> bands of `rows` x n, each its own one-thread GEMM
-            let rows = m.div_ceil(bands);
             let jobs: Vec<(usize, &mut [MaybeUninit<T>])> = d.chunks_mut(rows * n).enumerate().collect();
             run_jobs(jobs, |(j, band)| {
                 let lhs = a.mat(i * a.sb + j * rows * a.sr);
-                let (r, rhs) = (band.len() / n, b.mat(i * b.sb));
-                product_into(band, lhs, rhs, (r, n, k), one, gemm::Parallelism::None);
+                product_into(band, lhs, b.mat(i * b.sb), (band.len() / n, n, k), one, par);
             });
         }
     }
