@@ -173,10 +173,26 @@ impl Sgd {
     }
 }
 
+/// `var = w - lr x`, where `w` is `decayed` (a fresh tensor) or else the
+/// variable's own value: updated in place in one pass where the crate's
+/// CPU kernels run (`kernels::zip::axpy_in_place`, bit for bit the
+/// expression below), else a scaled copy and a difference, then `set`.
+fn descend(var: &Var, decayed: Option<Tensor>, x: &Tensor, lr: f64, path: crate::kernels::Path) -> Result<()> {
+    let w = decayed.as_ref().unwrap_or(var.as_tensor());
+    if crate::kernels::zip::axpy_in_place(w, x, -lr, path)? {
+        return match &decayed {
+            Some(w) => Ok(var.set(w)?),
+            None => Ok(()),
+        };
+    }
+    Ok(var.set(&(w - (x * lr)?)?)?)
+}
+
 impl Optimizer for Sgd {
     lr_field!();
 
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
+        let path = crate::interp::exec::portable_path(None);
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "sgd", name, g)?;
             let (lr, wd) = self.groups.of(name, (self.lr, 0.0));
@@ -185,12 +201,7 @@ impl Optimizer for Sgd {
                 Some(prev) if self.momentum != 0.0 => ((prev * self.momentum)? + &g)?,
                 _ => g,
             };
-            // in place, one pass over the weight, where the crate's CPU
-            // kernels run; else a scaled copy, a difference and `set`
-            let path = crate::interp::exec::portable_path(None);
-            if !crate::kernels::zip::axpy_in_place(var.as_tensor(), &v, -lr, path)? {
-                var.set(&(var.as_tensor() - (&v * lr)?)?)?;
-            }
+            descend(var, None, &v, lr, path)?;
             self.velocity.insert(name.clone(), v);
         }
         Ok(())
@@ -381,6 +392,7 @@ impl Optimizer for Adam {
         self.steps = self.steps.saturating_add(1);
         let (b1, b2) = self.betas;
         let (c1, c2) = (1.0 - b1.powi(self.steps), 1.0 - b2.powi(self.steps));
+        let path = crate::interp::exec::portable_path(None);
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "adam", name, g)?;
             let (lr, wd) = self.groups.of(name, (self.lr, self.weight_decay));
@@ -398,13 +410,11 @@ impl Optimizer for Adam {
             };
             let denom = ((&v / c2)?.sqrt()? + self.eps)?;
             let update = ((&m / c1)? / denom)?;
-            let w = var.as_tensor();
-            let w = if wd != 0.0 && self.decoupled {
-                (w * (1.0 - lr * wd))?
-            } else {
-                w.clone()
+            let decayed = match wd != 0.0 && self.decoupled {
+                true => Some((var.as_tensor() * (1.0 - lr * wd))?),
+                false => None,
             };
-            var.set(&(w - (update * lr)?)?)?;
+            descend(var, decayed, &update, lr, path)?;
             self.moments.insert(name.clone(), (m, v));
         }
         Ok(())
