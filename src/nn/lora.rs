@@ -133,6 +133,15 @@ fn targets(name: &str, target: &str) -> bool {
     name == target || name.strip_suffix(target).is_some_and(|h| h.ends_with('.'))
 }
 
+/// The variables of `varmap`, locked; a poisoned lock is an error naming
+/// `what` asked.
+fn lock<'a>(varmap: &'a VarMap, what: &str) -> Result<std::sync::MutexGuard<'a, HashMap<String, Var>>> {
+    varmap.data().lock().map_err(|_| Error::Model {
+        what: what.into(),
+        msg: "the VarMap's lock is poisoned".into(),
+    })
+}
+
 impl Lora {
     /// Adapters on every linear layer of `model` that `config` targets,
     /// added to `varmap` (which should hold the model's parameters, say
@@ -157,10 +166,7 @@ impl Lora {
                 });
             }
         }
-        let mut data = varmap.data().lock().map_err(|_| Error::Model {
-            what: "Lora::add".into(),
-            msg: "the VarMap's lock is poisoned".into(),
-        })?;
+        let mut data = lock(varmap, "Lora::add")?;
         // a saved module may be new (a head built on the map), so the map
         // is where it must be
         for keep in &config.modules_to_save {
@@ -268,10 +274,7 @@ impl Lora {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn trainable_params(&self, varmap: &VarMap) -> Result<BTreeMap<String, Tensor>> {
-        let data = varmap.data().lock().map_err(|_| Error::Model {
-            what: "Lora::trainable_params".into(),
-            msg: "the VarMap's lock is poisoned".into(),
-        })?;
+        let data = lock(varmap, "Lora::trainable_params")?;
         let prefixes = self.trainable_prefixes();
         let mut out = BTreeMap::new();
         for (name, var) in data.iter() {
@@ -323,10 +326,7 @@ impl Lora {
     /// the fine-tuned model under the base model's names, for
     /// [`Lora::save_merged`] or a model's loader.
     pub fn merged(&self, varmap: &VarMap) -> Result<BTreeMap<String, Tensor>> {
-        let data = varmap.data().lock().map_err(|_| Error::Model {
-            what: "Lora::merged".into(),
-            msg: "the VarMap's lock is poisoned".into(),
-        })?;
+        let data = lock(varmap, "Lora::merged")?;
         // every adapted layer's base weight must be there to merge into:
         // a map without them would give a model without its adapters
         if let Some(layer) = self
