@@ -22,10 +22,16 @@ def parse(out):
     return float(m.group(2)), float(m.group(3)), float(m.group(4))
 
 
-def run(cmd, threads):
-    """One process of `cmd` at `threads` threads (ours and PyTorch's alike)."""
+def output(cmd, threads):
+    """The standard output of one process of `cmd` at `threads` threads
+    (ours and PyTorch's alike)."""
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), PEER_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
+
+
+def run(cmd, threads):
+    """One process of `cmd` at `threads` threads: its RESULT line, parsed."""
+    out = output(cmd, threads)
     if "unsupported" in out:
         print(out.strip(), flush=True)
     return parse(out)

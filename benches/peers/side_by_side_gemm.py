@@ -10,19 +10,17 @@ within a round; prints each shape's median GFLOP/s over the rounds.
 import collections
 import os
 import statistics
-import subprocess
 import sys
 
-from rounds import PY, ROOT
+from rounds import PY, ROOT, output
 
 IMPLS = ["ours", "candle", "torch", "numpy"]
 
 
 def rates(cmd, threads):
-    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), PEER_THREADS=str(threads),
-               OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
-    for line in out.splitlines():
+    """The `RATE` lines of one process of `cmd` (`bench_gemm.py` takes its
+    OpenBLAS thread count from `PEER_THREADS`)."""
+    for line in output(cmd, threads).splitlines():
         if line.startswith("RATE "):
             _, impl, shape, layout, rate = line.split()
             yield (shape, layout), impl, float(rate)
