@@ -14,6 +14,11 @@
 //! cargo run --release --example bench_lstm -- --variant psg --reps 5
 //! ```
 //!
+//! `--bidirectional` runs the LSTM both ways (the classifier reads the
+//! sum of the two directions' last states; no peer runs this variant): the
+//! two directions' loops, and their gradients, run at once on two or more
+//! threads.
+//!
 //! `--checkpoint K` makes the LSTM's loop keep one state in `K` for the
 //! gradient and recompute the others (`Recurrent::with_checkpoint`; 0,
 //! the default, leaves the choice to the loop).
@@ -60,7 +65,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let varmap = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let emb = nn::embedding(V, E, vb.pp("emb"))?;
-    let mut rnn = nn::lstm(E, H, RecurrentConfig::default(), vb.pp("rnn"))?;
+    let cfg = RecurrentConfig {
+        bidirectional: std::env::args().any(|a| a == "--bidirectional"),
+        ..RecurrentConfig::default()
+    };
+    let dirs = 1 + cfg.bidirectional as usize;
+    let mut rnn = nn::lstm(E, H, cfg, vb.pp("rnn"))?;
     let checkpoint: usize = arg("--checkpoint", 0);
     if checkpoint > 0 {
         rnn = rnn.with_checkpoint(checkpoint);
@@ -75,7 +85,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let logits = |p: &BTreeMap<String, Tracer>, ids: &Tracer| -> candle_func::Result<Tracer> {
         let p = Params::with(p);
         let h_n = rnn.run(&p, &emb.forward_with(&p, ids)?, None)?.h_n;
-        fc.forward_with(&p, &h_n.narrow(0, 0, 1)?.squeeze(0)?)
+        // [D, (B), H] -> [(B), H]: the directions' last states summed
+        fc.forward_with(&p, &h_n.narrow(0, 0, dirs)?.sum(0)?)
     };
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         cross_entropy(&logits(&p, &x)?.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)

@@ -81,7 +81,15 @@ fn run_inner(
     let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
     let (mut live, mut held, mut stats) = (0usize, Held::default(), RunStats::default());
     let copied_before = copies.bytes();
+    // Pairs of independent loops run at once on the CPU's pool (not while
+    // profiling: each node's time is its own); see `Graph::partners`.
+    let partners = match device.is_cpu() && times.is_none() && rayon::current_num_threads() > 1 {
+        true => g.partners(),
+        false => vec![None; g.nodes.len()],
+    };
+    let mut early: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
     for (v, node) in g.nodes.iter().enumerate() {
+        let ran_early = early[v].is_some();
         let t = match &node.prim {
             // Detached: candle's autograd does not run through a graph (the
             // crate's transforms differentiate), and a value that kept its
@@ -94,47 +102,44 @@ fn run_inner(
                 .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
             Prim::Const(k) => constant(g, *k, &device)?,
             Prim::Scalar(x) => scalar(*x, node.ty.dtype, &device).op("scalar")?,
+            _ if ran_early => early[v]
+                .take()
+                .ok_or_else(|| Error::internal("run", "an early result"))?,
             prim => {
-                let args = node
-                    .args
-                    .iter()
-                    .map(|&a| vals.get(a).and_then(Option::as_ref))
-                    .collect::<Option<Vec<&Tensor>>>()
-                    .ok_or_else(|| Error::internal(prim.name(), "an operand was freed before its last use"))?;
+                let args = operands(g, &vals, v)?;
                 // a GPU's kernels run after the call that queues them
                 // returns: a profile drains the queue around each node
                 if times.is_some() {
                     device.synchronize().op(&prim.name())?;
                 }
                 let start = std::time::Instant::now();
-                let cx = RunCx {
+                let cx = |v: usize| RunCx {
                     device: &device,
                     seed: mix(seed, v as u64),
                     copies,
                     path,
                 };
-                let t = match prim {
-                    // An empty result has no values to compute; candle's
-                    // kernels panic on some empty views (a concatenation
-                    // of narrowed empty tensors), so none run for one.
-                    _ if node.ty.elem_count() == 0 => {
-                        Tensor::zeros(node.ty.shape.as_slice(), node.ty.dtype, &device).op(&prim.name())?
+                let t = match partners[v] {
+                    Some(u) => {
+                        let uargs = operands(g, &vals, u)?;
+                        let (t, w) = rayon::join(|| compute(g, v, &args, &cx(v)), || compute(g, u, &uargs, &cx(u)));
+                        let (t, w) = (t?, w?);
+                        held.take(&w);
+                        early[u] = Some(w);
+                        t
                     }
-                    Prim::Map(m) => run_map(m, &args, &node.ty, &cx)?,
-                    Prim::Scan(sc) => run_scan(sc, &args, &node.ty, &cx)?,
-                    Prim::Cond(c) => run_cond(c, &args, &cx)?,
-                    Prim::While(w) => run_while(w, &args, &cx)?,
-                    prim => rule(prim)?.run(&args, &node.ty, &cx)?,
+                    None => compute(g, v, &args, &cx(v))?,
                 };
                 if let Some(times) = times.as_mut() {
                     device.synchronize().op(&prim.name())?;
                     times.push((v, start.elapsed().as_secs_f64()));
                 }
-                check_result(prim, &t, &node.ty)?;
                 t
             }
         };
-        held.take(&t);
+        if !ran_early {
+            held.take(&t);
+        }
         if log::log_enabled!(log::Level::Trace) {
             log::trace!(
                 "run: node {v} {} {:?}: {:.1} MiB held, {:.1} MiB resident",
@@ -254,15 +259,49 @@ fn constant(g: &Graph, k: usize, device: &Device) -> Result<Tensor> {
     Ok(c.detach())
 }
 
+/// Node `v`'s operands, each still held (freed only after its last use).
+fn operands<'a>(g: &Graph, vals: &'a [Option<Tensor>], v: usize) -> Result<Vec<&'a Tensor>> {
+    g.nodes[v]
+        .args
+        .iter()
+        .map(|&a| vals.get(a).and_then(Option::as_ref))
+        .collect::<Option<Vec<&Tensor>>>()
+        .ok_or_else(|| Error::internal(g.nodes[v].prim.name(), "an operand was freed before its last use"))
+}
+
+/// Computes node `v` (not a leaf) on its operands and checks its result.
+fn compute(g: &Graph, v: usize, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
+    let node = &g.nodes[v];
+    let t = match &node.prim {
+        // An empty result has no values to compute; candle's kernels
+        // panic on some empty views (a concatenation of narrowed empty
+        // tensors), so none run for one.
+        prim if node.ty.elem_count() == 0 => {
+            Tensor::zeros(node.ty.shape.as_slice(), node.ty.dtype, cx.device).op(&prim.name())?
+        }
+        Prim::Map(m) => run_map(m, args, &node.ty, cx)?,
+        Prim::Scan(sc) => run_scan(sc, args, &node.ty, cx)?,
+        Prim::Cond(c) => run_cond(c, args, cx)?,
+        Prim::While(w) => run_while(w, args, cx)?,
+        prim => rule(prim)?.run(args, &node.ty, cx)?,
+    };
+    check_result(&node.prim, &t, &node.ty)?;
+    Ok(t)
+}
+
 /// Runs a map's body once per example (each with its own seed), writing
 /// each example's result into its row of the result as it comes: the
-/// results are never held all at once beside their stack.
+/// results are never held all at once beside their stack. On the CPU the
+/// examples run in waves of the map's width on rayon's pool (one
+/// example's kernels are too small to fill the cores; the plan counts a
+/// wave's bodies); the rows and seeds are those of one at a time.
 fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+    use rayon::prelude::*;
     if m.size == 0 {
         return Err(Error::internal("map", "a map over zero examples"));
     }
     let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op("map")?;
-    for i in 0..m.size {
+    let example = |i: usize| -> Result<()> {
         let mut xs = Vec::with_capacity(args.len());
         for (a, bd) in args.iter().zip(&m.bdims) {
             xs.push(match bd {
@@ -271,9 +310,25 @@ fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Te
             });
         }
         let y = run_one(&m.body, &xs, mix(cx.seed, i as u64), cx, "map")?;
-        // `stacked` is this node's own fresh buffer, read by nothing yet
+        // `stacked` is this node's own fresh buffer, read by nothing else;
+        // each example writes its own row (candle locks the storage)
         let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("map")?;
-        stacked.slice_set(&row, 0, i).op("map")?;
+        stacked.slice_set(&row, 0, i).op("map")
+    };
+    let width = if cx.device.is_cpu() { m.width() } else { 1 };
+    for start in (0..m.size).step_by(width) {
+        let wave = start..(start + width).min(m.size);
+        match width {
+            1 => wave.into_iter().try_for_each(example)?,
+            // every example of the wave finishes; the first error in
+            // example order is the one reported
+            _ => wave
+                .into_par_iter()
+                .map(example)
+                .collect::<Vec<Result<()>>>()
+                .into_iter()
+                .collect::<Result<()>>()?,
+        }
     }
     Ok(stacked)
 }

@@ -231,6 +231,33 @@ impl Graph {
         dep
     }
 
+    /// For each node, the later node that may run beside it: a pair of
+    /// loops (maps, scans, while loops: long, and sequential inside) where
+    /// the later one reads only values computed before the first, so
+    /// neither reads the other (the two directions of a bidirectional
+    /// LSTM, and their gradients). Each loop pairs at most once, with the
+    /// first such loop after it. The interpreter runs a pair at once on the
+    /// CPU and the memory plan counts the partner from the first's start,
+    /// both from this one answer.
+    pub(crate) fn partners(&self) -> Vec<Option<usize>> {
+        let loops: Vec<usize> = (0..self.nodes.len())
+            .filter(|&v| matches!(self.nodes[v].prim, Prim::Map(_) | Prim::Scan(_) | Prim::While(_)))
+            .collect();
+        let mut partner = vec![None; self.nodes.len()];
+        let mut taken = vec![false; self.nodes.len()];
+        for (k, &v) in loops.iter().enumerate() {
+            if taken[v] {
+                continue;
+            }
+            let ready = |u: usize| !taken[u] && self.nodes[u].args.iter().all(|&a| a < v);
+            if let Some(&u) = loops[k + 1..].iter().find(|&&u| ready(u)) {
+                partner[v] = Some(u);
+                taken[u] = true;
+            }
+        }
+        partner
+    }
+
     /// For each value, the index of the last node that reads it (outputs
     /// count as read at the very end): the interpreter frees a value there.
     pub(crate) fn last_uses(&self) -> Vec<usize> {

@@ -77,7 +77,10 @@ pub enum Schedule {
     /// batched instead. Differentiating the vmapped function runs each
     /// example's forward again for every operand's gradient (the map's
     /// VJP is a map per operand), which `Auto` accounts for by batching
-    /// inside a differentiated trace.
+    /// inside a differentiated trace. On the CPU the examples run as many
+    /// at once as rayon's pool has threads (where the transform is
+    /// called), each with its own seed and row, so the results are those
+    /// of one at a time; the memory plan counts one example per thread.
     PerExample,
     /// A schedule per segment: the program up to and including its last
     /// batched convolution (and the pooling and reshapes after it, up to
@@ -286,4 +289,9 @@ pub(crate) struct Opts {
     /// Whether runs take candle's operations only (`None`: as the
     /// environment says).
     pub(crate) portable: Option<bool>,
+    /// How many of a `Map`'s examples run at once on the CPU (the threads
+    /// of the pool the transform was resolved in; 0 counts as 1). Each
+    /// running example holds its own body's values, so the plan counts
+    /// this many bodies, and a thread count that changes makes a new key.
+    pub(crate) width: usize,
 }

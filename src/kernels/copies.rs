@@ -4,23 +4,28 @@
 //! kernel keeps state of its own.
 
 use candle_core::{Result, Tensor};
-use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A count of the bytes copied to change layouts.
+/// A count of the bytes copied to change layouts. Atomic because a map's
+/// examples may run on several threads at once, each counting into the
+/// run's one tally; the count is a total, so no ordering is needed.
 #[derive(Debug, Default)]
-pub(crate) struct Copies(Cell<usize>);
+pub(crate) struct Copies(AtomicUsize);
 
 impl Copies {
     /// Bytes counted so far.
     pub(crate) fn bytes(&self) -> usize {
-        self.0.get()
+        self.0.load(Ordering::Relaxed)
     }
 
     /// Counts `t` as copied when it is not already contiguous.
     pub(crate) fn note(&self, t: &Tensor) {
         if !t.is_contiguous() {
             let bytes = t.elem_count().saturating_mul(t.dtype().size_in_bytes());
-            self.0.set(self.0.get().saturating_add(bytes));
+            // saturating: a total past usize::MAX stays there
+            let _ = self
+                .0
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_add(bytes)));
         }
     }
 }

@@ -172,11 +172,12 @@ impl Rule for Map {
     }
 
     fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
-        // one example's body at its own peak while the map runs (its result
-        // is written into the map's and dropped); its inputs are views of
-        // the map's operands, which the plan holds already
+        // `width` examples' bodies at their own peaks while the map runs
+        // (each result is written into the map's and dropped); their inputs
+        // are views of the map's operands, which the plan holds already
         let inputs: usize = self.body.inputs.iter().map(|&i| facts::bytes(self.body.ty(i))).sum();
-        Workspace::scratch(memory::planned_peak(&self.body).saturating_sub(inputs))
+        let one = memory::planned_peak(&self.body).saturating_sub(inputs);
+        Workspace::scratch(one.saturating_mul(self.width()))
     }
 
     fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

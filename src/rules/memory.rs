@@ -30,27 +30,18 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
     let mut views = vec![0usize; n];
     let mut size = vec![0usize; n];
     let mut contiguous = vec![true; n];
+    // A loop that runs beside an earlier one is counted from that one's
+    // start: its workspace while they run, its result from then on.
+    let partners = g.partners();
+    let mut early = vec![false; n];
     let (mut live, mut peak, mut at) = (0usize, 0usize, 0usize);
     for (v, node) in g.nodes.iter().enumerate() {
         let mut held = 0usize;
         if node.prim.is_leaf() {
             size[v] = bytes(&node.ty);
         } else {
-            let args: Vec<Arg> = node
-                .args
-                .iter()
-                .map(|&a| Arg {
-                    ty: g.ty(a),
-                    contiguous: contiguous[a],
-                })
-                .collect();
-            let (storage, ws) = match rule(&node.prim) {
-                Ok(r) => (r.facts(&args, &node.ty).storage, r.workspace(&args, &node.ty)),
-                // the interpreter reports a primitive without rules; the
-                // plan counts it as a fresh value
-                Err(_) => (Storage::Fresh, Workspace::NONE),
-            };
-            held = ws.total();
+            let (storage, ws) = effects(g, v, &contiguous);
+            held = if early[v] { 0 } else { ws.total() };
             match storage {
                 Storage::View { contiguous: keeps } => {
                     buffer[v] = buffer[node.args[0]];
@@ -64,7 +55,13 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
                 }
             }
         }
-        if buffer[v] == v {
+        if let Some(u) = partners[v] {
+            // a loop's result is a fresh buffer of its own
+            early[u] = true;
+            live = live.saturating_add(bytes(g.ty(u)));
+            held = held.saturating_add(effects(g, u, &contiguous).1.total());
+        }
+        if buffer[v] == v && !early[v] {
             live = live.saturating_add(size[v]);
         }
         views[buffer[v]] += 1;
@@ -86,6 +83,25 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
         }
     }
     (peak, at)
+}
+
+/// Node `v`'s storage and workspace on its operands' layouts.
+fn effects(g: &Graph, v: usize, contiguous: &[bool]) -> (Storage, Workspace) {
+    let node = &g.nodes[v];
+    let args: Vec<Arg> = node
+        .args
+        .iter()
+        .map(|&a| Arg {
+            ty: g.ty(a),
+            contiguous: contiguous[a],
+        })
+        .collect();
+    match rule(&node.prim) {
+        Ok(r) => (r.facts(&args, &node.ty).storage, r.workspace(&args, &node.ty)),
+        // the interpreter reports a primitive without rules; the
+        // plan counts it as a fresh value
+        Err(_) => (Storage::Fresh, Workspace::NONE),
+    }
 }
 
 /// The bytes any run of `g` holds whatever its schedule: its arguments,

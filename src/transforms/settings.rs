@@ -116,6 +116,7 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         schedule: opts.schedule.unwrap_or_default(),
         memory_limit: opts.memory_limit,
         portable: opts.portable,
+        width: rayon::current_num_threads(),
     })
 }
 

@@ -7,13 +7,15 @@
 //! 2. `fuse`: a product's bias add and ReLU fused into it;
 //! 3. `stream`: concatenations written in place as their pieces come;
 //! 4. `remat`: cheap values recomputed before late readers where that
-//!    lowers the planned peak.
+//!    lowers the planned peak;
+//! 5. `pair`: independent loops made neighbours, to run at once.
 //!
 //! Each reads the facts of the primitives (`rules::facts`), never a list
 //! of its own.
 
 mod fuse;
 mod layout;
+mod pair;
 mod remat;
 mod simplify;
 mod slices;
@@ -23,8 +25,10 @@ pub(crate) use simplify::simplify;
 
 use crate::ir::Graph;
 
-/// `g` prepared to run: simplified, fused, and rematerialised where that
-/// lowers its peak.
+/// `g` prepared to run: simplified, fused, rematerialised where that
+/// lowers its peak, and its independent loops paired.
 pub(crate) fn prepare(g: &Graph) -> Graph {
-    remat::rematerialise(stream::stream_concats(&fuse::fuse_epilogues(&simplify(g))))
+    pair::pair_loops(remat::rematerialise(stream::stream_concats(&fuse::fuse_epilogues(
+        &simplify(g),
+    ))))
 }

@@ -1,0 +1,121 @@
+//! Independent loops side by side. Where a later loop (a map, scan or while
+//! loop) does not depend on an earlier one, the values it reads that lie
+//! between the two are moved before the earlier one, so that the two become
+//! partners (`Graph::partners`) and the interpreter runs them at once: the
+//! two directions of a bidirectional recurrence and their gradients, whose
+//! steps are too small to fill the cores one loop at a time.
+//!
+//! Moving those values earlier holds them longer; a pairing is kept only
+//! where the planned peak (which counts the partner's workspace and result
+//! from the first loop's start) grows by at most an eighth, the price of the
+//! loops' own states beside a graph's peak in the cases this is for.
+
+use crate::ir::{Graph, Prim};
+use crate::rules::memory::planned_peak;
+
+fn is_loop(p: &Prim) -> bool {
+    matches!(p, Prim::Map(_) | Prim::Scan(_) | Prim::While(_))
+}
+
+/// `g` with independent loops paired where that is worth its memory.
+pub(super) fn pair_loops(mut g: Graph) -> Graph {
+    let mut peak = None; // planned only where there is a candidate
+    let mut from = 0;
+    while let Some((v, u)) = candidate(&g, from) {
+        let paired = hoist(&g, v, u);
+        let at = v + cone_len(&g, v, u); // where v is now
+        let before = *peak.get_or_insert_with(|| planned_peak(&g));
+        let after = planned_peak(&paired);
+        from = if paired.partners()[at].is_some() && after <= before.saturating_add(before / 8) {
+            (g, peak) = (paired, Some(after));
+            at + 1
+        } else {
+            v + 1
+        };
+    }
+    g
+}
+
+/// The first loop at or after `from` without a partner, with the first
+/// later loop that does not depend on it and has no partner either.
+fn candidate(g: &Graph, from: usize) -> Option<(usize, usize)> {
+    let partners = g.partners();
+    let mut taken = vec![false; g.nodes.len()];
+    for (v, p) in partners.iter().enumerate() {
+        if let Some(u) = *p {
+            taken[v] = true;
+            taken[u] = true;
+        }
+    }
+    let loops: Vec<usize> = (from..g.nodes.len())
+        .filter(|&v| is_loop(&g.nodes[v].prim) && !taken[v])
+        .collect();
+    for (k, &v) in loops.iter().enumerate() {
+        let after = depends_on(g, v);
+        if let Some(&u) = loops[k + 1..].iter().find(|&&u| !after[u]) {
+            return Some((v, u));
+        }
+    }
+    None
+}
+
+/// Whether each value depends on node `v` (`v` included).
+fn depends_on(g: &Graph, v: usize) -> Vec<bool> {
+    let mut dep = vec![false; g.nodes.len()];
+    dep[v] = true;
+    for x in v + 1..g.nodes.len() {
+        dep[x] = g.nodes[x].args.iter().any(|&a| dep[a]);
+    }
+    dep
+}
+
+/// The values between `v` and `u` that `u` reads, directly or not.
+fn cone(g: &Graph, v: usize, u: usize) -> Vec<bool> {
+    let mut need = vec![false; g.nodes.len()];
+    need[u] = true;
+    for x in (v + 1..=u).rev() {
+        if need[x] {
+            for &a in &g.nodes[x].args {
+                if a > v {
+                    need[a] = true;
+                }
+            }
+        }
+    }
+    need[u] = false;
+    need
+}
+
+fn cone_len(g: &Graph, v: usize, u: usize) -> usize {
+    cone(g, v, u).iter().filter(|&&n| n).count()
+}
+
+/// `g` with `u`'s cone between `v` and `u` moved, in its order, to just
+/// before `v` (`u` does not depend on `v`, so neither does its cone).
+fn hoist(g: &Graph, v: usize, u: usize) -> Graph {
+    let need = cone(g, v, u);
+    let n = g.nodes.len();
+    let order: Vec<usize> = (0..v)
+        .chain((v + 1..u).filter(|&x| need[x]))
+        .chain(std::iter::once(v))
+        .chain((v + 1..n).filter(|&x| !need[x]))
+        .collect();
+    let mut at = vec![0usize; n];
+    for (new, &old) in order.iter().enumerate() {
+        at[old] = new;
+    }
+    let nodes = order
+        .iter()
+        .map(|&old| {
+            let mut node = g.nodes[old].clone();
+            node.args = node.args.iter().map(|&a| at[a]).collect();
+            node
+        })
+        .collect();
+    Graph {
+        nodes,
+        inputs: g.inputs.iter().map(|&a| at[a]).collect(),
+        outputs: g.outputs.iter().map(|&a| at[a]).collect(),
+        ..g.clone()
+    }
+}
