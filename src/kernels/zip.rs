@@ -6,8 +6,10 @@
 //! takes a core from the product that follows (a Qwen2-0.5B LoRA step on
 //! two threads makes 722 such products of a gate, a norm or a rotation).
 //! The results are candle's: each element is one IEEE operation, NaN
-//! propagating as it does. [`axpy_in_place`] is an optimiser's update,
-//! `w += alpha v`, in one pass over the weight.
+//! propagating as it does. [`zip_rows`] takes the broadcast pairs of a
+//! transformer's norms, biases, masks and rotations (`[B, T, H] * [B, T,
+//! 1]`, `+ [H]`, `[B, h, T, D] * [T, D]`), row by row. [`axpy_in_place`]
+//! is an optimiser's update, `w += alpha v`, in one pass over the weight.
 
 use super::{assume_written, by_blocks, contiguous_slice, has_cpu_kernel, output_uninit, own_slice_mut, Elem, Path};
 use candle_core::{bail, CpuStorage, CustomOp2, InplaceOp2, Layout, Result, Shape, Tensor};
@@ -95,6 +97,193 @@ impl CustomOp2 for ZipOp {
         };
         Ok((out, l1.shape().clone()))
     }
+}
+
+/// How one operand, broadcast to the result, steps along the last axis:
+/// element by element, or one value for the whole row.
+#[derive(Clone, Copy)]
+enum Step {
+    One,
+    Zero,
+}
+
+/// A broadcast operand: where each row of the result starts in its
+/// storage (from the leading axes' sizes and strides, worked out per row
+/// rather than stored: a table would be a quarter of the result's size
+/// at the shortest rows), and how it steps along the row.
+struct Rows<'a> {
+    start: usize,
+    dims: &'a [usize],
+    strides: &'a [usize],
+    step: Step,
+}
+
+impl<'a> Rows<'a> {
+    /// `None` where the last axis steps by neither 0 nor 1.
+    fn of(l: &'a Layout) -> Option<Rows<'a>> {
+        let (dims, strides) = (l.dims(), l.stride());
+        let lead = dims.len().checked_sub(1)?;
+        let step = match strides[lead] {
+            0 => Step::Zero,
+            1 => Step::One,
+            _ => return None,
+        };
+        Some(Rows {
+            start: l.start_offset(),
+            dims: &dims[..lead],
+            strides: &strides[..lead],
+            step,
+        })
+    }
+
+    /// Where column `c` of row `r` is read.
+    fn at(&self, mut r: usize, c: usize) -> usize {
+        let mut o = self.start + if matches!(self.step, Step::One) { c } else { 0 };
+        for (&d, &s) in self.dims.iter().zip(self.strides).rev() {
+            o += (r % d) * s;
+            r /= d;
+        }
+        o
+    }
+
+    /// The `len` values a piece reads from `at` (one where the row is one
+    /// value).
+    fn piece<'v, T>(&self, v: &'v [T], at: usize, len: usize) -> &'v [T] {
+        match self.step {
+            Step::One => &v[at..at + len],
+            Step::Zero => &v[at..at + 1],
+        }
+    }
+}
+
+/// `d = a op b` over one piece of a row (`a` and `b` slices of the piece's
+/// length, or one value each, as the operands step).
+#[inline(always)]
+fn zip_piece<T: Num>(d: &mut [MaybeUninit<T>], a: &[T], sa: Step, b: &[T], sb: Step, op: Arith) {
+    let n = d.len();
+    match (sa, sb) {
+        (Step::One, Step::One) => zip_into(d, &a[..n], &b[..n], op),
+        (Step::One, Step::Zero) => zip_into_with(d, &a[..n], |x| one_op(x, b[0], op)),
+        (Step::Zero, Step::One) => zip_into_with(d, &b[..n], |y| one_op(a[0], y, op)),
+        (Step::Zero, Step::Zero) => zip_into_with(d, &a[..n], |_| one_op(a[0], b[0], op)),
+    }
+}
+
+#[inline(always)]
+fn one_op<T: Num>(x: T, y: T, op: Arith) -> T {
+    match op {
+        Arith::Add => x + y,
+        Arith::Sub => x - y,
+        Arith::Mul => x * y,
+        Arith::Div => x / y,
+    }
+}
+
+/// `d[i] = f(x[i])`, the operation chosen outside the loop by the caller's
+/// `match` on `op` being inlined into `f`.
+#[inline(always)]
+fn zip_into_with<T: Num>(d: &mut [MaybeUninit<T>], x: &[T], f: impl Fn(T) -> T) {
+    d.iter_mut().zip(x).for_each(|(d, &x)| {
+        d.write(f(x));
+    });
+}
+
+/// Shortest row the row kernel takes: below it a row's setup costs more
+/// than its vector pass, and candle's map is as fast.
+const MIN_ROW: usize = 16;
+
+/// `a op b` of two operands broadcast to one shape (any layout whose last
+/// axis steps by 0 or 1), threaded by blocks of the result.
+fn run_rows<T: Num>(a: &[T], la: &Layout, b: &[T], lb: &Layout, op: Arith) -> Result<Vec<T>> {
+    let (Some(ra), Some(rb)) = (Rows::of(la), Rows::of(lb)) else {
+        bail!(
+            "zip_rows: operands step along the last axis by {:?} and {:?}",
+            la.stride(),
+            lb.stride()
+        )
+    };
+    let row = la.dims().last().copied().unwrap_or(1).max(1);
+    let mut dst = output_uninit::<T>(la.shape().elem_count())?;
+    by_blocks(&mut dst, 3, |first, d| {
+        // the block, from element `first`, in pieces that end at row ends
+        let (mut at, mut done) = (first, 0);
+        while done < d.len() {
+            let (r, c) = (at / row, at % row);
+            let len = (row - c).min(d.len() - done);
+            let xa = ra.piece(a, ra.at(r, c), len);
+            let xb = rb.piece(b, rb.at(r, c), len);
+            zip_piece(&mut d[done..done + len], xa, ra.step, xb, rb.step, op);
+            (at, done) = (at + len, done + len);
+        }
+    });
+    // SAFETY: `by_blocks` hands every element of `dst` to one pass, and
+    // each pass writes its whole piece, row piece by row piece (every read
+    // is in range: the caller checked that each layout's furthest element
+    // lies in its storage).
+    Ok(unsafe { assume_written(dst) })
+}
+
+struct ZipRows(Arith);
+
+impl CustomOp2 for ZipRows {
+    fn name(&self) -> &'static str {
+        "zip_rows"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        if l1.dims() != l2.dims() {
+            bail!(
+                "zip_rows {:?}: shapes {:?} and {:?} differ",
+                self.0,
+                l1.dims(),
+                l2.dims()
+            )
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) if reaches(a.len(), l1) && reaches(b.len(), l2) => {
+                CpuStorage::F32(run_rows(a, l1, b, l2, self.0)?)
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b)) if reaches(a.len(), l1) && reaches(b.len(), l2) => {
+                CpuStorage::F64(run_rows(a, l1, b, l2, self.0)?)
+            }
+            _ => bail!("zip_rows {:?}: no CPU kernel for these dtypes and layouts", self.0),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// Whether every element `l` addresses lies within `len` (its furthest
+/// element: the start plus each axis's last index times its stride).
+fn reaches(len: usize, l: &Layout) -> bool {
+    let last = l
+        .dims()
+        .iter()
+        .zip(l.stride())
+        .try_fold(l.start_offset(), |o, (&d, &s)| {
+            o.checked_add(d.saturating_sub(1).checked_mul(s)?)
+        });
+    matches!(last, Some(e) if e < len)
+}
+
+/// `a op b` broadcast to `shape` for CPU f32/f64 operands of one dtype
+/// whose broadcast views step by 0 or 1 along the last axis, rows of at
+/// least [`MIN_ROW`] and results of at least [`MIN_ELEMS`]; `None`
+/// otherwise (the caller uses candle's).
+pub(crate) fn zip_rows(a: &Tensor, b: &Tensor, shape: &[usize], op: Arith, path: Path) -> Result<Option<Tensor>> {
+    let fits = has_cpu_kernel(a, path)
+        && has_cpu_kernel(b, path)
+        && a.dtype() == b.dtype()
+        && shape.last().is_some_and(|&l| l >= MIN_ROW)
+        && shape.iter().product::<usize>() >= MIN_ELEMS;
+    if !fits {
+        return Ok(None);
+    }
+    let (a, b) = (a.broadcast_as(shape)?, b.broadcast_as(shape)?);
+    let steps = |t: &Tensor| matches!(t.stride().last(), Some(0 | 1));
+    if !steps(&a) || !steps(&b) {
+        return Ok(None);
+    }
+    Ok(Some(a.apply_op2_no_bwd(&b, &ZipRows(op))?))
 }
 
 /// Whether the kernels here take `a` and `b`: both contiguous, of one
@@ -210,6 +399,76 @@ mod tests {
                 assert!(g[5].is_nan(), "{op:?}: NaN reaches its element");
             }
         }
+        Ok(())
+    }
+
+    /// Every broadcast a transformer makes, bit for bit candle's (NaN
+    /// included): a value per row either side, a vector per column, a
+    /// table shared by the heads, both sides broadcast, a scalar, a view
+    /// into a wider tensor, rows of blocks' and odd lengths.
+    #[test]
+    fn broadcast_rows_equal_candles_maps() -> Result<()> {
+        let d = Device::Cpu;
+        let r = |dims: &[usize], seed: f64| -> Result<Tensor> {
+            let n: usize = dims.iter().product();
+            let v: Vec<f64> = (0..n)
+                .map(|i| ((i as f64 * 0.618 + seed).fract() - 0.4) * 3.0)
+                .collect();
+            Tensor::from_vec(v, dims, &d)
+        };
+        let wide = r(&[4, 33, 600], 0.5)?;
+        let cases: Vec<(Tensor, Tensor)> = vec![
+            (r(&[4, 33, 300], 0.1)?, r(&[4, 33, 1], 0.2)?),
+            (r(&[4, 33, 300], 0.1)?, r(&[300], 0.3)?),
+            (r(&[4, 4, 65, 40], 0.1)?, r(&[65, 40], 0.4)?),
+            (r(&[4, 1, 300], 0.1)?, r(&[1, 33, 300], 0.6)?),
+            (r(&[], 0.7)?, r(&[130, 257], 0.8)?),
+            (wide.narrow(2, 100, 300)?, r(&[4, 33, 1], 0.9)?),
+            (r(&[4, 33, 1], 0.2)?, wide.narrow(2, 7, 300)?),
+        ];
+        for dt in [DType::F32, DType::F64] {
+            for (a, b) in &cases {
+                let (mut a, b) = (a.to_dtype(dt)?, b.to_dtype(dt)?);
+                if a.rank() == 3 && a.dim(2)? == 300 && a.is_contiguous() {
+                    // a NaN in the first row reaches its elements
+                    a = a.slice_assign(
+                        &[0..1, 0..1, 0..1],
+                        &Tensor::full(f64::NAN, (1, 1, 1), &d)?.to_dtype(dt)?,
+                    )?;
+                }
+                let shape = a.shape().broadcast_shape_binary_op(b.shape(), "test")?.dims().to_vec();
+                for (op, want) in [
+                    (Arith::Add, a.broadcast_add(&b)?),
+                    (Arith::Sub, a.broadcast_sub(&b)?),
+                    (Arith::Mul, a.broadcast_mul(&b)?),
+                    (Arith::Div, a.broadcast_div(&b)?),
+                ] {
+                    let got = zip_rows(&a, &b, &shape, op, Path::Fast)?
+                        .unwrap_or_else(|| panic!("{:?} {:?}: rows stepping by 0 or 1", a.dims(), b.dims()));
+                    let (g, w) = (
+                        got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                        want.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                    );
+                    assert_eq!(got.dims(), want.dims());
+                    let same = g
+                        .iter()
+                        .zip(&w)
+                        .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+                    assert!(same, "{op:?} {dt:?} {:?} {:?}", a.dims(), b.dims());
+                }
+            }
+        }
+        // left to candle: short rows, a last axis stepping by more than
+        // one, another dtype, a small result, the portable path
+        let (x, col) = (r(&[4096, 8], 0.1)?, r(&[4096, 1], 0.2)?);
+        assert!(zip_rows(&x, &col, &[4096, 8], Arith::Add, Path::Fast)?.is_none());
+        let (m, row) = (r(&[300, 300], 0.1)?, r(&[300], 0.2)?);
+        assert!(zip_rows(&m.t()?, &row, &[300, 300], Arith::Add, Path::Fast)?.is_none());
+        let m32 = m.to_dtype(DType::F32)?;
+        assert!(zip_rows(&m32, &row, &[300, 300], Arith::Add, Path::Fast)?.is_none());
+        assert!(zip_rows(&row, &row, &[300], Arith::Add, Path::Fast)?.is_none());
+        assert!(zip_rows(&m, &row, &[300, 300], Arith::Add, Path::Portable)?.is_none());
+        assert!(zip_rows(&m, &row, &[300, 300], Arith::Add, Path::Fast)?.is_some());
         Ok(())
     }
 
