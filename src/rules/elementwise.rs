@@ -6,7 +6,7 @@ use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Ru
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::zip::{zip, zip_rows, Arith};
+use crate::kernels::zip::{zip, Arith};
 use crate::kernels::{compare, fastmath, scale, Path};
 use candle_core::{DType, Tensor};
 
@@ -298,21 +298,9 @@ impl Rule for Binary {
 
     fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (a, b) = (args[0], args[1]);
-        // float arithmetic on rayon's pool (`kernels::zip`): same-shape
-        // pairs in one flat pass, a factor per row (the DP step's
-        // reweighting, either side), then broadcast pairs row by row
+        // same-shape float arithmetic on rayon's pool (`kernels::zip`)
         if let Some(op) = arith(*self) {
             if let Some(t) = zip(a, b, op, cx.path).op(self.name())? {
-                return Ok(t);
-            }
-            if op == Arith::Mul {
-                for (x, w) in [(a, b), (b, a)] {
-                    if let Some(t) = scale::scale_rows(x, w, cx.path).op("mul")? {
-                        return Ok(t);
-                    }
-                }
-            }
-            if let Some(t) = zip_rows(a, b, &_out.shape, op, cx.path).op(self.name())? {
                 return Ok(t);
             }
         }
@@ -327,7 +315,16 @@ impl Rule for Binary {
             }
             Binary::Add => a.broadcast_add(b),
             Binary::Sub => a.broadcast_sub(b),
-            Binary::Mul => a.broadcast_mul(b),
+            Binary::Mul => {
+                // A factor per row (the DP step's reweighting), either side.
+                if let Some(t) = scale::scale_rows(a, b, cx.path).op("mul")? {
+                    return Ok(t);
+                }
+                if let Some(t) = scale::scale_rows(b, a, cx.path).op("mul")? {
+                    return Ok(t);
+                }
+                a.broadcast_mul(b)
+            }
             Binary::Div => a.broadcast_div(b),
             Binary::Maximum => return keep_nan(a.broadcast_maximum(b).op("maximum")?, a, b),
             Binary::Minimum => return keep_nan(a.broadcast_minimum(b).op("minimum")?, a, b),
