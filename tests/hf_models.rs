@@ -178,3 +178,97 @@ fn hugging_face_checkpoints_match_transformers() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// A half dtype's unit roundoff.
+fn eps(dt: DType) -> f64 {
+    match dt {
+        DType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-11),
+    }
+}
+
+/// One case loaded in `dt` against `transformers` run in `dt` on the same
+/// checkpoint: the batch's logits no further from PyTorch's than twice
+/// PyTorch's own distance from the float64 reference (or four of the
+/// dtype's roundings, where that is larger), and each example's loss within
+/// 0.5% of PyTorch's loss in that dtype or one of its units in the last
+/// place.
+fn check_half(dir: &Path, tag: &str, dt: DType) -> Result<String, String> {
+    let name = format!("{} in {tag}", dir.file_name().unwrap().to_string_lossy());
+    let dev = Device::Cpu;
+    let ck = Checkpoint::load(dir, dt, &dev).map_err(|e| format!("{name}: {e}"))?;
+    let model = Model::load(&ck).map_err(|e| format!("{name}: {e}"))?;
+    let load = |f: &str| candle_core::safetensors::load(dir.join(f), &dev).map_err(|e| format!("{name}: {f}: {e}"));
+    let (full, half) = (load("reference.safetensors")?, load("reference_half.safetensors")?);
+    let get = |m: &HashMap<String, Tensor>, k: &str| m.get(k).cloned().ok_or_else(|| format!("{name}: no {k}"));
+    let (ids, mask, labels) = (
+        get(&full, "input_ids")?,
+        get(&full, "attention_mask")?,
+        get(&full, "labels")?,
+    );
+    let logits = jit(|i: Tracer, m: Tracer| model.forward(&Params::own(), &i, &m))
+        .call((&ids, &mask))
+        .map_err(|e| format!("{name}: forward: {e}"))?;
+    if logits.dtype() != dt {
+        return Err(format!("{name}: logits in {:?}", logits.dtype()));
+    }
+    let theirs = get(&half, &format!("logits_{tag}"))?;
+    let (ours_gap, their_gap) = (rel(&logits, &theirs, 0.0), rel(&theirs, &get(&full, "logits")?, 0.0));
+    let bound = (2.0 * their_gap).max(4.0 * eps(dt));
+    let mut bad = Vec::new();
+    if ours_gap > bound {
+        bad.push(format!(
+            "{name}: logits {ours_gap:.2e} from PyTorch's in {tag} (PyTorch {their_gap:.2e} from float64; bound {bound:.2e})"
+        ));
+    }
+    let params = model.params();
+    let want = get(&half, &format!("loss_{tag}"))?
+        .to_vec1::<f32>()
+        .map_err(|e| e.to_string())?;
+    let mut worst_loss = 0f64;
+    for (i, &w) in want.iter().enumerate() {
+        let one = |t: &Tensor| t.get(i).map_err(|e| e.to_string());
+        let loss = |p: BTreeMap<String, Tracer>, i: Tracer, m: Tracer, y: Tracer| model.loss(&p, &i, &m, &y);
+        let got = jit(loss)
+            .call((&params, &one(&ids)?, &one(&mask)?, &one(&labels)?))
+            .and_then(|l| Ok(l.to_dtype(DType::F64)?.to_scalar::<f64>()?))
+            .map_err(|e| format!("{name}: loss of example {i}: {e}"))?;
+        let gap = (got - w as f64).abs() / (w as f64).abs().max(1e-30);
+        worst_loss = worst_loss.max(gap);
+        // a loss is one value of the dtype: two computations of it may
+        // round to neighbours, one unit in the last place apart (0.78% of
+        // a bf16 loss of 4)
+        let ulp = 2f64.powf((w as f64).abs().log2().floor()) * 2.0 * eps(dt);
+        if gap > 5e-3 && (got - w as f64).abs() > ulp {
+            bad.push(format!(
+                "{name}: example {i}'s loss {got} against PyTorch's {w} in {tag}"
+            ));
+        }
+    }
+    match bad.is_empty() {
+        true => Ok(format!(
+            "{name}: logits {ours_gap:.2e} from PyTorch's (PyTorch {their_gap:.2e} from float64), losses within {worst_loss:.2e}"
+        )),
+        false => Err(bad.join("\n")),
+    }
+}
+
+/// Every case in bf16 and in f16 against `transformers` in the same dtype
+/// (`reference_half.safetensors`, written by `scripts/make_hf_half.py`):
+/// reductions in f32 as PyTorch's, so the half-precision model computes
+/// the same function to the dtype's rounding.
+#[test]
+fn hugging_face_checkpoints_in_half_precision_match_transformers_in_it() {
+    let cases = cases();
+    assert!(!cases.is_empty(), "no case folders found");
+    let mut failures = Vec::new();
+    for dir in &cases {
+        for (tag, dt) in [("bf16", DType::BF16), ("f16", DType::F16)] {
+            match check_half(dir, tag, dt) {
+                Ok(line) => println!("{line}"),
+                Err(e) => failures.push(e),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

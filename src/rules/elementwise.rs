@@ -50,6 +50,8 @@ impl Rule for Unary {
         match self {
             // integer maps go through the host: the values and the result
             Unary::Neg | Unary::Sqr if !is_float(args[0].ty.dtype) => Workspace::scratch(2 * bytes(out)),
+            // half precision scaled in f32: the operand and the result
+            Unary::Affine(..) if crate::rules::reduce::is_half(out.dtype) => Workspace::scratch(4 * bytes(out)),
             // the crate's CPU kernels read a contiguous operand
             Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Relu => {
                 Workspace::copies(args[0].copy_if_strided())
@@ -107,6 +109,13 @@ impl Rule for Unary {
             Unary::Sin => x.sin(),
             Unary::Cos => x.cos(),
             Unary::Powf(e) => x.powf(*e),
+            // in f32 for half precision, rounded once: candle rounds the
+            // factor to the dtype first (a mean's 1/49,152 is an f16
+            // subnormal, 0.15% off), where PyTorch scales in f32
+            Unary::Affine(m, a) if crate::rules::reduce::is_half(x.dtype()) => x
+                .to_dtype(DType::F32)
+                .and_then(|w| w.affine(*m, *a))
+                .and_then(|y| y.to_dtype(x.dtype())),
             Unary::Affine(m, a) => x.affine(*m, *a),
             Unary::Cast(dt) => x.to_dtype(*dt),
             // a copy, not the operand's buffer: every result is fresh to

@@ -1,0 +1,156 @@
+//! Half precision (f16, bf16) reductions accumulate in f32, as PyTorch's
+//! do: each kind of reduction on inputs where accumulating in the element
+//! dtype fails (long rows of equal values, a 49,152-way cross-entropy),
+//! compared with the same run in f32 within the half dtype's rounding.
+
+use candle_core::{DType, Device, Tensor};
+use candle_func::nn::{self, cross_entropy, Module, Params, Reduction};
+use candle_func::{grad, jit, Tracer};
+
+const HALVES: [DType; 2] = [DType::BF16, DType::F16];
+
+/// A vocabulary's width (Qwen2's is three times as wide; 49,152 is
+/// SmolLM2's): summed in bf16, its ones stop growing at 256.
+const WIDE: usize = 49_152;
+
+/// The largest relative gap between `half` (as f64) and `full`.
+fn rel_gap(half: &Tensor, full: &Tensor) -> f64 {
+    let h = half
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    let f = full
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    assert_eq!(h.len(), f.len());
+    h.iter()
+        .zip(&f)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-30))
+        .fold(0.0, f64::max)
+}
+
+/// A half dtype's relative rounding (a few of its ulps).
+fn tol(dt: DType) -> f64 {
+    match dt {
+        DType::BF16 => 3.0 * 2f64.powi(-8),
+        _ => 3.0 * 2f64.powi(-11),
+    }
+}
+
+/// `f` run on `x` in `dt` and in f32: the results' relative gap is within
+/// `dt`'s rounding, and the half run's result keeps `dt`.
+fn agrees(what: &str, x: &Tensor, f: impl Fn(Tracer) -> candle_func::Result<Tracer> + Clone) {
+    let full = jit(f.clone()).call(x.to_dtype(DType::F32).unwrap()).unwrap();
+    for dt in HALVES {
+        let half = jit(f.clone()).call(x.to_dtype(dt).unwrap()).unwrap();
+        assert_eq!(half.dtype(), dt, "{what}: the result keeps the dtype");
+        let gap = rel_gap(&half, &full);
+        assert!(gap <= tol(dt), "{what} in {dt:?}: {gap:e} from f32 ({half} vs {full})");
+    }
+}
+
+#[test]
+fn sums_and_means_of_long_rows_accumulate_in_f32() {
+    let ones = Tensor::ones((2, WIDE), DType::F32, &Device::Cpu).unwrap();
+    agrees("sum of ones", &ones, |x| x.sum(1));
+    // one row: both rows' 98,304 would pass f16's largest value
+    agrees("sum over everything", &ones.narrow(0, 0, 1).unwrap(), |x| x.sum_all());
+    let tenths = (&ones * 0.1).unwrap();
+    agrees("mean of tenths", &tenths, |x| x.mean(1));
+    // over the leading axis (a bias's gradient over a batch)
+    agrees("sum over rows", &ones.t().unwrap().contiguous().unwrap(), |x| x.sum(0));
+}
+
+#[test]
+fn softmax_and_cross_entropy_over_a_vocabulary_accumulate_in_f32() {
+    let zeros = Tensor::zeros((2, WIDE), DType::F32, &Device::Cpu).unwrap();
+    agrees("softmax of equal logits", &zeros, |x| x.softmax(-1));
+    agrees("log_softmax of equal logits", &zeros, |x| x.log_softmax(-1));
+    let labels = Tensor::new(&[3u32, 40_000], &Device::Cpu).unwrap();
+    for dt in HALVES {
+        let loss = jit(|x: Tracer, y: Tracer| cross_entropy(&x, &y, Reduction::Mean))
+            .call((&zeros.to_dtype(dt).unwrap(), &labels))
+            .unwrap();
+        let got = loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+        let want = (WIDE as f64).ln();
+        assert!(
+            (got - want).abs() / want <= tol(dt),
+            "cross-entropy in {dt:?}: {got}, want ln {WIDE} = {want}"
+        );
+    }
+}
+
+#[test]
+fn norms_over_long_rows_accumulate_in_f32() {
+    // a row of 1s and 3s: mean 2, variance 1, normalised to -1 and 1 (a
+    // bf16 sum of it loses the 1s and 3s once it passes 4,096)
+    let n = 8192;
+    let v: Vec<f32> = (0..2 * n).map(|i| if i % 2 == 0 { 1.0 } else { 3.0 }).collect();
+    let x = Tensor::from_vec(v, (2, n), &Device::Cpu).unwrap();
+    let ones = Tensor::ones(n, DType::F32, &Device::Cpu).unwrap();
+    agrees("layer norm", &x, move |x| {
+        let w = ones.to_dtype(x.dtype()).unwrap();
+        nn::LayerNorm::from_tensors(w, None, 1e-5, "ln").forward_with(&Params::own(), &x)
+    });
+    // a norm per row (the reduction of the DP clipping norms)
+    agrees("row norms", &x, |x| x.sqr()?.sum(1)?.sqrt());
+}
+
+#[test]
+fn products_and_gradient_sums_over_long_axes_accumulate_in_f32() {
+    let a = Tensor::ones((2, WIDE), DType::F32, &Device::Cpu).unwrap();
+    let b = Tensor::ones((WIDE, 3), DType::F32, &Device::Cpu).unwrap();
+    let full = a.matmul(&b).unwrap();
+    for dt in HALVES {
+        let half = jit(|a: Tracer, b: Tracer| a.matmul(&b))
+            .call((&a.to_dtype(dt).unwrap(), &b.to_dtype(dt).unwrap()))
+            .unwrap();
+        let gap = rel_gap(&half, &full);
+        assert!(gap <= tol(dt), "a product over {WIDE} in {dt:?}: {gap:e} ({half})");
+    }
+    // the gradient of a bias added to every row sums its cotangent over
+    // the rows
+    let rows = Tensor::ones((WIDE, 4), DType::F32, &Device::Cpu).unwrap();
+    let bias = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
+    let g = |x: &Tensor, b: &Tensor| {
+        grad(|b: Tracer, x: Tracer| x.broadcast_add(&b)?.sum_all())
+            .call((b, x))
+            .unwrap()
+    };
+    let full = g(&rows, &bias);
+    for dt in HALVES {
+        let half = g(&rows.to_dtype(dt).unwrap(), &bias.to_dtype(dt).unwrap());
+        let gap = rel_gap(&half, &full);
+        assert!(
+            gap <= tol(dt),
+            "a bias's gradient over {WIDE} rows in {dt:?}: {gap:e} ({half})"
+        );
+    }
+}
+
+#[test]
+fn a_private_sum_of_half_precision_gradients_accumulates_in_f32() {
+    use candle_func::dp::{privatize, rng::Rng};
+    use std::collections::BTreeMap;
+    // WIDE examples' gradients of 1 each (norms under the clip): summed
+    // in bf16 they stop at 256
+    let g = Tensor::ones((WIDE, 2), DType::F32, &Device::Cpu).unwrap();
+    let run = |dt: DType| {
+        let grads = BTreeMap::from([("w".to_string(), g.to_dtype(dt).unwrap())]);
+        privatize(&grads, 10.0, 0.0, 1.0, &mut Rng::seeded(0)).unwrap()["w"].clone()
+    };
+    let full = run(DType::F32);
+    for dt in HALVES {
+        let half = run(dt);
+        assert_eq!(half.dtype(), dt);
+        let gap = rel_gap(&half, &full);
+        assert!(gap <= tol(dt), "privatize in {dt:?}: {gap:e} ({half})");
+    }
+}
