@@ -154,3 +154,64 @@ fn a_private_sum_of_half_precision_gradients_accumulates_in_f32() {
         assert!(gap <= tol(dt), "privatize in {dt:?}: {gap:e} ({half})");
     }
 }
+
+/// Adam and SGD with momentum over a half-precision weight keep their
+/// moments in f32: bit for bit those of the same run over an f32 weight
+/// (the gradients are exact in bf16 and there is no weight decay, so the
+/// weight never reaches the moments), where in bf16 `v * 0.999` rounds
+/// back to `v` and the second moment never decays. The weight is stepped
+/// in f32 and rounded once: bit for bit an f32 run whose weight is rounded
+/// to the half dtype after every step.
+#[test]
+fn optimiser_moments_of_half_precision_weights_are_kept_in_f32() {
+    use candle_func::dp::{Adam, Optimizer, Sgd};
+    use std::collections::BTreeMap;
+    let init: Vec<f32> = (0..64).map(|i| 1.0 + i as f32 / 64.0).collect();
+    // (the weight's dtype, the dtype an f32 weight is rounded to per step)
+    let run = |dt: DType, round: Option<DType>, adam: bool| {
+        let vm = candle_nn::VarMap::new();
+        let w = vm.get(64, "w", candle_nn::Init::Const(0.0), dt, &Device::Cpu).unwrap();
+        let set = |t: &Tensor| vm.data().lock().unwrap()["w"].set(t).unwrap();
+        let start = Tensor::new(init.as_slice(), &Device::Cpu).unwrap();
+        set(&start.to_dtype(round.unwrap_or(dt)).unwrap().to_dtype(dt).unwrap());
+        let mut opt: Box<dyn Optimizer> = match adam {
+            true => Box::new(Adam::new(&vm, 0.05).unwrap()),
+            false => Box::new(Sgd::new(&vm, 0.05, 0.9).unwrap()),
+        };
+        for step in 0..200 {
+            // 1 for 50 steps, then 1/64: exact in bf16 and f16
+            let g = if step < 50 { 1.0 } else { 1.0 / 64.0 };
+            let g = Tensor::full(g, 64, &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            opt.step(&BTreeMap::from([("w".to_string(), g)])).unwrap();
+            if let Some(r) = round {
+                set(&w.to_dtype(r).unwrap().to_dtype(dt).unwrap());
+            }
+        }
+        (w.to_dtype(DType::F32).unwrap(), opt.state().unwrap().tensors)
+    };
+    for adam in [true, false] {
+        for dt in HALVES {
+            let (w, s) = run(dt, None, adam);
+            let (w32, s32) = run(DType::F32, Some(dt), adam);
+            for (k, t) in &s {
+                assert_eq!(t.dtype(), DType::F32, "{k} of a {dt:?} weight");
+                assert_eq!(bits(t), bits(&s32[k]), "{k} of a {dt:?} weight against an f32 weight's");
+            }
+            assert_eq!(
+                bits(&w),
+                bits(&w32),
+                "adam {adam}: the {dt:?} weight against the rounded f32 one"
+            );
+        }
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}

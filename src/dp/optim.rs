@@ -5,7 +5,7 @@
 
 use super::trainable::{overlap, under};
 use crate::error::{Error, Result};
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use std::collections::BTreeMap;
 
 /// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field.
@@ -70,7 +70,7 @@ impl OptimizerState {
                 continue;
             };
             match vars.get(name) {
-                Some(v) if v.dims() == t.dims() => out.insert(name.to_string(), t.to_dtype(v.dtype())?),
+                Some(v) if v.dims() == t.dims() => out.insert(name.to_string(), t.to_dtype(work_dtype(v.dtype()))?),
                 Some(v) => {
                     let msg = format!("{k:?} is {:?}, the variable {:?}", t.dims(), v.dims());
                     return Err(state_error(msg));
@@ -178,6 +178,14 @@ impl Sgd {
 /// CPU kernels run (`kernels::zip::axpy_in_place`, bit for bit the
 /// expression below), else a scaled copy and a difference, then `set`.
 fn descend(var: &Var, decayed: Option<Tensor>, x: &Tensor, lr: f64, path: crate::kernels::Path) -> Result<()> {
+    if x.dtype() != var.dtype() {
+        // a half-precision weight: the step in f32, rounded once
+        let w = match decayed {
+            Some(w) => w,
+            None => value(var)?,
+        };
+        return Ok(var.set(&(w - (x * lr)?)?.to_dtype(var.dtype())?)?);
+    }
     let w = decayed.as_ref().unwrap_or(var.as_tensor());
     if crate::kernels::zip::axpy_in_place(w, x, -lr, path)? {
         return match &decayed {
@@ -196,7 +204,7 @@ impl Optimizer for Sgd {
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "sgd", name, g)?;
             let (lr, wd) = self.groups.of(name, (self.lr, 0.0));
-            let g = if wd != 0.0 { (g + (var.as_tensor() * wd)?)? } else { g };
+            let g = if wd != 0.0 { (g + (value(var)? * wd)?)? } else { g };
             let v = match self.velocity.get(name) {
                 Some(prev) if self.momentum != 0.0 => ((prev * self.momentum)? + &g)?,
                 _ => g,
@@ -256,7 +264,8 @@ pub(super) fn var_tensors(varmap: &candle_nn::VarMap) -> Result<BTreeMap<String,
         .collect())
 }
 
-/// The variable a gradient is for, and the gradient in its dtype.
+/// The variable a gradient is for, and the gradient in its work dtype
+/// ([`work_dtype`]).
 fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g: &Tensor) -> Result<(&'a Var, Tensor)> {
     let var = vars.get(name).ok_or_else(|| Error::Tree {
         msg: format!("{op}: no variable named {name:?}"),
@@ -268,7 +277,23 @@ fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g:
             format!("gradient of {name:?}"),
         ));
     }
-    Ok((var, g.to_dtype(var.dtype())?))
+    Ok((var, g.to_dtype(work_dtype(var.dtype()))?))
+}
+
+/// The dtype an optimiser computes a variable's update in, and keeps its
+/// state in: f32 for half-precision weights (as mixed-precision training
+/// keeps its moments; in bf16 `v * 0.999` rounds back to `v`, so Adam's
+/// second moment never decays), the weight's own otherwise.
+fn work_dtype(dt: DType) -> DType {
+    match dt {
+        DType::F16 | DType::BF16 => DType::F32,
+        dt => dt,
+    }
+}
+
+/// The variable's value in its work dtype.
+fn value(var: &Var) -> Result<Tensor> {
+    Ok(var.as_tensor().to_dtype(work_dtype(var.dtype()))?)
 }
 
 /// An error naming `op` unless each hyper-parameter is finite and `>= 0`.
@@ -397,7 +422,7 @@ impl Optimizer for Adam {
             let (var, g) = checked(&self.vars, "adam", name, g)?;
             let (lr, wd) = self.groups.of(name, (self.lr, self.weight_decay));
             let g = if wd != 0.0 && !self.decoupled {
-                (g + (var.as_tensor() * wd)?)?
+                (g + (value(var)? * wd)?)?
             } else {
                 g
             };
@@ -411,7 +436,7 @@ impl Optimizer for Adam {
             let denom = ((&v / c2)?.sqrt()? + self.eps)?;
             let update = ((&m / c1)? / denom)?;
             let decayed = match wd != 0.0 && self.decoupled {
-                true => Some((var.as_tensor() * (1.0 - lr * wd))?),
+                true => Some((value(var)? * (1.0 - lr * wd))?),
                 false => None,
             };
             descend(var, decayed, &update, lr, path)?;

@@ -210,6 +210,13 @@ impl Rng {
         path: super::Path,
     ) -> Result<Tensor> {
         let draws = if secure { SECURE_DRAWS } else { 1 };
+        // half precision noised and scaled in f32 and rounded once (in
+        // bf16 the sum plus its noise, then the scale, round twice, and
+        // the scale itself: 1/300 is 0.4% off)
+        if matches!(sum.dtype(), DType::F16 | DType::BF16) {
+            let wide = sum.to_dtype(DType::F32)?;
+            return Ok(self.add_noise(&wide, std, scale, secure, path)?.to_dtype(sum.dtype())?);
+        }
         if has_cpu_kernel(sum, path) && sum.is_contiguous() && std.is_finite() && std >= 0.0 {
             let (storage, layout) = sum.storage_and_layout();
             let fused = Fused { std, draws, scale };
@@ -429,6 +436,28 @@ mod tests {
         assert!(msg.contains("out of memory"), "{msg}");
     }
 
+    /// A half-precision sum is noised and scaled in f32 and rounded once:
+    /// with no noise, exactly the f32 quotient rounded (in bf16 the scale
+    /// 1/300 itself is 0.4% off).
+    #[test]
+    fn half_precision_noise_is_added_and_scaled_in_f32() {
+        let dev = Device::Cpu;
+        let sum = Tensor::arange(0f32, 4096., &dev).unwrap();
+        for dt in [DType::BF16, DType::F16] {
+            let half = sum.to_dtype(dt).unwrap();
+            let got = Rng::seeded(1)
+                .add_noise(&half, 0.0, 1.0 / 300.0, false, crate::kernels::Path::Fast)
+                .unwrap();
+            let want = (half.to_dtype(DType::F32).unwrap() * (1.0 / 300.0))
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            assert_eq!(got.dtype(), dt);
+            let same = got.eq(&want).unwrap().to_dtype(DType::F32).unwrap().mean_all().unwrap();
+            assert_eq!(same.to_scalar::<f32>().unwrap(), 1.0, "{dt:?}");
+        }
+    }
+
     #[test]
     fn add_noise_is_the_separate_ops_in_one_pass() {
         let dev = Device::Cpu;
@@ -445,8 +474,11 @@ mod tests {
                     .add_noise(&sum, std, scale, secure, crate::kernels::Path::Fast)
                     .unwrap();
                 let draws = if secure { SECURE_DRAWS } else { 1 };
-                let noise = Rng::seeded(9).noise(std, sum.dims(), dt, &dev, draws).unwrap();
-                let apart = ((&sum + noise).unwrap() * scale).unwrap();
+                // bf16 is noised and scaled in f32, rounded once
+                let work = if dt == DType::BF16 { DType::F32 } else { dt };
+                let noise = Rng::seeded(9).noise(std, sum.dims(), work, &dev, draws).unwrap();
+                let wide = sum.to_dtype(work).unwrap();
+                let apart = ((&wide + noise).unwrap() * scale).unwrap().to_dtype(dt).unwrap();
                 // the portable path is the separate ops themselves
                 let portable = Rng::seeded(9)
                     .add_noise(&sum, std, scale, secure, crate::kernels::Path::Portable)
