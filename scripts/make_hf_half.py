@@ -23,15 +23,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+# the reference's own loss (this script's folder is on the path when run)
+from make_hf_cases import loss_of
+
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
-
-
-def loss_of(logits, ids, mask, labels, lm):
-    if not lm:
-        return torch.nn.functional.cross_entropy(logits, labels)
-    pred, target, w = logits[:, :-1], ids[:, 1:], mask[:, 1:].to(logits.dtype)
-    per = torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
-    return (per * w.reshape(-1)).sum() / w.sum()
 
 
 def case(folder):

@@ -15,20 +15,15 @@ const WIDE: usize = 49_152;
 
 /// The largest relative gap between `half` (as f64) and `full`.
 fn rel_gap(half: &Tensor, full: &Tensor) -> f64 {
-    let h = half
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
-    let f = full
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let vals = |t: &Tensor| {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+    };
+    let (h, f) = (vals(half), vals(full));
     assert_eq!(h.len(), f.len());
     h.iter()
         .zip(&f)

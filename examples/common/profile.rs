@@ -32,7 +32,17 @@ pub fn report(title: &str, g: &Graph, inputs: &[Tensor], runs: usize) -> candle_
     );
     let mut by_node: Vec<(f64, String)> = times
         .iter()
-        .filter_map(|&(v, t)| g.node(v).map(|n| (t, format!("{} -> {:?}", n.name(), n.ty().shape))))
+        .filter_map(|&(v, t)| {
+            g.node(v).map(|n| {
+                // each operand as `producer [shape]`: which value a slow node reads
+                let ops: Vec<String> = n
+                    .args()
+                    .iter()
+                    .filter_map(|&a| g.node(a).map(|a| format!("{} {:?}", a.name(), a.ty().shape)))
+                    .collect();
+                (t, format!("{} -> {:?} <- {}", n.name(), n.ty().shape, ops.join(", ")))
+            })
+        })
         .collect();
     by_node.sort_by(|a, b| b.0.total_cmp(&a.0));
     for (t, what) in by_node.iter().take(15) {
