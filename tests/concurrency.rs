@@ -32,10 +32,24 @@ fn bits(ts: &[Tensor]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-type Weights = BTreeMap<String, Tensor>;
+/// Whether some loop of `g` is followed by one that reads nothing
+/// computed from its start on: a pair the interpreter runs at once.
+fn has_neighbour_loops(g: &candle_func::graph::Graph) -> bool {
+    let loops: Vec<usize> = g
+        .nodes()
+        .filter(|n| n.name().starts_with("scan") || n.name().starts_with("map"))
+        .map(|n| n.index())
+        .collect();
+    loops
+        .windows(2)
+        .any(|w| g.node(w[1]).unwrap().args().iter().all(|&a| a < w[0]))
+}
 
-/// Per-sample gradients of a two-layer bidirectional LSTM classifier.
-fn lstm_psg() -> (impl Fn(&Weights, &Tensor, &Tensor) -> Vec<Tensor>, Weights) {
+/// Per-sample gradients of a two-layer bidirectional LSTM classifier: its
+/// graph has the directions' loops paired, and every pool gives one
+/// thread's numbers.
+#[test]
+fn a_bidirectional_lstms_directions_run_side_by_side_with_one_threads_numbers() {
     let map = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
     let cfg = RecurrentConfig {
@@ -45,31 +59,24 @@ fn lstm_psg() -> (impl Fn(&Weights, &Tensor, &Tensor) -> Vec<Tensor>, Weights) {
     };
     let rnn = nn::lstm(6, 8, cfg, vb.pp("rnn")).unwrap();
     let fc = nn::linear(8, 3, vb.pp("fc")).unwrap();
-    let params: Weights = rnn.params().into_iter().chain(fc.params()).collect();
-    let run = move |p: &Weights, xs: &Tensor, ys: &Tensor| {
-        let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
-            let q = Params::with(&p);
-            let h_n = rnn.run(&q, &x, None)?.h_n; // [L*D, H]
-            let logits = fc.forward_with(&q, &h_n.sum(0)?)?;
-            cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
-        };
-        let f = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
-        let g = f.call((p, xs, ys)).unwrap();
-        g.into_values().collect()
+    let params: BTreeMap<String, Tensor> = rnn.params().into_iter().chain(fc.params()).collect();
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        let q = Params::with(&p);
+        let h_n = rnn.run(&q, &x, None)?.h_n; // [L*D, H]
+        let logits = fc.forward_with(&q, &h_n.sum(0)?)?;
+        cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
     };
-    (run, params)
-}
-
-#[test]
-fn a_bidirectional_lstms_directions_run_side_by_side_with_one_threads_numbers() {
-    let (run, params) = lstm_psg();
+    let psg = || vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
     let xs = rand(&[5, 9, 6], 1);
     let ys = Tensor::new(&[0u32, 2, 1, 1, 0], &Device::Cpu).unwrap();
-    let one = bits(&in_pool(1, || run(&params, &xs, &ys)));
+    let g = make_graph(&psg(), (&params, &xs, &ys)).unwrap();
+    assert!(has_neighbour_loops(&g), "the directions' loops are not paired: {g}");
+    let run = || -> Vec<Tensor> { psg().call((&params, &xs, &ys)).unwrap().into_values().collect() };
+    let one_thread = bits(&in_pool(1, run));
     for threads in [2, 3] {
-        let many = bits(&in_pool(threads, || run(&params, &xs, &ys)));
+        let many = bits(&in_pool(threads, run));
         assert!(
-            one == many,
+            one_thread == many,
             "{threads} threads: per-sample gradients differ from one thread's"
         );
     }
@@ -152,6 +159,12 @@ fn a_maps_examples_run_in_waves_with_one_threads_numbers() {
     )
     .unwrap();
     assert!(g.to_string().contains("map["), "the loop route maps: {g}");
+    let pe = make_graph(
+        &vmap(mlp).in_dims([None, Some(0)]).schedule(Schedule::PerExample),
+        (&w2, &xs.reshape((7, 2, 64)).unwrap()),
+    )
+    .unwrap();
+    assert!(pe.to_string().contains("map["), "the per-example schedule maps: {pe}");
     let (a1, b1) = in_pool(1, || psg(ConvRoute::Loop));
     let m1 = in_pool(1, per_example);
     for threads in [2, 4] {

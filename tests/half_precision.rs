@@ -159,19 +159,22 @@ fn a_private_sum_of_half_precision_gradients_accumulates_in_f32() {
 /// to the half dtype after every step.
 #[test]
 fn optimiser_moments_of_half_precision_weights_are_kept_in_f32() {
-    use candle_func::dp::{Adam, Optimizer, Sgd};
+    use candle_func::dp::{Adam, AdamW, Optimizer, Sgd};
     use std::collections::BTreeMap;
     let init: Vec<f32> = (0..64).map(|i| 1.0 + i as f32 / 64.0).collect();
     // (the weight's dtype, the dtype an f32 weight is rounded to per step)
-    let run = |dt: DType, round: Option<DType>, adam: bool| {
+    // 0: Adam, 1: SGD with momentum, 2: AdamW with decoupled decay (the
+    // decayed weight is the step's start: the moments stay bit for bit)
+    let run = |dt: DType, round: Option<DType>, kind: usize| {
         let vm = candle_nn::VarMap::new();
         let w = vm.get(64, "w", candle_nn::Init::Const(0.0), dt, &Device::Cpu).unwrap();
         let set = |t: &Tensor| vm.data().lock().unwrap()["w"].set(t).unwrap();
         let start = Tensor::new(init.as_slice(), &Device::Cpu).unwrap();
         set(&start.to_dtype(round.unwrap_or(dt)).unwrap().to_dtype(dt).unwrap());
-        let mut opt: Box<dyn Optimizer> = match adam {
-            true => Box::new(Adam::new(&vm, 0.05).unwrap()),
-            false => Box::new(Sgd::new(&vm, 0.05, 0.9).unwrap()),
+        let mut opt: Box<dyn Optimizer> = match kind {
+            0 => Box::new(Adam::new(&vm, 0.05).unwrap()),
+            1 => Box::new(Sgd::new(&vm, 0.05, 0.9).unwrap()),
+            _ => Box::new(AdamW::new(&vm, 0.05, 0.1).unwrap()),
         };
         for step in 0..200 {
             // 1 for 50 steps, then 1/64: exact in bf16 and f16
@@ -184,10 +187,11 @@ fn optimiser_moments_of_half_precision_weights_are_kept_in_f32() {
         }
         (w.to_dtype(DType::F32).unwrap(), opt.state().unwrap().tensors)
     };
-    for adam in [true, false] {
+    for kind in 0..3 {
         for dt in HALVES {
-            let (w, s) = run(dt, None, adam);
-            let (w32, s32) = run(DType::F32, Some(dt), adam);
+            let (w, s) = run(dt, None, kind);
+            let (w32, s32) = run(DType::F32, Some(dt), kind);
+            assert!(!s.is_empty(), "optimiser {kind} keeps state");
             for (k, t) in &s {
                 assert_eq!(t.dtype(), DType::F32, "{k} of a {dt:?} weight");
                 assert_eq!(bits(t), bits(&s32[k]), "{k} of a {dt:?} weight against an f32 weight's");
@@ -195,7 +199,7 @@ fn optimiser_moments_of_half_precision_weights_are_kept_in_f32() {
             assert_eq!(
                 bits(&w),
                 bits(&w32),
-                "adam {adam}: the {dt:?} weight against the rounded f32 one"
+                "optimiser {kind}: the {dt:?} weight against the rounded f32 one"
             );
         }
     }

@@ -84,7 +84,7 @@ fn run_inner(
     // Pairs of independent loops run at once on the CPU's pool (not while
     // profiling: each node's time is its own); see `Graph::partners`.
     let partners = match device.is_cpu() && times.is_none() && rayon::current_num_threads() > 1 {
-        true => g.partners(),
+        true => crate::rules::memory::partners(g),
         false => vec![None; g.nodes.len()],
     };
     let mut early: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
@@ -315,7 +315,11 @@ fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Te
         let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("map")?;
         stacked.slice_set(&row, 0, i).op("map")
     };
-    let width = if cx.device.is_cpu() { m.width() } else { 1 };
+    let width = if cx.device.is_cpu() {
+        crate::rules::map::width(m)
+    } else {
+        1
+    };
     for start in (0..m.size).step_by(width) {
         let wave = start..(start + width).min(m.size);
         match width {

@@ -232,16 +232,17 @@ impl Graph {
     }
 
     /// For each node, the later node that may run beside it: a pair of
-    /// loops (maps, scans, while loops: long, and sequential inside) where
-    /// the later one reads only values computed before the first, so
-    /// neither reads the other (the two directions of a bidirectional
-    /// LSTM, and their gradients). Each loop pairs at most once, with the
-    /// first such loop after it. The interpreter runs a pair at once on the
-    /// CPU and the memory plan counts the partner from the first's start,
-    /// both from this one answer.
-    pub(crate) fn partners(&self) -> Vec<Option<usize>> {
+    /// loops (maps, scans, while loops: long, and sequential inside) that
+    /// `ok` accepts, where the later one reads only values computed before
+    /// the first, so neither reads the other (the two directions of a
+    /// bidirectional LSTM, and their gradients). Each loop pairs at most
+    /// once, with the first such loop after it. `rules::memory::partners`
+    /// says which loops may run beside another; the interpreter runs its
+    /// pairs at once on the CPU and the memory plan counts the partner from
+    /// the first's start, both from that one answer.
+    pub(crate) fn partners_where(&self, ok: impl Fn(usize) -> bool) -> Vec<Option<usize>> {
         let loops: Vec<usize> = (0..self.nodes.len())
-            .filter(|&v| matches!(self.nodes[v].prim, Prim::Map(_) | Prim::Scan(_) | Prim::While(_)))
+            .filter(|&v| matches!(self.nodes[v].prim, Prim::Map(_) | Prim::Scan(_) | Prim::While(_)) && ok(v))
             .collect();
         let mut partner = vec![None; self.nodes.len()];
         let mut taken = vec![false; self.nodes.len()];

@@ -101,6 +101,16 @@ pub(crate) fn emit_packed(
         .collect()
 }
 
+/// How many of a map's examples run at once: its width, or one where its
+/// body has effects (a user's custom operation, called from several
+/// threads at once, may not be reentrant or may count its calls).
+pub(crate) fn width(m: &Map) -> usize {
+    match facts::effect_of(&m.body) {
+        facts::Effect::Pure => m.width(),
+        _ => 1,
+    }
+}
+
 /// Emits a map node of `body` over `args`.
 fn emit_body(b: &mut Builder, body: Graph, args: &[BVal], size: usize, opts: crate::ir::options::Opts) -> Result<BVal> {
     let m = Map {
@@ -177,7 +187,7 @@ impl Rule for Map {
         // are views of the map's operands, which the plan holds already
         let inputs: usize = self.body.inputs.iter().map(|&i| facts::bytes(self.body.ty(i))).sum();
         let one = memory::planned_peak(&self.body).saturating_sub(inputs);
-        Workspace::scratch(one.saturating_mul(self.width()))
+        Workspace::scratch(one.saturating_mul(width(self)))
     }
 
     fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {

@@ -11,7 +11,7 @@
 //! contiguous buffers of their own, held for the whole run: the caller
 //! holds its arguments, and the graph its captured tensors.
 
-use super::facts::{bytes, Arg, Storage, Workspace};
+use super::facts::{self, bytes, Arg, Effect, Storage, Workspace};
 use super::rule;
 use crate::ir::{Graph, Prim};
 
@@ -32,7 +32,7 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
     let mut contiguous = vec![true; n];
     // A loop that runs beside an earlier one is counted from that one's
     // start: its workspace while they run, its result from then on.
-    let partners = g.partners();
+    let partners = partners(g);
     let mut early = vec![false; n];
     let (mut live, mut peak, mut at) = (0usize, 0usize, 0usize);
     for (v, node) in g.nodes.iter().enumerate() {
@@ -83,6 +83,21 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
         }
     }
     (peak, at)
+}
+
+/// Whether node `v` is a loop that may run beside another: one without
+/// effects (a user's custom operation may not be reentrant or may count
+/// its calls; a random draw's seed is its node's).
+pub(crate) fn pairable(g: &Graph, v: usize) -> bool {
+    matches!(g.nodes[v].prim, Prim::Map(_) | Prim::Scan(_) | Prim::While(_))
+        && facts::of_node(g, v).is_some_and(|f| f.effect == Effect::Pure)
+}
+
+/// The loops that run side by side ([`Graph::partners_where`] over the
+/// [`pairable`] ones): what the interpreter runs at once and the plan
+/// counts so.
+pub(crate) fn partners(g: &Graph) -> Vec<Option<usize>> {
+    g.partners_where(|v| pairable(g, v))
 }
 
 /// Node `v`'s storage and workspace on its operands' layouts.

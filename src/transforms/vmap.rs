@@ -178,7 +178,11 @@ impl<S: ArgList, F: Function<S>> Transform<S> for VmapOf<F> {
         })?;
         let ins = batched_inputs(&outer, (&leaves, &defs), &dims)?;
         let given = options.inherit(&outer.borrow().given);
-        let opts = settings::resolve(&given)?;
+        let mut opts = settings::resolve(&given)?;
+        // a map's examples run side by side on the CPU's threads only
+        if !outer.borrow().ctx.device.is_cpu() {
+            opts.width = 1;
+        }
         outer.borrow().ctx.offer_seed(options.seed);
         let (g, captures, out_def) = trace_inner(&self.f, &outer, (given, false, true), &defs, &ins.types)?;
         // Prune first, so dead work (an unused input gradient) is neither

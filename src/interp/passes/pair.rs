@@ -5,29 +5,36 @@
 //! two directions of a bidirectional recurrence and their gradients, whose
 //! steps are too small to fill the cores one loop at a time.
 //!
-//! Moving those values earlier holds them longer; a pairing is kept only
-//! where the planned peak (which counts the partner's workspace and result
-//! from the first loop's start) grows by at most an eighth, the price of the
-//! loops' own states beside a graph's peak in the cases this is for.
+//! Moving those values earlier holds them longer; pairings are kept only
+//! while the planned peak (which counts a partner's workspace and result
+//! from the first loop's start) stays within an eighth above the graph's
+//! own, the price of the loops' states beside a graph's peak in the cases
+//! this is for. A graph that draws random numbers is left as it is (a
+//! draw's seed is its node's index), and so is a loop with effects.
 
-use crate::ir::{Graph, Prim};
-use crate::rules::memory::planned_peak;
-
-fn is_loop(p: &Prim) -> bool {
-    matches!(p, Prim::Map(_) | Prim::Scan(_) | Prim::While(_))
-}
+use crate::ir::Graph;
+use crate::rules::facts::draws_random;
+use crate::rules::memory::{pairable, partners, planned_peak};
 
 /// `g` with independent loops paired where that is worth its memory.
 pub(super) fn pair_loops(mut g: Graph) -> Graph {
-    let mut peak = None; // planned only where there is a candidate
+    // a random draw's seed is its node's index, which moving nodes changes
+    if draws_random(&g) {
+        return g;
+    }
+    // the peak before any pairing: every pairing together grows it by at
+    // most an eighth (planned only where there is a candidate)
+    let mut limit = None;
     let mut from = 0;
     while let Some((v, u)) = candidate(&g, from) {
         let paired = hoist(&g, v, u);
         let at = v + cone_len(&g, v, u); // where v is now
-        let before = *peak.get_or_insert_with(|| planned_peak(&g));
-        let after = planned_peak(&paired);
-        from = if paired.partners()[at].is_some() && after <= before.saturating_add(before / 8) {
-            (g, peak) = (paired, Some(after));
+        let limit = *limit.get_or_insert_with(|| {
+            let p = planned_peak(&g);
+            p.saturating_add(p / 8)
+        });
+        from = if partners(&paired)[at].is_some() && planned_peak(&paired) <= limit {
+            g = paired;
             at + 1
         } else {
             v + 1
@@ -39,17 +46,14 @@ pub(super) fn pair_loops(mut g: Graph) -> Graph {
 /// The first loop at or after `from` without a partner, with the first
 /// later loop that does not depend on it and has no partner either.
 fn candidate(g: &Graph, from: usize) -> Option<(usize, usize)> {
-    let partners = g.partners();
     let mut taken = vec![false; g.nodes.len()];
-    for (v, p) in partners.iter().enumerate() {
+    for (v, p) in partners(g).iter().enumerate() {
         if let Some(u) = *p {
             taken[v] = true;
             taken[u] = true;
         }
     }
-    let loops: Vec<usize> = (from..g.nodes.len())
-        .filter(|&v| is_loop(&g.nodes[v].prim) && !taken[v])
-        .collect();
+    let loops: Vec<usize> = (from..g.nodes.len()).filter(|&v| pairable(g, v) && !taken[v]).collect();
     for (k, &v) in loops.iter().enumerate() {
         let after = depends_on(g, v);
         if let Some(&u) = loops[k + 1..].iter().find(|&&u| !after[u]) {
