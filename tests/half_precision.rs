@@ -214,3 +214,31 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .map(|x| x.to_bits())
         .collect()
 }
+
+/// An embedding's gradient adds up the rows of each id, and an average
+/// pool its window: both in f32 for half precision (49,152 lookups of one
+/// id summed in bf16 stop at 256; a 64 x 64 window of 1s and 3s averages
+/// to 2 only when the 8,192 it sums to is exact).
+#[test]
+fn embedding_gradients_and_average_pools_accumulate_in_f32() {
+    let table = Tensor::ones((4, 8), DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::zeros(WIDE, DType::U32, &Device::Cpu).unwrap();
+    let g = |t: &Tensor| {
+        grad(|t: Tracer, ids: Tracer| t.embedding(&ids)?.sum_all())
+            .call((t, &ids))
+            .unwrap()
+    };
+    let full = g(&table);
+    for dt in HALVES {
+        let half = g(&table.to_dtype(dt).unwrap());
+        assert_eq!(half.dtype(), dt);
+        let gap = rel_gap(&half.narrow(0, 0, 1).unwrap(), &full.narrow(0, 0, 1).unwrap());
+        assert!(
+            gap <= tol(dt),
+            "an embedding's gradient over {WIDE} lookups in {dt:?}: {gap:e} ({half})"
+        );
+    }
+    let v: Vec<f32> = (0..2 * 64 * 64).map(|i| if i % 2 == 0 { 1.0 } else { 3.0 }).collect();
+    let x = Tensor::from_vec(v, (2, 1, 64, 64), &Device::Cpu).unwrap();
+    agrees("average pool", &x, |x| x.avg_pool2d(64));
+}

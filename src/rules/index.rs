@@ -137,6 +137,11 @@ impl Rule for IndexOp {
             IndexOp::IndexSelect(..) | IndexOp::Gather(..) => 0,
             // each example's order of positions, a row of sums per thread
             IndexOp::LookupSqNorms { .. } => 8 * idx.ty.elem_count() + bytes(x.ty) / x.ty.shape[1].max(1),
+            // half precision in f32: the operand's copy, the zeros and the
+            // result in f32 (twice the bytes each), then the rounded result
+            IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } if crate::rules::reduce::is_half(out.dtype) => {
+                2 * bytes(x.ty) + 4 * bytes(out)
+            }
             // the zeros added into, beside the result
             IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } => bytes(out),
         };
@@ -165,6 +170,14 @@ impl Rule for IndexOp {
                 .index_select(&idx.contiguous().op(&op)?, axis)
                 .op(&op),
             IndexOp::Gather(axis, _) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
+            // half precision added up in f32, rounded once (49,152 rows
+            // of one id summed in bf16 stop at 256)
+            IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } if crate::rules::reduce::is_half(x.dtype()) => {
+                let wide = x.to_dtype(DType::F32).op(&op)?;
+                let wide_out = TensorType::new(out.shape.clone(), DType::F32);
+                let y = self.run(&[&wide, idx], &wide_out, cx)?;
+                y.to_dtype(x.dtype()).op(&op)
+            }
             IndexOp::IndexAdd { axis, .. } => {
                 if axis == 0 {
                     let v = out.shape[0];

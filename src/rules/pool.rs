@@ -11,7 +11,7 @@ use crate::ir::ops::{PoolOp, Window};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::unfold::{fold, ConvGeom};
 use crate::kernels::{pool, Path};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 fn pooled(kind: &'static str, (k, s): Window, x: &[usize]) -> Result<Vec<usize>> {
     let ((kh, kw), (sh, sw)) = (k, s);
@@ -89,8 +89,24 @@ impl Rule for PoolOp {
         }
     }
 
-    fn workspace(&self, args: &[Arg], _out: &TensorType) -> Workspace {
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
         let copies: usize = args.iter().map(Arg::copy_if_strided).sum();
+        let averages = matches!(self, PoolOp::AvgPool2d { .. } | PoolOp::AvgPoolGrad { .. });
+        if averages && crate::rules::reduce::is_half(out.dtype) {
+            // in f32: the operand's copy and the result, and the f32
+            // average's own workspace
+            let wide = TensorType::new(args[0].ty.shape.clone(), DType::F32);
+            let wide_out = TensorType::new(out.shape.clone(), DType::F32);
+            let inner = self.workspace(
+                &[Arg {
+                    ty: &wide,
+                    contiguous: true,
+                }],
+                &wide_out,
+            );
+            let extra = 2 * args[0].bytes() + 2 * super::facts::bytes(out);
+            return Workspace::scratch(inner.total().saturating_add(extra).saturating_add(copies));
+        }
         match self {
             // each window's share, spread over the window, then folded
             PoolOp::AvgPoolGrad { kernel, .. } => Workspace {
@@ -103,6 +119,14 @@ impl Rule for PoolOp {
 
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let op = self.name();
+        // an average of half precision summed in f32, rounded once
+        if matches!(self, PoolOp::AvgPool2d { .. } | PoolOp::AvgPoolGrad { .. })
+            && crate::rules::reduce::is_half(args[0].dtype())
+        {
+            let wide = args[0].to_dtype(DType::F32).op(&op)?;
+            let wide_out = TensorType::new(out.shape.clone(), DType::F32);
+            return self.run(&[&wide], &wide_out, cx)?.to_dtype(args[0].dtype()).op(&op);
+        }
         let w = self.window();
         let p = cx.path;
         let r = match self {
