@@ -147,12 +147,7 @@ pub fn privatize(
             // in f32, rounded once (in bf16 the sum of a large batch stalls
             // and the noise loses its small values)
             let dt = g.dtype();
-            let work = if crate::rules::reduce::is_half(dt) {
-                DType::F32
-            } else {
-                dt
-            };
-            let sum = g.to_dtype(work)?.sum(0)?;
+            let sum = g.to_dtype(crate::kernels::accumulation_dtype(dt))?.sum(0)?;
             let noisy = rng.add_noise(&sum, noise_multiplier * max_norm, 1.0 / expected_batch, true, path)?;
             Ok((k, noisy.to_dtype(dt)?))
         })

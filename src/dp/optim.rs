@@ -5,7 +5,12 @@
 
 use super::trainable::{overlap, under};
 use crate::error::{Error, Result};
-use candle_core::{DType, Tensor, Var};
+// The dtype an optimiser computes a variable's update in and keeps its
+// state in: f32 for half-precision weights (as mixed-precision training
+// keeps its moments; in bf16 `v * 0.999` rounds back to `v`, so Adam's
+// second moment never decays), the weight's own otherwise.
+use crate::kernels::accumulation_dtype as work_dtype;
+use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 
 /// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field.
@@ -265,7 +270,7 @@ pub(super) fn var_tensors(varmap: &candle_nn::VarMap) -> Result<BTreeMap<String,
 }
 
 /// The variable a gradient is for, and the gradient in its work dtype
-/// ([`work_dtype`]).
+/// (`work_dtype`).
 fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g: &Tensor) -> Result<(&'a Var, Tensor)> {
     let var = vars.get(name).ok_or_else(|| Error::Tree {
         msg: format!("{op}: no variable named {name:?}"),
@@ -278,17 +283,6 @@ fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g:
         ));
     }
     Ok((var, g.to_dtype(work_dtype(var.dtype()))?))
-}
-
-/// The dtype an optimiser computes a variable's update in, and keeps its
-/// state in: f32 for half-precision weights (as mixed-precision training
-/// keeps its moments; in bf16 `v * 0.999` rounds back to `v`, so Adam's
-/// second moment never decays), the weight's own otherwise.
-fn work_dtype(dt: DType) -> DType {
-    match dt {
-        DType::F16 | DType::BF16 => DType::F32,
-        dt => dt,
-    }
 }
 
 /// The variable's value in its work dtype.

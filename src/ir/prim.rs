@@ -167,12 +167,6 @@ pub(crate) struct Map {
 }
 
 impl Map {
-    /// How many examples run at once: the options' width, at least one
-    /// and at most the map's size.
-    pub(crate) fn width(&self) -> usize {
-        self.opts.width.clamp(1, self.size.max(1))
-    }
-
     pub(crate) fn name(&self) -> String {
         let inner: Vec<String> = self
             .body

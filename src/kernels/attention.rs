@@ -591,14 +591,8 @@ pub(crate) fn generic_scratch(heads: usize, t: usize, elem: usize) -> usize {
 /// The same computations in candle's operations, for every other device
 /// and dtype (f16 and bf16 in f32).
 mod generic {
-    use candle_core::{DType, Result, Tensor, D};
-
-    fn work_dtype(dt: DType) -> DType {
-        match dt {
-            DType::F16 | DType::BF16 => DType::F32,
-            other => other,
-        }
-    }
+    use crate::kernels::accumulation_dtype as work_dtype;
+    use candle_core::{Result, Tensor, D};
 
     /// `[N, 1, T, T]` (or `[1, 1, T, T]`): 1 where query `i` may not see
     /// key `j`.

@@ -446,6 +446,22 @@ pub(crate) enum Path {
 /// layout copies and the path.
 pub(crate) type Kx<'a> = (&'a copies::Copies, Path);
 
+/// Whether a dtype is half precision (f16, bf16).
+pub(crate) fn is_half(dt: DType) -> bool {
+    matches!(dt, DType::F16 | DType::BF16)
+}
+
+/// The dtype values of `dt` are summed, noised and stepped in: f32 for
+/// half precision (as PyTorch accumulates; summed in bf16, 49,152 ones
+/// make 256), `dt` itself otherwise.
+pub(crate) fn accumulation_dtype(dt: DType) -> DType {
+    if is_half(dt) {
+        DType::F32
+    } else {
+        dt
+    }
+}
+
 /// Whether the hand-written kernels handle this tensor on `path`.
 pub(crate) fn has_cpu_kernel(t: &Tensor, path: Path) -> bool {
     path == Path::Fast && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)

@@ -213,7 +213,7 @@ impl Rng {
         // half precision noised and scaled in f32 and rounded once (in
         // bf16 the sum plus its noise, then the scale, round twice, and
         // the scale itself: 1/300 is 0.4% off)
-        if matches!(sum.dtype(), DType::F16 | DType::BF16) {
+        if super::is_half(sum.dtype()) {
             let wide = sum.to_dtype(DType::F32)?;
             return Ok(self.add_noise(&wide, std, scale, secure, path)?.to_dtype(sum.dtype())?);
         }

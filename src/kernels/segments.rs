@@ -95,10 +95,7 @@ fn grouped(rows: &Tensor, ids: &[i64], (b, t): (usize, usize)) -> Result<Tensor>
     if b == 0 {
         return Tensor::zeros(0, rows.dtype(), rows.device());
     }
-    let work = match rows.dtype() {
-        DType::F16 | DType::BF16 => DType::F32,
-        dt => dt,
-    };
+    let work = super::accumulation_dtype(rows.dtype());
     let mut norms = Vec::with_capacity(b);
     for i in 0..b {
         let ex = &ids[i * t..(i + 1) * t];

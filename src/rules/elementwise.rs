@@ -2,12 +2,14 @@
 //! comparisons and `where`.
 
 use super::facts::{bytes, Arg, Facts, Workspace};
-use super::{arity, broadcast_shapes, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use super::{
+    arity, broadcast_shapes, in_f32, in_f32_workspace, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan,
+};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Unary};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::zip::{zip, Arith};
-use crate::kernels::{compare, fastmath, scale, Path};
+use crate::kernels::{compare, fastmath, is_half, scale, Path};
 use candle_core::{DType, Tensor};
 
 fn is_float(dt: DType) -> bool {
@@ -50,8 +52,8 @@ impl Rule for Unary {
         match self {
             // integer maps go through the host: the values and the result
             Unary::Neg | Unary::Sqr if !is_float(args[0].ty.dtype) => Workspace::scratch(2 * bytes(out)),
-            // half precision scaled in f32: the operand and the result
-            Unary::Affine(..) if crate::rules::reduce::is_half(out.dtype) => Workspace::scratch(4 * bytes(out)),
+            // half precision scaled in f32
+            Unary::Affine(..) if is_half(out.dtype) => in_f32_workspace(args, out, |_, _| Workspace::NONE),
             // the crate's CPU kernels read a contiguous operand
             Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Relu => {
                 Workspace::copies(args[0].copy_if_strided())
@@ -60,7 +62,7 @@ impl Rule for Unary {
         }
     }
 
-    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let r = match self {
             // candle has no integer `neg` or `sqr` (it panics), and its
@@ -112,10 +114,9 @@ impl Rule for Unary {
             // in f32 for half precision, rounded once: candle rounds the
             // factor to the dtype first (a mean's 1/49,152 is an f16
             // subnormal, 0.15% off), where PyTorch scales in f32
-            Unary::Affine(m, a) if crate::rules::reduce::is_half(x.dtype()) => x
-                .to_dtype(DType::F32)
-                .and_then(|w| w.affine(*m, *a))
-                .and_then(|y| y.to_dtype(x.dtype())),
+            Unary::Affine(m, a) if is_half(x.dtype()) => {
+                return in_f32("affine", args, out, |w, _| Ok(w[0].affine(*m, *a)?));
+            }
             Unary::Affine(m, a) => x.affine(*m, *a),
             Unary::Cast(dt) => x.to_dtype(*dt),
             // a copy, not the operand's buffer: every result is fresh to

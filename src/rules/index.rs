@@ -2,7 +2,7 @@
 //! log-probability is `gather` along the class axis).
 
 use super::facts::{bytes, Arg, Facts, Workspace};
-use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use super::{arity, in_f32, in_f32_workspace, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{IndexOp, Lookup};
 use crate::ir::{Prim, TensorType, VarId};
@@ -50,6 +50,15 @@ fn in_range(idx: &Tensor, size: usize, op: &'static str) -> Result<()> {
         });
     }
     Ok(())
+}
+
+impl IndexOp {
+    /// Whether it runs in f32 on values of `dt` ([`super::in_f32`]): an
+    /// index-add or scatter-add of half precision, which accumulates
+    /// (49,152 rows of one id summed in bf16 stop at 256).
+    fn in_f32(&self, dt: DType) -> bool {
+        matches!(self, IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. }) && crate::kernels::is_half(dt)
+    }
 }
 
 impl Rule for IndexOp {
@@ -130,6 +139,9 @@ impl Rule for IndexOp {
     }
 
     fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
+        if self.in_f32(out.dtype) {
+            return in_f32_workspace(args, out, |a, o| self.workspace(a, o));
+        }
         let (x, idx) = (args[0], args[1]);
         // contiguous operands, and the range check's i64 copy of the indices
         let copies = x.copy_if_strided() + idx.copy_if_strided() + 8 * idx.ty.elem_count();
@@ -137,11 +149,6 @@ impl Rule for IndexOp {
             IndexOp::IndexSelect(..) | IndexOp::Gather(..) => 0,
             // each example's order of positions, a row of sums per thread
             IndexOp::LookupSqNorms { .. } => 8 * idx.ty.elem_count() + bytes(x.ty) / x.ty.shape[1].max(1),
-            // half precision in f32: the operand's copy, the zeros and the
-            // result in f32 (twice the bytes each), then the rounded result
-            IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } if crate::rules::reduce::is_half(out.dtype) => {
-                2 * bytes(x.ty) + 4 * bytes(out)
-            }
             // the zeros added into, beside the result
             IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } => bytes(out),
         };
@@ -151,6 +158,9 @@ impl Rule for IndexOp {
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
+        if self.in_f32(x.dtype()) {
+            return in_f32(&op, args, out, |a, o| self.run(a, o, cx));
+        }
         let (kind, size) = match *self {
             // the selected axis is the table's vocabulary wherever batching moved it
             IndexOp::IndexSelect(axis, Lookup::Embedding) | IndexOp::Gather(axis, Lookup::Embedding) => {
@@ -170,14 +180,6 @@ impl Rule for IndexOp {
                 .index_select(&idx.contiguous().op(&op)?, axis)
                 .op(&op),
             IndexOp::Gather(axis, _) => x.contiguous().op(&op)?.gather(&idx.contiguous().op(&op)?, axis).op(&op),
-            // half precision added up in f32, rounded once (49,152 rows
-            // of one id summed in bf16 stop at 256)
-            IndexOp::IndexAdd { .. } | IndexOp::ScatterAdd { .. } if crate::rules::reduce::is_half(x.dtype()) => {
-                let wide = x.to_dtype(DType::F32).op(&op)?;
-                let wide_out = TensorType::new(out.shape.clone(), DType::F32);
-                let y = self.run(&[&wide, idx], &wide_out, cx)?;
-                y.to_dtype(x.dtype()).op(&op)
-            }
             IndexOp::IndexAdd { axis, .. } => {
                 if axis == 0 {
                     let v = out.shape[0];

@@ -101,12 +101,13 @@ pub(crate) fn emit_packed(
         .collect()
 }
 
-/// How many of a map's examples run at once: its width, or one where its
-/// body has effects (a user's custom operation, called from several
-/// threads at once, may not be reentrant or may count its calls).
+/// How many of a map's examples run at once: its options' width (at least
+/// one, at most its size), or one where its body has effects (a user's
+/// custom operation, called from several threads at once, may not be
+/// reentrant or may count its calls).
 pub(crate) fn width(m: &Map) -> usize {
     match facts::effect_of(&m.body) {
-        facts::Effect::Pure => m.width(),
+        facts::Effect::Pure => m.opts.width.clamp(1, m.size.max(1)),
         _ => 1,
     }
 }

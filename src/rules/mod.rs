@@ -71,6 +71,46 @@ pub(crate) struct RunCx<'a> {
     pub(crate) path: Path,
 }
 
+/// `run` on the first operand widened to f32 (the others as they are) and
+/// the result type in f32, the result rounded to `out`'s dtype once: how a
+/// half-precision operation that accumulates (a sum, a softmax, an
+/// index-add, an average, a scale) computes, as PyTorch's do.
+pub(crate) fn in_f32(
+    op: &str,
+    args: &[&Tensor],
+    out: &TensorType,
+    run: impl FnOnce(&[&Tensor], &TensorType) -> Result<Tensor>,
+) -> Result<Tensor> {
+    use crate::error::CandleContext;
+    let wide = args[0].to_dtype(candle_core::DType::F32).op(op)?;
+    let mut ops = args.to_vec();
+    ops[0] = &wide;
+    let y = run(&ops, &TensorType::new(out.shape.clone(), candle_core::DType::F32))?;
+    y.to_dtype(out.dtype).op(op)
+}
+
+/// [`in_f32`]'s workspace: the first operand's f32 copy, the f32 result,
+/// and what the f32 run itself plans on them (`inner`).
+pub(crate) fn in_f32_workspace(
+    args: &[Arg],
+    out: &TensorType,
+    inner: impl FnOnce(&[Arg], &TensorType) -> Workspace,
+) -> Workspace {
+    let wide = TensorType::new(args[0].ty.shape.clone(), candle_core::DType::F32);
+    let wide_out = TensorType::new(out.shape.clone(), candle_core::DType::F32);
+    let mut ops = args.to_vec();
+    ops[0] = Arg {
+        ty: &wide,
+        contiguous: true,
+    };
+    let own = inner(&ops, &wide_out).total();
+    Workspace::scratch(
+        facts::bytes(&wide)
+            .saturating_add(facts::bytes(&wide_out))
+            .saturating_add(own),
+    )
+}
+
 /// The rules of one primitive.
 pub(crate) trait Rule {
     /// The result type, or a shape/dtype error naming the operation.

@@ -5,7 +5,7 @@
 //! window's cotangent over the window's unfolded columns and folds them back.
 
 use super::facts::{Arg, Facts, Workspace};
-use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use super::{arity, in_f32, in_f32_workspace, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{PoolOp, Window};
 use crate::ir::{Prim, TensorType, VarId};
@@ -40,6 +40,15 @@ fn expect_shape(kind: &'static str, got: &[usize], want: &[usize], other: &[usiz
         return Err(Error::shape(kind, &[other, got], format!("expected shape {want:?}")));
     }
     Ok(())
+}
+
+impl PoolOp {
+    /// Whether it runs in f32 on values of `dt` ([`super::in_f32`]): an
+    /// average (or its gradient) of half precision, whose window sum
+    /// accumulates.
+    fn in_f32(&self, dt: DType) -> bool {
+        matches!(self, PoolOp::AvgPool2d { .. } | PoolOp::AvgPoolGrad { .. }) && crate::kernels::is_half(dt)
+    }
 }
 
 impl Rule for PoolOp {
@@ -91,21 +100,8 @@ impl Rule for PoolOp {
 
     fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
         let copies: usize = args.iter().map(Arg::copy_if_strided).sum();
-        let averages = matches!(self, PoolOp::AvgPool2d { .. } | PoolOp::AvgPoolGrad { .. });
-        if averages && crate::rules::reduce::is_half(out.dtype) {
-            // in f32: the operand's copy and the result, and the f32
-            // average's own workspace
-            let wide = TensorType::new(args[0].ty.shape.clone(), DType::F32);
-            let wide_out = TensorType::new(out.shape.clone(), DType::F32);
-            let inner = self.workspace(
-                &[Arg {
-                    ty: &wide,
-                    contiguous: true,
-                }],
-                &wide_out,
-            );
-            let extra = 2 * args[0].bytes() + 2 * super::facts::bytes(out);
-            return Workspace::scratch(inner.total().saturating_add(extra).saturating_add(copies));
+        if self.in_f32(out.dtype) {
+            return in_f32_workspace(args, out, |a, o| self.workspace(a, o));
         }
         match self {
             // each window's share, spread over the window, then folded
@@ -119,13 +115,8 @@ impl Rule for PoolOp {
 
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let op = self.name();
-        // an average of half precision summed in f32, rounded once
-        if matches!(self, PoolOp::AvgPool2d { .. } | PoolOp::AvgPoolGrad { .. })
-            && crate::rules::reduce::is_half(args[0].dtype())
-        {
-            let wide = args[0].to_dtype(DType::F32).op(&op)?;
-            let wide_out = TensorType::new(out.shape.clone(), DType::F32);
-            return self.run(&[&wide], &wide_out, cx)?.to_dtype(args[0].dtype()).op(&op);
+        if self.in_f32(args[0].dtype()) {
+            return in_f32(&op, args, out, |a, o| self.run(a, o, cx));
         }
         let w = self.window();
         let p = cx.path;

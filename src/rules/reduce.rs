@@ -1,32 +1,22 @@
 //! Reductions over axes, and (log-)softmax along one axis.
 
-use super::facts::{bytes, Arg, Facts, Workspace};
-use super::{arity, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use super::facts::{Arg, Facts, Workspace};
+use super::{arity, in_f32, in_f32_workspace, multilinear_jvp, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Binary, Compare, Reduce, Unary};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::softmax;
+use crate::kernels::{is_half, softmax};
 use candle_core::{DType, Tensor};
 
-/// Whether a dtype is half precision (f16, bf16).
-pub(crate) fn is_half(dt: DType) -> bool {
-    matches!(dt, DType::F16 | DType::BF16)
-}
-
 impl Reduce {
-    /// For a sum or a (log-)softmax of a half-precision operand, the
-    /// operand's and the result's types in f32: these accumulate in f32 and
-    /// round once at the end, as PyTorch's do (summed in bf16, 49,152 ones
-    /// make 256 and a 49,152-way cross-entropy of equal logits 5.53 instead
-    /// of ln 49152 = 10.80). A maximum or an argmax is exact in any dtype.
-    fn widened(&self, x: &TensorType, out: &TensorType) -> Option<(TensorType, TensorType)> {
+    /// Whether it runs in f32 on an operand of `dt` ([`super::in_f32`]):
+    /// a sum or a (log-)softmax of half precision, which accumulate (summed
+    /// in bf16, 49,152 ones make 256 and a 49,152-way cross-entropy of
+    /// equal logits 5.53 instead of ln 49152 = 10.80). A maximum or an
+    /// argmax is exact in any dtype.
+    fn in_f32(&self, dt: DType) -> bool {
         let accumulates = matches!(self, Reduce::Sum { .. } | Reduce::Softmax(_) | Reduce::LogSoftmax(_));
-        (accumulates && is_half(x.dtype)).then(|| {
-            (
-                TensorType::new(x.shape.clone(), DType::F32),
-                TensorType::new(out.shape.clone(), DType::F32),
-            )
-        })
+        accumulates && is_half(dt)
     }
 
     /// The same reduction on a tensor with `n` extra leading axes.
@@ -249,16 +239,8 @@ impl Rule for Reduce {
 
     fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
         let x = args[0];
-        if let Some((wide, wide_out)) = self.widened(x.ty, out) {
-            // the f32 copy of the operand, the f32 result, and the f32
-            // reduction's own
-            let arg = Arg { ty: &wide, ..x };
-            let inner = self.workspace(&[arg], &wide_out);
-            return Workspace::scratch(
-                bytes(&wide)
-                    .saturating_add(bytes(&wide_out))
-                    .saturating_add(inner.total()),
-            );
+        if self.in_f32(x.ty.dtype) {
+            return in_f32_workspace(args, out, |a, o| self.workspace(a, o));
         }
         let float = x.ty.dtype.is_float();
         match self {
@@ -278,10 +260,8 @@ impl Rule for Reduce {
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let x = args[0];
         let op = self.name();
-        if let Some((_, wide_out)) = self.widened(&TensorType::of(x), out) {
-            let wide = x.to_dtype(DType::F32).op(&op)?;
-            let y = self.run(&[&wide], &wide_out, cx)?;
-            return y.to_dtype(x.dtype()).op(&op);
+        if self.in_f32(x.dtype()) {
+            return in_f32(&op, args, out, |a, o| self.run(a, o, cx));
         }
         match self {
             Reduce::Sum { axes, .. } if axes.is_empty() => Ok(x.clone()),

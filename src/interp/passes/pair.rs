@@ -27,8 +27,7 @@ pub(super) fn pair_loops(mut g: Graph) -> Graph {
     let mut limit = None;
     let mut from = 0;
     while let Some((v, u)) = candidate(&g, from) {
-        let paired = hoist(&g, v, u);
-        let at = v + cone_len(&g, v, u); // where v is now
+        let (paired, at) = hoist(&g, v, u); // `at`: where v is now
         let limit = *limit.get_or_insert_with(|| {
             let p = planned_peak(&g);
             p.saturating_add(p / 8)
@@ -90,13 +89,10 @@ fn cone(g: &Graph, v: usize, u: usize) -> Vec<bool> {
     need
 }
 
-fn cone_len(g: &Graph, v: usize, u: usize) -> usize {
-    cone(g, v, u).iter().filter(|&&n| n).count()
-}
-
 /// `g` with `u`'s cone between `v` and `u` moved, in its order, to just
-/// before `v` (`u` does not depend on `v`, so neither does its cone).
-fn hoist(g: &Graph, v: usize, u: usize) -> Graph {
+/// before `v` (`u` does not depend on `v`, so neither does its cone), and
+/// where `v` is then.
+fn hoist(g: &Graph, v: usize, u: usize) -> (Graph, usize) {
     let need = cone(g, v, u);
     let n = g.nodes.len();
     let order: Vec<usize> = (0..v)
@@ -116,10 +112,11 @@ fn hoist(g: &Graph, v: usize, u: usize) -> Graph {
             node
         })
         .collect();
-    Graph {
+    let moved = Graph {
         nodes,
         inputs: g.inputs.iter().map(|&a| at[a]).collect(),
         outputs: g.outputs.iter().map(|&a| at[a]).collect(),
         ..g.clone()
-    }
+    };
+    (moved, at[v])
 }
