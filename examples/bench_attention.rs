@@ -125,6 +125,7 @@ impl Encoder {
             .broadcast_add(&self.positions.forward_with(p, &pos)?)?;
         let mut h = self.norm.forward_with(p, &h)?;
         let mask = AttentionMask {
+            window: None,
             causal: false,
             keep: Some(keep.clone()),
         };

@@ -28,11 +28,22 @@
 //! `benches/peers/bench_llm.py` (transformers, peft, Opacus). `--b` and `--t`
 //! change the batch; `--profile RUNS` prints where the variant's graph
 //! spends its time instead (per node, per primitive, GFLOP/s per product).
+//! For the DP variants, `--optimizer adamw` steps AdamW instead of SGD, and
+//! `--memory-limit-gib G` bounds the process by the engine's memory limit:
+//! the trainer chooses its physical batch (at most a quarter of the batch)
+//! and prints its plan beside the peak resident memory (mimalloc then
+//! returns freed memory at once instead of keeping it). `--precision
+//! bf16-mixed` loads the checkpoint in bf16 and trains with
+//! `dp::Precision::Bf16Mixed` (LoRA adapters as f32 masters);
+//! `--losses N` takes N seeded steps and prints the last step's loss;
+//! `--variant loss` prints the batch's loss with the checkpoint loaded in
+//! the precision's dtype (`f32`, `bf16-mixed`, `f16-mixed`), beside
+//! `benches/peers/llm_loss.py`'s from transformers.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, DpConfig, Optimizer, PrivacyEngine, Trainable};
+use candle_func::dp::{self, DpConfig, Optimizer, Precision, PrivacyEngine, Trainable};
 use candle_func::models::gpt2::Gpt2LmHeadModel;
 use candle_func::models::llama::LlamaForCausalLM;
 use candle_func::models::{causal_lm_loss, Checkpoint};
@@ -123,17 +134,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if dir.is_empty() {
         return Err("--model DIR: a folder scripts/make_scale_checkpoint.py printed".into());
     }
-    if !matches!(variant.as_str(), "forward" | "lora_step" | "dp_lora" | "dp") {
-        return Err(format!("--variant {variant}: one of forward, lora_step, dp_lora, dp").into());
+    if !matches!(variant.as_str(), "forward" | "loss" | "lora_step" | "dp_lora" | "dp") {
+        return Err(format!("--variant {variant}: one of forward, loss, lora_step, dp_lora, dp").into());
     }
+    let (precision, dtype) = match arg("--precision", "f32".to_string()).as_str() {
+        "f32" => (Precision::Native, DType::F32),
+        "bf16-mixed" => (Precision::Bf16Mixed, DType::BF16),
+        "f16-mixed" => (Precision::F16Mixed, DType::F16),
+        other => return Err(format!("--precision {other}: f32, bf16-mixed or f16-mixed").into()),
+    };
     // the weights read straight into the variables the optimisers step
-    let model = Lm::load(&Checkpoint::load_variables(&dir, DType::F32, &Device::Cpu)?)?;
+    let model = Lm::load(&Checkpoint::load_variables(&dir, dtype, &Device::Cpu)?)?;
     let varmap = nn::varmap_of(model.module())?;
     let lora = match variant.as_str() {
         "lora_step" | "dp_lora" => Some(Lora::add(
             model.module(),
             &varmap,
-            LoraConfig::new(8, 16.0, model.lora_targets()),
+            // f32 adapters: the masters of the mixed policy
+            LoraConfig::new(8, 16.0, model.lora_targets()).dtype(DType::F32),
         )?),
         _ => None,
     };
@@ -160,34 +178,84 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let logits = model.logits(&params(&p, &lora), &ids, &mask)?;
         causal_lm_loss(&logits, &ids, Some(&mask))
     };
+    // the trainer's loss as the trainer traces it: the f32 masters read in
+    // the compute dtype (for the plan and the profile)
+    let cast = |p: Map, ids: Tracer, mask: Tracer| {
+        let p = p
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
+            .collect::<candle_func::Result<Map>>()?;
+        one(p, ids, mask)
+    };
     let forward = jit(|p: Map, ids: Tracer, mask: Tracer| model.logits(&params(&p, &lora), &ids, &mask));
     let step = grad(batch_loss);
     let mut sgd = dp::Sgd::new(&varmap, 1e-4, 0.0)?;
+    let limit_gib: f64 = arg("--memory-limit-gib", 0.0);
+    let optimizer: Box<dyn Optimizer> = match arg("--optimizer", "sgd".to_string()).as_str() {
+        "sgd" => Box::new(dp::Sgd::new(&varmap, 1e-4, 0.0)?),
+        "adamw" => Box::new(dp::AdamW::new(&varmap, 1e-4, 0.01)?),
+        other => return Err(format!("--optimizer {other}: sgd or adamw").into()),
+    };
     let mut trainer = match variant.as_str() {
-        "dp" | "dp_lora" => Some(
-            PrivacyEngine::new()
-                .physical_batch(b)
-                .trainable(match &lora {
-                    Some(l) => Trainable::prefixes(&l.trainable_prefixes()),
-                    None => Trainable::all(),
-                })
-                .make_private(
-                    one,
-                    &varmap,
-                    dp::Sgd::new(&varmap, 1e-4, 0.0)?,
-                    (&ids, &mask),
-                    DpConfig::new(b, 1.0, 1.0),
-                )?,
-        ),
+        "dp" | "dp_lora" => {
+            let mut engine = PrivacyEngine::new().precision(precision).trainable(match &lora {
+                Some(l) => Trainable::prefixes(&l.trainable_prefixes()),
+                None => Trainable::all(),
+            });
+            if arg("--losses", 0usize) > 0 {
+                engine = engine.rng(dp::rng::Rng::seeded(0));
+            }
+            engine = match limit_gib > 0.0 {
+                true => {
+                    common::return_freed_memory();
+                    engine.memory_limit((limit_gib * (1u64 << 30) as f64) as usize)
+                }
+                false => engine.physical_batch(b),
+            };
+            let tr = engine.make_private(one, &varmap, optimizer, (&ids, &mask), DpConfig::new(b, 1.0, 1.0))?;
+            if let Some(plan) = tr.memory_plan() {
+                let gib = |v: usize| v as f64 / (1u64 << 30) as f64;
+                println!(
+                    "memory plan: physical batch {} of {b}, total {:.2} GiB under {limit_gib} GiB: pass {:.2}, \
+                     weights {:.2}, optimizer {:.2}, sums {:.2}, workspace {:.2}, data {:.3}, rest {:.2}",
+                    plan.physical_batch,
+                    gib(plan.total()),
+                    gib(plan.pass),
+                    gib(plan.weights),
+                    gib(plan.optimizer),
+                    gib(plan.sums),
+                    gib(plan.workspace),
+                    gib(plan.data),
+                    gib(plan.rest)
+                );
+            }
+            Some(tr)
+        }
         _ => None,
     };
+    if variant == "loss" {
+        // the batch's loss with the checkpoint in the precision's dtype
+        // (`benches/peers/llm_loss.py` prints transformers')
+        let loss = jit(batch_loss).call((&all, &ids, &mask))?;
+        let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        println!("RESULT ours_loss {dtype:?} {v:.6}");
+        return Ok(());
+    }
+    if let (n @ 1.., Some(tr)) = (arg("--losses", 0usize), trainer.as_mut()) {
+        let mut last = f64::NAN;
+        for _ in 0..n {
+            last = tr.step()?.mean_loss;
+        }
+        println!("RESULT ours_{variant} loss_after_{n}_steps {last:.6}");
+        return Ok(());
+    }
     if arg("--profile", 0usize) > 0 {
         // the variant's graph with per-node timings (`--profile RUNS`)
         let (g, p) = match variant.as_str() {
             "forward" => (make_graph(&forward, (&all, &ids, &mask))?, &all),
             "lora_step" => (make_graph(&step, (&trainable, &ids, &mask))?, &trainable),
             _ => (
-                make_graph(&dp::clipped_grad_sum(one, 1.0), (&trainable, &ids, &mask))?,
+                make_graph(&dp::clipped_grad_sum(cast, 1.0), (&trainable, &ids, &mask))?,
                 &trainable,
             ),
         };
@@ -210,7 +278,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(match variant.as_str() {
             "forward" => make_graph(&forward, (&all, &ids, &mask))?.planned_peak_bytes(),
             "lora_step" => make_graph(&step, (&trainable, &ids, &mask))?.planned_peak_bytes(),
-            _ => make_graph(&dp::clipped_grad_sum(one, 1.0), (&trainable, &ids, &mask))?.planned_peak_bytes(),
+            _ => make_graph(&dp::clipped_grad_sum(cast, 1.0), (&trainable, &ids, &mask))?.planned_peak_bytes(),
         })
     })?;
     Ok(())

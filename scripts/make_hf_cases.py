@@ -9,7 +9,14 @@ stored as float32).
 
 Cases: roberta_cls (RoBERTa classifier, padding), gpt2_padded_lm (GPT-2 with
 padding), mistral_lm (Mistral, grouped-query attention) and qwen2_lm (Qwen2:
-q/k/v biases, multi-query attention, tied head)."""
+q/k/v biases, multi-query attention, tied head).
+
+    "$HOME/peers/bin/python" scripts/make_hf_cases.py tests/fixtures/hf windows
+
+writes only the sliding-window cases: mistral_window_lm (every layer's
+attention a window of 4 tokens over sequences of 12) and qwen2_window_lm
+(`use_sliding_window` with `max_window_layers=1`: the first layer full, the
+second windowed)."""
 
 import os
 import sys
@@ -117,5 +124,26 @@ def main(out):
     write(out, "qwen2_lm", "llama", "lm", m, *inputs(79, 0, gen, lm=True))
 
 
+def windows(out):
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(1)
+    c = transformers.MistralConfig(vocab_size=83, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, sliding_window=4, pad_token_id=0,
+                                   rope_theta=5000.0, tie_word_embeddings=False)
+    m = transformers.MistralForCausalLM(c)
+    perturb_norms(m, gen)
+    write(out, "mistral_window_lm", "llama", "lm", m, *inputs(83, 0, gen, lm=True))
+
+    c = transformers.Qwen2Config(vocab_size=79, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                 pad_token_id=0, tie_word_embeddings=True, use_sliding_window=True,
+                                 sliding_window=4, max_window_layers=1)
+    m = transformers.Qwen2ForCausalLM(c)
+    perturb_norms(m, gen)
+    write(out, "qwen2_window_lm", "llama", "lm", m, *inputs(79, 0, gen, lm=True))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
+    out = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf"
+    windows(out) if sys.argv[2:] == ["windows"] else main(out)

@@ -11,7 +11,8 @@ written out below from the published `config.json` files.
 
 prints each folder (`$CANDLE_FUNC_CACHE`, default ~/.cache/candle-func,
 then `scale/<name>`); a folder that is already complete is kept.
-`tiny-qwen2` and `tiny-gpt2` are two-layer versions of the same families
+`llama-1b` is written in bf16 (the others in f32). `tiny-qwen2` and
+`tiny-gpt2` are two-layer versions of the same families
 for a quick check of the benchmark's plumbing.
 """
 import json
@@ -40,6 +41,17 @@ CONFIGS = {
         model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=1024, n_layer=24, n_head=16,
         n_positions=1024, n_ctx=1024, vocab_size=50257, activation_function="gelu_new", layer_norm_epsilon=1e-5,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256,
+    ),
+    # A Llama at 1.24B parameters: meta-llama/Llama-3.2-1B's shape (hidden
+    # 2048, 16 layers, vocabulary 128,256, tied embeddings) with plain RoPE
+    # (no llama3 scaling), written in bf16: the mixed-precision target's
+    # base, whose f32 file would take 5 GB
+    "llama-1b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
+        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=128000,
+        eos_token_id=128001, initializer_range=0.02, dtype="bfloat16",
     ),
     "tiny-qwen2": dict(
         model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
@@ -71,9 +83,10 @@ def make(name):
         return out
     fields = dict(CONFIGS[name])
     model_type = fields.pop("model_type")
+    dtype = getattr(torch, fields.pop("dtype", "float32"))
     config = transformers.AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.save_pretrained(out, safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
     with open(done, "w") as f:

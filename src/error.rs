@@ -85,6 +85,31 @@ pub enum Error {
         /// captured tensors and results.
         floor: usize,
     },
+    /// A private trainer whose step would hold more than the memory limit
+    /// (a limit on the `PrivacyEngine` bounds the whole process while it
+    /// trains: weights, optimiser state, gradient sums, data and a pass's
+    /// graph), or a step whose pass did not fit the machine's memory:
+    /// refused before it runs, naming the parts and what to change (the
+    /// physical batch, the limit, what trains).
+    #[error(
+        "{op}: a step would hold {} at its peak ({parts}), more than the {} it may plan for; {remedy}",
+        fmt_bytes(*.needed),
+        fmt_bytes(*.limit)
+    )]
+    TrainerMemory {
+        /// What was refused (`make_private`, `PrivateTrainer::step`).
+        op: &'static str,
+        /// Bytes the step's plan holds at its peak.
+        needed: usize,
+        /// The bytes the plan may hold: fifteen sixteenths of the engine's
+        /// memory limit (the rest is left to the allocator), or the
+        /// machine's available memory.
+        limit: usize,
+        /// The plan's parts, in words.
+        parts: String,
+        /// What would make it fit.
+        remedy: String,
+    },
     /// A primitive or case that a transform cannot handle (for example a
     /// missing batching rule in strict mode).
     #[error("{op}: unsupported under {transform}: {msg}")]

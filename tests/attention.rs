@@ -53,6 +53,7 @@ fn written_out(q: &Tracer, k: &Tracer, v: &Tracer, keep: Option<&Tracer>, causal
 
 fn fused(q: &Tracer, k: &Tracer, v: &Tracer, keep: Option<&Tracer>, causal: bool) -> candle_func::Result<Tracer> {
     let mask = AttentionMask {
+        window: None,
         causal,
         keep: keep.cloned(),
     };
@@ -246,6 +247,7 @@ fn the_portable_path_takes_the_heads_as_a_model_splits_them() {
     let f = |x: Tracer, keep: Tracer| {
         let heads = |s: f64| nn::split_heads(&x.affine(s, 0.0)?, H);
         let mask = AttentionMask {
+            window: None,
             causal: true,
             keep: Some(keep),
         };
@@ -263,4 +265,60 @@ fn the_portable_path_takes_the_heads_as_a_model_splits_them() {
             .unwrap(),
     );
     assert_close(&gp, &gf, 1e-4, "portable gradient against the kernel");
+}
+
+/// A sliding window: at least as long as the sequence, it changes nothing
+/// (the fused primitive runs); shorter, query `i` sees keys `i - w + 1..=i`
+/// only, as the written-out attention with those keys hidden; a window of
+/// 0 or one without the causal mask is an error naming the operation.
+#[test]
+fn a_sliding_window_hides_the_keys_before_it() {
+    let (q, k, v) = (
+        rand(&[2, 2, 6, 4], 31),
+        rand(&[2, 2, 6, 4], 32),
+        rand(&[2, 2, 6, 4], 33),
+    );
+    let keep = Tensor::new(&[[1f64, 1., 1., 1., 1., 1.], [1., 1., 1., 1., 0., 0.]], &Device::Cpu).unwrap();
+    let with = |window: Option<usize>, causal: bool| {
+        let mask = |keep: &Tracer| AttentionMask {
+            window,
+            causal,
+            keep: Some(keep.clone()),
+        };
+        jit(move |q: Tracer, k: Tracer, v: Tracer, keep: Tracer| nn::attend(&q, &k, &v, &mask(&keep), 0.4))
+            .call((&q, &k, &v, &keep))
+    };
+    let causal = with(None, true).unwrap();
+    assert_close(
+        &with(Some(6), true).unwrap(),
+        &causal,
+        1e-12,
+        "a window as long as the sequence",
+    );
+    // window 2 written out: key j hidden unless i - 1 <= j <= i (and real)
+    let band = jit(|q: Tracer, k: Tracer, v: Tracer, keep: Tracer| {
+        let s = q.matmul(&k.transpose(2, 3)?)?.affine(0.4, 0.0)?;
+        let pos = Tracer::arange(&q, 0, 6, DType::U32)?;
+        let (i, j) = (
+            pos.unsqueeze(1)?.broadcast_as((6, 6))?,
+            pos.unsqueeze(0)?.broadcast_as((6, 6))?,
+        );
+        let seen = j.le(&i)?.mul(&j.add(1.0)?.ge(&i)?)?;
+        let fill = nn::mask_value(DType::F64);
+        let s = s.masked_fill(&seen.eq(0.0)?, fill)?;
+        let s = s.masked_fill(&keep.eq(0.0)?.reshape((2, 1, 1, 6))?, fill)?;
+        // a query whose window holds only padding (example 1, query 5) attends to nothing
+        let sees = seen
+            .to_dtype(DType::F64)?
+            .broadcast_mul(&keep.reshape((2, 1, 1, 6))?)?
+            .max_keepdim(3)?;
+        s.softmax(-1)?.broadcast_mul(&sees)?.matmul(&v)
+    })
+    .call((&q, &k, &v, &keep))
+    .unwrap();
+    assert_close(&with(Some(2), true).unwrap(), &band, 1e-12, "a window of 2");
+    for (window, causal) in [(Some(0), true), (Some(2), false)] {
+        let e = with(window, causal).unwrap_err();
+        assert!(matches!(e, Error::Shape { op: "attention", .. }), "{e}");
+    }
 }

@@ -648,3 +648,57 @@ fn dp_failures_are_variants_a_caller_can_match() {
     // a failed step spends nothing
     assert_eq!(t.accountant().steps(), 0);
 }
+
+/// Adam updates its moments and the weight in place: three steps follow
+/// PyTorch's formulas (computed here in f64), a state handed out by
+/// `state` or taken by `load_state` never changes afterwards, and an
+/// optimiser that loaded it steps on bit for bit as the original.
+#[test]
+fn adam_in_place_follows_pytorch_and_leaves_handed_out_state_alone() {
+    let one_var = |w: &Tensor| {
+        let vm = VarMap::new();
+        vm.data()
+            .lock()
+            .unwrap()
+            .insert("w".into(), candle_core::Var::from_tensor(w).unwrap());
+        vm
+    };
+    let w0 = values(4, &[300]);
+    let vm = one_var(&w0);
+    let (lr, wd, (b1, b2), eps) = (0.01, 0.1, (0.9f64, 0.999f64), 1e-8);
+    let mut opt = dp::AdamW::new(&vm, lr, wd).unwrap();
+    let (mut w, mut m, mut v) = (common::values(&w0), vec![0.0; 300], vec![0.0; 300]);
+    let mut handed: Option<(dp::OptimizerState, Vec<Vec<f64>>, VarMap, dp::AdamW)> = None;
+    for step in 1..=3 {
+        let g = values(10 + step as u64, &[300]);
+        let grads = BTreeMap::from([("w".to_string(), g.clone())]);
+        opt.step(&grads).unwrap();
+        let g = common::values(&g);
+        let (c1, c2) = (1.0 - b1.powi(step), 1.0 - b2.powi(step));
+        for i in 0..300 {
+            w[i] *= 1.0 - lr * wd;
+            m[i] = b1 * m[i] + (1.0 - b1) * g[i];
+            v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+            w[i] -= lr * (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
+        }
+        let got = common::values(&current(&vm)["w"]);
+        let diff = got.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(diff < 1e-6, "step {step}: {diff}");
+        match &mut handed {
+            None => {
+                let s = opt.state().unwrap();
+                let copies = s.tensors.values().map(common::values).collect();
+                let vm2 = one_var(&current(&vm)["w"]);
+                let mut other = dp::AdamW::new(&vm2, lr, wd).unwrap();
+                other.load_state(&s).unwrap();
+                handed = Some((s, copies, vm2, other));
+            }
+            Some((s, copies, vm2, other)) => {
+                other.step(&grads).unwrap();
+                assert_eq!(max_diff(&current(vm2)["w"], &current(&vm)["w"]), 0.0, "step {step}");
+                let now: Vec<Vec<f64>> = s.tensors.values().map(common::values).collect();
+                assert_eq!(&now, copies, "the state handed out after step 1 changed at step {step}");
+            }
+        }
+    }
+}

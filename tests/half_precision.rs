@@ -7,6 +7,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_func::nn::{self, cross_entropy, Module, Params, Reduction};
 use candle_func::{grad, jit, Tracer};
 
+mod common;
+
 const HALVES: [DType; 2] = [DType::BF16, DType::F16];
 
 /// A vocabulary's width (Qwen2's is three times as wide; 49,152 is
@@ -15,15 +17,7 @@ const WIDE: usize = 49_152;
 
 /// The largest relative gap between `half` (as f64) and `full`.
 fn rel_gap(half: &Tensor, full: &Tensor) -> f64 {
-    let vals = |t: &Tensor| {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap()
-    };
-    let (h, f) = (vals(half), vals(full));
+    let (h, f) = (common::values(half), common::values(full));
     assert_eq!(h.len(), f.len());
     h.iter()
         .zip(&f)
@@ -241,4 +235,102 @@ fn embedding_gradients_and_average_pools_accumulate_in_f32() {
     let v: Vec<f32> = (0..2 * 64 * 64).map(|i| if i % 2 == 0 { 1.0 } else { 3.0 }).collect();
     let x = Tensor::from_vec(v, (2, 1, 64, 64), &Device::Cpu).unwrap();
     agrees("average pool", &x, |x| x.avg_pool2d(64));
+}
+
+/// A bf16 product whose weight is over 64 MiB in f32 runs a block of the
+/// weight at a time (its output's columns, or its inner axis summed in
+/// f32): it agrees with candle's product (both operands widened whole)
+/// to bf16's rounding, for a transposed weight (a tied output head) and a
+/// row-major one (its gradient), and its plan counts a block, not the
+/// whole weight in f32.
+#[test]
+fn bf16_products_of_a_large_weight_run_in_blocks() {
+    let bf = |seed: f64, shape: &[usize]| {
+        let n: usize = shape.iter().product();
+        let t = Tensor::arange(0u32, n as u32, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        (t * (0.37 + seed))
+            .unwrap()
+            .sin()
+            .unwrap()
+            .reshape(shape)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let x = bf(1.0, &[8, 2048]);
+    let w = bf(2.0, &[8400, 2048]); // [n, k]: x @ w^T, 8400 x 2048 in f32 is 69 MB
+    let ct = bf(3.0, &[8, 8400]);
+    let f = jit(|x: Tracer, w: Tracer| x.matmul(&w.t()?));
+    let g = jit(|ct: Tracer, w: Tracer| ct.matmul(&w));
+    let fwd = f.call((&x, &w)).unwrap();
+    let bwd = g.call((&ct, &w)).unwrap();
+    let want_fwd = x.matmul(&w.t().unwrap()).unwrap();
+    assert_eq!(fwd.dtype(), DType::BF16);
+    assert!(
+        rel_gap(&fwd, &want_fwd) < tol(DType::BF16),
+        "forward {}",
+        rel_gap(&fwd, &want_fwd)
+    );
+    // summed in blocks, the inner axis rounds differently: compared
+    // against the f32 product's own scale
+    let f32_bwd = ct
+        .to_dtype(DType::F32)
+        .unwrap()
+        .matmul(&w.to_dtype(DType::F32).unwrap())
+        .unwrap();
+    let scale = f32_bwd.abs().unwrap().max_keepdim(1).unwrap();
+    let err = (bwd.to_dtype(DType::F32).unwrap() - &f32_bwd)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .broadcast_div(&scale)
+        .unwrap();
+    let worst = err.flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!((worst as f64) < tol(DType::BF16), "gradient {worst}");
+    // the plan holds a block of the weight in f32, not all 69 MB of it
+    let plan = candle_func::make_graph(&f, (&x, &w)).unwrap().planned_peak_bytes();
+    assert!(plan < 8400 * 2048 * 2 + (66 << 20), "plan {plan}");
+}
+
+/// A map of one tensor.
+type Map = fn(Tracer) -> candle_func::Result<Tracer>;
+
+/// exp, tanh, erf, GELU and sigmoid of bf16 (and f16) tensors agree with
+/// the f32 run on the same (half-rounded) values to the half dtype's
+/// rounding; bf16 takes the crate's f32 kernel on a widened copy, f16
+/// candle's maps.
+#[test]
+fn transcendental_maps_of_half_tensors_agree_with_f32() {
+    let n = 70_000;
+    let x = Tensor::arange(0u32, n as u32, &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    // values across [-6, 6): where each map bends
+    let x = ((x * (12.0 / n as f64)).unwrap() - 6.0).unwrap();
+    let maps: [(&str, Map); 5] = [
+        ("exp", |x| x.exp()),
+        ("tanh", |x| x.tanh()),
+        ("erf", |x| x.erf()),
+        ("gelu", |x| x.gelu()),
+        ("sigmoid", |x| x.sigmoid()),
+    ];
+    for dt in HALVES {
+        let xh = x.to_dtype(dt).unwrap();
+        for (what, f) in maps {
+            let half = jit(f).call(&xh).unwrap();
+            let full = jit(f).call(xh.to_dtype(DType::F32).unwrap()).unwrap();
+            assert_eq!(half.dtype(), dt, "{what}");
+            // near a zero of the map, relative gaps mean nothing: against
+            // the largest value's scale there
+            let scale = full.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap() as f64;
+            let err = (half.to_dtype(DType::F32).unwrap() - &full).unwrap().abs().unwrap();
+            let rel = (err.clone() / full.abs().unwrap().clamp(1e-3 * scale, f64::MAX).unwrap()).unwrap();
+            let worst = rel.max(0).unwrap().to_scalar::<f32>().unwrap() as f64;
+            assert!(worst <= tol(dt), "{what} in {dt:?}: {worst:e}");
+        }
+    }
 }

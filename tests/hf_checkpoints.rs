@@ -242,18 +242,30 @@ fn the_llama_family_refuses_what_it_does_not_implement() {
         let msg = model_error(load(&dir));
         assert!(msg.contains(names), "{msg}");
     }
-    // a Mistral window shorter than the sequence: refused when it applies
+    // a window runs (tests/hf_models.rs checks it against transformers);
+    // a layer type not implemented, or a list of the wrong length, is named
+    let short = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+    let long = Tensor::new(&[1u32, 2, 3, 4, 5, 6], &Device::Cpu).unwrap();
+    for (types, what) in [
+        (vec!["sliding_attention", "chunked_attention"], "\"chunked_attention\""),
+        (vec!["sliding_attention"], "1 entries for 2 layers"),
+    ] {
+        let dir = copy("llama_lm", "mistral");
+        edit_config(&dir, |v| {
+            v["model_type"] = "mistral".into();
+            v["sliding_window"] = 4.into();
+            v["layer_types"] = serde_json::json!(types);
+        });
+        let msg = model_error(load(&dir));
+        assert!(msg.contains("layer_types") && msg.contains(what), "{msg}");
+    }
     let dir = copy("llama_lm", "mistral");
     edit_config(&dir, |v| {
         v["model_type"] = "mistral".into();
         v["sliding_window"] = 4.into();
     });
     let m = load(&dir).unwrap();
-    let short = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
-    assert!(jit(|i: Tracer| m.forward_masked(&i, None)).call(&short).is_ok());
-    let long = Tensor::new(&[1u32, 2, 3, 4, 5, 6], &Device::Cpu).unwrap();
-    let msg = model_error(jit(|i: Tracer| m.forward_masked(&i, None)).call(&long));
-    assert!(msg.contains("\"sliding_window\""), "{msg}");
+    assert!(jit(|i: Tracer| m.forward_masked(&i, None)).call(&long).is_ok());
     // transformers 4.x's layout: rope_theta at the top level
     let dir = copy("llama_lm", "rope4");
     edit_config(&dir, |v| {

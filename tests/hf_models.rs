@@ -139,6 +139,16 @@ fn check_case(dir: &Path) -> Result<f64, String> {
     check("logits", &logits, &r("logits")?, 0.0)?;
     // per-sample gradients, each example's loss alone
     let params = model.params();
+    // the parameters are exactly the weights the model read, and it read
+    // every float weight of the folder
+    let names: Vec<String> = params.keys().cloned().collect();
+    if names != ck.read_names() || !ck.unread().is_empty() {
+        return Err(format!(
+            "{name}: parameters {names:?}, weights read {:?}, not read {:?}",
+            ck.read_names(),
+            ck.unread()
+        ));
+    }
     let want: Vec<&String> = reference.keys().filter(|k| k.starts_with("grad.")).collect();
     if want.len() != params.len() {
         return Err(format!(

@@ -227,8 +227,12 @@ fn an_adapter_the_loss_never_applies_is_an_error_naming_it() {
 fn bad_lora_settings_are_named() {
     let m = load("llama_lm", &fixture("llama_lm"));
     let varmap = nn::varmap_of(&*m).unwrap();
-    let cases: [(LoraConfig, &str); 6] = [
+    let cases: [(LoraConfig, &str); 7] = [
         (LoraConfig::new(0, 4.0, &["q_proj"]), "LoraConfig.r"),
+        (
+            LoraConfig::new(2, 4.0, &["q_proj"]).dtype(DType::U32),
+            "LoraConfig.dtype",
+        ),
         (LoraConfig::new(2, f64::NAN, &["q_proj"]), "LoraConfig.alpha"),
         (LoraConfig::new(2, 4.0, &["q_proj"]).dropout(1.0), "LoraConfig.dropout"),
         (LoraConfig::new(2, 4.0, &[] as &[&str]), "LoraConfig.target_modules"),

@@ -77,6 +77,7 @@ fn fused_and_separate_attention_projections_agree() {
     };
     let separate = SelfAttention::separate(part(0), part(1), part(2), o(), heads, heads).unwrap();
     let mask = AttentionMask {
+        window: None,
         causal: true,
         keep: None,
     };
@@ -142,6 +143,7 @@ fn the_pieces_refuse_bad_shapes_and_propagate_nan() {
     );
     let wrong = jit(|q: Tracer| {
         let mask = AttentionMask {
+            window: None,
             causal: false,
             keep: Some(candle_func::tracer::Operand::to_tracer(
                 &Tensor::ones((1, 5), DType::U32, &Device::Cpu)?,

@@ -47,6 +47,19 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// Makes mimalloc return freed memory to the system at once, for a run
+/// whose resident peak is held to a memory limit: the crate's plans count
+/// what is live, and memory an allocator keeps after it is freed is not.
+/// [`keep_freed_memory`] then leaves the setting alone.
+pub fn return_freed_memory() {
+    #[cfg(not(feature = "system-alloc"))]
+    {
+        use libmimalloc_sys::mi_option_set;
+        // SAFETY: as in keep_freed_memory; run by bench_llm under a limit.
+        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
+    }
+}
+
 /// The global allocator this example was built with, for its printout.
 pub fn allocator() -> &'static str {
     if cfg!(feature = "system-alloc") {

@@ -66,6 +66,7 @@ use super::accountant::{noise_multiplier_with, Accountant, Mechanism};
 use super::adaptive::{Adaptive, AdaptiveClipping};
 use super::clip::clipped_grad_sum;
 use super::optim::Optimizer;
+use super::precision::Precision;
 use super::rng::Rng;
 use super::trainable::{overlap, under, Trainable};
 pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
@@ -154,6 +155,8 @@ pub struct PrivacyEngine {
     ghost: bool,
     secure_mode: bool,
     physical_batch: Option<usize>,
+    memory_limit: Option<usize>,
+    precision: Precision,
     eps_error: Option<f64>,
     options: Options,
     trainable: Trainable,
@@ -175,6 +178,8 @@ impl PrivacyEngine {
             ghost: true,
             secure_mode: true,
             physical_batch: None,
+            memory_limit: None,
+            precision: Precision::Native,
             eps_error: None,
             options: Options::new(),
             trainable: Trainable::all(),
@@ -228,6 +233,33 @@ impl PrivacyEngine {
     /// set's size is taken as its size, since no batch is larger.
     pub fn physical_batch(mut self, n: usize) -> PrivacyEngine {
         self.physical_batch = Some(n);
+        self
+    }
+
+    /// The most bytes the process may hold while the trainer steps: the
+    /// weights, the optimiser's state, the gradient sums, the data set,
+    /// one pass's graph, and the rest of the process as it is when the
+    /// trainer is built (see [`MemoryPlan`](super::MemoryPlan)). Without a
+    /// [`PrivacyEngine::physical_batch`], the trainer passes the largest
+    /// number of examples at once whose plan fits (at most the default);
+    /// with one, a plan over the limit is an error naming the largest that
+    /// fits. Either way `make_private` refuses a limit nothing fits under,
+    /// before any step runs. A limit in [`PrivacyEngine::options`] means
+    /// the same; this one wins where both are set.
+    pub fn memory_limit(mut self, bytes: usize) -> PrivacyEngine {
+        self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// How the loss computes: in each weight's own dtype (the default), or
+    /// mixed precision ([`Precision::Bf16Mixed`], [`Precision::F16Mixed`]):
+    /// the loss in half precision, the trainable weights kept as f32
+    /// masters (an error names one that is not f32), each example's norm,
+    /// the clipping, the noise and the optimiser's state in f32, and the
+    /// frozen weights as half-precision constants (held once when loaded
+    /// in that dtype).
+    pub fn precision(mut self, precision: Precision) -> PrivacyEngine {
+        self.precision = precision;
         self
     }
 
@@ -347,7 +379,11 @@ impl PrivacyEngine {
         optimizer: O,
         (leaves, def): (Vec<(String, Tensor)>, TreeDef),
         config: DpConfig,
-    ) -> Result<PrivateTrainer<F, O, S>> {
+    ) -> Result<PrivateTrainer<F, O, S>>
+    where
+        F: ExampleLoss<S>,
+        O: Optimizer,
+    {
         let data = Examples::new(leaves)?;
         let n = data.n;
         let q = sample_rate(config.batch_size, n)?;
@@ -369,12 +405,15 @@ impl PrivacyEngine {
             Clipping::Adaptive(spec) => Some(Adaptive::new(spec, config.noise_multiplier, q * n as f64)?),
             _ => None,
         };
-        let mut frozen = super::optim::var_tensors(varmap)?;
-        frozen.retain(|k, _| frozen_names.contains(k));
+        let (frozen, masters): (BTreeMap<_, _>, BTreeMap<_, _>) = super::optim::var_tensors(varmap)?
+            .into_iter()
+            .partition(|(k, _)| frozen_names.contains(k));
+        self.precision.check_trainable(&masters)?;
         let masked = Masked {
             loss,
             def,
-            frozen,
+            frozen: self.precision.frozen(frozen)?,
+            half: self.precision.half(),
             form: PhantomData,
         };
         let clip = clipped_grad_sum(masked, bounds[0])
@@ -394,7 +433,7 @@ impl PrivacyEngine {
                     .into(),
             );
         }
-        Ok(PrivateTrainer {
+        let trainer = PrivateTrainer {
             clip,
             varmap: varmap.clone(),
             trainable,
@@ -415,7 +454,12 @@ impl PrivacyEngine {
             adaptive,
             comm: None,
             steps: 0,
-        })
+            memory: None,
+        };
+        match self.memory_limit.or(self.options.memory_limit) {
+            Some(limit) => trainer.fit_memory(limit, self.physical_batch.is_none()),
+            None => Ok(trainer),
+        }
     }
 
     /// As [`PrivacyEngine::make_private`], with the noise multiplier chosen

@@ -32,6 +32,7 @@
 
 pub mod accountant;
 mod adaptive;
+mod budget;
 mod checkpoint;
 mod clip;
 pub mod collective;
@@ -39,14 +40,17 @@ mod engine;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod optim;
+mod precision;
 mod trainable;
 mod trainer;
 pub use adaptive::AdaptiveClipping;
+pub use budget::MemoryPlan;
 pub use clip::{
     clipped_grad_sum, per_sample_grad_norms, ClipOf, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms,
 };
 pub use engine::{Clipping, DpConfig, ExampleLoss, PrivacyEngine, PrivateTrainer, StepInfo, XsYs};
 pub use optim::{Adam, AdamW, Optimizer, OptimizerState, Sgd};
+pub use precision::Precision;
 pub use trainable::Trainable;
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
 /// permutations).

@@ -9,9 +9,11 @@ use crate::error::{Error, Result};
 // state in: f32 for half-precision weights (as mixed-precision training
 // keeps its moments; in bf16 `v * 0.999` rounds back to `v`, so Adam's
 // second moment never decays), the weight's own otherwise.
+use crate::kernels;
 use crate::kernels::accumulation_dtype as work_dtype;
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field.
 macro_rules! lr_field {
@@ -143,6 +145,29 @@ pub trait Optimizer {
     fn load_state(&mut self, _state: &OptimizerState) -> Result<()> {
         Err(unsupported_state())
     }
+    /// `(state, workspace)`: the bytes this optimiser's state holds once it
+    /// has stepped every tensor of `params` (moments, velocities), and the
+    /// most its step allocates besides at once. A trainer with a memory
+    /// limit plans the process's memory with them; `None` (the default)
+    /// says the optimiser does not tell, and the trainer then warns that
+    /// its plan leaves the optimiser out.
+    fn memory_bytes(&self, _params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
+        None
+    }
+}
+
+/// The bytes `t` takes in the dtype an optimiser keeps its state in.
+fn work_bytes(t: &Tensor) -> usize {
+    t.elem_count().saturating_mul(work_dtype(t.dtype()).size_in_bytes())
+}
+
+/// `per_tensor` copies of every tensor of `params` in the work dtype, and
+/// `temps` copies of the largest: an optimiser's state and its step's
+/// workspace (its step works a tensor at a time).
+fn sized(params: &BTreeMap<String, Tensor>, per_tensor: usize, temps: usize) -> (usize, usize) {
+    let all: usize = params.values().map(work_bytes).fold(0, usize::saturating_add);
+    let largest = params.values().map(work_bytes).max().unwrap_or(0);
+    (all.saturating_mul(per_tensor), largest.saturating_mul(temps))
 }
 
 /// Stochastic gradient descent with momentum (PyTorch's formulation:
@@ -215,9 +240,18 @@ impl Optimizer for Sgd {
                 _ => g,
             };
             descend(var, None, &v, lr, path)?;
-            self.velocity.insert(name.clone(), v);
+            // without momentum nothing carries over: keeping `v` would
+            // hold a second copy of every gradient between steps
+            if self.momentum != 0.0 {
+                self.velocity.insert(name.clone(), v);
+            }
         }
         Ok(())
+    }
+
+    fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
+        // the gradient in the work dtype, its decay term and the new velocity
+        Some(sized(params, usize::from(self.momentum != 0.0), 3))
     }
 
     fn state(&self) -> Result<OptimizerState> {
@@ -362,6 +396,11 @@ pub struct Adam {
     decoupled: bool,
     steps: i32,
     moments: BTreeMap<String, (Tensor, Tensor)>,
+    /// Whether the moments may be shared with an [`OptimizerState`] that
+    /// `state` gave out or `load_state` took: the next step copies each
+    /// before updating it in place, so a state once handed out never
+    /// changes.
+    shared: AtomicBool,
     groups: Groups,
 }
 
@@ -379,6 +418,7 @@ impl Adam {
             decoupled: false,
             steps: 0,
             moments: BTreeMap::new(),
+            shared: AtomicBool::new(false),
             groups: Groups::default(),
         })
     }
@@ -412,6 +452,7 @@ impl Optimizer for Adam {
         let (b1, b2) = self.betas;
         let (c1, c2) = (1.0 - b1.powi(self.steps), 1.0 - b2.powi(self.steps));
         let path = crate::interp::exec::portable_path(None);
+        let shared = self.shared.swap(false, Ordering::Relaxed);
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "adam", name, g)?;
             let (lr, wd) = self.groups.of(name, (self.lr, self.weight_decay));
@@ -421,15 +462,34 @@ impl Optimizer for Adam {
                 g
             };
             let (m, v) = match self.moments.remove(name) {
+                // in place where the crate's kernel takes them, copies
+                // first where a handed-out state may share them
+                Some((m, v)) if kernels::adam::fits(&[&m, &v, &g], path) => {
+                    let (m, v) = if shared { (m.copy()?, v.copy()?) } else { (m, v) };
+                    kernels::adam::moments_in_place(&m, &v, &g, (b1, b2))?;
+                    (m, v)
+                }
                 Some((m, v)) => (
                     ((m * b1)? + (&g * (1.0 - b1))?)?,
                     ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
                 ),
                 None => ((&g * (1.0 - b1))?, (g.sqr()? * (1.0 - b2))?),
             };
+            let decoupled = wd != 0.0 && self.decoupled;
+            let u = kernels::adam::Update {
+                lr,
+                c1,
+                c2,
+                eps: self.eps,
+                decay: decoupled.then_some(1.0 - lr * wd),
+            };
+            if var.dtype() == m.dtype() && kernels::adam::update_in_place(var.as_tensor(), &m, &v, u, path)? {
+                self.moments.insert(name.clone(), (m, v));
+                continue;
+            }
             let denom = ((&v / c2)?.sqrt()? + self.eps)?;
             let update = ((&m / c1)? / denom)?;
-            let decayed = match wd != 0.0 && self.decoupled {
+            let decayed = match decoupled {
                 true => Some((value(var)? * (1.0 - lr * wd))?),
                 false => None,
             };
@@ -437,6 +497,16 @@ impl Optimizer for Adam {
             self.moments.insert(name.clone(), (m, v));
         }
         Ok(())
+    }
+
+    fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
+        // two moments. The step in place holds at most copies of one
+        // tensor's moments (after a state was handed out) and L2 decay's
+        // gradient; with candle's operations, the gradient, the old and
+        // new moments and the denominator and update of one tensor
+        let path = crate::interp::exec::portable_path(None);
+        let in_place = params.values().all(|p| kernels::adam::fits(&[p], path));
+        Some(sized(params, 2, if in_place { 4 } else { 6 }))
     }
 
     fn state(&self) -> Result<OptimizerState> {
@@ -453,6 +523,8 @@ impl Optimizer for Adam {
         .collect();
         group_scalars(&self.groups, &mut scalars);
         let mut tensors = BTreeMap::new();
+        // the state shares the moments' storage: the next step updates copies
+        self.shared.store(true, Ordering::Relaxed);
         for (k, (m, v)) in &self.moments {
             tensors.insert(format!("m/{k}"), m.clone());
             tensors.insert(format!("v/{k}"), v.clone());
@@ -493,6 +565,8 @@ impl Optimizer for Adam {
             .zip(v.into_values())
             .map(|((k, m), v)| (k, (m, v)))
             .collect();
+        // the moments may share the caller's state's storage
+        self.shared.store(true, Ordering::Relaxed);
         (self.steps, self.lr, self.groups) = (steps as i32, lr, groups);
         Ok(())
     }
@@ -549,6 +623,10 @@ impl Optimizer for AdamW {
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         self.0.load_state(state)
     }
+
+    fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
+        self.0.memory_bytes(params)
+    }
 }
 
 /// A boxed optimiser, so that one trainer type can take any of them.
@@ -571,5 +649,9 @@ impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
 
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         (**self).load_state(state)
+    }
+
+    fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
+        (**self).memory_bytes(params)
     }
 }

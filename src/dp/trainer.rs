@@ -33,6 +33,10 @@ pub(super) struct Masked<F, S> {
     pub(super) loss: F,
     pub(super) def: TreeDef,
     pub(super) frozen: BTreeMap<String, Tensor>,
+    /// The dtype the loss computes in under mixed precision: each
+    /// trainable (f32) weight is cast to it where the loss reads it, and
+    /// the loss back to f32.
+    pub(super) half: Option<DType>,
     pub(super) form: PhantomData<fn() -> S>,
 }
 
@@ -42,6 +46,11 @@ impl<F, S> Masked<F, S> {
     /// The trainable parameters with the frozen ones lifted into `like`'s
     /// trace as constants.
     fn all_params(&self, mut p: BTreeMap<String, Tracer>, like: &Tracer) -> Result<BTreeMap<String, Tracer>> {
+        if let Some(h) = self.half {
+            for t in p.values_mut() {
+                *t = t.to_dtype(h)?;
+            }
+        }
         for (k, t) in &self.frozen {
             p.insert(k.clone(), t.to_tracer(like)?);
         }
@@ -93,7 +102,12 @@ impl<F: ExampleLoss<S>, S> Function<Args> for Masked<F, S> {
 
     fn apply(&self, (p, leaves, w): Args) -> Result<Tracer> {
         let p = self.all_params(p, &w)?;
-        weighted(self.loss.example_loss(p, leaves, &self.def)?, &w)
+        let loss = self.loss.example_loss(p, leaves, &self.def)?;
+        let loss = match self.half {
+            Some(_) => loss.to_dtype(DType::F32)?,
+            None => loss,
+        };
+        weighted(loss, &w)
     }
 }
 
@@ -166,6 +180,8 @@ pub struct PrivateTrainer<F, O, S = XsYs> {
     pub(super) comm: Option<Box<dyn Collective>>,
     /// Steps taken (restored by `resume`).
     pub(super) steps: u64,
+    /// The process's memory plan, under a memory limit.
+    pub(super) memory: Option<super::budget::MemoryPlan>,
 }
 
 impl<F, O, S> PrivateTrainer<F, O, S>
@@ -259,7 +275,7 @@ where
         let (mut loss_sum, mut over) = (0.0, 0usize);
         for chunk in mine.chunks(self.physical) {
             let (examples, w) = self.pass(chunk)?;
-            let (clipped, norms, losses) = self.clip.call((params, &examples, &w))?;
+            let (clipped, norms, losses) = self.clip.call((params, &examples, &w)).map_err(|e| self.over(e))?;
             // the losses came weighted by 1 / C under adaptive clipping
             loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()? * self.unit();
             if let Some(c) = self.bound {
@@ -380,6 +396,43 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
         }
     }
 
+    /// A pass's plan over its limit, as the trainer's user can act on it:
+    /// by the physical batch, not the inner `vmap`'s chunks.
+    fn over(&self, e: Error) -> Error {
+        let Error::Memory { needed, limit, .. } = e else {
+            return e;
+        };
+        let remedy = match &self.memory {
+            Some(_) => {
+                "the memory plan changed since make_private (a variable or the data grew): build the trainer again"
+            }
+            None => {
+                "pass fewer examples at once (PrivacyEngine::physical_batch), or set PrivacyEngine::memory_limit \
+                     and leave physical_batch unset: the trainer then chooses the largest batch that fits"
+            }
+        };
+        Error::TrainerMemory {
+            op: "PrivateTrainer::step",
+            needed,
+            limit,
+            parts: format!("a pass of {} examples", self.physical),
+            remedy: remedy.into(),
+        }
+    }
+
+    /// Examples per pass: [`PrivacyEngine::physical_batch`](super::PrivacyEngine::physical_batch)'s,
+    /// or the one the trainer chose under a memory limit.
+    pub fn physical_batch(&self) -> usize {
+        self.physical
+    }
+
+    /// The process's memory at a step's peak by part, where the engine had
+    /// a memory limit ([`PrivacyEngine::memory_limit`](super::PrivacyEngine::memory_limit));
+    /// `None` without one.
+    pub fn memory_plan(&self) -> Option<&super::budget::MemoryPlan> {
+        self.memory.as_ref()
+    }
+
     /// The trainable parameters' current values by name.
     pub(super) fn params_now(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut all = super::optim::var_tensors(&self.varmap)?;
@@ -414,7 +467,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
 
     /// One pass's examples and weights: the chunk's examples padded to the
     /// physical size with copies of its first, weighted 0.
-    fn pass(&self, chunk: &[usize]) -> Result<(Vec<Tensor>, Tensor)> {
+    pub(super) fn pass(&self, chunk: &[usize]) -> Result<(Vec<Tensor>, Tensor)> {
         let mut ids: Vec<u32> = Vec::with_capacity(self.physical);
         for &i in chunk {
             let id = u32::try_from(i)

@@ -277,8 +277,20 @@ pub(crate) fn checked_elems(op: &str, what: &str, shape: &[usize]) -> Result<usi
 
 /// `MemAvailable` from `/proc/meminfo` (Linux), in bytes.
 fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    kib_field("/proc/meminfo", "MemAvailable:")
+}
+
+/// The process's resident memory now (`VmRSS` of `/proc/self/status`,
+/// Linux), in bytes, once the heap's free pages are returned.
+pub(crate) fn resident_memory() -> Option<usize> {
+    malloc::trim();
+    kib_field("/proc/self/status", "VmRSS:")
+}
+
+/// The kibibytes a `/proc` file states on the line starting `key`, in bytes.
+fn kib_field(file: &str, key: &str) -> Option<usize> {
+    let info = std::fs::read_to_string(file).ok()?;
+    let line = info.lines().find(|l| l.starts_with(key))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }

@@ -62,3 +62,20 @@ fn set_thresholds(trim: usize) {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn set_thresholds(_trim: usize) {}
+
+/// Returns the free pages of glibc's heap to the kernel, so that the
+/// process's resident memory read next is what it holds live (the memory
+/// a trainer's plan starts from) rather than what earlier graphs freed.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub(crate) fn trim() {
+    // SAFETY: malloc_trim only gives free pages back to the kernel (it
+    // takes the arenas' locks itself and moves no live allocation); safe
+    // from any thread at any time. Exercised by tests/dp_memory.rs, whose
+    // trainers plan under a memory limit.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub(crate) fn trim() {}

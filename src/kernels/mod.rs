@@ -32,6 +32,7 @@
 //! Each is a multi-threaded CPU kernel for f32/f64 with a generic
 //! candle-op fallback on every other device and dtype.
 
+pub(crate) mod adam;
 pub(crate) mod attention;
 pub mod bmm;
 pub mod compare;
@@ -48,6 +49,7 @@ pub mod shift;
 pub mod softmax;
 pub mod transpose;
 pub mod unfold;
+pub(crate) mod widen;
 pub(crate) mod ziggurat;
 pub(crate) mod zip;
 

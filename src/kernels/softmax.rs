@@ -6,7 +6,10 @@
 //! Log-softmax likewise (a cross-entropy over a 151,936-word vocabulary,
 //! `[508, 151936]`: 0.6 s a step through candle's operations, one thread
 //! and libm per element), computed as candle's is, `(x - m) - ln sum
-//! e^(x - m)`, so infinities and NaN come out the same.
+//! e^(x - m)`, so infinities and NaN come out the same. A bf16 or f16
+//! tensor is computed in f32 a block of rows at a time and rounded once:
+//! the numbers of widening the whole tensor first, without its f32 copies
+//! (two of 311 MB for that vocabulary's logits).
 
 use super::fastmath::{exp, widest, Fused, Madd, Plain};
 use super::{contiguous_slice, in_blocks, output};
@@ -96,8 +99,11 @@ impl CustomOp1 for SoftmaxLast {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(v) = s else {
-            bail!("{}: no fast kernel for this dtype", self.name())
+        let v = match s {
+            CpuStorage::F32(v) => v,
+            CpuStorage::BF16(v) => return Ok((CpuStorage::BF16(self.half(v, l)?), l.shape().clone())),
+            CpuStorage::F16(v) => return Ok((CpuStorage::F16(self.half(v, l)?), l.shape().clone())),
+            _ => bail!("{}: no fast kernel for this dtype", self.name()),
         };
         let x = contiguous_slice(self.name(), v, l)?;
         let n = l.dims().last().copied().unwrap_or(1);
@@ -110,14 +116,55 @@ impl CustomOp1 for SoftmaxLast {
     }
 }
 
-/// Softmax over the last axis for a non-empty CPU f32 tensor; `None`
+impl SoftmaxLast {
+    /// A half-precision tensor's rows in f32, a block at a time.
+    fn half<H: Half>(&self, v: &[H], l: &Layout) -> Result<Vec<H>> {
+        let x = contiguous_slice(self.name(), v, l)?;
+        let n = l.dims().last().copied().unwrap_or(1);
+        let mut dst = vec![H::from_f32(0.0); x.len()];
+        let per = (4096 / n.max(1)).max(1) * n;
+        in_blocks(&mut dst, per, 8, |start, d| {
+            let wide: Vec<f32> = x[start..start + d.len()].iter().map(|h| h.to_f32()).collect();
+            let mut out = vec![0f32; d.len()];
+            fill(&mut out, &wide, n, self.log);
+            d.iter_mut().zip(&out).for_each(|(d, &y)| *d = H::from_f32(y));
+        });
+        Ok(dst)
+    }
+}
+
+/// A half-precision element: exact in f32, rounded back to nearest even.
+trait Half: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Half for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+impl Half for half::f16 {
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// Softmax over the last axis for a non-empty CPU f32, bf16 or f16
+/// tensor (half precision computed in f32, rounded once); `None`
 /// otherwise (the caller uses candle's).
 pub fn softmax_last_dim(x: &Tensor, path: super::Path) -> Result<Option<Tensor>> {
     last_dim(x, path, false)
 }
 
-/// Log-softmax over the last axis for a non-empty CPU f32 tensor; `None`
-/// otherwise (the caller uses candle's).
+/// Log-softmax over the last axis, as [`softmax_last_dim`] takes it.
 pub fn log_softmax_last_dim(x: &Tensor, path: super::Path) -> Result<Option<Tensor>> {
     last_dim(x, path, true)
 }
@@ -125,7 +172,7 @@ pub fn log_softmax_last_dim(x: &Tensor, path: super::Path) -> Result<Option<Tens
 fn last_dim(x: &Tensor, path: super::Path, log: bool) -> Result<Option<Tensor>> {
     if path != super::Path::Fast
         || !x.device().is_cpu()
-        || x.dtype() != DType::F32
+        || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
         || x.elem_count() == 0
         || x.rank() == 0
     {
@@ -211,6 +258,41 @@ mod tests {
         }
         assert!(y[0].iter().all(|v| v.is_nan()), "{y:?}");
         assert_eq!(y[3][0], -inf);
+        Ok(())
+    }
+
+    /// bf16 and f16 rows computed in f32 a block at a time equal widening
+    /// the whole tensor, running the f32 kernel and rounding once, bit for
+    /// bit, NaN included.
+    #[test]
+    fn half_rows_equal_the_widened_run() -> Result<()> {
+        for dt in [DType::BF16, DType::F16] {
+            for n in [3, 4100] {
+                let mut x = Tensor::randn(0f32, 4., (5, n), &Device::Cpu)?.to_dtype(dt)?;
+                if n == 3 {
+                    // NaN, infinities
+                    x = Tensor::cat(&[&x, &special_rows()?.to_dtype(dt)?], 0)?;
+                }
+                for log in [false, true] {
+                    let got = last_dim(&x, crate::kernels::Path::Fast, log)?.expect("a half CPU tensor");
+                    let wide = last_dim(&x.to_dtype(DType::F32)?, crate::kernels::Path::Fast, log)?.expect("f32");
+                    let want = wide.to_dtype(dt)?;
+                    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                        Ok(t.to_dtype(DType::F32)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect())
+                    };
+                    let same = bits(&got)?
+                        .iter()
+                        .zip(bits(&want)?)
+                        .all(|(a, b)| *a == b || (f32::from_bits(*a).is_nan() && f32::from_bits(b).is_nan()));
+                    assert!(same, "{dt:?} n = {n} log = {log}");
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -1,5 +1,5 @@
 //! Same-shape arithmetic, `a + b`, `a - b`, `a * b` and `a / b` of two
-//! contiguous f32 or f64 tensors, in one pass on rayon's pool: the pool
+//! contiguous f32, f64 or bf16 tensors, in one pass on rayon's pool: the pool
 //! gemm's threads and the crate's other kernels run on. candle's maps run
 //! on a second pool of candle's own, whose threads spin for a while after
 //! every call; on a machine with as many cores as threads that spinning
@@ -10,7 +10,8 @@
 //! `w += alpha v`, in one pass over the weight.
 
 use super::{assume_written, by_blocks, contiguous_slice, has_cpu_kernel, output_uninit, own_slice_mut, Elem, Path};
-use candle_core::{bail, CpuStorage, CustomOp2, InplaceOp2, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Result, Shape, Tensor};
+use half::bf16;
 use std::mem::MaybeUninit;
 use std::ops::{Div, Sub};
 
@@ -69,6 +70,26 @@ fn run<T: Num>(a: &[T], b: &[T], op: Arith) -> Result<Vec<T>> {
     Ok(unsafe { assume_written(dst) })
 }
 
+/// [`run`] for bf16: each element in f32 and rounded once, as `half`'s
+/// (and so candle's) bf16 arithmetic computes it, across the threads.
+fn run_bf16(a: &[bf16], b: &[bf16], op: Arith) -> Result<Vec<bf16>> {
+    if a.len() != b.len() {
+        bail!("zip: operands of {} and {} elements", a.len(), b.len())
+    }
+    let mut dst = vec![bf16::ZERO; a.len()];
+    by_blocks(&mut dst, 4, |start, d| {
+        let (a, b) = (&a[start..start + d.len()], &b[start..start + d.len()]);
+        let each = d.iter_mut().zip(a).zip(b);
+        match op {
+            Arith::Add => each.for_each(|((d, x), y)| *d = bf16::from_f32(x.to_f32() + y.to_f32())),
+            Arith::Sub => each.for_each(|((d, x), y)| *d = bf16::from_f32(x.to_f32() - y.to_f32())),
+            Arith::Mul => each.for_each(|((d, x), y)| *d = bf16::from_f32(x.to_f32() * y.to_f32())),
+            Arith::Div => each.for_each(|((d, x), y)| *d = bf16::from_f32(x.to_f32() / y.to_f32())),
+        }
+    });
+    Ok(dst)
+}
+
 struct ZipOp(Arith);
 
 impl CustomOp2 for ZipOp {
@@ -91,6 +112,11 @@ impl CustomOp2 for ZipOp {
                 contiguous_slice("zip", b, l2)?,
                 self.0,
             )?),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(run_bf16(
+                contiguous_slice("zip", a, l1)?,
+                contiguous_slice("zip", b, l2)?,
+                self.0,
+            )?),
             _ => bail!("zip {:?}: no CPU kernel for these dtypes", self.0),
         };
         Ok((out, l1.shape().clone()))
@@ -108,11 +134,18 @@ fn pair_fits(a: &Tensor, b: &Tensor, path: Path) -> bool {
         && b.is_contiguous()
 }
 
-/// `a op b` for two contiguous CPU tensors of one shape and dtype (f32 or
-/// f64) of at least [`MIN_ELEMS`] elements; `None` otherwise (the caller
-/// uses candle's, which broadcasts and takes any layout).
+/// `a op b` for two contiguous CPU tensors of one shape and dtype (f32,
+/// f64, or bf16 computed in f32 and rounded once as candle's is) of at
+/// least [`MIN_ELEMS`] elements; `None` otherwise (the caller uses
+/// candle's, which broadcasts and takes any layout).
 pub(crate) fn zip(a: &Tensor, b: &Tensor, op: Arith, path: Path) -> Result<Option<Tensor>> {
-    if !pair_fits(a, b, path) || a.elem_count() < MIN_ELEMS {
+    let bf16_pair = path == Path::Fast
+        && a.device().is_cpu()
+        && (a.dtype(), b.dtype()) == (DType::BF16, DType::BF16)
+        && a.dims() == b.dims()
+        && a.is_contiguous()
+        && b.is_contiguous();
+    if !(pair_fits(a, b, path) || bf16_pair) || a.elem_count() < MIN_ELEMS {
         return Ok(None);
     }
     Ok(Some(a.apply_op2_no_bwd(b, &ZipOp(op))?))
@@ -210,6 +243,31 @@ mod tests {
                 assert!(g[5].is_nan(), "{op:?}: NaN reaches its element");
             }
         }
+        Ok(())
+    }
+
+    /// bf16 arithmetic bit for bit candle's (each element in f32, rounded
+    /// once), NaN included.
+    #[test]
+    fn bf16_equals_candles_maps() -> Result<()> {
+        let n = 3 * super::super::BLOCK + 11;
+        let mut av: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let bv: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
+        av[5] = f32::NAN;
+        let a = Tensor::from_vec(av, n, &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let b = Tensor::from_vec(bv, n, &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let bits = |t: &Tensor| -> Result<Vec<u16>> { Ok(t.to_vec1::<bf16>()?.iter().map(|x| x.to_bits()).collect()) };
+        for (op, want) in [
+            (Arith::Add, (&a + &b)?),
+            (Arith::Sub, (&a - &b)?),
+            (Arith::Mul, (&a * &b)?),
+            (Arith::Div, (&a / &b)?),
+        ] {
+            let got = zip(&a, &b, op, Path::Fast)?.expect("a contiguous bf16 pair");
+            assert_eq!(bits(&got)?, bits(&want)?, "{op:?}");
+            assert!(got.to_vec1::<bf16>()?[5].is_nan(), "{op:?}: NaN reaches its element");
+        }
+        assert!(zip(&a, &b, Arith::Add, Path::Portable)?.is_none());
         Ok(())
     }
 

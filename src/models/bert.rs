@@ -266,6 +266,7 @@ impl Encoder {
         let x = words.broadcast_add(&pos)?.broadcast_add(&types)?;
         let mut h = self.emb_norm.forward_with(p, &x)?;
         let attn_mask = AttentionMask {
+            window: None,
             causal: false,
             keep: b.keep.clone(),
         };

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// A checkpoint folder's configuration and weights, read once; the models'
 /// `load` functions build from it. Weights are converted to the dtype
@@ -18,6 +19,8 @@ pub struct Checkpoint {
     tensors: HashMap<String, Tensor>,
     dtype: DType,
     device: Device,
+    /// The weights models built from this have read ([`Checkpoint::read_names`]).
+    taken: Mutex<BTreeSet<String>>,
 }
 
 fn bad(what: impl Into<String>, msg: impl Into<String>) -> Error {
@@ -78,6 +81,7 @@ impl Checkpoint {
             tensors,
             dtype,
             device: device.clone(),
+            taken: Mutex::default(),
         })
     }
 
@@ -149,6 +153,33 @@ impl Checkpoint {
         )
     }
 
+    /// The weights the models built from this checkpoint have read
+    /// through [`Checkpoint::weight`], sorted: for a model, its parameters
+    /// (`Module::params()` holds exactly these; `tests/hf_models.rs`
+    /// checks it for every case, so a layer a model forgets to list is
+    /// caught).
+    pub fn read_names(&self) -> Vec<String> {
+        self.taken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    /// The folder's float weights no model built from it has read
+    /// (transformers' "weights of the checkpoint not used"): a pooler a
+    /// model without one leaves, or a layer a model skipped.
+    pub fn unread(&self) -> Vec<&str> {
+        let taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<&str> = (self.tensors.iter())
+            .filter(|(k, t)| t.dtype().is_float() && !taken.contains(*k))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// Whether the folder holds weight `name`.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
@@ -182,7 +213,12 @@ impl Checkpoint {
                 format!("is {:?}, not a float tensor", t.dtype()),
             ));
         }
-        Ok(t.to_dtype(self.dtype)?)
+        let t = t.to_dtype(self.dtype)?;
+        self.taken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string());
+        Ok(t)
     }
 }
 

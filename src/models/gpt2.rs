@@ -181,6 +181,7 @@ impl Gpt2LmHeadModel {
         let pos = self.wpe.table(p, &b.ids)?.narrow(0, 0, t)?; // T D
         let mut h = self.wte.forward_with(p, &b.ids)?.broadcast_add(&pos)?; // N T D
         let attn_mask = AttentionMask {
+            window: None,
             causal: true,
             keep: b.keep.clone(),
         };

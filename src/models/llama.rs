@@ -66,6 +66,15 @@ pub struct LlamaConfig {
     /// Qwen2: whether `sliding_window` applies.
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// Qwen2 (transformers 4.x): the first this many layers attend in
+    /// full, the rest through the window (28 when absent, as transformers'
+    /// default).
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// transformers 5.x: each layer's attention, `full_attention` or
+    /// `sliding_attention`; wins over `max_window_layers`.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
     /// The padding token: its embedding row gets no gradient (PyTorch's
     /// `padding_idx`, as Hugging Face builds the table).
     #[serde(default)]
@@ -92,7 +101,8 @@ struct Resolved {
     theta: f64,
     qkv_bias: bool,
     o_bias: bool,
-    window: Option<usize>,
+    /// Each layer's sliding window, if it has one.
+    windows: Vec<Option<usize>>,
     act: Activation,
 }
 
@@ -162,10 +172,7 @@ impl LlamaConfig {
             (_, Some(b)) => (b, b),
             _ => (false, false),
         };
-        let window = match m {
-            "qwen2" if !self.use_sliding_window => None,
-            _ => self.sliding_window,
-        };
+        let windows = self.windows(m)?;
         Ok(Resolved {
             kv_heads,
             head_dim,
@@ -174,8 +181,44 @@ impl LlamaConfig {
             theta,
             qkv_bias,
             o_bias,
-            window,
+            windows,
             act,
+        })
+    }
+
+    /// Each layer's window: `layer_types` where given (transformers 5.x);
+    /// else Qwen2's layers from `max_window_layers` on when
+    /// `use_sliding_window`, Mistral's (and Llama's) every layer.
+    fn windows(&self, m: &str) -> Result<Vec<Option<usize>>> {
+        let n = self.num_hidden_layers;
+        let Some(w) = self.sliding_window else {
+            return Ok(vec![None; n]);
+        };
+        if let Some(types) = &self.layer_types {
+            if types.len() != n {
+                let msg = format!("{} entries for {n} layers", types.len());
+                return Err(unsupported(m, "layer_types", msg));
+            }
+            return types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(None),
+                    "sliding_attention" => Ok(Some(w)),
+                    other => Err(unsupported(
+                        m,
+                        "layer_types",
+                        format!("{other:?} attention is not implemented"),
+                    )),
+                })
+                .collect();
+        }
+        Ok(match m {
+            "qwen2" if !self.use_sliding_window => vec![None; n],
+            "qwen2" => {
+                let full = self.max_window_layers.unwrap_or(28);
+                (0..n).map(|i| (i >= full).then_some(w)).collect()
+            }
+            _ => vec![Some(w); n],
         })
     }
 
@@ -335,27 +378,20 @@ impl LlamaForCausalLM {
     /// [`Self::forward_masked`] with parameters replaced by name.
     pub fn forward_full(&self, p: &Params, ids: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
         let c = &self.config;
-        let m = c.model_type.as_str();
         let b = as_batch("llama", ids, mask, c.max_position_embeddings)?;
         let t = b.ids.dims()[1];
-        if let Some(w) = self.r.window.filter(|&w| w < t) {
-            return Err(unsupported(
-                m,
-                "sliding_window",
-                format!("a window of {w} tokens is shorter than the sequence of {t}: sliding-window attention is not implemented"),
-            ));
-        }
         let (cos, sin) = self.rotary.tables(t)?;
         let (cos, sin) = (cos.to_tracer(&b.ids)?, sin.to_tracer(&b.ids)?);
-        let attn_mask = AttentionMask {
+        let attn_mask = |window| AttentionMask {
+            window,
             causal: true,
             keep: b.keep.clone(),
         };
         let scale = 1.0 / (self.r.head_dim as f64).sqrt();
         let mut h = self.embed.forward_with(p, &b.ids)?; // N T D
-        for blk in &self.blocks {
+        for (blk, &window) in self.blocks.iter().zip(&self.r.windows) {
             let x = blk.input_norm.forward_with(p, &h)?;
-            h = h.add(&blk.attn.forward(p, &x, &attn_mask, scale, Some((&cos, &sin)))?)?;
+            h = h.add(&blk.attn.forward(p, &x, &attn_mask(window), scale, Some((&cos, &sin)))?)?;
             let x = blk.post_norm.forward_with(p, &h)?;
             let gate = self.r.act.forward_with(p, &blk.gate.forward_with(p, &x)?)?;
             let gated = gate.mul(&blk.up.forward_with(p, &x)?)?;

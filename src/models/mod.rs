@@ -17,9 +17,9 @@
 //! its `params()` are named as in the checkpoint.
 //!
 //! A configuration this crate does not implement (an unknown
-//! `hidden_act`, `rope_scaling`, a relative `position_embedding_type`, a
-//! sliding window shorter than the sequence) is an [`Error::Model`] naming
-//! the field, never ignored.
+//! `hidden_act`, `rope_scaling`, a relative `position_embedding_type`, an
+//! unknown entry of `layer_types`) is an [`Error::Model`] naming the field,
+//! never ignored.
 //!
 //! ```no_run
 //! use candle_core::{DType, Device, Tensor};

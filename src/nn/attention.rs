@@ -9,7 +9,7 @@ use super::layers::{Activation, Linear};
 use super::norm::LayerNorm;
 use super::{Module, Params};
 use crate::error::{Error, Result};
-use crate::trace::Tracer;
+use crate::trace::{Operand, Tracer};
 use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
 
@@ -52,6 +52,10 @@ pub struct AttentionMask {
     /// `[N, T]`, nonzero for a real token and 0 for padding (Hugging
     /// Face's `attention_mask`): padded keys are hidden.
     pub keep: Option<Tracer>,
+    /// A sliding window (Mistral's, Qwen2's `sliding_attention` layers):
+    /// query `i` sees key `j` only where `i - j < window`. It needs
+    /// `causal`; a window at least as long as the sequence changes nothing.
+    pub window: Option<usize>,
 }
 
 /// `softmax(q k^T * scale + mask) v` over `q [N, H, T, Dh]` and `k`, `v`
@@ -93,9 +97,50 @@ pub fn attend(q: &Tracer, k: &Tracer, v: &Tracer, mask: &AttentionMask, scale: f
             ));
         }
     }
-    // one primitive: scores, mask, softmax and the weighted sum, whose
-    // gradient recomputes the probabilities rather than keeping them
-    q.attention(&k, &v, mask.keep.as_ref(), mask.causal, scale)
+    match mask.window {
+        Some(0) => Err(Error::shape(
+            "attention",
+            &[qd],
+            "a sliding window of 0 tokens hides every key",
+        )),
+        Some(_) if !mask.causal => Err(Error::shape(
+            "attention",
+            &[qd],
+            "a sliding window needs a causal mask (it hides keys before the window, the causal mask those after)",
+        )),
+        Some(w) if w < t => windowed(&q.matmul(&k.transpose(2, 3)?)?, &v, mask.keep.as_ref(), scale, w),
+        // one primitive: scores, mask, softmax and the weighted sum, whose
+        // gradient recomputes the probabilities rather than keeping them
+        _ => q.attention(&k, &v, mask.keep.as_ref(), mask.causal, scale),
+    }
+}
+
+/// Attention over a sliding window of `w` keys from the raw scores `q k^T`
+/// `[N, H, T, T]`, written out of the graph's operations (the fused
+/// primitive knows only the causal mask). It holds the `[N, H, T, T]`
+/// probabilities for its gradient. A query whose window holds only
+/// padding (a padded position more than `w` tokens past the last real
+/// one) attends to nothing and gets zeros, as PyTorch's
+/// `scaled_dot_product_attention` (transformers' default) gives it; such
+/// a position is never a real token's, so no loss reads it.
+fn windowed(raw: &Tracer, v: &Tracer, keep: Option<&Tracer>, scale: f64, w: usize) -> Result<Tracer> {
+    let (n, t) = (raw.dims()[0], raw.dims()[2]);
+    crate::interp::exec::check_host_alloc("attention", "the sliding window's band", t.saturating_mul(t), 1)?;
+    // key j visible to query i where 0 <= i - j < w
+    let band: Vec<u8> = (0..t * t)
+        .map(|x| u8::from(x % t <= x / t && x / t - x % t < w))
+        .collect();
+    let band = Tensor::from_vec(band, (1, 1, t, t), &raw.device())?.to_tracer(raw)?;
+    let visible = match keep {
+        // N T -> N 1 1 T: padded keys hidden for every query
+        Some(keep) => keep.ne(0.0)?.reshape((n, 1, 1, t))?.where_cond(&band, 0.0)?,
+        None => band,
+    };
+    let hidden = mask_value(raw.dtype());
+    let s = visible.where_cond(raw.affine(scale, 0.0)?, hidden)?;
+    // N 1 T T -> N 1 T 1: whether the query sees any key
+    let sees = visible.to_dtype(DType::F32)?.max_keepdim(3)?.to_dtype(raw.dtype())?;
+    s.softmax(3)?.broadcast_mul(&sees)?.matmul(v)
 }
 
 /// `[N, Hkv, T, Dh] -> [N, Hkv * group, T, Dh]`, each head repeated

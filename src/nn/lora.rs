@@ -39,6 +39,10 @@ pub struct LoraConfig {
     pub modules_to_save: Vec<String>,
     /// The seed `A` is drawn from.
     pub seed: u64,
+    /// The adapters' dtype; `None` (the default) takes the adapted
+    /// weight's. `Some(DType::F32)` on a half-precision base keeps the
+    /// adapters as f32 masters, for `dp::Precision::Bf16Mixed`.
+    pub dtype: Option<DType>,
 }
 
 impl LoraConfig {
@@ -51,6 +55,7 @@ impl LoraConfig {
             target_modules: target_modules.iter().map(|s| s.as_ref().to_string()).collect(),
             modules_to_save: Vec::new(),
             seed: 0,
+            dtype: None,
         }
     }
 
@@ -72,6 +77,12 @@ impl LoraConfig {
         self
     }
 
+    /// The adapters' dtype (default: the adapted weight's).
+    pub fn dtype(mut self, dtype: DType) -> LoraConfig {
+        self.dtype = Some(dtype);
+        self
+    }
+
     fn check(&self) -> Result<()> {
         let bad = |field: &str, msg: String| Error::Model {
             what: format!("LoraConfig.{field}"),
@@ -88,6 +99,9 @@ impl LoraConfig {
         }
         if self.target_modules.is_empty() {
             return Err(bad("target_modules", "no layer to adapt".into()));
+        }
+        if let Some(dt) = self.dtype.filter(|dt| !dt.is_float()) {
+            return Err(bad("dtype", format!("{dt:?} is not a floating-point dtype")));
         }
         Ok(())
     }
@@ -200,9 +214,10 @@ impl Lora {
             let vals: Vec<f64> = (0..config.r * in_dim)
                 .map(|_| (2.0 * rng.uniform() - 1.0) * bound)
                 .collect();
-            let a = Tensor::from_vec(vals, (config.r, in_dim), w.device())?.to_dtype(w.dtype())?;
+            let dt = config.dtype.unwrap_or(w.dtype());
+            let a = Tensor::from_vec(vals, (config.r, in_dim), w.device())?.to_dtype(dt)?;
             let a = Var::from_tensor(&a)?;
-            let b = Var::zeros((out_dim, config.r), w.dtype(), w.device())?;
+            let b = Var::zeros((out_dim, config.r), dt, w.device())?;
             data.insert(a_name, a.clone());
             data.insert(b_name, b.clone());
             adapters.insert(layer.to_string(), Adapter { a, b, in_out: flipped });

@@ -147,10 +147,13 @@ impl<'a> Params<'a> {
     }
 
     /// The parameter `name`: the replacement if one is given (it must have
-    /// the parameter's shape and dtype), else `own` lifted into `like`'s trace.
+    /// the parameter's shape, and its dtype or, for a floating parameter,
+    /// another floating dtype: a compute copy, as mixed precision reads an
+    /// f32 master in bf16), else `own` lifted into `like`'s trace.
     pub fn get(&self, name: &str, own: &Tensor, like: &Tracer) -> Result<Tracer> {
+        let copy = |t: &Tracer| t.dtype() == own.dtype() || (t.dtype().is_float() && own.dtype().is_float());
         match self.overrides.and_then(|m| m.get(name)) {
-            Some(t) if t.dims() != own.dims() || t.dtype() != own.dtype() => Err(Error::Shape {
+            Some(t) if t.dims() != own.dims() || !copy(t) => Err(Error::Shape {
                 op: "parameter",
                 shapes: vec![own.dims().to_vec(), t.dims().to_vec()],
                 msg: format!("{name:?} replaced by a tensor of another shape or dtype"),

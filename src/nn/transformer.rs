@@ -311,6 +311,7 @@ impl MultiHeadAttention {
     pub fn forward_with_mask(&self, p: &Params, x: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
         let (q, k, v) = self.project(p, x)?;
         let mask = super::AttentionMask {
+            window: None,
             causal: self.causal,
             keep: mask.cloned(),
         };

@@ -56,7 +56,7 @@ impl Rule for AttnOp {
         Facts::costly()
     }
 
-    fn workspace(&self, args: &[Arg], _out: &TensorType) -> Workspace {
+    fn workspace(&self, args: &[Arg], out: &TensorType) -> Workspace {
         let copies: usize = args.iter().map(Arg::copy_if_strided).sum();
         let q = args[0].ty;
         let (heads, t, elem) = (q.shape[0] * q.shape[1], q.shape[2], q.dtype.size_in_bytes());
@@ -64,6 +64,12 @@ impl Rule for AttnOp {
             // a block of scores (and their gradient) per thread, for as
             // many heads at once as a large machine runs
             DType::F32 | DType::F64 => kernel::kernel_scratch(t, elem, heads.min(64)),
+            // the f32 kernel on widened operands, its result in f32 too
+            DType::BF16 => {
+                let wide: usize = args[..self.tensors()].iter().map(|a| a.ty.elem_count()).sum();
+                let wide = wide.saturating_add(out.elem_count()).saturating_mul(4);
+                kernel::kernel_scratch(t, 4, heads.min(64)).saturating_add(wide)
+            }
             _ => kernel::generic_scratch(heads, t, elem),
         };
         // the mask is read to the host as flags (a byte each, twice)

@@ -54,6 +54,10 @@ impl Rule for Unary {
             Unary::Neg | Unary::Sqr if !is_float(args[0].ty.dtype) => Workspace::scratch(2 * bytes(out)),
             // half precision scaled in f32
             Unary::Affine(..) if is_half(out.dtype) => in_f32_workspace(args, out, |_, _| Workspace::NONE),
+            // bf16 widened to f32 for the crate's kernel, its result too
+            Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid if out.dtype == DType::BF16 => {
+                in_f32_workspace(args, out, |_, _| Workspace::NONE)
+            }
             // the crate's CPU kernels read a contiguous operand
             Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Relu => {
                 Workspace::copies(args[0].copy_if_strided())
@@ -74,9 +78,14 @@ impl Rule for Unary {
             }
             Unary::Neg => x.neg(),
             // f32 on the CPU: one vectorised pass instead of libm per element
+            // (bf16 widened to f32 across the threads around it and rounded
+            // once, where candle maps bf16 on one thread)
             Unary::Exp | Unary::Tanh | Unary::Erf | Unary::Gelu | Unary::Sigmoid
-                if cx.path == Path::Fast && x.dtype() == DType::F32 && x.device().is_cpu() =>
+                if cx.path == Path::Fast && matches!(x.dtype(), DType::F32 | DType::BF16) && x.device().is_cpu() =>
             {
+                if x.dtype() == DType::BF16 {
+                    return in_f32(&self.name(), args, out, cx.path, |w, o| self.run(w, o, cx));
+                }
                 let m = match self {
                     Unary::Exp => fastmath::Math::Exp,
                     Unary::Tanh => fastmath::Math::Tanh,
@@ -115,7 +124,7 @@ impl Rule for Unary {
             // factor to the dtype first (a mean's 1/49,152 is an f16
             // subnormal, 0.15% off), where PyTorch scales in f32
             Unary::Affine(m, a) if is_half(x.dtype()) => {
-                return in_f32("affine", args, out, |w, _| Ok(w[0].affine(*m, *a)?));
+                return in_f32("affine", args, out, cx.path, |w, _| Ok(w[0].affine(*m, *a)?));
             }
             Unary::Affine(m, a) => x.affine(*m, *a),
             Unary::Cast(dt) => x.to_dtype(*dt),

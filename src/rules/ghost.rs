@@ -31,6 +31,7 @@ use crate::error::Result;
 use crate::ir::conv::ConvOp;
 use crate::ir::ops::{Binary, IndexOp, Reduce, ShapeOp, Unary};
 use crate::ir::{ConvGeom, Prim, VarId};
+use candle_core::DType;
 
 /// A shape-only step from a product to the per-example gradient, batch
 /// axis kept first.
@@ -38,6 +39,9 @@ use crate::ir::{ConvGeom, Prim, VarId};
 enum View {
     Reshape(Vec<usize>),
     Permute(Vec<usize>),
+    /// A cast: a half-precision compute copy's gradient reaching its f32
+    /// master (mixed precision).
+    Cast(DType),
 }
 
 /// A per-example gradient `G = views(P)`, `P_b = X_b Y_b` with `X: [B, m,
@@ -94,10 +98,34 @@ impl Viewed {
             s = match view {
                 View::Reshape(shape) => b.reshape(s, shape[1..].to_vec())?,
                 View::Permute(perm) => b.permute(s, perm[1..].iter().map(|&a| a - 1).collect())?,
+                View::Cast(dt) if b.ty(s).dtype == *dt => s,
+                View::Cast(dt) => b.un(Unary::Cast(*dt), s)?,
             };
         }
         Ok(s)
     }
+
+    /// `v` in the dtype the gradient is cast to at the end, where that is
+    /// wider: under mixed precision a layer's norm and weighted sum are
+    /// computed from its half-precision operands widened to f32 (what
+    /// candle's half-precision products do inside anyway), so the norms
+    /// that clip and the sums that are noised are f32's.
+    fn widen(&self, b: &mut Builder, v: VarId) -> Result<VarId> {
+        let last = self.views.iter().rev().find_map(|w| match w {
+            View::Cast(dt) => Some(*dt),
+            _ => None,
+        });
+        match last {
+            Some(dt) if dt.size_in_bytes() > b.ty(v).dtype.size_in_bytes() && is_float(b.ty(v).dtype) => {
+                b.un(Unary::Cast(dt), v)
+            }
+            _ => Ok(v),
+        }
+    }
+}
+
+fn is_float(dt: DType) -> bool {
+    matches!(dt, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
 }
 
 impl Product {
@@ -128,6 +156,7 @@ fn strip_views(b: &Builder, mut v: VarId, batch: usize) -> (VarId, Vec<View>) {
         let view = match &n.prim {
             Prim::Shape(ShapeOp::Reshape(s)) if keeps => View::Reshape(s.clone()),
             Prim::Shape(ShapeOp::Permute(p)) if keeps && p[0] == 0 => View::Permute(p.clone()),
+            Prim::Unary(Unary::Cast(dt)) if keeps && is_float(b.ty(src).dtype) => View::Cast(*dt),
             _ => break,
         };
         views.push(view);
@@ -173,6 +202,7 @@ pub(crate) fn product_of(b: &mut Builder, viewed: &Viewed) -> Result<Option<Prod
     let x = b.permute(x, perm)?;
     let x = b.reshape(x, vec![batch, m, e * k])?;
     let y = b.reshape(y, vec![batch, e * k, n])?;
+    let (x, y) = (viewed.widen(b, x)?, viewed.widen(b, y)?);
     Ok(Some(Product {
         x,
         y,
@@ -310,13 +340,18 @@ pub(crate) fn sq_norm(b: &mut Builder, plan: &Plan) -> Result<VarId> {
                 }
                 _ => l.ids,
             };
-            b.emit(Prim::Index(IndexOp::LookupSqNorms { size: l.size }), &[l.rows, ids])
+            let rows = l.viewed.widen(b, l.rows)?;
+            b.emit(Prim::Index(IndexOp::LookupSqNorms { size: l.size }), &[rows, ids])
         }
-        Plan::ConvChunked(c) => b.emit(Prim::Conv(ConvOp::GradWeightSqNorms(c.geom.clone())), &[c.x, c.ct]),
+        Plan::ConvChunked(c) => {
+            let (x, ct) = (c.viewed.widen(b, c.x)?, c.viewed.widen(b, c.ct)?);
+            b.emit(Prim::Conv(ConvOp::GradWeightSqNorms(c.geom.clone())), &[x, ct])
+        }
         // each row's dot product with itself, [B, 1, R] @ [B, R, 1]: no
         // squared copy of the per-example gradients
         Plan::Materialise(v) => {
             let rows = flat_rows(b, v.src)?;
+            let rows = v.widen(b, rows)?;
             let (batch, r) = (b.dims(rows)[0], b.dims(rows)[1]);
             let row = b.reshape(rows, vec![batch, 1, r])?;
             // the same entries as a column: a reshape, so no copy is laid out
@@ -346,7 +381,8 @@ pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<Var
         Plan::GhostLookup(l) => {
             let (t, d) = (b.dims(l.rows)[1], b.dims(l.rows)[2]);
             let w3 = b.reshape(w, vec![batch, 1, 1])?;
-            let wc = b.bin(Binary::Mul, l.rows, w3)?;
+            let rows = l.viewed.widen(b, l.rows)?;
+            let wc = b.bin(Binary::Mul, rows, w3)?;
             let wc = b.reshape(wc, vec![batch * t, d])?;
             let ids = b.broadcast(l.ids, vec![batch, t])?;
             let ids = b.reshape(ids, vec![batch * t])?;
@@ -359,17 +395,19 @@ pub(crate) fn weighted_sum(b: &mut Builder, w: VarId, plan: &Plan) -> Result<Var
         Plan::ConvChunked(c) => {
             let rank = b.ty(c.ct).rank();
             let wb = b.reshape(w, [vec![batch], vec![1; rank - 1]].concat())?;
-            let wct = b.bin(Binary::Mul, c.ct, wb)?;
+            let (x, ct) = (c.viewed.widen(b, c.x)?, c.viewed.widen(b, c.ct)?);
+            let wct = b.bin(Binary::Mul, ct, wb)?;
             let op = ConvOp::GradWeight {
                 geom: c.geom.clone(),
                 groups: 1,
             };
-            let s = b.emit(Prim::Conv(op), &[c.x, wct])?;
+            let s = b.emit(Prim::Conv(op), &[x, wct])?;
             c.viewed.apply(b, s)
         }
         // [1, B] @ [B, R]: one pass over the per-example gradients
         Plan::Materialise(v) => {
             let rows = flat_rows(b, v.src)?;
+            let rows = v.widen(b, rows)?;
             let w = b.reshape(w, vec![1, batch])?;
             let s = b.emit(Prim::Matmul, &[w, rows])?;
             v.apply(b, s)

@@ -159,7 +159,7 @@ impl Rule for IndexOp {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
         if self.in_f32(x.dtype()) {
-            return in_f32(&op, args, out, |a, o| self.run(a, o, cx));
+            return in_f32(&op, args, out, cx.path, |a, o| self.run(a, o, cx));
         }
         let (kind, size) = match *self {
             // the selected axis is the table's vocabulary wherever batching moved it

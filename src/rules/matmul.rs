@@ -5,11 +5,11 @@ use super::facts::{Arg, Facts, Workspace};
 use super::{arity, broadcast_shapes, multilinear_jvp, same_dtype, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::bmm;
 use crate::kernels::copies::Relayout;
 use crate::kernels::outer::outer;
 use crate::kernels::Kx;
-use candle_core::Tensor;
+use crate::kernels::{bmm, widen};
+use candle_core::{DType, Tensor};
 
 /// The matrix product primitive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,9 +80,15 @@ impl Rule for Matmul {
         };
         let (nb, m) = if rb == 2 && ra > 2 { (1, batch * m) } else { (batch, m) };
         let scratch = bmm::scratch((nb, m, k, n), !a.contiguous, !b.contiguous);
+        // bf16 multiplies in f32 (here and in candle alike): both operands
+        // and the product widened, the product's own scratch in f32
+        let (copies, elem) = match out.dtype {
+            DType::BF16 => (copies.saturating_add(bf16_widened(a.ty, b.ty, out)), 4),
+            dt => (copies, dt.size_in_bytes()),
+        };
         Workspace {
             copies,
-            scratch: scratch.saturating_mul(out.dtype.size_in_bytes()),
+            scratch: scratch.saturating_mul(elem),
         }
     }
 
@@ -235,7 +241,95 @@ fn transpose_last(b: &mut Builder, v: VarId) -> Result<VarId> {
 ///
 /// An inner dimension of 1 (a per-sample linear weight gradient) goes to
 /// the outer-product kernel instead.
+/// The bytes [`mm_bf16`] allocates besides its result for `a @ b -> out`:
+/// the operands and the product in f32, or for a blocked product the
+/// left operand (or a block of it), one block of the right, and the f32
+/// product of a block (or the running sum and one partial product).
+fn bf16_widened(a: &TensorType, b: &TensorType, out: &TensorType) -> usize {
+    let elems = |t: &TensorType| t.shape.iter().product::<usize>();
+    let (ea, eo) = (elems(a), elems(out));
+    let blocked = match b.shape[..] {
+        [k, n] if k.saturating_mul(n).saturating_mul(4) > WIDE_BLOCK => Some((k, n)),
+        _ => None,
+    };
+    let Some((k, n)) = blocked else {
+        return ea.saturating_add(elems(b)).saturating_add(eo).saturating_mul(4);
+    };
+    let m = ea / k.max(1);
+    if n >= k {
+        let step = (WIDE_BLOCK / (4 * k)).max(1).min(n);
+        // a in f32, a block of b in f32, its product in f32 and in bf16
+        let f32s = ea + k * step + m * step;
+        return f32s.saturating_mul(4).saturating_add(m * step * 2);
+    }
+    let step = (WIDE_BLOCK / (4 * n)).max(1).min(k);
+    // a block of a copied (bf16) and widened, a block of b widened, the
+    // running sum, the partial product and their sum
+    let f32s = m * step + step * n + 3 * m * n;
+    f32s.saturating_mul(4).saturating_add(m * step * 2)
+}
+
+/// The most bytes of a bf16 product's weight widened to f32 at once: a
+/// larger one (Qwen2-0.5B's tied output head, 545 MB in f32) is
+/// multiplied a block of rows or columns at a time.
+const WIDE_BLOCK: usize = 64 << 20;
+
+/// A bf16 product on the CPU: both operands widened across the threads to
+/// f32 (`kernels::widen`, where candle widens on one thread and copies a
+/// transposed weight into row order), the crate's f32 product, the result
+/// narrowed across the threads. A `[k, n]` right operand over
+/// [`WIDE_BLOCK`] in f32 is taken in blocks along its larger side: columns
+/// (each block of the output written in place) or rows (the partial
+/// products summed in f32). `None` for other dtypes and paths.
+fn mm_bf16(a: &Tensor, b: &Tensor, c: Kx) -> Result<Option<Tensor>> {
+    let half = |t: &Tensor| t.dtype() == DType::BF16 && t.device().is_cpu();
+    if !(half(a) && half(b)) || c.1 != crate::kernels::Path::Fast {
+        return Ok(None);
+    }
+    let wide = |t: &Tensor| -> Result<Tensor> {
+        widen::widen_any(t, c.1)?.ok_or_else(|| Error::internal("matmul", "a bf16 operand did not widen"))
+    };
+    let (k, n) = match b.dims() {
+        [k, n] if a.rank() == 2 && k.saturating_mul(*n).saturating_mul(4) > WIDE_BLOCK => (*k, *n),
+        _ => return widen::in_f32(&[a, b], c.1, |w| mm(&w[0], &w[1], c)),
+    };
+    let m = a.dims()[0];
+    if n >= k {
+        // column blocks: out[:, j..] = a @ b[:, j..], written in place
+        let a32 = wide(a)?;
+        let step = (WIDE_BLOCK / (4 * k)).max(1);
+        let out = Tensor::zeros((m, n), DType::BF16, a.device()).op("matmul")?;
+        for j in (0..n).step_by(step) {
+            let len = step.min(n - j);
+            let bj = wide(&b.narrow(1, j, len).op("matmul")?)?;
+            let yj = widen::narrow_any(&mm(&a32, &bj, c)?, c.1).op("matmul")?;
+            out.slice_set(&yj, 1, j).op("matmul")?;
+        }
+        return Ok(Some(out));
+    }
+    // row blocks of b (column blocks of a): Σ_i a[:, i..] @ b[i.., :] in f32
+    let step = (WIDE_BLOCK / (4 * n)).max(1);
+    let mut acc: Option<Tensor> = None;
+    for i in (0..k).step_by(step) {
+        let len = step.min(k - i);
+        let ai = wide(&a.narrow(1, i, len).op("matmul")?)?;
+        let bi = wide(&b.narrow(0, i, len).op("matmul")?)?;
+        let part = mm(&ai, &bi, c)?;
+        acc = Some(match acc {
+            None => part,
+            Some(s) => (s + part).op("matmul")?,
+        });
+    }
+    match acc {
+        Some(y) => Ok(Some(widen::narrow_any(&y, c.1).op("matmul")?)),
+        None => Ok(None),
+    }
+}
+
 fn mm(a: &Tensor, b: &Tensor, c: Kx) -> Result<Tensor> {
+    if let Some(y) = mm_bf16(a, b, c)? {
+        return Ok(y);
+    }
     let k = a.dims()[a.rank() - 1];
     if k == 1 && a.rank() == b.rank() && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2] {
         return outer(a, b, c.1).op("matmul");

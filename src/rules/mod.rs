@@ -42,7 +42,7 @@ use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Opts};
 use crate::ir::{Prim, TensorType, VarId};
 use crate::kernels::copies::Copies;
-use crate::kernels::Path;
+use crate::kernels::{widen, Path};
 use candle_core::{Device, Tensor};
 use facts::{Arg, Facts, Workspace};
 
@@ -74,19 +74,29 @@ pub(crate) struct RunCx<'a> {
 /// `run` on the first operand widened to f32 (the others as they are) and
 /// the result type in f32, the result rounded to `out`'s dtype once: how a
 /// half-precision operation that accumulates (a sum, a softmax, an
-/// index-add, an average, a scale) computes, as PyTorch's do.
+/// index-add, an average, a scale) computes, as PyTorch's do. bf16 on the
+/// crate's CPU path widens and rounds across the threads
+/// (`kernels::widen`, bit for bit candle's conversions).
 pub(crate) fn in_f32(
     op: &str,
     args: &[&Tensor],
     out: &TensorType,
+    path: Path,
     run: impl FnOnce(&[&Tensor], &TensorType) -> Result<Tensor>,
 ) -> Result<Tensor> {
     use crate::error::CandleContext;
-    let wide = args[0].to_dtype(candle_core::DType::F32).op(op)?;
+    use candle_core::DType;
+    let wide = match widen::widen_any(args[0], path).op(op)? {
+        Some(w) => w,
+        None => args[0].to_dtype(DType::F32).op(op)?,
+    };
     let mut ops = args.to_vec();
     ops[0] = &wide;
-    let y = run(&ops, &TensorType::new(out.shape.clone(), candle_core::DType::F32))?;
-    y.to_dtype(out.dtype).op(op)
+    let y = run(&ops, &TensorType::new(out.shape.clone(), DType::F32))?;
+    match out.dtype {
+        DType::BF16 => widen::narrow_any(&y, path).op(op),
+        dt => y.to_dtype(dt).op(op),
+    }
 }
 
 /// [`in_f32`]'s workspace: the first operand's f32 copy, the f32 result,

@@ -116,7 +116,7 @@ impl Rule for PoolOp {
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let op = self.name();
         if self.in_f32(args[0].dtype()) {
-            return in_f32(&op, args, out, |a, o| self.run(a, o, cx));
+            return in_f32(&op, args, out, cx.path, |a, o| self.run(a, o, cx));
         }
         let w = self.window();
         let p = cx.path;

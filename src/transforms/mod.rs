@@ -361,6 +361,20 @@ where
     F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
 }
 
+/// The planned peak of calling `f` on `args`, as [`call_concrete`] would
+/// trace and compile it, without caching or running it.
+pub(crate) fn planned_peak_of<S, F, C>(f: &F, args: &C) -> Result<usize>
+where
+    S: ArgList,
+    F: Function<S> + ?Sized,
+    C: CallArgs<S>,
+{
+    let given = f.own_options();
+    let (leaves, defs, device) = flatten_call(args)?;
+    let traced = trace_top(f, (given, false), &defs, &leaves, &device)?;
+    Ok(traced.compile(&given, Arc::default()).exe.peak())
+}
+
 /// The graph that calling `f` on `args` runs (traced and transformed, dead
 /// code removed), for inspection; it prints like a jaxpr.
 ///

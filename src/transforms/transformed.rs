@@ -89,6 +89,22 @@ impl<T> Transformed<T> {
         self.with_options(|o| o.memory_limit(bytes))
     }
 
+    /// The bytes a call on `args` would hold at its peak by its plan, with
+    /// this transform's options changed by `edit`: traced and planned,
+    /// neither cached nor run (a caller choosing a batch size by the plan).
+    pub(crate) fn planned_peak<S, C>(&self, args: C, edit: impl FnOnce(Options) -> Options) -> Result<usize>
+    where
+        S: ArgList,
+        T: Transform<S>,
+        C: CallArgs<S>,
+    {
+        let probe = Edited {
+            kind: &self.kind,
+            options: edit(self.options),
+        };
+        super::planned_peak_of(&probe, &args)
+    }
+
     /// These options changed by `f`, with a fresh cache.
     pub(crate) fn with_options(mut self, f: impl FnOnce(Options) -> Options) -> Self {
         self.options = f(self.options);
@@ -111,6 +127,24 @@ impl<T> Transformed<T> {
             options: self.options,
             cache: GraphCache::default(),
         }
+    }
+}
+
+/// A transform under other options, for [`Transformed::planned_peak`].
+struct Edited<'a, T> {
+    kind: &'a T,
+    options: Options,
+}
+
+impl<S: ArgList, T: Transform<S>> Function<S> for Edited<'_, T> {
+    type Output = T::Output;
+
+    fn apply(&self, args: S) -> Result<T::Output> {
+        self.kind.apply(&self.options, args)
+    }
+
+    fn own_options(&self) -> Options {
+        self.options
     }
 }
 

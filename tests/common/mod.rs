@@ -88,6 +88,16 @@ pub fn rand_idx(shape: &[usize], bound: usize, seed: u64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
+/// Every entry of `t`, flattened, as f64.
+pub fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
 /// `max |t|` in f64 (0 for an empty tensor).
 pub fn max_abs(t: &Tensor) -> f64 {
     max_diff(t, &t.zeros_like().unwrap())

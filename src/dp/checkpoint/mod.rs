@@ -108,6 +108,8 @@ struct Restored {
     rng: Keying,
     steps: u64,
     bound: Option<f64>,
+    /// The saved run's physical batch.
+    physical: usize,
 }
 
 /// The files of a checkpoint folder besides the digest.
@@ -210,6 +212,11 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             a.bound = c;
         }
         self.steps = r.steps;
+        self.physical = r.physical;
+        if let Some(m) = &mut self.memory {
+            // its pass stays planned for the larger batch: a bound
+            m.physical_batch = r.physical;
+        }
         Ok(())
     }
 
@@ -256,6 +263,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         }
         let current = self.params_now()?;
         let now = identity(self, &current);
+        let physical = state["run"]["physical_batch"].as_u64().unwrap_or(0) as usize;
         for field in [
             "trainable",
             "examples",
@@ -263,6 +271,13 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             "noise_multiplier",
             "physical_batch",
         ] {
+            // a batch the trainer chose under its memory limit gives way to
+            // a smaller saved one, which fits too and continues the run's
+            // sums bit for bit
+            let smaller = (1..=self.physical).contains(&physical);
+            if field == "physical_batch" && smaller && self.memory.as_ref().is_some_and(|m| m.chosen) {
+                continue;
+            }
             if state["run"][field] != now[field] {
                 let msg = format!("{field} was {} when saved, is {} now", state["run"][field], now[field]);
                 return Err(bad(msg));
@@ -323,6 +338,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             rng,
             steps,
             bound,
+            physical,
         })
     }
 
