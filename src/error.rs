@@ -404,9 +404,24 @@ impl<T> CandleContext<T> for candle_core::Result<T> {
 
 impl From<candle_core::Error> for Error {
     fn from(source: candle_core::Error) -> Self {
-        Error::Candle {
-            op: "candle".to_string(),
-            source: without_backtrace(source),
+        match without_backtrace(source) {
+            // one of ours that crossed an API returning candle's errors (a
+            // checkpoint's `VarBuilder` backend): returned as it was made
+            candle_core::Error::WrappedContext { wrapped, context } => match wrapped.downcast::<Error>() {
+                Ok(ours) if context.is_empty() => *ours,
+                Ok(ours) => Error::Candle {
+                    op: "candle".to_string(),
+                    source: candle_core::Error::WrappedContext { wrapped: ours, context },
+                },
+                Err(wrapped) => Error::Candle {
+                    op: "candle".to_string(),
+                    source: candle_core::Error::WrappedContext { wrapped, context },
+                },
+            },
+            source => Error::Candle {
+                op: "candle".to_string(),
+                source,
+            },
         }
     }
 }

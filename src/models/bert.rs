@@ -4,13 +4,16 @@
 //! The encoder is shared with [RoBERTa](super::roberta), which counts
 //! positions differently.
 
+use super::loader::recording;
 use super::{activation, as_batch, first_token, unsupported, Batch, Checkpoint, ID_DTYPE};
 use crate::error::Result;
 use crate::nn::{
-    Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params, PostNormBlock, SelfAttention,
+    embedding, layer_norm, linear, Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params,
+    PostNormBlock, SelfAttention,
 };
 use crate::trace::Tracer;
 use candle_core::Tensor;
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -121,111 +124,133 @@ pub(crate) enum Positions {
     AfterPadding(usize),
 }
 
-pub(crate) fn linear(ck: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<Linear> {
-    let w = ck.weight(&format!("{name}.weight"), &[out, inp])?;
-    let b = ck.weight(&format!("{name}.bias"), &[out])?;
-    Ok(Linear::from_tensors(w, Some(b), name))
+/// Hugging Face's `BertEmbeddings`: word, position and token-type tables
+/// and their layer norm.
+struct BertEmbeddings {
+    word_embeddings: Embedding,
+    position_embeddings: Embedding,
+    token_type_embeddings: Embedding,
+    layer_norm: LayerNorm,
 }
 
-pub(crate) fn layer_norm(ck: &Checkpoint, name: &str, d: usize, eps: f64) -> Result<LayerNorm> {
-    let w = ck.weight(&format!("{name}.weight"), &[d])?;
-    let b = ck.weight(&format!("{name}.bias"), &[d])?;
-    Ok(LayerNorm::from_tensors(w, Some(b), eps, name))
-}
-
-pub(crate) fn embedding(ck: &Checkpoint, name: &str, rows: usize, d: usize) -> Result<Embedding> {
-    let w = ck.weight(&format!("{name}.weight"), &[rows, d])?;
-    Ok(Embedding::from_tensors(w, name))
-}
-
-/// One of BERT's post-norm blocks under Hugging Face's names.
-fn block(ck: &Checkpoint, c: &BertConfig, act: Activation, name: &str) -> Result<PostNormBlock> {
-    let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.layer_norm_eps);
-    let a = |leaf: &str| format!("{name}.attention.{leaf}");
-    let attn = SelfAttention::separate(
-        linear(ck, &a("self.query"), d, d)?,
-        linear(ck, &a("self.key"), d, d)?,
-        linear(ck, &a("self.value"), d, d)?,
-        linear(ck, &a("output.dense"), d, d)?,
-        c.num_attention_heads,
-        c.num_attention_heads,
-    )?;
-    Ok(PostNormBlock::new(
-        attn,
-        layer_norm(ck, &a("output.LayerNorm"), d, eps)?,
-        (
-            linear(ck, &format!("{name}.intermediate.dense"), f, d)?,
-            act,
-            linear(ck, &format!("{name}.output.dense"), d, f)?,
-        ),
-        layer_norm(ck, &format!("{name}.output.LayerNorm"), d, eps)?,
-    ))
-}
-
-/// The BERT-family encoder: embeddings, blocks and an optional pooler,
-/// under a name prefix (`bert`, `roberta`, or none for a bare checkpoint).
-pub(crate) struct Encoder {
-    pub(crate) config: BertConfig,
-    model: &'static str,
-    positions: Positions,
-    words: Embedding,
-    position_table: Embedding,
-    types: Embedding,
-    emb_norm: LayerNorm,
-    blocks: Vec<PostNormBlock>,
-    pub(crate) pooler: Option<Linear>,
-}
-
-/// The prefix under which a checkpoint holds the encoder: `prefix.` when
-/// its embeddings are there (a task model's checkpoint), else none (a bare
-/// `BertModel`, as sentence-transformers saves one).
-pub(crate) fn encoder_prefix(ck: &Checkpoint, prefix: &str) -> String {
-    match ck.has(&format!("{prefix}.embeddings.word_embeddings.weight")) {
-        true => format!("{prefix}."),
-        false => String::new(),
-    }
-}
-
-impl Encoder {
-    pub(crate) fn load(
-        ck: &Checkpoint,
-        model: &'static str,
-        pre: &str,
-        positions: Positions,
-        pooler: bool,
-    ) -> Result<Encoder> {
-        let config: BertConfig = ck.parse_config(model)?;
-        let act = config.check(model)?;
-        let c = &config;
+impl BertEmbeddings {
+    fn load(vb: VarBuilder, c: &BertConfig, positions: Positions) -> Result<Self> {
         let d = c.hidden_size;
-        let e = |leaf: &str| format!("{pre}embeddings.{leaf}");
-        let blocks = (0..c.num_hidden_layers)
-            .map(|i| block(ck, c, act, &format!("{pre}encoder.layer.{i}")))
-            .collect::<Result<Vec<_>>>()?;
-        let pooler = match pooler {
-            true => Some(linear(ck, &format!("{pre}pooler.dense"), d, d)?),
-            false => None,
-        };
         // PyTorch's padding_idx, as Hugging Face builds these tables: the
         // padding row gets no gradient
         let padded = |t: Embedding| match c.pad_token_id {
             Some(pad) => t.with_padding_idx(pad),
             None => Ok(t),
         };
-        let mut position_table = embedding(ck, &e("position_embeddings"), c.max_position_embeddings, d)?;
+        let mut position_embeddings = embedding(c.max_position_embeddings, d, vb.pp("position_embeddings"))?;
         if let Positions::AfterPadding(_) = positions {
-            position_table = padded(position_table)?;
+            position_embeddings = padded(position_embeddings)?;
         }
+        Ok(BertEmbeddings {
+            word_embeddings: padded(embedding(c.vocab_size, d, vb.pp("word_embeddings"))?)?,
+            position_embeddings,
+            token_type_embeddings: embedding(c.type_vocab_size, d, vb.pp("token_type_embeddings"))?,
+            layer_norm: layer_norm(d, c.layer_norm_eps, vb.pp("LayerNorm"))?,
+        })
+    }
+}
+
+/// Hugging Face's `BertLayer`: self-attention (`attention.self`) and its
+/// output (`attention.output`), `intermediate` and `output`, post-norm.
+struct BertLayer(PostNormBlock);
+
+impl BertLayer {
+    fn load(vb: VarBuilder, c: &BertConfig, act: Activation) -> Result<Self> {
+        let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.layer_norm_eps);
+        let (attn, out) = (vb.pp("attention").pp("self"), vb.pp("attention").pp("output"));
+        let self_attn = SelfAttention::separate(
+            linear(d, d, attn.pp("query"))?,
+            linear(d, d, attn.pp("key"))?,
+            linear(d, d, attn.pp("value"))?,
+            linear(d, d, out.pp("dense"))?,
+            c.num_attention_heads,
+            c.num_attention_heads,
+        )?;
+        Ok(BertLayer(PostNormBlock::new(
+            self_attn,
+            layer_norm(d, eps, out.pp("LayerNorm"))?,
+            (
+                linear(d, f, vb.pp("intermediate").pp("dense"))?,
+                act,
+                linear(f, d, vb.pp("output").pp("dense"))?,
+            ),
+            layer_norm(d, eps, vb.pp("output").pp("LayerNorm"))?,
+        )))
+    }
+}
+
+/// The BERT-family encoder (Hugging Face's `BertModel` body, RoBERTa's
+/// too): embeddings, `encoder.layer.*` and an optional pooler.
+pub(crate) struct Encoder {
+    pub(crate) config: BertConfig,
+    model: &'static str,
+    positions: Positions,
+    embeddings: BertEmbeddings,
+    layers: Vec<BertLayer>,
+    // Hugging Face's `BertPooler`: `pooler.dense`
+    pub(crate) pooler: Option<Linear>,
+    // every weight the encoder read, by name
+    params: BTreeMap<String, Tensor>,
+}
+
+/// Whether an encoder loads its pooler (Hugging Face's
+/// `add_pooling_layer`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Pooler {
+    /// When the weights hold one (a base model).
+    IfHeld,
+    /// Always: a classifier reads it.
+    Required,
+    /// Never (RoBERTa's classifier has its own head).
+    Without,
+}
+
+/// `vb` under `prefix` when it holds the encoder's embeddings there (a
+/// task model's checkpoint), else `vb` itself (a bare `BertModel`, as
+/// sentence-transformers saves one).
+pub(crate) fn encoder_root<'a>(vb: &VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
+    match vb.contains_tensor(&format!("{prefix}.embeddings.word_embeddings.weight")) {
+        true => vb.pp(prefix),
+        false => vb.clone(),
+    }
+}
+
+impl Encoder {
+    /// The encoder at `vb`, with or without its pooler as `pooler` says.
+    pub(crate) fn load(
+        vb: VarBuilder,
+        config: &BertConfig,
+        model: &'static str,
+        positions: Positions,
+        pooler: Pooler,
+    ) -> Result<Self> {
+        let act = config.check(model)?;
+        let c = config;
+        let (vb, record) = recording(vb);
+        let embeddings = BertEmbeddings::load(vb.pp("embeddings"), c, positions)?;
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| BertLayer::load(vb.pp("encoder").pp("layer").pp(i), c, act))
+            .collect::<Result<Vec<_>>>()?;
+        let pooler = match pooler {
+            Pooler::IfHeld if !vb.contains_tensor("pooler.dense.weight") => None,
+            Pooler::IfHeld | Pooler::Required => {
+                Some(linear(c.hidden_size, c.hidden_size, vb.pp("pooler").pp("dense"))?)
+            }
+            Pooler::Without => None,
+        };
         Ok(Encoder {
-            words: padded(embedding(ck, &e("word_embeddings"), c.vocab_size, d)?)?,
-            position_table,
-            types: embedding(ck, &e("token_type_embeddings"), c.type_vocab_size, d)?,
-            emb_norm: layer_norm(ck, &e("LayerNorm"), d, c.layer_norm_eps)?,
-            blocks,
+            embeddings,
+            layers,
             pooler,
             model,
             positions,
-            config,
+            config: c.clone(),
+            params: record.all(),
         })
     }
 
@@ -245,7 +270,8 @@ impl Encoder {
         };
         let b = as_batch(self.model, ids, mask, max)?;
         let t = b.ids.dims()[1];
-        let words = self.words.forward_with(p, &b.ids)?; // N T D
+        let e = &self.embeddings;
+        let words = e.word_embeddings.forward_with(p, &b.ids)?; // N T D
         let pos = self.position_embeddings(p, &b, t)?;
         let types = match token_types {
             Some(tt) => {
@@ -257,21 +283,21 @@ impl Encoder {
                         "token_type_ids must have the token ids' shape",
                     ));
                 }
-                self.types.forward_with(p, &tt)?
+                e.token_type_embeddings.forward_with(p, &tt)?
             }
             // type 0 everywhere: its row, broadcast (as the first T
             // position rows are read)
-            None => self.types.table(p, &b.ids)?.narrow(0, 0, 1)?,
+            None => e.token_type_embeddings.table(p, &b.ids)?.narrow(0, 0, 1)?,
         };
         let x = words.broadcast_add(&pos)?.broadcast_add(&types)?;
-        let mut h = self.emb_norm.forward_with(p, &x)?;
+        let mut h = e.layer_norm.forward_with(p, &x)?;
         let attn_mask = AttentionMask {
             window: None,
             causal: false,
             keep: b.keep.clone(),
         };
-        for block in &self.blocks {
-            h = block.forward(p, &h, &attn_mask)?;
+        for layer in &self.layers {
+            h = layer.0.forward(p, &h, &attn_mask)?;
         }
         b.finish(h)
     }
@@ -279,12 +305,12 @@ impl Encoder {
     /// `[T, D]` rows for absolute positions, `[N, T, D]` for RoBERTa's.
     fn position_embeddings(&self, p: &Params, b: &Batch, t: usize) -> Result<Tracer> {
         match self.positions {
-            Positions::Absolute => self.position_table.table(p, &b.ids)?.narrow(0, 0, t),
+            Positions::Absolute => self.embeddings.position_embeddings.table(p, &b.ids)?.narrow(0, 0, t),
             Positions::AfterPadding(pad) => {
                 // real = ids != pad; position = cumsum(real) * real + pad
                 let real = b.ids.ne(pad as f64)?.to_dtype(candle_core::DType::F32)?;
                 let count = real.cumsum(1)?.mul(&real)?.affine(1.0, pad as f64)?;
-                self.position_table.forward_with(p, &count.to_dtype(ID_DTYPE)?)
+                (self.embeddings.position_embeddings).forward_with(p, &count.to_dtype(ID_DTYPE)?)
             }
         }
     }
@@ -299,18 +325,7 @@ impl Encoder {
     }
 
     pub(crate) fn params(&self) -> BTreeMap<String, Tensor> {
-        let mut all = BTreeMap::new();
-        all.extend(self.words.params());
-        all.extend(self.position_table.params());
-        all.extend(self.types.params());
-        all.extend(self.emb_norm.params());
-        for b in &self.blocks {
-            all.extend(b.params());
-        }
-        if let Some(pl) = &self.pooler {
-            all.extend(pl.params());
-        }
-        all
+        self.params.clone()
     }
 }
 
@@ -324,10 +339,17 @@ impl BertModel {
     /// The encoder of a BERT checkpoint, with its pooler when the
     /// checkpoint has one (a task model's under `bert.`, or a bare one).
     pub fn load(ck: &Checkpoint) -> Result<BertModel> {
-        let pre = encoder_prefix(ck, "bert");
-        let pooler = ck.has(&format!("{pre}pooler.dense.weight"));
+        Self::load_vb(ck.var_builder(), &ck.parse_config("bert")?)
+    }
+
+    /// The encoder from `vb` (under `bert.` when `vb` holds it there) and
+    /// its configuration, as candle-transformers' models load; with its
+    /// pooler when `vb` holds `pooler.dense`. Its parameters are the
+    /// weights it read.
+    pub fn load_vb(vb: VarBuilder, c: &BertConfig) -> Result<BertModel> {
+        let vb = encoder_root(&vb, "bert");
         Ok(BertModel {
-            enc: Encoder::load(ck, "bert", &pre, Positions::Absolute, pooler)?,
+            enc: Encoder::load(vb, c, "bert", Positions::Absolute, Pooler::IfHeld)?,
         })
     }
 
@@ -375,16 +397,26 @@ impl Module for BertModel {
 pub struct BertForSequenceClassification {
     bert: BertModel,
     classifier: Linear,
+    // every weight it read, by name
+    params: BTreeMap<String, Tensor>,
 }
 
 impl BertForSequenceClassification {
     /// A BERT classifier checkpoint (`bert.*` and `classifier.*`).
     pub fn load(ck: &Checkpoint) -> Result<BertForSequenceClassification> {
-        let enc = Encoder::load(ck, "bert", "bert.", Positions::Absolute, true)?;
-        let (d, labels) = (enc.config.hidden_size, enc.config.labels());
+        Self::load_vb(ck.var_builder(), &ck.parse_config("bert")?)
+    }
+
+    /// The classifier from `vb` (`bert.*` with its pooler, and
+    /// `classifier`) and its configuration.
+    pub fn load_vb(vb: VarBuilder, c: &BertConfig) -> Result<BertForSequenceClassification> {
+        let (vb, record) = recording(vb);
+        let enc = Encoder::load(vb.pp("bert"), c, "bert", Positions::Absolute, Pooler::Required)?;
+        let (d, labels) = (c.hidden_size, c.labels());
         Ok(BertForSequenceClassification {
-            classifier: linear(ck, "classifier", labels, d)?,
+            classifier: linear(d, labels, vb.pp("classifier"))?,
             bert: BertModel { enc },
+            params: record.all(),
         })
     }
 
@@ -417,8 +449,6 @@ impl Module for BertForSequenceClassification {
         self.forward_full(p, ids, None, None)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
-        let mut all = self.bert.params();
-        all.extend(self.classifier.params());
-        all
+        self.params.clone()
     }
 }

@@ -188,17 +188,26 @@ impl Checkpoint {
     /// Weight `name`, which the configuration says is `shape`, in the
     /// checkpoint's compute dtype.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.stored(name, Some(shape))?.to_dtype(self.dtype)?;
+        self.mark_read(name);
+        Ok(t)
+    }
+
+    /// Float weight `name` as stored, its shape checked against `shape`
+    /// when given.
+    pub(crate) fn stored(&self, name: &str, shape: Option<&[usize]>) -> Result<&Tensor> {
+        let implied = shape.map_or(String::new(), |s| format!(" (the configuration implies {s:?})"));
         let t = self.tensors.get(name).ok_or_else(|| {
             bad(
                 format!("weight \"{name}\""),
                 format!(
-                    "missing from {} (the configuration implies {shape:?}); it holds {} weights",
+                    "missing from {}{implied}; it holds {} weights",
                     self.dir.display(),
                     self.tensors.len()
                 ),
             )
         })?;
-        if t.dims() != shape {
+        if let Some(shape) = shape.filter(|s| t.dims() != *s) {
             return Err(bad(
                 format!("weight \"{name}\""),
                 format!(
@@ -213,12 +222,15 @@ impl Checkpoint {
                 format!("is {:?}, not a float tensor", t.dtype()),
             ));
         }
-        let t = t.to_dtype(self.dtype)?;
+        Ok(t)
+    }
+
+    /// Counts weight `name` as read by a model ([`Checkpoint::read_names`]).
+    pub(crate) fn mark_read(&self, name: &str) {
         self.taken
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string());
-        Ok(t)
     }
 }
 

@@ -3,12 +3,16 @@
 //! the fused `c_attn` split into queries, keys and values, `ln_f`, and the
 //! output head tied to `wte`.
 
-use super::bert::layer_norm;
+use super::loader::recording;
 use super::{activation, as_batch, unsupported, Checkpoint};
 use crate::error::Result;
-use crate::nn::{Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params, SelfAttention};
+use crate::nn::{
+    embedding, layer_norm, linear_in_out, Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params,
+    SelfAttention,
+};
 use crate::trace::Tracer;
 use candle_core::Tensor;
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -55,65 +59,118 @@ fn yes() -> bool {
     true
 }
 
-struct Block {
+/// Hugging Face's `GPT2Attention`: the fused `c_attn` and `c_proj`.
+struct Gpt2Attention;
+
+impl Gpt2Attention {
+    fn load(vb: VarBuilder, c: &Gpt2Config) -> Result<SelfAttention> {
+        let d = c.n_embd;
+        let qkv = times(c, 3)?;
+        SelfAttention::fused(
+            linear_in_out(d, qkv, vb.pp("c_attn"))?,
+            linear_in_out(d, d, vb.pp("c_proj"))?,
+            c.n_head,
+        )
+    }
+}
+
+/// `n_embd * k`, checked: a wrapped product would be a shape no weight
+/// has, a panic in a debug build.
+fn times(c: &Gpt2Config, k: usize) -> Result<usize> {
+    (c.n_embd.checked_mul(k))
+        .ok_or_else(|| unsupported("gpt2", "n_embd", format!("{k} x {} overflows usize", c.n_embd)))
+}
+
+/// Hugging Face's `GPT2MLP`: `c_proj(act(c_fc(x)))`.
+struct Gpt2Mlp {
+    c_fc: Linear,
+    c_proj: Linear,
+    act: Activation,
+}
+
+impl Gpt2Mlp {
+    fn load(vb: VarBuilder, c: &Gpt2Config) -> Result<Self> {
+        let d = c.n_embd;
+        let f = match c.n_inner {
+            Some(f) => f,
+            None => times(c, 4)?,
+        };
+        Ok(Gpt2Mlp {
+            c_fc: linear_in_out(d, f, vb.pp("c_fc"))?,
+            c_proj: linear_in_out(f, d, vb.pp("c_proj"))?,
+            act: activation("gpt2", "activation_function", &c.activation_function)?,
+        })
+    }
+}
+
+/// Hugging Face's `GPT2Block`: pre-norm attention and MLP.
+struct Gpt2Block {
     ln_1: LayerNorm,
     attn: SelfAttention,
     ln_2: LayerNorm,
-    c_fc: Linear,
-    mlp_proj: Linear,
+    mlp: Gpt2Mlp,
 }
 
-fn conv1d(ck: &Checkpoint, name: &str, inp: usize, out: usize) -> Result<Linear> {
-    let w = ck.weight(&format!("{name}.weight"), &[inp, out])?;
-    let b = ck.weight(&format!("{name}.bias"), &[out])?;
-    Ok(Linear::from_tensors_in_out(w, Some(b), name))
-}
-
-impl Block {
-    fn load(ck: &Checkpoint, c: &Gpt2Config, name: &str) -> Result<Block> {
+impl Gpt2Block {
+    fn load(vb: VarBuilder, c: &Gpt2Config) -> Result<Self> {
         let (d, eps) = (c.n_embd, c.layer_norm_epsilon);
-        // sizes from config.json, checked: a wrapped product would be a
-        // shape no weight has, a panic in a debug build
-        let times = |k: usize| {
-            d.checked_mul(k)
-                .ok_or_else(|| super::unsupported("gpt2", "n_embd", format!("{k} x {d} overflows usize")))
-        };
-        let f = match c.n_inner {
-            Some(f) => f,
-            None => times(4)?,
-        };
-        let qkv = times(3)?;
-        Ok(Block {
-            ln_1: layer_norm(ck, &format!("{name}.ln_1"), d, eps)?,
-            attn: SelfAttention::fused(
-                conv1d(ck, &format!("{name}.attn.c_attn"), d, qkv)?,
-                conv1d(ck, &format!("{name}.attn.c_proj"), d, d)?,
-                c.n_head,
-            )?,
-            ln_2: layer_norm(ck, &format!("{name}.ln_2"), d, eps)?,
-            c_fc: conv1d(ck, &format!("{name}.mlp.c_fc"), d, f)?,
-            mlp_proj: conv1d(ck, &format!("{name}.mlp.c_proj"), f, d)?,
+        Ok(Gpt2Block {
+            ln_1: layer_norm(d, eps, vb.pp("ln_1"))?,
+            attn: Gpt2Attention::load(vb.pp("attn"), c)?,
+            ln_2: layer_norm(d, eps, vb.pp("ln_2"))?,
+            mlp: Gpt2Mlp::load(vb.pp("mlp"), c)?,
         })
     }
 
-    fn params(&self, into: &mut BTreeMap<String, Tensor>) {
-        into.extend(self.attn.params());
-        for m in [&self.c_fc, &self.mlp_proj] {
-            into.extend(m.params());
-        }
-        into.extend(self.ln_1.params());
-        into.extend(self.ln_2.params());
+    fn forward(&self, p: &Params, h: &Tracer, mask: &AttentionMask, scale: f64) -> Result<Tracer> {
+        let x = self.ln_1.forward_with(p, h)?;
+        let h = h.add(&self.attn.forward(p, &x, mask, scale, None)?)?;
+        let x = self.ln_2.forward_with(p, &h)?;
+        let m = &self.mlp;
+        let ff = m
+            .c_proj
+            .forward_with(p, &m.act.forward_with(p, &m.c_fc.forward_with(p, &x)?)?)?;
+        h.add(&ff)
+    }
+
+    fn in_out_weights(&self) -> Vec<String> {
+        let mut all = self.attn.in_out_weights();
+        all.extend(self.mlp.c_fc.in_out_weights());
+        all.extend(self.mlp.c_proj.in_out_weights());
+        all
+    }
+}
+
+/// Hugging Face's `GPT2Model`: token and position tables, the blocks and
+/// `ln_f`.
+struct Gpt2Model {
+    wte: Embedding,
+    wpe: Embedding,
+    h: Vec<Gpt2Block>,
+    ln_f: LayerNorm,
+}
+
+impl Gpt2Model {
+    fn load(vb: VarBuilder, c: &Gpt2Config) -> Result<Self> {
+        let d = c.n_embd;
+        let h = (0..c.n_layer)
+            .map(|i| Gpt2Block::load(vb.pp("h").pp(i), c))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gpt2Model {
+            wte: embedding(c.vocab_size, d, vb.pp("wte"))?,
+            wpe: embedding(c.n_positions, d, vb.pp("wpe"))?,
+            h,
+            ln_f: layer_norm(d, c.layer_norm_epsilon, vb.pp("ln_f"))?,
+        })
     }
 }
 
 /// GPT-2 with its language-modelling head: logits `[.., T, vocab]`.
 pub struct Gpt2LmHeadModel {
     config: Gpt2Config,
-    act: Activation,
-    wte: Embedding,
-    wpe: Embedding,
-    blocks: Vec<Block>,
-    ln_f: LayerNorm,
+    transformer: Gpt2Model,
+    // every weight the structs above read, by name
+    params: BTreeMap<String, Tensor>,
 }
 
 impl Gpt2LmHeadModel {
@@ -121,7 +178,17 @@ impl Gpt2LmHeadModel {
     /// it); the head is `wte`.
     pub fn load(ck: &Checkpoint) -> Result<Gpt2LmHeadModel> {
         let c: Gpt2Config = ck.parse_config("gpt2")?;
-        let act = activation("gpt2", "activation_function", &c.activation_function)?;
+        Self::load_vb(ck.var_builder(), &c)
+    }
+
+    /// The model from `vb` and its configuration, as candle-transformers'
+    /// models load: the blocks under `transformer.` unless `vb` holds a
+    /// bare `wte.weight` (a `GPT2Model` checkpoint). `vb` is a checkpoint's
+    /// [`Checkpoint::var_builder`], or a `VarMap`'s for a new model
+    /// initialised as `nn`'s layers are. Its parameters are the weights it
+    /// read.
+    pub fn load_vb(vb: VarBuilder, c: &Gpt2Config) -> Result<Gpt2LmHeadModel> {
+        activation("gpt2", "activation_function", &c.activation_function)?;
         if !c.tie_word_embeddings {
             return Err(unsupported(
                 "gpt2",
@@ -136,29 +203,15 @@ impl Gpt2LmHeadModel {
                 format!("{} heads do not divide n_embd {}", c.n_head, c.n_embd),
             ));
         }
-        let pre = if ck.has("transformer.wte.weight") {
-            "transformer."
-        } else {
-            ""
+        let (vb, record) = recording(vb);
+        let vb = match vb.contains_tensor("wte.weight") {
+            true => vb,
+            false => vb.pp("transformer"),
         };
-        let d = c.n_embd;
-        let table = |name: &str, rows: usize| -> Result<Embedding> {
-            let full = format!("{pre}{name}");
-            Ok(Embedding::from_tensors(
-                ck.weight(&format!("{full}.weight"), &[rows, d])?,
-                &full,
-            ))
-        };
-        let blocks = (0..c.n_layer)
-            .map(|i| Block::load(ck, &c, &format!("{pre}h.{i}")))
-            .collect::<Result<Vec<_>>>()?;
         Ok(Gpt2LmHeadModel {
-            wte: table("wte", c.vocab_size)?,
-            wpe: table("wpe", c.n_positions)?,
-            ln_f: layer_norm(ck, &format!("{pre}ln_f"), d, c.layer_norm_epsilon)?,
-            blocks,
-            act,
-            config: c,
+            transformer: Gpt2Model::load(vb, c)?,
+            config: c.clone(),
+            params: record.all(),
         })
     }
 
@@ -175,37 +228,29 @@ impl Gpt2LmHeadModel {
 
     /// [`Self::forward_masked`] with parameters replaced by name.
     pub fn forward_full(&self, p: &Params, ids: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
-        let c = &self.config;
+        let (c, m) = (&self.config, &self.transformer);
         let b = as_batch("gpt2", ids, mask, c.n_positions)?;
         let t = b.ids.dims()[1];
-        let pos = self.wpe.table(p, &b.ids)?.narrow(0, 0, t)?; // T D
-        let mut h = self.wte.forward_with(p, &b.ids)?.broadcast_add(&pos)?; // N T D
+        let pos = m.wpe.table(p, &b.ids)?.narrow(0, 0, t)?; // T D
+        let mut h = m.wte.forward_with(p, &b.ids)?.broadcast_add(&pos)?; // N T D
         let attn_mask = AttentionMask {
             window: None,
             causal: true,
             keep: b.keep.clone(),
         };
-        let (d, heads) = (c.n_embd, c.n_head);
-        for (i, blk) in self.blocks.iter().enumerate() {
-            let x = blk.ln_1.forward_with(p, &h)?;
-            let mut scale = if c.scale_attn_weights {
-                1.0 / ((d / heads) as f64).sqrt()
-            } else {
-                1.0
+        for (i, blk) in m.h.iter().enumerate() {
+            let mut scale = match c.scale_attn_weights {
+                true => 1.0 / ((c.n_embd / c.n_head) as f64).sqrt(),
+                false => 1.0,
             };
             if c.scale_attn_by_inverse_layer_idx {
                 scale /= (i + 1) as f64;
             }
-            h = h.add(&blk.attn.forward(p, &x, &attn_mask, scale, None)?)?;
-            let x = blk.ln_2.forward_with(p, &h)?;
-            let ff = blk
-                .mlp_proj
-                .forward_with(p, &self.act.forward_with(p, &blk.c_fc.forward_with(p, &x)?)?)?;
-            h = h.add(&ff)?;
+            h = blk.forward(p, &h, &attn_mask, scale)?;
         }
-        let h = self.ln_f.forward_with(p, &h)?;
+        let h = m.ln_f.forward_with(p, &h)?;
         // the head tied to wte: N T D @ D V
-        let logits = h.matmul(&self.wte.table(p, &h)?.t()?)?;
+        let logits = h.matmul(&m.wte.table(p, &h)?.t()?)?;
         b.finish(logits)
     }
 }
@@ -215,23 +260,10 @@ impl Module for Gpt2LmHeadModel {
         self.forward_full(p, ids, None)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
-        let mut all = BTreeMap::new();
-        all.extend(self.wte.params());
-        all.extend(self.wpe.params());
-        for b in &self.blocks {
-            b.params(&mut all);
-        }
-        all.extend(self.ln_f.params());
-        all
+        self.params.clone()
     }
 
     fn in_out_weights(&self) -> Vec<String> {
-        let mut all = Vec::new();
-        for b in &self.blocks {
-            all.extend(b.attn.in_out_weights());
-            all.extend(b.c_fc.in_out_weights());
-            all.extend(b.mlp_proj.in_out_weights());
-        }
-        all
+        self.transformer.h.iter().flat_map(Gpt2Block::in_out_weights).collect()
     }
 }

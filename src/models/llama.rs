@@ -4,11 +4,16 @@
 //! multi-query attention (`num_key_value_heads`), q/k/v biases (Qwen2,
 //! or `attention_bias`), and a tied or untied head.
 
+use super::loader::recording;
 use super::{activation, as_batch, unsupported, Checkpoint};
 use crate::error::Result;
-use crate::nn::{Activation, AttentionMask, Embedding, Linear, Module, Params, RmsNorm, RotaryCache, SelfAttention};
+use crate::nn::{
+    embedding, linear_b, linear_no_bias, rms_norm, Activation, AttentionMask, Embedding, Linear, Module, Params,
+    RmsNorm, RotaryCache, SelfAttention,
+};
 use crate::trace::{Operand, Tracer};
 use candle_core::Tensor;
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -258,62 +263,118 @@ impl LlamaConfig {
     }
 }
 
-struct Block {
-    input_norm: RmsNorm,
+/// Hugging Face's `LlamaAttention`: q, k, v and o projections over
+/// grouped-query heads, with this layer's sliding window.
+struct LlamaAttention {
     attn: SelfAttention,
-    post_norm: RmsNorm,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    window: Option<usize>,
 }
 
-fn proj(ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
-    let w = ck.weight(&format!("{name}.weight"), &[out, inp])?;
-    let b = match bias {
-        true => Some(ck.weight(&format!("{name}.bias"), &[out])?),
-        false => None,
-    };
-    Ok(Linear::from_tensors(w, b, name))
-}
-
-fn rms(ck: &Checkpoint, name: &str, d: usize, eps: f64) -> Result<RmsNorm> {
-    Ok(RmsNorm::from_tensors(
-        ck.weight(&format!("{name}.weight"), &[d])?,
-        eps,
-        name,
-    ))
-}
-
-impl Block {
-    fn load(ck: &Checkpoint, c: &LlamaConfig, r: &Resolved, name: &str) -> Result<Block> {
-        let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
-        let (qd, kvd) = (r.q_dim, r.kv_dim);
-        let a = |leaf: &str| format!("{name}.self_attn.{leaf}");
-        let mlp = |leaf: &str| format!("{name}.mlp.{leaf}");
-        Ok(Block {
-            input_norm: rms(ck, &format!("{name}.input_layernorm"), d, eps)?,
+impl LlamaAttention {
+    fn load(vb: VarBuilder, c: &LlamaConfig, r: &Resolved, layer: usize) -> Result<Self> {
+        let (d, qd, kvd) = (c.hidden_size, r.q_dim, r.kv_dim);
+        Ok(LlamaAttention {
             attn: SelfAttention::separate(
-                proj(ck, &a("q_proj"), qd, d, r.qkv_bias)?,
-                proj(ck, &a("k_proj"), kvd, d, r.qkv_bias)?,
-                proj(ck, &a("v_proj"), kvd, d, r.qkv_bias)?,
-                proj(ck, &a("o_proj"), d, qd, r.o_bias)?,
+                linear_b(d, qd, r.qkv_bias, vb.pp("q_proj"))?,
+                linear_b(d, kvd, r.qkv_bias, vb.pp("k_proj"))?,
+                linear_b(d, kvd, r.qkv_bias, vb.pp("v_proj"))?,
+                linear_b(qd, d, r.o_bias, vb.pp("o_proj"))?,
                 c.num_attention_heads,
                 r.kv_heads,
             )?,
-            post_norm: rms(ck, &format!("{name}.post_attention_layernorm"), d, eps)?,
-            gate: proj(ck, &mlp("gate_proj"), f, d, c.mlp_bias)?,
-            up: proj(ck, &mlp("up_proj"), f, d, c.mlp_bias)?,
-            down: proj(ck, &mlp("down_proj"), d, f, c.mlp_bias)?,
+            window: r.windows[layer],
+        })
+    }
+}
+
+/// Hugging Face's `LlamaMLP`: `down(act(gate(x)) * up(x))`.
+struct LlamaMlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    act: Activation,
+}
+
+impl LlamaMlp {
+    fn load(vb: VarBuilder, c: &LlamaConfig, r: &Resolved) -> Result<Self> {
+        let (d, f, bias) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
+        Ok(LlamaMlp {
+            gate_proj: linear_b(d, f, bias, vb.pp("gate_proj"))?,
+            up_proj: linear_b(d, f, bias, vb.pp("up_proj"))?,
+            down_proj: linear_b(f, d, bias, vb.pp("down_proj"))?,
+            act: r.act,
         })
     }
 
-    fn params(&self, into: &mut BTreeMap<String, Tensor>) {
-        into.extend(self.attn.params());
-        for l in [&self.gate, &self.up, &self.down] {
-            into.extend(l.params());
+    fn forward(&self, p: &Params, x: &Tracer) -> Result<Tracer> {
+        let gate = self.act.forward_with(p, &self.gate_proj.forward_with(p, x)?)?;
+        self.down_proj
+            .forward_with(p, &gate.mul(&self.up_proj.forward_with(p, x)?)?)
+    }
+}
+
+/// Hugging Face's `LlamaDecoderLayer`: pre-norm attention and MLP.
+struct LlamaDecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: LlamaAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: LlamaMlp,
+}
+
+impl LlamaDecoderLayer {
+    fn load(vb: VarBuilder, c: &LlamaConfig, r: &Resolved, layer: usize) -> Result<Self> {
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        Ok(LlamaDecoderLayer {
+            input_layernorm: rms_norm(d, eps, vb.pp("input_layernorm"))?,
+            self_attn: LlamaAttention::load(vb.pp("self_attn"), c, r, layer)?,
+            post_attention_layernorm: rms_norm(d, eps, vb.pp("post_attention_layernorm"))?,
+            mlp: LlamaMlp::load(vb.pp("mlp"), c, r)?,
+        })
+    }
+
+    /// `[N, T, D] -> [N, T, D]`; `mask` without this layer's window.
+    fn forward(
+        &self,
+        p: &Params,
+        h: &Tracer,
+        mask: &AttentionMask,
+        scale: f64,
+        rope: (&Tracer, &Tracer),
+    ) -> Result<Tracer> {
+        let mask = AttentionMask {
+            window: self.self_attn.window,
+            ..mask.clone()
+        };
+        let x = self.input_layernorm.forward_with(p, h)?;
+        let h = h.add(&self.self_attn.attn.forward(p, &x, &mask, scale, Some(rope))?)?;
+        let x = self.post_attention_layernorm.forward_with(p, &h)?;
+        h.add(&self.mlp.forward(p, &x)?)
+    }
+}
+
+/// Hugging Face's `LlamaModel`: the embedding, the layers and the final
+/// norm.
+struct LlamaModel {
+    embed_tokens: Embedding,
+    layers: Vec<LlamaDecoderLayer>,
+    norm: RmsNorm,
+}
+
+impl LlamaModel {
+    fn load(vb: VarBuilder, c: &LlamaConfig, r: &Resolved) -> Result<Self> {
+        let d = c.hidden_size;
+        let mut embed_tokens = embedding(c.vocab_size, d, vb.pp("embed_tokens"))?;
+        if let Some(pad) = c.pad_token_id {
+            embed_tokens = embed_tokens.with_padding_idx(pad)?;
         }
-        into.extend(self.input_norm.params());
-        into.extend(self.post_norm.params());
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| LlamaDecoderLayer::load(vb.pp("layers").pp(i), c, r, i))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LlamaModel {
+            embed_tokens,
+            layers,
+            norm: rms_norm(d, c.rms_norm_eps, vb.pp("norm"))?,
+        })
     }
 }
 
@@ -321,13 +382,13 @@ impl Block {
 pub struct LlamaForCausalLM {
     config: LlamaConfig,
     r: Resolved,
-    embed: Embedding,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
+    model: LlamaModel,
     // None: tied to the embedding
-    head: Option<Linear>,
+    lm_head: Option<Linear>,
     // built for the lengths the model runs at, not max_position_embeddings
     rotary: RotaryCache,
+    // every weight the structs above read, by name
+    params: BTreeMap<String, Tensor>,
 }
 
 impl LlamaForCausalLM {
@@ -335,32 +396,29 @@ impl LlamaForCausalLM {
     /// tied).
     pub fn load(ck: &Checkpoint) -> Result<LlamaForCausalLM> {
         let c: LlamaConfig = ck.parse_config("llama")?;
+        Self::load_vb(ck.var_builder(), &c)
+    }
+
+    /// The model from `vb` (a checkpoint's [`Checkpoint::var_builder`], or
+    /// any `VarBuilder` holding these names) and its configuration, as
+    /// candle-transformers' models load. Its parameters are the weights
+    /// it read from `vb`.
+    pub fn load_vb(vb: VarBuilder, c: &LlamaConfig) -> Result<LlamaForCausalLM> {
         let r = c.resolve()?;
-        let d = c.hidden_size;
-        let blocks = (0..c.num_hidden_layers)
-            .map(|i| Block::load(ck, &c, &r, &format!("model.layers.{i}")))
-            .collect::<Result<Vec<_>>>()?;
-        let mut embed = Embedding::from_tensors(
-            ck.weight("model.embed_tokens.weight", &[c.vocab_size, d])?,
-            "model.embed_tokens",
-        );
-        if let Some(pad) = c.pad_token_id {
-            embed = embed.with_padding_idx(pad)?;
-        }
-        let head = match c.tie_word_embeddings {
+        let (vb, record) = recording(vb);
+        let model = LlamaModel::load(vb.pp("model"), c, &r)?;
+        let lm_head = match c.tie_word_embeddings {
             true => None,
-            false => Some(proj(ck, "lm_head", c.vocab_size, d, false)?),
+            false => Some(linear_no_bias(c.hidden_size, c.vocab_size, vb.pp("lm_head"))?),
         };
-        let norm = rms(ck, "model.norm", d, c.rms_norm_eps)?;
-        let rotary = RotaryCache::new(r.head_dim, r.theta, c.max_position_embeddings, ck.dtype(), ck.device());
+        let rotary = RotaryCache::new(r.head_dim, r.theta, c.max_position_embeddings, vb.dtype(), vb.device());
         Ok(LlamaForCausalLM {
-            norm,
+            model,
+            lm_head,
             rotary,
-            embed,
-            blocks,
-            head,
             r,
-            config: c,
+            config: c.clone(),
+            params: record.all(),
         })
     }
 
@@ -382,25 +440,21 @@ impl LlamaForCausalLM {
         let t = b.ids.dims()[1];
         let (cos, sin) = self.rotary.tables(t)?;
         let (cos, sin) = (cos.to_tracer(&b.ids)?, sin.to_tracer(&b.ids)?);
-        let attn_mask = |window| AttentionMask {
-            window,
+        let mask = AttentionMask {
+            window: None,
             causal: true,
             keep: b.keep.clone(),
         };
         let scale = 1.0 / (self.r.head_dim as f64).sqrt();
-        let mut h = self.embed.forward_with(p, &b.ids)?; // N T D
-        for (blk, &window) in self.blocks.iter().zip(&self.r.windows) {
-            let x = blk.input_norm.forward_with(p, &h)?;
-            h = h.add(&blk.attn.forward(p, &x, &attn_mask(window), scale, Some((&cos, &sin)))?)?;
-            let x = blk.post_norm.forward_with(p, &h)?;
-            let gate = self.r.act.forward_with(p, &blk.gate.forward_with(p, &x)?)?;
-            let gated = gate.mul(&blk.up.forward_with(p, &x)?)?;
-            h = h.add(&blk.down.forward_with(p, &gated)?)?;
+        let m = &self.model;
+        let mut h = m.embed_tokens.forward_with(p, &b.ids)?; // N T D
+        for layer in &m.layers {
+            h = layer.forward(p, &h, &mask, scale, (&cos, &sin))?;
         }
-        let h = self.norm.forward_with(p, &h)?;
-        let logits = match &self.head {
+        let h = m.norm.forward_with(p, &h)?;
+        let logits = match &self.lm_head {
             Some(head) => head.forward_with(p, &h)?,
-            None => h.matmul(&self.embed.table(p, &h)?.t()?)?,
+            None => h.matmul(&m.embed_tokens.table(p, &h)?.t()?)?,
         };
         b.finish(logits)
     }
@@ -411,15 +465,6 @@ impl Module for LlamaForCausalLM {
         self.forward_full(p, ids, None)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
-        let mut all = BTreeMap::new();
-        all.extend(self.embed.params());
-        for b in &self.blocks {
-            b.params(&mut all);
-        }
-        all.extend(self.norm.params());
-        if let Some(h) = &self.head {
-            all.extend(h.params());
-        }
-        all
+        self.params.clone()
     }
 }

@@ -16,6 +16,10 @@
 //! too (ids alone, no mask), so `functional_call` and `stack_params` apply;
 //! its `params()` are named as in the checkpoint.
 //!
+//! Each model is built from one struct per Hugging Face module through a
+//! `candle_nn::VarBuilder` ([`Checkpoint::var_builder`], or any other with
+//! `load_vb`), and its `params()` are the weights those structs read.
+//!
 //! A configuration this crate does not implement (an unknown
 //! `hidden_act`, `rope_scaling`, a relative `position_embedding_type`, an
 //! unknown entry of `layer_types`) is an [`Error::Model`] naming the field,
@@ -36,6 +40,7 @@
 //! ```
 
 mod checkpoint;
+mod loader;
 mod weights;
 
 pub mod bert;

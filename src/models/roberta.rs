@@ -4,16 +4,17 @@
 //! `create_position_ids_from_input_ids` does, and its own classification
 //! head (a tanh dense layer on the first token, then `out_proj`).
 
-use super::bert::{encoder_prefix, linear, BertConfig, Encoder, Positions};
+use super::bert::{encoder_root, BertConfig, Encoder, Pooler, Positions};
+use super::loader::recording;
 use super::{first_token, unsupported, Checkpoint};
 use crate::error::Result;
-use crate::nn::{Linear, Module, Params};
+use crate::nn::{linear, Linear, Module, Params};
 use crate::trace::Tracer;
 use candle_core::Tensor;
+use candle_nn::VarBuilder;
 use std::collections::BTreeMap;
 
-fn padding_idx(ck: &Checkpoint) -> Result<usize> {
-    let c: BertConfig = ck.parse_config("roberta")?;
+fn padding_idx(c: &BertConfig) -> Result<usize> {
     c.pad_token_id
         .ok_or_else(|| unsupported("roberta", "pad_token_id", "missing: RoBERTa counts positions from it"))
 }
@@ -27,11 +28,15 @@ impl RobertaModel {
     /// The encoder of a RoBERTa checkpoint (under `roberta.`, or bare),
     /// with its pooler when the checkpoint has one.
     pub fn load(ck: &Checkpoint) -> Result<RobertaModel> {
-        let pre = encoder_prefix(ck, "roberta");
-        let pooler = ck.has(&format!("{pre}pooler.dense.weight"));
-        let pos = Positions::AfterPadding(padding_idx(ck)?);
+        Self::load_vb(ck.var_builder(), &ck.parse_config("roberta")?)
+    }
+
+    /// The encoder from `vb` (under `roberta.` when `vb` holds it there)
+    /// and its configuration; with its pooler when `vb` holds one.
+    pub fn load_vb(vb: VarBuilder, c: &BertConfig) -> Result<RobertaModel> {
+        let pos = Positions::AfterPadding(padding_idx(c)?);
         Ok(RobertaModel {
-            enc: Encoder::load(ck, "roberta", &pre, pos, pooler)?,
+            enc: Encoder::load(encoder_root(&vb, "roberta"), c, "roberta", pos, Pooler::IfHeld)?,
         })
     }
 
@@ -66,21 +71,45 @@ impl Module for RobertaModel {
 /// `RobertaForSequenceClassification`): logits `[.., labels]`.
 pub struct RobertaForSequenceClassification {
     roberta: RobertaModel,
+    classifier: RobertaClassificationHead,
+    // every weight it read, by name
+    params: BTreeMap<String, Tensor>,
+}
+
+/// Hugging Face's `RobertaClassificationHead`: `out_proj(tanh(dense(x)))`
+/// on the first token.
+struct RobertaClassificationHead {
     dense: Linear,
     out_proj: Linear,
+}
+
+impl RobertaClassificationHead {
+    fn load(vb: VarBuilder, c: &BertConfig) -> Result<Self> {
+        let (d, labels) = (c.hidden_size, c.labels());
+        Ok(RobertaClassificationHead {
+            dense: linear(d, d, vb.pp("dense"))?,
+            out_proj: linear(d, labels, vb.pp("out_proj"))?,
+        })
+    }
 }
 
 impl RobertaForSequenceClassification {
     /// A RoBERTa classifier checkpoint (`roberta.*`, `classifier.dense`,
     /// `classifier.out_proj`; the encoder has no pooler here).
     pub fn load(ck: &Checkpoint) -> Result<RobertaForSequenceClassification> {
-        let pos = Positions::AfterPadding(padding_idx(ck)?);
-        let enc = Encoder::load(ck, "roberta", "roberta.", pos, false)?;
-        let (d, labels) = (enc.config.hidden_size, enc.config.labels());
+        Self::load_vb(ck.var_builder(), &ck.parse_config("roberta")?)
+    }
+
+    /// The classifier from `vb` and its configuration.
+    pub fn load_vb(vb: VarBuilder, c: &BertConfig) -> Result<RobertaForSequenceClassification> {
+        let pos = Positions::AfterPadding(padding_idx(c)?);
+        let (vb, record) = recording(vb);
+        let enc = Encoder::load(vb.pp("roberta"), c, "roberta", pos, Pooler::Without)?;
+        let head = RobertaClassificationHead::load(vb.pp("classifier"), c)?;
         Ok(RobertaForSequenceClassification {
-            dense: linear(ck, "classifier.dense", d, d)?,
-            out_proj: linear(ck, "classifier.out_proj", labels, d)?,
             roberta: RobertaModel { enc },
+            classifier: head,
+            params: record.all(),
         })
     }
 
@@ -92,8 +121,9 @@ impl RobertaForSequenceClassification {
     /// [`Self::forward_masked`] with parameters replaced by name.
     pub fn forward_full(&self, p: &Params, ids: &Tracer, mask: Option<&Tracer>) -> Result<Tracer> {
         let h = self.roberta.enc.forward(p, ids, mask, None)?;
-        let x = self.dense.forward_with(p, &first_token(&h)?)?.tanh()?;
-        self.out_proj.forward_with(p, &x)
+        let head = &self.classifier;
+        let x = head.dense.forward_with(p, &first_token(&h)?)?.tanh()?;
+        head.out_proj.forward_with(p, &x)
     }
 }
 
@@ -102,9 +132,6 @@ impl Module for RobertaForSequenceClassification {
         self.forward_full(p, ids, None)
     }
     fn params(&self) -> BTreeMap<String, Tensor> {
-        let mut all = self.roberta.params();
-        all.extend(self.dense.params());
-        all.extend(self.out_proj.params());
-        all
+        self.params.clone()
     }
 }

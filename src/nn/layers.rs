@@ -105,6 +105,26 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
     })
 }
 
+/// A linear layer with a bias where `bias` (candle-transformers'
+/// `linear_b`: a config's `attention_bias` or `mlp_bias` decides).
+pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    match bias {
+        true => linear(in_dim, out_dim, vb),
+        false => linear_no_bias(in_dim, out_dim, vb),
+    }
+}
+
+/// A linear layer with bias whose weight is stored `[in, out]` (Hugging
+/// Face's `Conv1D`, GPT-2's projections; see [`Linear::from_tensors_in_out`]).
+pub fn linear_in_out(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    let weight = kaiming_weight(&vb, &[in_dim, out_dim])?;
+    let bias = Some(super::param(&vb, &[out_dim], "bias", bias_init(in_dim))?);
+    Ok(Linear {
+        in_out: true,
+        ..Linear::from_tensors(weight, bias, &vb.prefix())
+    })
+}
+
 impl Linear {
     /// A linear layer over existing tensors (`weight` `[out, in]`,
     /// `bias` `[out]`), sharing them, named `prefix`.

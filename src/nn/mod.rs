@@ -43,8 +43,8 @@ pub(crate) use transformer::RotaryCache;
 pub use attention::{attend, mask_value, merge_heads, split_heads, AttentionMask, PostNormBlock, SelfAttention};
 pub use convert::{conv_transpose1d, conv_transpose2d, ConvTranspose};
 pub use layers::{
-    conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_no_bias, seq, Activation,
-    AvgPool2d, Conv, ConvConfig, Dropout, Flatten, Linear, MaxPool2d, Sequential,
+    conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv3d, conv3d_no_bias, linear, linear_b, linear_in_out,
+    linear_no_bias, seq, Activation, AvgPool2d, Conv, ConvConfig, Dropout, Flatten, Linear, MaxPool2d, Sequential,
 };
 pub use lora::{Lora, LoraConfig};
 pub use loss::{bce_with_logits, cross_entropy, cross_entropy_with, huber, l1, mse, nll, CrossEntropy, Reduction};
