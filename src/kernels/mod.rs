@@ -44,6 +44,7 @@ pub mod pool;
 pub(crate) mod rng;
 pub mod rows;
 pub mod scale;
+pub(crate) mod scatter;
 pub(crate) mod segments;
 pub mod shift;
 pub mod softmax;

@@ -158,6 +158,15 @@ impl Rule for IndexOp {
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let (x, idx) = (args[0], args[1]);
         let op = self.name();
+        if let IndexOp::ScatterAdd { axis, size } = *self {
+            // into zeros: only the source widens (`kernels::scatter`)
+            if crate::kernels::is_half(x.dtype()) {
+                in_range(idx, size, "scatter_add")?;
+                if let Some(y) = crate::kernels::scatter::scatter_add_half(x, idx, axis, size, cx.path).op(&op)? {
+                    return Ok(y);
+                }
+            }
+        }
         if self.in_f32(x.dtype()) {
             return in_f32(&op, args, out, cx.path, |a, o| self.run(a, o, cx));
         }
