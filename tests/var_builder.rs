@@ -138,3 +138,24 @@ fn load_vb_and_load_give_the_same_model() {
     let msg = model_error(LlamaForCausalLM::load_vb(ck.var_builder(), &c));
     assert!(msg.contains("num_key_value_heads"), "{msg}");
 }
+
+#[test]
+fn the_new_layer_constructors_refuse_sizes_that_do_not_fit() {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    // a product that overflows, and one far beyond the host's memory:
+    // errors naming the parameter, never an aborted allocation
+    for (i, o) in [(usize::MAX, 2), (1 << 40, 1 << 20)] {
+        let e = nn::linear_in_out(i, o, vb.pp("c_fc")).err().expect("refused");
+        assert!(e.to_string().contains("c_fc.weight"), "{e}");
+        let e = nn::linear_b(i, o, false, vb.pp("q_proj")).err().expect("refused");
+        assert!(e.to_string().contains("q_proj.weight"), "{e}");
+    }
+    // a checkpoint's weight asked for at another orientation is named
+    let ck = Checkpoint::load(fixture("gpt2_lm"), DType::F32, &Device::Cpu).unwrap();
+    let w = stored("gpt2_lm");
+    let (i, o) = w["transformer.h.0.mlp.c_fc.weight"].dims2().unwrap();
+    let msg = model_error(nn::linear_in_out(o, i, ck.var_builder().pp("transformer.h.0.mlp.c_fc")));
+    assert!(msg.contains("\"transformer.h.0.mlp.c_fc.weight\""), "{msg}");
+    assert!(nn::linear_in_out(i, o, ck.var_builder().pp("transformer.h.0.mlp.c_fc")).is_ok());
+}
