@@ -7,7 +7,7 @@
 //!     cargo run --release --example bench                 # everything
 //!     cargo run --release --example bench -- --quick      # under two minutes
 //!     cargo run --release --example bench -- --json       # one JSON object per line
-//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS (or ENS_T, ENS_O, ENS_MLP), FWD, HO, NTK, LM, DP, SWEEP
+//!     cargo run --release --example bench -- --only T,O   # T, O, C3D, ENS (or ENS_T, ENS_O, ENS_MLP), FWD, HO, NTK, LM, DP, SAMPLING, SWEEP
 //!     cargo run --release --example bench -- --only SWEEP --svg docs/routes.svg
 //!
 //! With `CANDLE_FUNC_DEVICE=cuda` (built with `--features cuda`) the
@@ -742,6 +742,85 @@ fn dp_step<M: Module>(
     Ok(())
 }
 
+/// The DP step with each sampling scheme on the Opacus MNIST CNN: N = 1024
+/// examples, expected batch 256 (q = 1/4), physical batch 64, ghost
+/// clipping, one noise draw; every scheme's passes have the same shape, so
+/// one trace and one planned peak serve them all.
+fn dp_sampling(o: &Opts) -> Res<()> {
+    use candle_func::dp::{self, DpConfig, PrivacyEngine, Sampling};
+    let dev = common::device();
+    let (vm, cnn) = build_on(&dev, cnn_o)?;
+    let n = 1024;
+    let xs = Tensor::randn(0f32, 1., (n, 1, 28, 28), &dev)?;
+    let ys = Tensor::from_vec((0..n as u32).map(|i| (i * 7 + 3) % 10).collect::<Vec<u32>>(), n, &dev)?;
+    let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+        nn::cross_entropy(
+            &functional_call(&cnn, &p, &x.unsqueeze(0)?)?,
+            &y.unsqueeze(0)?,
+            Reduction::Mean,
+        )
+    };
+    // the cap three standard deviations above the expected 256
+    let schemes = [
+        ("Poisson", Sampling::Poisson),
+        ("without replacement, B = 256", Sampling::WithoutReplacement),
+        (
+            "truncated Poisson, cap 298",
+            Sampling::TruncatedPoisson {
+                dataset_size: n,
+                max_batch: 298,
+            },
+        ),
+    ];
+    let mut trainers = schemes
+        .iter()
+        .map(|&(_, s)| {
+            PrivacyEngine::new()
+                .rng(dp::rng::Rng::seeded(0))
+                .sampling(s)
+                .physical_batch(64)
+                .make_private(
+                    one,
+                    &vm,
+                    dp::Sgd::new(&vm, 1e-3, 0.0)?,
+                    (&xs, &ys),
+                    DpConfig::new(256, 1.0, 1.0),
+                )
+        })
+        .collect::<candle_func::Result<Vec<_>>>()?;
+    let mut jobs: Vec<Job> = trainers
+        .iter_mut()
+        .map(|t| Box::new(move || Ok(t.step().map(|_| ())?)) as Job)
+        .collect();
+    let ms = interleaved(o.reps, &mut jobs)?;
+    drop(jobs);
+    let rows: Vec<Row> = schemes
+        .iter()
+        .zip(&ms)
+        .map(|(&(v, _), &ms)| Row {
+            variant: v.into(),
+            ms,
+            peak_mib: None,
+        })
+        .collect();
+    let traces: Vec<usize> = trainers.iter().map(|t| t.traced_signatures()).collect();
+    let notes = vec![
+        format!(
+            "without replacement / Poisson: {:.2}; truncated / Poisson: {:.2}",
+            ms[1] / ms[0],
+            ms[2] / ms[0]
+        ),
+        format!("traced signatures per trainer: {traces:?} (one pass shape, so one planned peak)"),
+    ];
+    report(
+        o,
+        "Opacus MNIST CNN, N=1024, expected batch 256, physical 64: DP step by sampling",
+        &rows,
+        &notes,
+    );
+    Ok(())
+}
+
 /// The torch.func NTK tutorial's two methods (`examples/common/ntk.rs`) on
 /// the shapes of `benches/peers/bench_higher_order.py`.
 fn ntk(o: &Opts) -> Res<()> {
@@ -854,6 +933,9 @@ fn main() -> Res<()> {
     }
     if want("DP") {
         dp_steps(&o)?;
+    }
+    if want("SAMPLING") {
+        dp_sampling(&o)?;
     }
     if want("SWEEP") {
         sweep(&o)?;

@@ -396,3 +396,65 @@ fn a_long_sequence_of_few_distinct_tokens_ghosts_its_embedding_by_grouping_ids()
     assert!(g.nodes().any(|n| n.name().starts_with("lookup_sq_norms")), "{g}");
     assert!(!has_per_sample(&g, b, v * d), "a per-sample embedding gradient in\n{g}");
 }
+
+/// Automatic clipping (Bu et al. 2023): `Σ_b g_b / (||g_b|| + γ)`, with
+/// ghost norms and with every per-sample gradient materialised, against
+/// the per-sample gradients scaled by hand; and `γ ≤ 0` refused.
+#[test]
+fn automatic_clipping_normalises_each_example() {
+    let gamma = 0.01;
+    let p = params(6, 5, 3, DType::F64);
+    // sequences, so the ghost rule for linear layers applies
+    let xs = randn(&[7, 4, 6], 9, DType::F64);
+    let per = vmap(grad(loss)).in_dims([None, Some(0)]).call((&p, &xs)).unwrap();
+    // the norms in f64 by hand (dp::norm_per_sample works in f32)
+    let sq = per
+        .values()
+        .fold(Tensor::zeros(7, DType::F64, &Device::Cpu).unwrap(), |acc, g| {
+            (acc + g.sqr().unwrap().flatten_from(1).unwrap().sum(1).unwrap()).unwrap()
+        });
+    let norms = sq.sqrt().unwrap();
+    let scale = (norms.affine(1.0, gamma).unwrap().recip()).unwrap();
+    for ghost in [true, false] {
+        let (sum, got_norms, _) = dp::clipped_grad_sum(loss, 123.0)
+            .automatic(gamma)
+            .ghost(ghost)
+            .call((&p, &xs))
+            .unwrap();
+        assert!(
+            rel(&got_norms, &norms) < 1e-9,
+            "ghost {ghost}: {}",
+            rel(&got_norms, &norms)
+        );
+        for (k, g) in &per {
+            let shape: Vec<usize> = std::iter::once(7).chain(std::iter::repeat_n(1, g.rank() - 1)).collect();
+            let want = g.broadcast_mul(&scale.reshape(shape).unwrap()).unwrap().sum(0).unwrap();
+            assert!(
+                rel(&sum[k], &want) < 1e-9,
+                "ghost {ghost}, {k}: {}",
+                rel(&sum[k], &want)
+            );
+        }
+    }
+    // each example's contribution has norm below 1, whatever its size
+    let big = (xs.clone() * 1e3).unwrap();
+    let one = big.narrow(0, 0, 1).unwrap();
+    let (sum, _, _) = dp::clipped_grad_sum(loss, 1.0)
+        .automatic(gamma)
+        .call((&p, &one))
+        .unwrap();
+    let n = sum
+        .values()
+        .map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap())
+        .sum::<f64>()
+        .sqrt();
+    assert!(n < 1.0 && n > 0.99, "{n}");
+    for bad in [0.0, -1.0, f64::NAN] {
+        let e = dp::clipped_grad_sum(loss, 1.0)
+            .automatic(bad)
+            .call((&p, &xs))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(e.to_string().contains("gamma"), "{e}");
+    }
+}

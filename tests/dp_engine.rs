@@ -21,31 +21,7 @@ fn values(seed: u64, shape: &[usize]) -> Tensor {
     common::hashed_values(seed, shape)
 }
 
-/// Two layers, `l` (4 -> 3, tanh) and `m` (3 -> 2), in a fresh VarMap.
-fn model() -> VarMap {
-    let vm = VarMap::new();
-    {
-        let mut data = vm.data().lock().unwrap();
-        for (i, (name, shape)) in [("l.weight", &[3, 4][..]), ("l.bias", &[3]), ("m.weight", &[2, 3])]
-            .into_iter()
-            .enumerate()
-        {
-            data.insert(
-                name.into(),
-                candle_core::Var::from_tensor(&values(i as u64 + 10, shape)).unwrap(),
-            );
-        }
-    }
-    vm
-}
-
-/// One example's loss: squared error of the two-layer net.
-fn loss(p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer) -> candle_func::Result<Tracer> {
-    let h = x.unsqueeze(0)?.broadcast_matmul(&p["l.weight"].t()?)?;
-    let h = h.broadcast_add(&p["l.bias"])?.tanh()?;
-    let out = h.broadcast_matmul(&p["m.weight"].t()?)?;
-    out.sub(&y.unsqueeze(0)?)?.sqr()?.sum_all()
-}
+use common::{two_layer_loss as loss, two_layer_model as model};
 
 fn data(n: usize) -> (Tensor, Tensor) {
     (values(1, &[n, 4]), values(2, &[n, 2]))
@@ -56,6 +32,19 @@ fn current(vm: &VarMap) -> Params {
     data.iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
         .collect()
+}
+
+/// The first Poisson batch a trainer seeded with `seed` draws.
+fn first_batch((xs, ys): (&Tensor, &Tensor), seed: u64, batch: usize) -> (Tensor, Tensor) {
+    let n = xs.dims()[0];
+    let idx = Rng::seeded(seed).poisson_sample(n, batch as f64 / n as f64);
+    let ids = Tensor::from_vec(
+        idx.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        idx.len(),
+        &Device::Cpu,
+    )
+    .unwrap();
+    (xs.index_select(&ids, 0).unwrap(), ys.index_select(&ids, 0).unwrap())
 }
 
 /// The materialised step: the same Poisson batch (the same seeded
@@ -71,14 +60,7 @@ fn reference(
 ) -> Params {
     let n = xs.dims()[0];
     let q = batch as f64 / n as f64;
-    let idx = Rng::seeded(seed).poisson_sample(n, q);
-    let ids = Tensor::from_vec(
-        idx.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-        idx.len(),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let (bx, by) = (xs.index_select(&ids, 0).unwrap(), ys.index_select(&ids, 0).unwrap());
+    let (bx, by) = first_batch((xs, ys), seed, batch);
     let per = vmap(grad(loss))
         .in_dims([None, Some(0), Some(0)])
         .call((before, &bx, &by))
@@ -701,4 +683,43 @@ fn adam_in_place_follows_pytorch_and_leaves_handed_out_state_alone() {
             }
         }
     }
+}
+
+#[test]
+fn automatic_clipping_step_equals_the_materialised_step() {
+    let (xs, ys) = data(40);
+    let vm = model();
+    let before = current(&vm);
+    let gamma = 0.05;
+    let mut t = trainer(&vm, (&xs, &ys), 3, DpConfig::automatic(10, 0.0, gamma), 4);
+    let info = t.step().unwrap();
+    assert!(info.clipped_fraction.is_nan() && info.clip_bound.is_nan());
+    // the same Poisson batch, each per-sample gradient over ||g|| + γ
+    let (bx, by) = first_batch((&xs, &ys), 4, 10);
+    let b = bx.dims()[0];
+    let per = vmap(grad(loss))
+        .in_dims([None, Some(0), Some(0)])
+        .call((&before, &bx, &by))
+        .unwrap();
+    let scale = dp::norm_per_sample(&per)
+        .unwrap()
+        .affine(1.0, gamma)
+        .unwrap()
+        .recip()
+        .unwrap();
+    let got = current(&vm);
+    for (k, g) in &per {
+        let shape: Vec<usize> = std::iter::once(b).chain(std::iter::repeat_n(1, g.rank() - 1)).collect();
+        let sum = g.broadcast_mul(&scale.reshape(shape).unwrap()).unwrap().sum(0).unwrap();
+        let want = (&before[k] - (sum * (0.1 / 10.0)).unwrap()).unwrap();
+        assert!(max_diff(&got[k], &want) < 1e-5, "{k}: {}", max_diff(&got[k], &want));
+    }
+    let bad = PrivacyEngine::new().make_private(
+        loss as fn(_, _, _) -> _,
+        &vm,
+        dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+        (&xs, &ys),
+        DpConfig::automatic(10, 1.0, 0.0),
+    );
+    assert!(bad.map(|_| ()).unwrap_err().to_string().contains("gamma"));
 }

@@ -186,7 +186,7 @@ where
     /// The plan with everything but the pass's graph counted.
     fn plan_beside(&self, params: &BTreeMap<String, Tensor>, chosen: bool) -> Result<MemoryPlan> {
         let weights = sum_bytes(super::optim::var_tensors(&self.varmap)?.values());
-        let data = sum_bytes(self.data.leaves.iter().map(|(_, t)| t));
+        let data = self.data.source.resident_bytes();
         let (optimizer, step_work) = match self.optimizer.memory_bytes(params) {
             Some(m) => m,
             None => {

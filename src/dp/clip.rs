@@ -31,6 +31,9 @@ pub struct ClipOf<F, M = Clipped> {
     /// flattening order) and each group's bound; `None` clips the whole
     /// gradient to `max_norm`.
     groups: Option<(Vec<usize>, Vec<f64>)>,
+    /// Automatic clipping's stability constant `γ`: each example scaled by
+    /// `1 / (||g|| + γ)` instead of clipped.
+    automatic: Option<f64>,
     ghost: bool,
     in_dims: Option<Dims>,
     mode: PhantomData<M>,
@@ -117,6 +120,7 @@ impl<F, M> ClipOf<F, M> {
             loss,
             max_norm,
             groups: None,
+            automatic: None,
             ghost: true,
             in_dims: None,
             mode: PhantomData,
@@ -149,6 +153,17 @@ impl<F> ClippedGradSum<F, Clipped> {
     /// lengths and bounds are checked when traced.
     pub fn per_group(self, of_leaf: Vec<usize>, bounds: Vec<f64>) -> Self {
         self.edit(|k| k.groups = Some((of_leaf, bounds)))
+    }
+
+    /// Automatic clipping (Bu et al. 2023, "Automatic Clipping: Differentially
+    /// Private Deep Learning Made Easier and Stronger", AUTO-S): each
+    /// example's gradient scaled by `1 / (||g|| + gamma)` instead of
+    /// clipped, so every example's contribution has norm below 1 (the
+    /// sensitivity) and there is no bound to tune. Ghost norms apply as
+    /// for clipping. `max_norm` and per-layer groups are unused; `gamma`
+    /// (0.01 in the paper) must be finite and positive, checked when traced.
+    pub fn automatic(self, gamma: f64) -> Self {
+        self.edit(|k| k.automatic = Some(gamma))
     }
 }
 
@@ -203,9 +218,19 @@ where
     fn apply(&self, options: &Options, args: S) -> Result<Self::Output> {
         let (losses, leaves, def) = self.per_example(options, args)?;
         let flat = (vec![0; leaves.len()], vec![self.max_norm]);
-        let (of_leaf, bounds) = self.groups.as_ref().unwrap_or(&flat);
+        let (of_leaf, bounds) = match self.automatic {
+            Some(_) => &flat,
+            None => self.groups.as_ref().unwrap_or(&flat),
+        };
         check_groups(of_leaf, bounds, leaves.len())?;
-        let (sums, norms) = clip_leaves(&leaves, (of_leaf, bounds), self.ghost)?;
+        let factor = match self.automatic {
+            Some(gamma) => {
+                super::positive("clipped_grad_sum", "automatic clipping's gamma", gamma, false)?;
+                Factor::Automatic(gamma)
+            }
+            None => Factor::Clip,
+        };
+        let (sums, norms) = clip_leaves(&leaves, (of_leaf, bounds), self.ghost, factor)?;
         let clipped = <S as Nth<0>>::T::unflatten_from(&def, &mut sums.into_iter())?;
         Ok((clipped, norms, losses))
     }
@@ -336,15 +361,32 @@ fn total(sq: &[Tracer]) -> Result<Tracer> {
         .try_fold(first.clone(), |t, s| t.add(&s.to_dtype(t.ty.dtype)?))
 }
 
-/// Opacus's clipping factor `min(1, C / (norm + 1e-6))`, per example.
-fn clip_factor(norms: &Tracer, c: f64) -> Result<Tracer> {
-    norms.affine(1.0, 1e-6)?.recip()?.affine(c, 0.0)?.clamp(0.0, 1.0)
+/// How an example's weight follows from its norm.
+#[derive(Clone, Copy)]
+enum Factor {
+    /// Opacus's clipping factor `min(1, C / (norm + 1e-6))`.
+    Clip,
+    /// Automatic clipping's `1 / (norm + γ)`.
+    Automatic(f64),
+}
+
+/// Each example's weight from its norms, for the bound `c`.
+fn clip_factor(norms: &Tracer, c: f64, factor: Factor) -> Result<Tracer> {
+    match factor {
+        Factor::Clip => norms.affine(1.0, 1e-6)?.recip()?.affine(c, 0.0)?.clamp(0.0, 1.0),
+        Factor::Automatic(gamma) => norms.affine(1.0, gamma)?.recip(),
+    }
 }
 
 /// The clipped sums of `leaves` (per-example gradients, batch axis 0), each
 /// group `(of_leaf, bounds)` clipped on its own, and the per-example norms
 /// over all leaves.
-fn clip_leaves(leaves: &[Tracer], (of_leaf, bounds): (&[usize], &[f64]), ghost: bool) -> Result<(Vec<Tracer>, Tracer)> {
+fn clip_leaves(
+    leaves: &[Tracer],
+    (of_leaf, bounds): (&[usize], &[f64]),
+    ghost: bool,
+    factor: Factor,
+) -> Result<(Vec<Tracer>, Tracer)> {
     let plans = plans(leaves, ghost, false)?;
     // Each group's squared norms; a group without leaves clips nothing.
     let mut members: Vec<Vec<Tracer>> = vec![Vec::new(); bounds.len()];
@@ -358,7 +400,7 @@ fn clip_leaves(leaves: &[Tracer], (of_leaf, bounds): (&[usize], &[f64]), ghost: 
     let factors: Vec<Option<Tracer>> = group_sq
         .iter()
         .zip(bounds)
-        .map(|(sq, &c)| sq.as_ref().map(|sq| clip_factor(&sq.sqrt()?, c)).transpose())
+        .map(|(sq, &c)| sq.as_ref().map(|sq| clip_factor(&sq.sqrt()?, c, factor)).transpose())
         .collect::<Result<_>>()?;
     let present: Vec<Tracer> = group_sq.into_iter().flatten().collect();
     let norms = total(&present)?.sqrt()?;

@@ -4,8 +4,9 @@
 //!
 //! One step, as Opacus takes it:
 //!
-//! 1. **Poisson sampling**: each example joins the logical batch with
-//!    probability `q = batch_size / N`, from the engine's generator.
+//! 1. **Sampling**: each example joins the logical batch with probability
+//!    `q = batch_size / N`, from the engine's generator, or another
+//!    [`Sampling`] scheme, which the accountant then analyses.
 //! 2. **Virtual batches**: the logical batch runs in passes of a fixed
 //!    physical size (Opacus's `BatchMemoryManager`), the last one padded
 //!    with examples of weight 0, so that every pass has the same shapes: a
@@ -62,9 +63,10 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
-use super::accountant::{noise_multiplier_with, Accountant, Mechanism};
+use super::accountant::{noise_multiplier_with, Accountant, Mechanism, Sampling};
 use super::adaptive::{Adaptive, AdaptiveClipping};
 use super::clip::clipped_grad_sum;
+use super::dataset::{Dataset, TensorDataset};
 use super::optim::Optimizer;
 use super::precision::Precision;
 use super::rng::Rng;
@@ -74,7 +76,7 @@ use super::trainer::{Examples, Masked};
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
 use crate::trace::Tracer;
-use crate::transforms::tree::{TensorTree, TreeDef};
+use crate::transforms::tree::{SymTree, TensorTree, TreeDef};
 use crate::transforms::Function;
 use candle_core::Tensor;
 use candle_nn::VarMap;
@@ -95,6 +97,11 @@ pub enum Clipping {
     /// The whole gradient to a bound that tracks a quantile of the norms
     /// (see [`AdaptiveClipping`]).
     Adaptive(AdaptiveClipping),
+    /// Automatic clipping with stability constant `γ` (Bu et al. 2023):
+    /// each example's gradient scaled by `1 / (||g|| + γ)`, norm below 1
+    /// (the sensitivity), no bound to tune (see
+    /// [`ClippedGradSum::automatic`](super::ClippedGradSum::automatic)).
+    Automatic(f64),
 }
 
 /// The privacy parameters of [`PrivacyEngine::make_private`].
@@ -136,6 +143,25 @@ impl DpConfig {
         }
     }
 
+    /// Automatic clipping (Bu et al. 2023, AUTO-S): each example's gradient
+    /// scaled by `1 / (||g|| + gamma)` rather than clipped to a bound, so
+    /// the noise is `σ` per coordinate (the sensitivity is 1) and there is
+    /// no `C` to tune; the learning rate takes its place (the paper uses
+    /// `gamma = 0.01`). Ghost norms apply as for clipping.
+    ///
+    /// ```
+    /// use candle_func::dp::{Clipping, DpConfig};
+    /// let config = DpConfig::automatic(64, 1.1, 0.01);
+    /// assert_eq!(config.clipping, Clipping::Automatic(0.01));
+    /// ```
+    pub fn automatic(batch_size: usize, noise_multiplier: f64, gamma: f64) -> DpConfig {
+        DpConfig {
+            batch_size,
+            noise_multiplier,
+            clipping: Clipping::Automatic(gamma),
+        }
+    }
+
     /// Per-layer clipping: `(prefix, bound)` groups (see [`Clipping::PerLayer`]).
     pub fn per_layer(batch_size: usize, noise_multiplier: f64, groups: &[(&str, f64)]) -> DpConfig {
         DpConfig {
@@ -150,7 +176,8 @@ impl DpConfig {
 /// which generator, ghost clipping or not, and the physical batch size.
 #[derive(Debug)]
 pub struct PrivacyEngine {
-    mechanism: Mechanism,
+    mechanism: Option<Mechanism>,
+    sampling: Sampling,
     rng: Option<Rng>,
     ghost: bool,
     secure_mode: bool,
@@ -173,7 +200,8 @@ impl PrivacyEngine {
     /// ghost clipping.
     pub fn new() -> PrivacyEngine {
         PrivacyEngine {
-            mechanism: Mechanism::Prv,
+            mechanism: None,
+            sampling: Sampling::Poisson,
             rng: None,
             ghost: true,
             secure_mode: true,
@@ -186,9 +214,20 @@ impl PrivacyEngine {
         }
     }
 
-    /// The analysis the trainer's accountant reports ε by.
+    /// The analysis the trainer's accountant reports ε by (default: PRV
+    /// for Poisson sampling, as Opacus; PLD for the other schemes).
     pub fn accountant(mut self, mechanism: Mechanism) -> PrivacyEngine {
-        self.mechanism = mechanism;
+        self.mechanism = Some(mechanism);
+        self
+    }
+
+    /// How each step's batch is drawn (default [`Sampling::Poisson`]); the
+    /// accountant analyses the run under the same scheme, and refuses one
+    /// it has no sound analysis for. `WithoutReplacement` takes exactly the
+    /// configured batch size each step; `TruncatedPoisson` names the data
+    /// set's size, which must be the examples'.
+    pub fn sampling(mut self, sampling: Sampling) -> PrivacyEngine {
+        self.sampling = sampling;
         self
     }
 
@@ -308,7 +347,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
         O: Optimizer,
     {
-        self.build(loss, varmap, optimizer, xs_ys(xs, ys), config)
+        self.build(loss, varmap, optimizer, Box::new(xs_ys(xs, ys)?), config)
     }
 
     /// A trainer whose examples are any tree of tensors sharing a leading
@@ -368,7 +407,32 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
         O: Optimizer,
     {
-        self.build(loss, varmap, optimizer, leaves_of(data), config)
+        self.build(loss, varmap, optimizer, Box::new(TensorDataset::new(data)?), config)
+    }
+
+    /// A trainer over any [`Dataset`]: each step fetches only the examples
+    /// it sampled (each pass's, padding included), so the data set need not
+    /// fit in memory (a [`SafetensorsDataset`](super::SafetensorsDataset)
+    /// reads rows from shards on disk). The loss takes one example's tree
+    /// as the dataset describes it ([`Dataset::tree`]: a
+    /// `BTreeMap<String, Tracer>` for safetensors shards). Sampling,
+    /// virtual batches, clipping and accounting are those of
+    /// [`PrivacyEngine::make_private`].
+    pub fn make_private_dataset<F, O, S, D>(
+        self,
+        loss: F,
+        varmap: &VarMap,
+        optimizer: O,
+        dataset: D,
+        config: DpConfig,
+    ) -> Result<PrivateTrainer<F, O, S>>
+    where
+        D: Dataset + 'static,
+        S: SymTree,
+        F: Function<(BTreeMap<String, Tracer>, S), Output = Tracer>,
+        O: Optimizer,
+    {
+        self.build(loss, varmap, optimizer, Box::new(dataset), config)
     }
 
     /// The trainer for either form of the examples.
@@ -377,17 +441,29 @@ impl PrivacyEngine {
         loss: F,
         varmap: &VarMap,
         optimizer: O,
-        (leaves, def): (Vec<(String, Tensor)>, TreeDef),
+        source: Box<dyn Dataset>,
         config: DpConfig,
     ) -> Result<PrivateTrainer<F, O, S>>
     where
         F: ExampleLoss<S>,
         O: Optimizer,
     {
-        let data = Examples::new(leaves)?;
+        let def = source.tree();
+        let data = Examples::new(source)?;
         let n = data.n;
         let q = sample_rate(config.batch_size, n)?;
         super::positive("make_private", "noise_multiplier", config.noise_multiplier, true)?;
+        if let Sampling::TruncatedPoisson { dataset_size, .. } = self.sampling {
+            if dataset_size != n {
+                let expected = format!("{n} (the number of examples)");
+                return Err(Error::privacy(
+                    "make_private",
+                    "Sampling::TruncatedPoisson dataset_size",
+                    expected,
+                    dataset_size,
+                ));
+            }
+        }
         let names = super::optim::var_names(varmap)?;
         if names.is_empty() {
             return Err(Error::data("make_private", "the VarMap has no variables to train"));
@@ -416,10 +492,11 @@ impl PrivacyEngine {
             half: self.precision.half(),
             form: PhantomData,
         };
-        let clip = clipped_grad_sum(masked, bounds[0])
-            .per_group(of_leaf, bounds)
-            .ghost(self.ghost)
-            .options(self.options);
+        let mut clip = clipped_grad_sum(masked, bounds[0]).per_group(of_leaf, bounds);
+        if let Clipping::Automatic(gamma) = config.clipping {
+            clip = clip.automatic(gamma);
+        }
+        let clip = clip.ghost(self.ghost).options(self.options);
         let accountant = self.accountant_new()?;
         let rng = match self.rng {
             Some(r) => r,
@@ -449,12 +526,13 @@ impl PrivacyEngine {
             bound: match config.clipping {
                 Clipping::Flat(c) => Some(c),
                 Clipping::Adaptive(_) => Some(1.0),
-                Clipping::PerLayer(_) => None,
+                Clipping::PerLayer(_) | Clipping::Automatic(_) => None,
             },
             adaptive,
             comm: None,
             steps: 0,
             memory: None,
+            canaries: None,
         };
         match self.memory_limit.or(self.options.memory_limit) {
             Some(limit) => trainer.fit_memory(limit, self.physical_batch.is_none()),
@@ -483,7 +561,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
         O: Optimizer,
     {
-        let n = Examples::new(xs_ys(data.0, data.1).0)?.n;
+        let n = xs_ys(data.0, data.1)?.len();
         let config = self.for_epsilon(config, n, target)?;
         self.make_private(loss, varmap, optimizer, data, config)
     }
@@ -506,7 +584,7 @@ impl PrivacyEngine {
         F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
         O: Optimizer,
     {
-        let n = Examples::new(leaves_of(data).0)?.n;
+        let n = TensorDataset::new(data)?.len();
         let config = self.for_epsilon(config, n, target)?;
         self.make_private_examples(loss, varmap, optimizer, data, config)
     }
@@ -538,9 +616,14 @@ impl PrivacyEngine {
 }
 
 impl PrivacyEngine {
-    /// An empty accountant of the engine's mechanism and error band.
+    /// An empty accountant of the engine's mechanism, sampling scheme and
+    /// error band.
     fn accountant_new(&self) -> Result<Accountant> {
-        let acc = Accountant::new(self.mechanism);
+        let default = match self.sampling {
+            Sampling::Poisson => Mechanism::Prv,
+            _ => Mechanism::Pld,
+        };
+        let acc = Accountant::new(self.mechanism.unwrap_or(default)).with_sampling(self.sampling)?;
         match self.eps_error {
             Some(e) => acc.with_eps_error(e),
             None => Ok(acc),
@@ -548,22 +631,10 @@ impl PrivacyEngine {
     }
 }
 
-/// The examples' leaves, each with its path in the tree ("examples" for a
-/// bare tensor), and the tree's structure.
-/// The `(xs, ys)` form's two leaves, named for messages, and its structure.
-fn xs_ys(xs: &Tensor, ys: &Tensor) -> (Vec<(String, Tensor)>, TreeDef) {
+/// The `(xs, ys)` form's two leaves, named for messages.
+fn xs_ys(xs: &Tensor, ys: &Tensor) -> Result<TensorDataset> {
     let leaves = vec![("xs".to_string(), xs.clone()), ("ys".to_string(), ys.clone())];
-    (leaves, TreeDef::Tuple(vec![TreeDef::Leaf; 2]))
-}
-
-fn leaves_of<D: TensorTree + ?Sized>(data: &D) -> (Vec<(String, Tensor)>, TreeDef) {
-    let mut tensors = Vec::new();
-    let def = data.flatten_into(&mut tensors);
-    let paths = def
-        .leaf_paths()
-        .into_iter()
-        .map(|p| if p.is_empty() { "examples".into() } else { p });
-    (paths.zip(tensors).collect(), def)
+    TensorDataset::from_leaves(leaves, TreeDef::Tuple(vec![TreeDef::Leaf; 2]))
 }
 
 fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
@@ -588,6 +659,11 @@ fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>
         // the bound is carried by the examples' weights (1 / C): the
         // transform clips the scaled gradients to 1
         Clipping::Adaptive(_) => Ok((vec![0; names.len()], vec![1.0])),
+        // every example's scaled gradient has norm below 1
+        Clipping::Automatic(gamma) => {
+            super::positive("make_private", "automatic clipping's gamma", *gamma, false)?;
+            Ok((vec![0; names.len()], vec![1.0]))
+        }
         Clipping::PerLayer(groups) => {
             for (p, c) in groups {
                 super::positive("make_private", &format!("the bound of group {p:?}"), *c, false)?;

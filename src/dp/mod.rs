@@ -32,10 +32,13 @@
 
 pub mod accountant;
 mod adaptive;
+pub mod audit;
 mod budget;
+mod candle_optim;
 mod checkpoint;
 mod clip;
 pub mod collective;
+mod dataset;
 mod engine;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -43,11 +46,14 @@ mod optim;
 mod precision;
 mod trainable;
 mod trainer;
+pub use accountant::Sampling;
 pub use adaptive::AdaptiveClipping;
 pub use budget::MemoryPlan;
+pub use candle_optim::CandleOptimizer;
 pub use clip::{
     clipped_grad_sum, per_sample_grad_norms, ClipOf, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms,
 };
+pub use dataset::{Dataset, SafetensorsDataset, TensorDataset};
 pub use engine::{Clipping, DpConfig, ExampleLoss, PrivacyEngine, PrivateTrainer, StepInfo, XsYs};
 pub use optim::{Adam, AdamW, Optimizer, OptimizerState, Sgd};
 pub use precision::Precision;

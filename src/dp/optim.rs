@@ -303,9 +303,14 @@ pub(super) fn var_tensors(varmap: &candle_nn::VarMap) -> Result<BTreeMap<String,
         .collect())
 }
 
-/// The variable a gradient is for, and the gradient in its work dtype
-/// (`work_dtype`).
-fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g: &Tensor) -> Result<(&'a Var, Tensor)> {
+/// The variable the gradient `g` of `name` is for: an error naming `op`
+/// when there is none or its shape is not `g`'s.
+pub(super) fn var_for<'a>(
+    vars: &'a BTreeMap<String, Var>,
+    op: &'static str,
+    name: &str,
+    g: &Tensor,
+) -> Result<&'a Var> {
     let var = vars.get(name).ok_or_else(|| Error::Tree {
         msg: format!("{op}: no variable named {name:?}"),
     })?;
@@ -316,6 +321,13 @@ fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g:
             format!("gradient of {name:?}"),
         ));
     }
+    Ok(var)
+}
+
+/// The variable a gradient is for, and the gradient in its work dtype
+/// (`work_dtype`).
+fn checked<'a>(vars: &'a BTreeMap<String, Var>, op: &'static str, name: &str, g: &Tensor) -> Result<(&'a Var, Tensor)> {
+    let var = var_for(vars, op, name, g)?;
     Ok((var, g.to_dtype(work_dtype(var.dtype()))?))
 }
 

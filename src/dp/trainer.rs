@@ -7,6 +7,7 @@ use super::accountant::Accountant;
 use super::adaptive::Adaptive;
 use super::clip::ClippedGradSum;
 use super::collective::{self, Collective};
+use super::dataset::Dataset;
 use super::optim::Optimizer;
 use super::rng::Rng;
 use crate::error::{CollectiveFailure, Error, Result};
@@ -122,39 +123,60 @@ pub struct StepInfo {
     /// The mean loss over the batch's examples (NaN for an empty batch).
     pub mean_loss: f64,
     /// The fraction of the batch's examples whose gradient norm exceeded
-    /// the bound (flat clipping; NaN per layer or for an empty batch).
+    /// the bound (flat clipping; NaN per layer, under automatic clipping or
+    /// for an empty batch).
     pub clipped_fraction: f64,
     /// The flat bound this step clipped to (adaptive clipping moves it
-    /// after every step; NaN per layer).
+    /// after every step; NaN per layer and under automatic clipping).
     pub clip_bound: f64,
 }
 
-/// The data set: each leaf of the examples' tree with its path, axis 0
-/// the example.
+/// The data set the trainer samples from, with its size and leaf paths.
 pub(super) struct Examples {
-    pub(super) leaves: Vec<(String, Tensor)>,
+    pub(super) source: Box<dyn Dataset>,
     pub(super) n: usize,
+    pub(super) paths: Vec<String>,
 }
 
 impl Examples {
-    /// The leaves, checked to share a non-zero number of examples on axis 0.
-    pub(super) fn new(leaves: Vec<(String, Tensor)>) -> Result<Examples> {
-        let first = leaves.first().and_then(|(_, t)| t.dims().first().copied());
-        let n = match first {
-            Some(n) if n > 0 && leaves.iter().all(|(_, t)| t.dims().first() == Some(&n)) => n,
-            _ => {
-                let dims: Vec<&[usize]> = leaves.iter().map(|(_, t)| t.dims()).collect();
-                let paths: Vec<&str> = leaves.iter().map(|(p, _)| p.as_str()).collect();
-                return Err(Error::shape(
-                    "make_private",
-                    &dims,
-                    format!(
-                        "every example tensor ({paths:?}) needs the same, non-zero number of examples along axis 0"
-                    ),
-                ));
-            }
-        };
-        Ok(Examples { leaves, n })
+    /// `source`, checked to hold examples and to describe as many leaves as
+    /// its tree has.
+    pub(super) fn new(source: Box<dyn Dataset>) -> Result<Examples> {
+        let (n, def, shapes) = (source.len(), source.tree(), source.shapes());
+        if n == 0 || shapes.len() != def.leaf_count() {
+            return Err(Error::data(
+                "make_private",
+                format!(
+                    "the data set has {n} examples and {} leaf shapes for a tree of {} leaves",
+                    shapes.len(),
+                    def.leaf_count()
+                ),
+            ));
+        }
+        let paths = super::dataset::leaf_names(&def);
+        Ok(Examples { source, n, paths })
+    }
+
+    /// Each leaf's path and `[N, ..shape]`.
+    pub(super) fn dims(&self) -> Vec<(String, Vec<usize>)> {
+        let shapes = self.source.shapes();
+        self.paths
+            .iter()
+            .zip(shapes)
+            .map(|(p, (s, _))| (p.clone(), std::iter::once(self.n).chain(s).collect()))
+            .collect()
+    }
+
+    /// What ranks compare to agree on the data ([`Dataset::fingerprint`]),
+    /// under the leaves' paths and the count.
+    pub(super) fn probe(&self) -> Result<Vec<(String, Tensor)>> {
+        let prints = self.source.fingerprint()?;
+        Ok(self
+            .paths
+            .iter()
+            .map(|p| format!("{p} of {}", self.n))
+            .zip(prints)
+            .collect())
     }
 }
 
@@ -182,6 +204,8 @@ pub struct PrivateTrainer<F, O, S = XsYs> {
     pub(super) steps: u64,
     /// The process's memory plan, under a memory limit.
     pub(super) memory: Option<super::budget::MemoryPlan>,
+    /// White-box canaries of a one-run audit, when inserted.
+    pub(super) canaries: Option<super::audit::Canaries>,
 }
 
 impl<F, O, S> PrivateTrainer<F, O, S>
@@ -196,14 +220,17 @@ where
     pub fn step(&mut self) -> Result<StepInfo> {
         let n = self.data.n;
         let (q, rng) = (self.sample_rate, &mut self.rng);
+        // drawn by the scheme the accountant analyses, so the two agree
+        let sampling = self.accountant.sampling();
+        let batch = (q * n as f64).round() as usize;
         let (idx, mine) = match &self.comm {
             Some(c) => {
-                let idx = collective::broadcast_batch(c.as_ref(), || rng.poisson_sample(n, q))?;
+                let idx = collective::broadcast_batch(c.as_ref(), || sampling.draw(rng, n, q, batch))?;
                 let mine = collective::shard(&idx, c.rank(), c.size());
                 (idx, mine)
             }
             None => {
-                let idx = rng.poisson_sample(n, q);
+                let idx = sampling.draw(rng, n, q, batch);
                 (idx.clone(), idx)
             }
         };
@@ -225,6 +252,8 @@ where
             unclipped += a.count_noise(&mut self.rng);
         }
         let mut counts = [loss_sum, over, unclipped, failed.is_some() as u8 as f64];
+        let mut sum = sum;
+        self.add_canaries(&mut sum)?;
         let grads = self.noisy_mean(sum, n, &mut counts, failed.is_none());
         let [loss_sum, over, unclipped, failures] = counts;
         if let Some(e) = failed {
@@ -243,6 +272,7 @@ where
         // The step count moves with the accountant, so that a checkpoint's
         // history always holds exactly `steps` steps (resume checks it).
         self.accountant.step(self.noise_multiplier, self.sample_rate)?;
+        self.score_canaries(&grads)?;
         self.steps += 1;
         self.optimizer.step(&grads)?;
         if let Some(a) = &mut self.adaptive {
@@ -367,8 +397,15 @@ where
                 },
             });
         }
+        if self.canaries.is_some() {
+            // every rank would add them, and the sum would hold each `ranks` times
+            return Err(Error::data(
+                "PrivateTrainer::distributed",
+                "auditing canaries run on one process",
+            ));
+        }
         let before = self.params_now()?;
-        collective::check_same_setup(&comm, &before, &self.data.leaves)?;
+        collective::check_same_setup(&comm, &before, &self.data.probe()?)?;
         // every variable, the frozen ones too: they are constants of the
         // traced loss, which shares their storage and is traced at the
         // first step, after this
@@ -468,27 +505,16 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// One pass's examples and weights: the chunk's examples padded to the
     /// physical size with copies of its first, weighted 0.
     pub(super) fn pass(&self, chunk: &[usize]) -> Result<(Vec<Tensor>, Tensor)> {
-        let mut ids: Vec<u32> = Vec::with_capacity(self.physical);
-        for &i in chunk {
-            let id = u32::try_from(i)
-                .map_err(|_| Error::data("PrivateTrainer::step", format!("example index {i} exceeds u32")))?;
-            ids.push(id);
-        }
+        let mut ids: Vec<usize> = chunk.to_vec();
         let pad = self.physical - chunk.len();
         ids.extend(std::iter::repeat_n(ids[0], pad));
         let w = (1.0 / self.unit()) as f32;
         let weights: Vec<f32> = (0..self.physical)
             .map(|i| if i < chunk.len() { w } else { 0.0 })
             .collect();
-        let dev = self.data.leaves[0].1.device();
-        let ids = Tensor::from_vec(ids, self.physical, dev)?;
-        let examples = self
-            .data
-            .leaves
-            .iter()
-            .map(|(_, t)| Ok(t.index_select(&ids, 0)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok((examples, Tensor::from_vec(weights, self.physical, dev)?))
+        let examples = self.data.source.fetch(&ids)?;
+        let weights = Tensor::from_vec(weights, self.physical, &self.data.source.device())?;
+        Ok((examples, weights))
     }
 
     /// The ε spent so far at `delta`, by the engine's accountant.

@@ -243,6 +243,18 @@ impl Rng {
         (0..n).filter(|_| self.inner.random_bool(q)).collect()
     }
 
+    /// `k` distinct indices of `0..n` drawn uniformly (every subset of
+    /// size `k` equally likely), in increasing order; all of them when
+    /// `k ≥ n`.
+    pub fn subset(&mut self, n: usize, k: usize) -> Vec<usize> {
+        if k >= n {
+            return (0..n).collect();
+        }
+        let mut idx = rand::seq::index::sample(&mut self.inner, n, k).into_vec();
+        idx.sort_unstable();
+        idx
+    }
+
     /// A uniformly random permutation of `0..n` (Fisher–Yates).
     pub fn permutation(&mut self, n: usize) -> Vec<usize> {
         use rand::seq::SliceRandom;

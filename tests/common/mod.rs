@@ -272,3 +272,41 @@ pub fn hashed_values(seed: u64, shape: &[usize]) -> Tensor {
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
+
+/// A `VarMap` holding `vars` (name, shape), the `i`-th filled with
+/// [`hashed_values`]`(seed + i, shape)`.
+pub fn varmap_of(vars: &[(&str, &[usize])], seed: u64) -> candle_nn::VarMap {
+    let vm = candle_nn::VarMap::new();
+    let mut data = vm.data().lock().unwrap();
+    for (i, (name, shape)) in vars.iter().enumerate() {
+        let t = hashed_values(seed + i as u64, shape);
+        data.insert(name.to_string(), candle_core::Var::from_tensor(&t).unwrap());
+    }
+    drop(data);
+    vm
+}
+
+/// A `VarMap` holding one f32 vector of zeros, `name` `[n]`.
+pub fn zeros_varmap(name: &str, n: usize) -> candle_nn::VarMap {
+    let vm = candle_nn::VarMap::new();
+    let w = Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap();
+    vm.data()
+        .lock()
+        .unwrap()
+        .insert(name.into(), candle_core::Var::from_tensor(&w).unwrap());
+    vm
+}
+
+/// A two-layer net's variables, `l` (4 -> 3, tanh) and `m` (3 -> 2), in a
+/// fresh `VarMap`, for [`two_layer_loss`].
+pub fn two_layer_model() -> candle_nn::VarMap {
+    varmap_of(&[("l.weight", &[3, 4]), ("l.bias", &[3]), ("m.weight", &[2, 3])], 10)
+}
+
+/// One example's loss: squared error of the two-layer net.
+pub fn two_layer_loss(p: std::collections::BTreeMap<String, Tracer>, x: Tracer, y: Tracer) -> Result<Tracer> {
+    let h = x.unsqueeze(0)?.broadcast_matmul(&p["l.weight"].t()?)?;
+    let h = h.broadcast_add(&p["l.bias"])?.tanh()?;
+    let out = h.broadcast_matmul(&p["m.weight"].t()?)?;
+    out.sub(&y.unsqueeze(0)?)?.sqr()?.sum_all()
+}

@@ -1,9 +1,10 @@
 //! Privacy accounting for DP-SGD: how much (ε, δ)-DP a run of the
-//! Poisson-subsampled Gaussian mechanism has spent.
+//! subsampled Gaussian mechanism has spent.
 //!
 //! One [`Accountant`] records the steps (noise multiplier and sample rate of
-//! each, merged into runs of identical steps) and reports ε by one of three
-//! analyses ([`Mechanism`]):
+//! each, merged into runs of identical steps), knows how their batches were
+//! drawn ([`Sampling`]: Poisson, fixed size without replacement, truncated
+//! Poisson) and reports ε by one of four analyses ([`Mechanism`]):
 //!
 //! * **PRV** (the default): numerical composition of privacy loss random
 //!   variables (Gopi, Lee and Wutschitz 2021), computed as Opacus's
@@ -20,12 +21,19 @@
 //! * **GDP**: the central-limit approximation of Gaussian DP (Opacus's
 //!   `GaussianAccountant`). Not a bound (it can understate ε); for
 //!   comparison only.
+//! * **PLD**: privacy loss distributions with pessimistic
+//!   ("connect-the-dots") discretisation, composed by FFT, as Google's
+//!   `dp_accounting` computes them; within 0.0001% of its figures on a grid
+//!   of Poisson, without-replacement and truncated cases, and about 0.01
+//!   below PRV's reported ε (PRV reports the top of its error band). The
+//!   analysis for every sampling scheme, and the default for the schemes
+//!   other than Poisson.
 //!
 //! The state is a few numbers and saves as JSON with a checkpoint
 //! ([`Accountant::to_json`], [`Accountant::from_json`]).
 //!
 //! ```
-//! use candle_func::dp::accountant::{Accountant, Mechanism};
+//! use candle_func::dp::accountant::{Accountant, Mechanism, Sampling};
 //! let mut prv = Accountant::new(Mechanism::Prv);
 //! let mut rdp = Accountant::new(Mechanism::Rdp);
 //! for _ in 0..1000 {
@@ -37,17 +45,28 @@
 //! assert!((e_prv - 1.5255).abs() < 0.015 && e_prv < e_rdp);
 //! let resumed = Accountant::from_json(&prv.to_json())?;
 //! assert_eq!(resumed.epsilon(1e-5)?, e_prv);
+//! // B = 600 of N = 60,000 each step, without replacement (replace one)
+//! let mut pld = Accountant::new(Mechanism::Pld).with_sampling(Sampling::WithoutReplacement)?;
+//! pld.record(1.1, 0.01, 1000)?;
+//! assert!(pld.epsilon(1e-5)? > e_prv); // the replace-one pair moves further
+//! assert!(Accountant::new(Mechanism::Prv).with_sampling(Sampling::WithoutReplacement).is_err());
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
+mod fft;
 mod gdp;
 mod legacy;
+mod pld;
 mod prv;
 mod rdp;
+mod rdp_wor;
+mod sampling;
 
 #[allow(deprecated)]
 pub use legacy::RdpAccountant;
 pub use rdp::{compute_rdp, default_orders, eps_from_rdp, MAX_TERMS};
+pub(crate) use sampling::binomial_log_pmf;
+pub use sampling::Sampling;
 
 use super::positive;
 use crate::error::{Error, Result};
@@ -63,6 +82,10 @@ pub enum Mechanism {
     Rdp,
     /// Gaussian DP by the central limit theorem (approximate).
     Gdp,
+    /// Privacy loss distributions composed by FFT with pessimistic
+    /// discretisation, as Google's `dp_accounting` computes them; the one
+    /// analysis for every [`Sampling`] scheme.
+    Pld,
 }
 
 impl Mechanism {
@@ -72,6 +95,7 @@ impl Mechanism {
             Mechanism::Prv => "prv",
             Mechanism::Rdp => "rdp",
             Mechanism::Gdp => "gdp",
+            Mechanism::Pld => "pld",
         }
     }
 }
@@ -84,10 +108,11 @@ impl std::str::FromStr for Mechanism {
             "prv" => Ok(Mechanism::Prv),
             "rdp" => Ok(Mechanism::Rdp),
             "gdp" => Ok(Mechanism::Gdp),
+            "pld" => Ok(Mechanism::Pld),
             _ => Err(Error::privacy(
                 "Mechanism::from_str",
                 "mechanism",
-                "prv, rdp or gdp",
+                "prv, rdp, gdp or pld",
                 format!("{s:?}"),
             )),
         }
@@ -104,8 +129,10 @@ impl std::str::FromStr for Mechanism {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Accountant {
     mechanism: Mechanism,
+    sampling: Sampling,
     history: Vec<(f64, f64, usize)>,
     eps_error: f64,
+    interval: f64,
 }
 
 impl Accountant {
@@ -113,9 +140,35 @@ impl Accountant {
     pub fn new(mechanism: Mechanism) -> Accountant {
         Accountant {
             mechanism,
+            sampling: Sampling::Poisson,
             history: Vec::new(),
             eps_error: 0.01,
+            interval: pld::INTERVAL,
         }
+    }
+
+    /// This accountant analysing steps drawn by `sampling` (the recorded
+    /// sample rate is then that scheme's: `B / N` without replacement). An
+    /// error, naming both, when the mechanism has no sound analysis of the
+    /// scheme (see [`Sampling`]).
+    pub fn with_sampling(mut self, sampling: Sampling) -> Result<Accountant> {
+        sampling.check("Accountant::with_sampling", self.mechanism)?;
+        self.sampling = sampling;
+        Ok(self)
+    }
+
+    /// The scheme the steps are analysed under.
+    pub fn sampling(&self) -> Sampling {
+        self.sampling
+    }
+
+    /// The PLD accountant's grid step on the privacy loss (default `1e-4`,
+    /// `dp_accounting`'s `value_discretization_interval`): smaller is
+    /// tighter and slower. Must be finite and positive.
+    pub fn with_interval(mut self, interval: f64) -> Result<Accountant> {
+        positive("Accountant::with_interval", "interval", interval, false)?;
+        self.interval = interval;
+        Ok(self)
     }
 
     /// The PRV accountant's error band on ε (default 0.01, Opacus's): the
@@ -128,7 +181,8 @@ impl Accountant {
     }
 
     /// The same history reported by another analysis (for example the RDP
-    /// figure beside the PRV one).
+    /// figure beside the PRV one). Where that analysis does not cover the
+    /// sampling scheme, [`Accountant::epsilon`] says so.
     pub fn with_mechanism(&self, mechanism: Mechanism) -> Accountant {
         Accountant {
             mechanism,
@@ -143,6 +197,32 @@ impl Accountant {
             history: Vec::new(),
             ..self.clone()
         }
+    }
+
+    /// The smallest noise multiplier whose ε after `steps` steps at
+    /// `sample_rate` is at most `target_epsilon`, by this accountant's
+    /// analysis, sampling scheme and error band (its history is ignored):
+    /// [`noise_multiplier`] for any scheme.
+    ///
+    /// ```
+    /// use candle_func::dp::accountant::{Accountant, Mechanism, Sampling};
+    /// let wor = Accountant::new(Mechanism::Pld).with_sampling(Sampling::WithoutReplacement)?;
+    /// let sigma = wor.noise_multiplier(2.0, 1e-5, 0.01, 1000)?;
+    /// let mut check = wor.clone();
+    /// check.record(sigma, 0.01, 1000)?;
+    /// assert!(check.epsilon(1e-5)? <= 2.0);
+    /// # Ok::<(), candle_func::Error>(())
+    /// ```
+    pub fn noise_multiplier(&self, target_epsilon: f64, delta: f64, sample_rate: f64, steps: usize) -> Result<f64> {
+        self.sampling.check("Accountant::noise_multiplier", self.mechanism)?;
+        noise_multiplier_with(
+            "Accountant::noise_multiplier",
+            self,
+            target_epsilon,
+            delta,
+            sample_rate,
+            steps,
+        )
     }
 
     /// The analysis this accountant reports by.
@@ -194,10 +274,20 @@ impl Accountant {
         if !is_valid_delta(delta) {
             return Err(Error::privacy("Accountant::epsilon", "delta", "in (0, 1)", delta));
         }
+        self.sampling.check("Accountant::epsilon", self.mechanism)?;
         let same = |e: f64| [e, e, e];
         let [lo, est, hi] = match self.mechanism {
+            Mechanism::Rdp if self.sampling == Sampling::WithoutReplacement => {
+                same(rdp_wor::history_epsilon(&self.history, delta).0)
+            }
             Mechanism::Rdp => same(rdp::history_epsilon(&self.history, delta).0),
             Mechanism::Gdp => same(gdp::epsilon(&self.history, delta)?),
+            Mechanism::Pld => same(sampling::pld_epsilon(
+                &self.history,
+                self.sampling,
+                self.interval,
+                delta,
+            )?),
             Mechanism::Prv => {
                 let budget = prv::Budget {
                     eps_error: self.eps_error,
@@ -223,18 +313,31 @@ impl Accountant {
         &self.history
     }
 
-    /// The state as JSON (Opacus's `state_dict` fields plus the error band):
-    /// `{"eps_error":0.01,"history":[[σ, q, steps], …],"mechanism":"prv"}`.
-    /// Numbers are written so that they read back exactly.
+    /// The state as JSON (Opacus's `state_dict` fields plus the error band,
+    /// the PLD grid and the sampling scheme):
+    /// `{"eps_error":0.01,"history":[[σ, q, steps], …],"interval":0.0001,
+    /// "mechanism":"prv","sampling":{"scheme":"poisson"}}`. Numbers are
+    /// written so that they read back exactly.
     pub fn to_json(&self) -> String {
         let history: Vec<serde_json::Value> = self
             .history
             .iter()
             .map(|&(s, q, n)| serde_json::json!([s, q, n]))
             .collect();
+        let mut sampling = serde_json::json!({ "scheme": self.sampling.name() });
+        if let Sampling::TruncatedPoisson {
+            dataset_size,
+            max_batch,
+        } = self.sampling
+        {
+            sampling["dataset_size"] = dataset_size.into();
+            sampling["max_batch"] = max_batch.into();
+        }
         serde_json::json!({
             "mechanism": self.mechanism.name(),
             "eps_error": self.eps_error,
+            "interval": self.interval,
+            "sampling": sampling,
             "history": history,
         })
         .to_string()
@@ -254,8 +357,19 @@ impl Accountant {
             .parse()
             .map_err(|e: Error| bad(&e.to_string()))?;
         let eps_error = v["eps_error"].as_f64().ok_or_else(|| bad("no \"eps_error\" number"))?;
+        // state saved before PLD and sampling schemes: PLD's grid, Poisson
+        let interval = match v.get("interval") {
+            None => pld::INTERVAL,
+            Some(i) => i.as_f64().ok_or_else(|| bad("\"interval\" is not a number"))?,
+        };
+        let sampling = match v.get("sampling") {
+            None => Sampling::Poisson,
+            Some(s) => sampling_from_json(s).map_err(|why| bad(&why))?,
+        };
         let mut acc = Accountant::new(mechanism)
             .with_eps_error(eps_error)
+            .and_then(|a| a.with_interval(interval))
+            .and_then(|a| a.with_sampling(sampling))
             .map_err(|e| bad(&e.to_string()))?;
         let entries = v["history"].as_array().ok_or_else(|| bad("no \"history\" list"))?;
         for e in entries {
@@ -279,6 +393,25 @@ impl Default for Accountant {
     /// A PRV accountant, Opacus's default.
     fn default() -> Accountant {
         Accountant::new(Mechanism::Prv)
+    }
+}
+
+/// A [`Sampling`] from its saved form.
+fn sampling_from_json(v: &serde_json::Value) -> std::result::Result<Sampling, String> {
+    let count = |key: &str| {
+        v[key]
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| format!("sampling has no \"{key}\" count"))
+    };
+    match v["scheme"].as_str() {
+        Some("poisson") => Ok(Sampling::Poisson),
+        Some("without_replacement") => Ok(Sampling::WithoutReplacement),
+        Some("truncated_poisson") => Ok(Sampling::TruncatedPoisson {
+            dataset_size: count("dataset_size")?,
+            max_batch: count("max_batch")?,
+        }),
+        _ => Err(format!("unknown sampling {v}")),
     }
 }
 

@@ -23,9 +23,9 @@
 //!    and reports the upper end `ε(δ - δ_err) + ε_err` of the error band, as
 //!    Opacus does.
 
+use super::fft::{power, Fft};
 use crate::error::{Error, Result};
 use realfft::num_complex::Complex;
-use realfft::RealFftPlanner;
 use std::f64::consts::SQRT_2;
 
 /// The error budget: Opacus's defaults are `eps_error = 0.01` and
@@ -308,55 +308,6 @@ impl Discrete {
             find(delta)?,
             find(delta - budget.delta_error)? + budget.eps_error,
         ])
-    }
-}
-
-/// `c^n` by repeated squaring.
-fn power(mut c: Complex<f64>, mut n: usize) -> Complex<f64> {
-    let mut acc = Complex::new(1.0, 0.0);
-    while n > 0 {
-        if n & 1 == 1 {
-            acc *= c;
-        }
-        c *= c;
-        n >>= 1;
-    }
-    acc
-}
-
-/// Real FFTs of any length, each length planned once (realfft's planner
-/// caches its plans).
-struct Fft(RealFftPlanner<f64>);
-
-impl Fft {
-    fn new() -> Fft {
-        Fft(RealFftPlanner::new())
-    }
-
-    /// The spectrum of `x` (`len / 2 + 1` bins); `x` is the plan's scratch.
-    fn forward(&mut self, mut x: Vec<f64>) -> Vec<Complex<f64>> {
-        let fft = self.0.plan_fft_forward(x.len());
-        let mut out = fft.make_output_vec();
-        fft.process(&mut x, &mut out).expect("buffers come from the plan");
-        out
-    }
-
-    /// The inverse of [`Fft::forward`], normalised (realfft leaves the
-    /// factor `1/len` to us).
-    fn inverse(&mut self, spectrum: &mut [Complex<f64>], len: usize) -> Vec<f64> {
-        let fft = self.0.plan_fft_inverse(len);
-        // The DC and (even length) Nyquist bins of a real signal's spectrum
-        // are real; rounding in the power can leave a tiny imaginary part
-        // there, which realfft refuses.
-        spectrum[0].im = 0.0;
-        if len.is_multiple_of(2) {
-            spectrum[len / 2].im = 0.0;
-        }
-        let mut out = fft.make_output_vec();
-        fft.process(spectrum, &mut out).expect("buffers come from the plan");
-        let scale = 1.0 / len as f64;
-        out.iter_mut().for_each(|v| *v *= scale);
-        out
     }
 }
 

@@ -119,7 +119,7 @@ pub fn eps_from_rdp(orders: &[f64], rdp: &[f64], delta: f64) -> Result<(f64, f64
 
 /// [`eps_from_rdp`] without its checks: orders out of range skipped, and
 /// `(NaN, NaN)` for an invalid `delta` or mismatched lengths.
-fn best_epsilon(orders: &[f64], rdp: &[f64], delta: f64) -> (f64, f64) {
+pub(super) fn best_epsilon(orders: &[f64], rdp: &[f64], delta: f64) -> (f64, f64) {
     if orders.len() != rdp.len() || !is_valid_delta(delta) {
         return (f64::NAN, f64::NAN);
     }
@@ -288,7 +288,7 @@ fn log_a_frac(q: f64, sigma: f64, alpha: f64) -> f64 {
 }
 
 /// `ln(e^x + e^y)`, exact when either is `-∞` (a zero).
-fn log_add(x: f64, y: f64) -> f64 {
+pub(super) fn log_add(x: f64, y: f64) -> f64 {
     if x.is_nan() || y.is_nan() {
         return f64::NAN;
     }
@@ -329,7 +329,7 @@ fn log_sub(x: f64, y: f64) -> f64 {
 /// `f64` underflows near `x ≈ 26.5`) the asymptotic expansion
 /// `erfc(x) = e^(-x²) / (x √π) · (1 - 1/(2x²) + 3/(4x⁴) - …)` is used in log
 /// form; its truncation error there is below 1e-12.
-fn log_erfc(x: f64) -> f64 {
+pub(super) fn log_erfc(x: f64) -> f64 {
     if x.is_nan() {
         return f64::NAN;
     }

@@ -78,7 +78,7 @@ fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>, params: &BTreeMap<String, Tens
         .iter()
         .map(|(k, v)| json!([k, v.dims(), format!("{:?}", v.dtype())]))
         .collect();
-    let data: Vec<Value> = t.data.leaves.iter().map(|(k, v)| json!([k, v.dims()])).collect();
+    let data: Vec<Value> = t.data.dims().into_iter().map(|(k, d)| json!([k, d])).collect();
     json!({
         "trainable": params,
         "examples": data,
@@ -286,7 +286,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         // onto the parameters' device (the data may live elsewhere)
         let device = match current.values().next() {
             Some(t) => t.device().clone(),
-            None => self.data.leaves[0].1.device().clone(),
+            None => self.data.source.device(),
         };
         let params = load_tensors(&dir.join("params.safetensors"), &device)?;
         for (k, t) in &current {
@@ -372,6 +372,14 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
     fn check_history(&self, acc: &Accountant, steps: u64, what: &'static str) -> Result<()> {
         let bad = |msg: String| Error::Checkpoint { what, msg };
         let (sigma, q) = (self.noise_multiplier, self.sample_rate);
+        // a run sampled one way is never accounted as another
+        if acc.sampling() != self.accountant.sampling() {
+            return Err(bad(format!(
+                "the accountant's steps were sampled {:?}, this trainer samples {:?}",
+                acc.sampling(),
+                self.accountant.sampling()
+            )));
+        }
         for (i, &(s, r, n)) in acc.history().iter().enumerate() {
             if s.to_bits() != sigma.to_bits() || r.to_bits() != q.to_bits() {
                 return Err(bad(format!(
