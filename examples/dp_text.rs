@@ -16,8 +16,15 @@
 //!
 //! Options: --epochs N, --batch B (expected batch size), --physical P, --lr,
 //! --lr-plain (the non-private run's), --clip C, --epsilon ε (target),
-//! --delta δ, --seq T, --dim D, --layers L, --seed S (reproducible noise,
-//! NOT private; without it the noise is keyed from the OS).
+//! --sigma σ (a noise multiplier instead of a target ε), --delta δ, --seq T,
+//! --dim D, --layers L, --seed S (reproducible noise, NOT private; without
+//! it the noise is keyed from the OS).
+//!
+//! User-level DP: --authors A gives each training text one of A synthetic
+//! authors (skewed: low ids write more), and the run protects an author
+//! with all their texts: --batch then counts authors, at most
+//! --per-author K (default 4) of an author's texts a step, each author's
+//! mean gradient clipped whole (`PrivacyEngine::users`).
 
 mod common;
 
@@ -52,6 +59,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dim: usize = arg("--dim", 64);
     let layers: usize = arg("--layers", 2);
     let seed: Option<u64> = std::env::args().any(|a| a == "--seed").then(|| arg("--seed", 0));
+    let sigma: Option<f64> = std::env::args().any(|a| a == "--sigma").then(|| arg("--sigma", 1.0));
+    let authors: usize = arg("--authors", 0);
+    let per_author: usize = arg("--per-author", 4);
 
     // records, shuffled (a fixed split), a tenth held out
     let all = fortunes::load()?;
@@ -110,25 +120,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(s) => Rng::seeded(s),
         None => Rng::from_os()?,
     };
-    let mut trainer = PrivacyEngine::new()
+    let mut engine = PrivacyEngine::new()
         .accountant(Mechanism::Prv)
         .rng(rng)
-        .physical_batch(physical)
-        .make_private_with_epsilon(
+        .physical_batch(physical);
+    // the texts an expected private batch holds, for the non-private run's
+    let mut texts_per_step = batch as f64;
+    if authors > 0 {
+        let ids = synthetic_authors(n, authors);
+        let mut count = vec![0usize; authors];
+        ids.iter().for_each(|&a| count[a as usize] += 1);
+        let writers = count.iter().filter(|&&c| c > 0).count();
+        let capped: usize = count.iter().map(|&c| c.min(per_author)).sum();
+        texts_per_step = batch as f64 * capped as f64 / writers as f64;
+        engine = engine.users(&Tensor::from_vec(ids, n, &dev)?, per_author);
+        println!("user-level DP: {authors} synthetic authors, at most {per_author} texts of an author a step");
+    }
+    let adam = dp::Adam::new(&vm_dp, lr)?;
+    let mut trainer = match sigma {
+        Some(s) => engine.make_private(one, &vm_dp, adam, (&xs, &ys), DpConfig::new(batch, s, clip))?,
+        None => engine.make_private_with_epsilon(
             one,
             &vm_dp,
-            dp::Adam::new(&vm_dp, lr)?,
+            adam,
             (&xs, &ys),
             DpConfig::new(batch, 0.0, clip),
             (target_eps, delta, epochs as f64),
-        )?;
+        )?,
+    };
     let (q, steps_per_epoch) = (trainer.sample_rate(), trainer.steps_per_epoch());
     let steps = epochs * steps_per_epoch;
+    let unit = if authors > 0 { "authors" } else { "texts" };
     println!(
-        "sample rate {q:.4} (expected batch {batch}, physical {physical}), {epochs} epochs x {steps_per_epoch} steps \
-         = {steps} steps; noise multiplier {:.3} for epsilon {target_eps} at delta {delta:e} (PRV), clipping norm \
-         {clip}, Adam, lr {lr} (non-private {lr_plain}; cosine decay), {}",
+        "sample rate {q:.4} (expected batch {batch} {unit}, physical {physical}), {epochs} epochs x \
+         {steps_per_epoch} steps = {steps} steps; noise multiplier {:.3} ({}), clipping norm {clip}, Adam, lr {lr} \
+         (non-private {lr_plain}; cosine decay), {}",
         trainer.noise_multiplier(),
+        match sigma {
+            Some(_) => "given".to_string(),
+            None => format!("for epsilon {target_eps} at delta {delta:e} by PRV"),
+        },
         match seed {
             Some(s) => format!("seed {s} (reproducible: NOT private)"),
             None => "noise keyed from the OS".into(),
@@ -138,7 +169,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The non-private run's batches: Poisson at the same rate.
     let mut batches = Rng::seeded(seed.unwrap_or(0).wrapping_add(1));
     let start = Instant::now();
-    let mut step = 0usize;
+    let (mut step, mut examples) = (0usize, 0usize);
     let eps = |t: &dp::PrivateTrainer<_, _>, m| t.accountant().with_mechanism(m).epsilon(delta);
     for epoch in 1..=epochs {
         for _ in 0..steps_per_epoch {
@@ -146,8 +177,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             trainer.optimizer_mut().set_lr(lr * decay)?;
             opt_plain.set_lr(lr_plain * decay)?;
             step += 1;
-            trainer.step()?;
-            let idx = batches.poisson_sample(n, q);
+            examples += trainer.step()?.examples;
+            // the non-private run's batches hold as many texts as the private one's, on average
+            let idx = batches.poisson_sample(n, texts_per_step / n as f64);
             if idx.is_empty() {
                 continue;
             }
@@ -165,13 +197,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (bp, bn) = (bits_per_char(&private, &vx, &vy)?, bits_per_char(&plain, &vx, &vy)?);
     println!(
-        "validation bits per character: DP {bp:.3} at epsilon {:.2} by PRV ({:.2} by RDP; delta {delta:e}), \
-         non-private {bn:.3}: DP / non-private {:.3}",
+        "texts per step: {:.1} on average; validation bits per character: DP {bp:.3} at epsilon {:.2} per {} by \
+         PRV ({:.2} by RDP; delta {delta:e}), non-private {bn:.3}: DP / non-private {:.3}",
+        examples as f64 / steps as f64,
         eps(&trainer, Mechanism::Prv)?,
+        &unit[..unit.len() - 1],
         eps(&trainer, Mechanism::Rdp)?,
         bp / bn
     );
     Ok(())
+}
+
+/// Each of `n` texts' author, of `authors`: `floor(A u²)` for a uniform `u`
+/// (a fixed draw), so that low ids write many texts and high ids few, as
+/// real authors do.
+fn synthetic_authors(n: usize, authors: usize) -> Vec<u32> {
+    let mut rng = Rng::seeded(7);
+    (0..n)
+        .map(|_| {
+            let u = rng.uniform();
+            ((authors as f64 * u * u) as usize).min(authors - 1) as u32
+        })
+        .collect()
 }
 
 /// Mean cross-entropy in bits over every held-out character.

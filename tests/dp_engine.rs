@@ -12,7 +12,7 @@ use candle_nn::VarMap;
 use std::collections::BTreeMap;
 
 mod common;
-use common::max_diff;
+use common::{max_diff, OneRank};
 
 type Params = BTreeMap<String, Tensor>;
 type Loss = fn(BTreeMap<String, Tracer>, Tracer, Tracer) -> candle_func::Result<Tracer>;
@@ -420,38 +420,6 @@ fn the_accountant_resumes_from_a_checkpoint() {
     resumed.step().unwrap();
     assert_eq!(resumed.accountant().steps(), 4);
     assert!(resumed.epsilon(1e-5).unwrap() > eps);
-}
-
-/// An in-process [`dp::collective::Collective`] of one rank (every
-/// collective is the identity), which can claim another rank's parameter
-/// hash differs, or a rank outside its size.
-struct OneRank {
-    lie: bool,
-    rank: usize,
-}
-
-impl dp::collective::Collective for OneRank {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        1 + self.lie as usize
-    }
-    fn broadcast_u64(&self, _: &mut Vec<u64>) -> candle_func::Result<()> {
-        Ok(())
-    }
-    fn broadcast_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
-        Ok(())
-    }
-    fn all_reduce_sum_f32(&self, _: &mut [f32]) -> candle_func::Result<()> {
-        Ok(())
-    }
-    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
-        Ok(())
-    }
-    fn all_gather_u64(&self, v: u64) -> candle_func::Result<Vec<u64>> {
-        Ok(if self.lie { vec![v, v ^ 1] } else { vec![v] })
-    }
 }
 
 #[test]

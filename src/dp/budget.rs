@@ -135,8 +135,7 @@ where
         let cap = self.physical;
         let peak = |t: &mut Self, p: usize| -> Result<usize> {
             t.physical = p;
-            let ids: Vec<usize> = (0..p).collect();
-            let (examples, w) = t.pass(&ids)?;
+            let (examples, w) = t.pass(&super::users::first(t.data.users.as_ref(), p))?;
             // planned whole: no limit lets the inner vmap lower it to chunks
             t.clip
                 .planned_peak((&params, &examples, &w), |o| o.memory_limit(usize::MAX))

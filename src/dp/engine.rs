@@ -63,16 +63,20 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
-use super::accountant::{noise_multiplier_with, Accountant, Mechanism, Sampling};
-use super::adaptive::{Adaptive, AdaptiveClipping};
+use super::accountant::{Accountant, Mechanism, Sampling};
+use super::adaptive::Adaptive;
 use super::clip::clipped_grad_sum;
+use super::config::groups;
+pub use super::config::{Clipping, DpConfig};
 use super::dataset::{Dataset, TensorDataset};
+use super::loss::Masked;
 use super::optim::Optimizer;
 use super::precision::Precision;
 use super::rng::Rng;
-use super::trainable::{overlap, under, Trainable};
+use super::trainable::Trainable;
+use super::trainer::Examples;
 pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
-use super::trainer::{Examples, Masked};
+use super::users::{UserGradient, Users};
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
 use crate::trace::Tracer;
@@ -82,95 +86,6 @@ use candle_core::Tensor;
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
-
-/// How per-example gradients are bounded.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Clipping {
-    /// The whole gradient to this L2 norm (Opacus's `"flat"`).
-    Flat(f64),
-    /// Each group of parameters to its own norm (Opacus's `"per_layer"`,
-    /// with groups): `(prefix, bound)` where a parameter belongs to the
-    /// first group whose prefix is its name or a `.`-separated head of it
-    /// (`"fc1"` holds `fc1.weight` and `fc1.bias`). Every parameter must
-    /// belong to a group.
-    PerLayer(Vec<(String, f64)>),
-    /// The whole gradient to a bound that tracks a quantile of the norms
-    /// (see [`AdaptiveClipping`]).
-    Adaptive(AdaptiveClipping),
-    /// Automatic clipping with stability constant `γ` (Bu et al. 2023):
-    /// each example's gradient scaled by `1 / (||g|| + γ)`, norm below 1
-    /// (the sensitivity), no bound to tune (see
-    /// [`ClippedGradSum::automatic`](super::ClippedGradSum::automatic)).
-    Automatic(f64),
-}
-
-/// The privacy parameters of [`PrivacyEngine::make_private`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct DpConfig {
-    /// The expected logical batch size: the sample rate is `batch_size / N`.
-    pub batch_size: usize,
-    /// The noise's standard deviation over the sensitivity, `σ`.
-    pub noise_multiplier: f64,
-    /// The clipping of per-example gradients.
-    pub clipping: Clipping,
-}
-
-impl DpConfig {
-    /// Flat clipping to `max_grad_norm`.
-    pub fn new(batch_size: usize, noise_multiplier: f64, max_grad_norm: f64) -> DpConfig {
-        DpConfig {
-            batch_size,
-            noise_multiplier,
-            clipping: Clipping::Flat(max_grad_norm),
-        }
-    }
-
-    /// Adaptive flat clipping (see [`AdaptiveClipping`]): `noise_multiplier`
-    /// is the `σ` the accountant records, shared between the gradient and
-    /// the count of unclipped examples.
-    ///
-    /// ```
-    /// use candle_func::dp::{AdaptiveClipping, DpConfig};
-    /// // start at C = 1, keep the median example unclipped
-    /// let config = DpConfig::adaptive(64, 1.1, AdaptiveClipping::new(1.0, 0.5));
-    /// # let _ = config;
-    /// ```
-    pub fn adaptive(batch_size: usize, noise_multiplier: f64, spec: AdaptiveClipping) -> DpConfig {
-        DpConfig {
-            batch_size,
-            noise_multiplier,
-            clipping: Clipping::Adaptive(spec),
-        }
-    }
-
-    /// Automatic clipping (Bu et al. 2023, AUTO-S): each example's gradient
-    /// scaled by `1 / (||g|| + gamma)` rather than clipped to a bound, so
-    /// the noise is `σ` per coordinate (the sensitivity is 1) and there is
-    /// no `C` to tune; the learning rate takes its place (the paper uses
-    /// `gamma = 0.01`). Ghost norms apply as for clipping.
-    ///
-    /// ```
-    /// use candle_func::dp::{Clipping, DpConfig};
-    /// let config = DpConfig::automatic(64, 1.1, 0.01);
-    /// assert_eq!(config.clipping, Clipping::Automatic(0.01));
-    /// ```
-    pub fn automatic(batch_size: usize, noise_multiplier: f64, gamma: f64) -> DpConfig {
-        DpConfig {
-            batch_size,
-            noise_multiplier,
-            clipping: Clipping::Automatic(gamma),
-        }
-    }
-
-    /// Per-layer clipping: `(prefix, bound)` groups (see [`Clipping::PerLayer`]).
-    pub fn per_layer(batch_size: usize, noise_multiplier: f64, groups: &[(&str, f64)]) -> DpConfig {
-        DpConfig {
-            batch_size,
-            noise_multiplier,
-            clipping: Clipping::PerLayer(groups.iter().map(|&(p, c)| (p.to_string(), c)).collect()),
-        }
-    }
-}
 
 /// Builds private trainers (Opacus's `PrivacyEngine`): which accountant,
 /// which generator, ghost clipping or not, and the physical batch size.
@@ -187,6 +102,8 @@ pub struct PrivacyEngine {
     eps_error: Option<f64>,
     options: Options,
     trainable: Trainable,
+    users: Option<(Tensor, usize)>,
+    user_gradient: Option<UserGradient>,
 }
 
 impl Default for PrivacyEngine {
@@ -211,6 +128,8 @@ impl PrivacyEngine {
             eps_error: None,
             options: Options::new(),
             trainable: Trainable::all(),
+            users: None,
+            user_gradient: None,
         }
     }
 
@@ -319,6 +238,59 @@ impl PrivacyEngine {
     /// loss never reaches (its gradient would be zero whatever the data).
     pub fn trainable(mut self, trainable: Trainable) -> PrivacyEngine {
         self.trainable = trainable;
+        self
+    }
+
+    /// User-level DP (see [`super::users`]): `users` holds each example's
+    /// user id (`[N]`, any integer dtype), and the guarantee protects a
+    /// user with all their examples. Each step samples users by the
+    /// engine's [`Sampling`] at the rate `config.batch_size / users` (the
+    /// batch size counts users), takes at most `max_examples` of each
+    /// sampled user's examples (drawn uniformly when the user has more),
+    /// clips the user's combined gradient ([`UserGradient`], the mean by
+    /// default) to the bound, adds `σ C` noise once and divides by the
+    /// expected number of users. The accountant's ε is then per user.
+    /// Ghost clipping applies: a user's norm has the cross terms between
+    /// its examples. With one example a user this is example-level DP, bit
+    /// for bit. Each pass holds `physical_batch` users of `max_examples`
+    /// slots (fewer when no user has that many).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_func::dp::{self, DpConfig, PrivacyEngine, UserGradient};
+    /// use candle_func::{nn, Tracer};
+    /// use std::collections::BTreeMap;
+    /// let dev = Device::Cpu;
+    /// let varmap = candle_nn::VarMap::new();
+    /// let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    /// let model = nn::linear(4, 3, vb.pp("fc"))?;
+    /// let xs = Tensor::randn(0f32, 1., (60, 4), &dev)?;
+    /// let ys = Tensor::from_vec((0..60u32).map(|i| i % 3).collect(), 60, &dev)?;
+    /// let users = Tensor::from_vec((0..60u32).map(|i| i / 3).collect(), 60, &dev)?; // 20 users
+    /// let loss = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
+    ///     let logits = nn::functional_call(&model, &p, &x.unsqueeze(0)?)?;
+    ///     nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
+    /// };
+    /// let mut trainer = PrivacyEngine::new()
+    ///     .users(&users, 2) // at most 2 of a user's 3 examples a step
+    ///     .user_gradient(UserGradient::Sum)
+    ///     .make_private(loss, &varmap, dp::Sgd::new(&varmap, 0.1, 0.0)?, (&xs, &ys), DpConfig::new(5, 1.0, 1.0))?;
+    /// let info = trainer.step()?;
+    /// assert_eq!(trainer.sample_rate(), 5.0 / 20.0); // users sampled, not examples
+    /// assert!(info.examples <= 2 * info.batch_size);
+    /// # use candle_func::nn::Module;
+    /// # Ok::<(), candle_func::Error>(())
+    /// ```
+    pub fn users(mut self, users: &Tensor, max_examples: usize) -> PrivacyEngine {
+        self.users = Some((users.clone(), max_examples));
+        self
+    }
+
+    /// How a user's examples' gradients combine before clipping under
+    /// [`PrivacyEngine::users`] (default [`UserGradient::Mean`]); an error
+    /// at `make_private` without users.
+    pub fn user_gradient(mut self, gradient: UserGradient) -> PrivacyEngine {
+        self.user_gradient = Some(gradient);
         self
     }
 
@@ -449,13 +421,14 @@ impl PrivacyEngine {
         O: Optimizer,
     {
         let def = source.tree();
-        let data = Examples::new(source)?;
-        let n = data.n;
+        let mut data = Examples::new(source)?;
+        data.users = self.users_of(data.n)?;
+        let n = data.units();
         let q = sample_rate(config.batch_size, n)?;
         super::positive("make_private", "noise_multiplier", config.noise_multiplier, true)?;
         if let Sampling::TruncatedPoisson { dataset_size, .. } = self.sampling {
             if dataset_size != n {
-                let expected = format!("{n} (the number of examples)");
+                let expected = format!("{n} (the number of {})", units(data.users.is_some()));
                 return Err(Error::privacy(
                     "make_private",
                     "Sampling::TruncatedPoisson dataset_size",
@@ -490,6 +463,11 @@ impl PrivacyEngine {
             def,
             frozen: self.precision.frozen(frozen)?,
             half: self.precision.half(),
+            per_user: data
+                .users
+                .as_ref()
+                .is_some_and(Users::grouped)
+                .then_some(self.options.randomness),
             form: PhantomData,
         };
         let mut clip = clipped_grad_sum(masked, bounds[0]).per_group(of_leaf, bounds);
@@ -539,86 +517,26 @@ impl PrivacyEngine {
             None => Ok(trainer),
         }
     }
-
-    /// As [`PrivacyEngine::make_private`], with the noise multiplier chosen
-    /// so that `epochs` epochs spend at most `target_epsilon` at `delta` by
-    /// the engine's accountant (Opacus's `make_private_with_epsilon`);
-    /// `config.noise_multiplier` is replaced. An epoch is
-    /// [`PrivateTrainer::steps_per_epoch`] steps, and the count is rounded
-    /// up, so the ε is that of the steps the loop will take (Opacus counts
-    /// `epochs / q` steps, which can be one short of its loop's).
-    #[allow(clippy::too_many_arguments)]
-    pub fn make_private_with_epsilon<F, O>(
-        self,
-        loss: F,
-        varmap: &VarMap,
-        optimizer: O,
-        data: (&Tensor, &Tensor),
-        config: DpConfig,
-        target: (f64, f64, f64),
-    ) -> Result<PrivateTrainer<F, O>>
-    where
-        F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
-        O: Optimizer,
-    {
-        let n = xs_ys(data.0, data.1)?.len();
-        let config = self.for_epsilon(config, n, target)?;
-        self.make_private(loss, varmap, optimizer, data, config)
-    }
-
-    /// [`PrivacyEngine::make_private_examples`] with the noise multiplier
-    /// chosen for `(target_epsilon, delta, epochs)` as
-    /// [`PrivacyEngine::make_private_with_epsilon`] chooses it.
-    #[allow(clippy::too_many_arguments)]
-    pub fn make_private_examples_with_epsilon<F, O, D>(
-        self,
-        loss: F,
-        varmap: &VarMap,
-        optimizer: O,
-        data: &D,
-        config: DpConfig,
-        target: (f64, f64, f64),
-    ) -> Result<PrivateTrainer<F, O, D::Sym>>
-    where
-        D: TensorTree + ?Sized,
-        F: Function<(BTreeMap<String, Tracer>, D::Sym), Output = Tracer>,
-        O: Optimizer,
-    {
-        let n = TensorDataset::new(data)?.len();
-        let config = self.for_epsilon(config, n, target)?;
-        self.make_private_examples(loss, varmap, optimizer, data, config)
-    }
-
-    /// `config` with the noise multiplier that spends `target_epsilon` at
-    /// `delta` over `epochs` epochs of `n` examples.
-    fn for_epsilon(
-        &self,
-        config: DpConfig,
-        n: usize,
-        (target_epsilon, delta, epochs): (f64, f64, f64),
-    ) -> Result<DpConfig> {
-        let q = sample_rate(config.batch_size, n)?;
-        super::positive("make_private_with_epsilon", "epochs", epochs, false)?;
-        let steps = (epochs * steps_per_epoch(q) as f64).ceil() as usize;
-        let noise_multiplier = noise_multiplier_with(
-            "make_private_with_epsilon",
-            &self.accountant_new()?,
-            target_epsilon,
-            delta,
-            q,
-            steps,
-        )?;
-        Ok(DpConfig {
-            noise_multiplier,
-            ..config
-        })
-    }
 }
 
 impl PrivacyEngine {
+    /// The users of `n` examples, under user-level DP.
+    pub(super) fn users_of(&self, n: usize) -> Result<Option<Users>> {
+        match (&self.users, self.user_gradient) {
+            (Some((ids, k)), g) => Users::new(ids, *k, n, g.unwrap_or_default()).map(Some),
+            (None, Some(_)) => Err(Error::privacy(
+                "make_private",
+                "user_gradient",
+                "set with PrivacyEngine::users",
+                "set without users",
+            )),
+            (None, None) => Ok(None),
+        }
+    }
+
     /// An empty accountant of the engine's mechanism, sampling scheme and
     /// error band.
-    fn accountant_new(&self) -> Result<Accountant> {
+    pub(super) fn accountant_new(&self) -> Result<Accountant> {
         let default = match self.sampling {
             Sampling::Poisson => Mechanism::Prv,
             _ => Mechanism::Pld,
@@ -632,14 +550,23 @@ impl PrivacyEngine {
 }
 
 /// The `(xs, ys)` form's two leaves, named for messages.
-fn xs_ys(xs: &Tensor, ys: &Tensor) -> Result<TensorDataset> {
+pub(super) fn xs_ys(xs: &Tensor, ys: &Tensor) -> Result<TensorDataset> {
     let leaves = vec![("xs".to_string(), xs.clone()), ("ys".to_string(), ys.clone())];
     TensorDataset::from_leaves(leaves, TreeDef::Tuple(vec![TreeDef::Leaf; 2]))
 }
 
-fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
+/// What is sampled, for messages.
+fn units(users: bool) -> &'static str {
+    if users {
+        "users"
+    } else {
+        "examples"
+    }
+}
+
+pub(super) fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
     if batch_size == 0 || batch_size > n {
-        let expected = format!("in 1..={n} (the data set's size)");
+        let expected = format!("in 1..={n} (the data set's size in sampled units: examples, or users)");
         return Err(Error::privacy("make_private", "batch_size", expected, batch_size));
     }
     Ok(batch_size as f64 / n as f64)
@@ -647,56 +574,4 @@ fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
 
 pub(super) fn steps_per_epoch(q: f64) -> usize {
     ((1.0 / q).round() as usize).max(1)
-}
-
-/// Each parameter's group (in name order) and each group's bound.
-fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize>, Vec<f64>)> {
-    match clipping {
-        Clipping::Flat(c) => {
-            super::positive("make_private", "max_grad_norm", *c, false)?;
-            Ok((vec![0; names.len()], vec![*c]))
-        }
-        // the bound is carried by the examples' weights (1 / C): the
-        // transform clips the scaled gradients to 1
-        Clipping::Adaptive(_) => Ok((vec![0; names.len()], vec![1.0])),
-        // every example's scaled gradient has norm below 1
-        Clipping::Automatic(gamma) => {
-            super::positive("make_private", "automatic clipping's gamma", *gamma, false)?;
-            Ok((vec![0; names.len()], vec![1.0]))
-        }
-        Clipping::PerLayer(groups) => {
-            for (p, c) in groups {
-                super::positive("make_private", &format!("the bound of group {p:?}"), *c, false)?;
-            }
-            // A parameter in two groups would be clipped to each bound in
-            // turn while the noise is scaled to sqrt(Σ bounds²) as if every
-            // parameter were in exactly one: refuse the overlap outright
-            // rather than let the first group win silently.
-            for (i, (a, _)) in groups.iter().enumerate() {
-                if let Some((b, _)) = groups[i + 1..].iter().find(|(b, _)| overlap(a, b)) {
-                    let setting = format!("per-layer clipping groups {a:?} and {b:?}");
-                    let value = if a == b { "the same prefix twice" } else { "overlapping" };
-                    return Err(Error::privacy("make_private", setting, "disjoint", value));
-                }
-            }
-            let of_leaf = names
-                .iter()
-                .map(|name| {
-                    groups.iter().position(|(p, _)| under(name, p)).ok_or_else(|| {
-                        let prefixes: Vec<&String> = groups.iter().map(|g| &g.0).collect();
-                        let expected = format!("in a per-layer clipping group (prefixes: {prefixes:?})");
-                        Error::privacy("make_private", format!("parameter {name:?}"), expected, "in none")
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            // A group that holds no parameter would add its bound to the
-            // sensitivity, and so noise, for nothing: a misspelt prefix.
-            if let Some(k) = (0..groups.len()).find(|k| !of_leaf.contains(k)) {
-                let expected = format!("a prefix of some parameter's name (parameters: {names:?})");
-                let setting = format!("per-layer clipping group {:?}", groups[k].0);
-                return Err(Error::privacy("make_private", setting, expected, "a prefix of none"));
-            }
-            Ok((of_leaf, groups.iter().map(|g| g.1).collect()))
-        }
-    }
 }

@@ -38,14 +38,18 @@ mod candle_optim;
 mod checkpoint;
 mod clip;
 pub mod collective;
+mod config;
 mod dataset;
 mod engine;
+mod epsilon;
+mod loss;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod optim;
 mod precision;
 mod trainable;
 mod trainer;
+mod users;
 pub use accountant::Sampling;
 pub use adaptive::AdaptiveClipping;
 pub use budget::MemoryPlan;
@@ -58,6 +62,7 @@ pub use engine::{Clipping, DpConfig, ExampleLoss, PrivacyEngine, PrivateTrainer,
 pub use optim::{Adam, AdamW, Optimizer, OptimizerState, Sgd};
 pub use precision::Precision;
 pub use trainable::Trainable;
+pub use users::UserGradient;
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
 /// permutations).
 pub mod rng {

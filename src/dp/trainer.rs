@@ -8,121 +8,32 @@ use super::adaptive::Adaptive;
 use super::clip::ClippedGradSum;
 use super::collective::{self, Collective};
 use super::dataset::Dataset;
+use super::loss::Masked;
+pub use super::loss::{ExampleLoss, XsYs};
 use super::optim::Optimizer;
 use super::rng::Rng;
+use super::users::{self, Share, UserGradient, Users};
 use crate::error::{CollectiveFailure, Error, Result};
-use crate::trace::{Operand, Tracer};
-use crate::transforms::tree::{SymTree, TreeDef};
-use crate::transforms::Function;
 use candle_core::{DType, Tensor};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
-use std::marker::PhantomData;
-
-/// The example form of [`PrivacyEngine::make_private`](super::PrivacyEngine::make_private):
-/// one input and one target per example, a loss `(params, x, y)`. (The
-/// tree form, [`make_private_examples`](super::PrivacyEngine::make_private_examples),
-/// has the example's symbolic tree in its place.)
-#[derive(Clone, Copy, Debug)]
-pub struct XsYs;
-
-/// The per-example loss times the example's weight (1, or 0 for padding):
-/// a padded example's gradient is exactly zero, so it adds nothing. The
-/// frozen parameters join the trainable ones as constants, so the loss
-/// sees every parameter by name and differentiates only what trains.
-pub(super) struct Masked<F, S> {
-    pub(super) loss: F,
-    pub(super) def: TreeDef,
-    pub(super) frozen: BTreeMap<String, Tensor>,
-    /// The dtype the loss computes in under mixed precision: each
-    /// trainable (f32) weight is cast to it where the loss reads it, and
-    /// the loss back to f32.
-    pub(super) half: Option<DType>,
-    pub(super) form: PhantomData<fn() -> S>,
-}
-
-type Args = (BTreeMap<String, Tracer>, Vec<Tracer>, Tracer);
-
-impl<F, S> Masked<F, S> {
-    /// The trainable parameters with the frozen ones lifted into `like`'s
-    /// trace as constants.
-    fn all_params(&self, mut p: BTreeMap<String, Tracer>, like: &Tracer) -> Result<BTreeMap<String, Tracer>> {
-        if let Some(h) = self.half {
-            for t in p.values_mut() {
-                *t = t.to_dtype(h)?;
-            }
-        }
-        for (k, t) in &self.frozen {
-            p.insert(k.clone(), t.to_tracer(like)?);
-        }
-        Ok(p)
-    }
-}
-
-fn weighted(l: Tracer, w: &Tracer) -> Result<Tracer> {
-    l.mul(&w.to_dtype(l.dtype())?)
-}
-
-/// A per-example loss a [`PrivateTrainer`] takes, for the example form `S`:
-/// implemented for every [`Function`] of `(params, example tree)` (with `S`
-/// the tree) and of `(params, x, y)` (with `S` = [`XsYs`]), which is all
-/// it is for.
-pub trait ExampleLoss<S> {
-    /// The loss of one example from its leaves, rebuilt by `def`.
-    #[doc(hidden)]
-    fn example_loss(&self, params: BTreeMap<String, Tracer>, leaves: Vec<Tracer>, def: &TreeDef) -> Result<Tracer>;
-}
-
-impl<F, S> ExampleLoss<S> for F
-where
-    S: SymTree,
-    F: Function<(BTreeMap<String, Tracer>, S), Output = Tracer>,
-{
-    fn example_loss(&self, p: BTreeMap<String, Tracer>, leaves: Vec<Tracer>, def: &TreeDef) -> Result<Tracer> {
-        self.apply((p, S::unflatten_from(def, &mut leaves.into_iter())?))
-    }
-}
-
-impl<F> ExampleLoss<XsYs> for F
-where
-    F: Function<(BTreeMap<String, Tracer>, Tracer, Tracer), Output = Tracer>,
-{
-    fn example_loss(&self, p: BTreeMap<String, Tracer>, leaves: Vec<Tracer>, _: &TreeDef) -> Result<Tracer> {
-        let [x, y]: [Tracer; 2] = leaves.try_into().map_err(|l: Vec<Tracer>| {
-            Error::internal(
-                "PrivateTrainer",
-                format!("{} example tensors, expected xs and ys", l.len()),
-            )
-        })?;
-        self.apply((p, x, y))
-    }
-}
-
-impl<F: ExampleLoss<S>, S> Function<Args> for Masked<F, S> {
-    type Output = Tracer;
-
-    fn apply(&self, (p, leaves, w): Args) -> Result<Tracer> {
-        let p = self.all_params(p, &w)?;
-        let loss = self.loss.example_loss(p, leaves, &self.def)?;
-        let loss = match self.half {
-            Some(_) => loss.to_dtype(DType::F32)?,
-            None => loss,
-        };
-        weighted(loss, &w)
-    }
-}
 
 /// What one private step did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepInfo {
-    /// The logical (Poisson) batch size.
+    /// The logical (Poisson) batch size: examples, or users under
+    /// user-level DP ([`PrivacyEngine::users`](super::PrivacyEngine::users)).
     pub batch_size: usize,
+    /// The examples the batch held (`batch_size` at example level).
+    pub examples: usize,
     /// Passes of the physical batch size it took (on this rank, when
     /// distributed).
     pub passes: usize,
-    /// The mean loss over the batch's examples (NaN for an empty batch).
+    /// The mean loss over the batch's examples (NaN for an empty batch);
+    /// under user-level DP with [`UserGradient::Mean`](super::UserGradient::Mean),
+    /// the mean over users of each user's mean loss.
     pub mean_loss: f64,
-    /// The fraction of the batch's examples whose gradient norm exceeded
+    /// The fraction of the batch's examples (users) whose gradient norm exceeded
     /// the bound (flat clipping; NaN per layer, under automatic clipping or
     /// for an empty batch).
     pub clipped_fraction: f64,
@@ -136,6 +47,8 @@ pub(super) struct Examples {
     pub(super) source: Box<dyn Dataset>,
     pub(super) n: usize,
     pub(super) paths: Vec<String>,
+    /// The examples' users, under user-level DP.
+    pub(super) users: Option<Users>,
 }
 
 impl Examples {
@@ -154,7 +67,17 @@ impl Examples {
             ));
         }
         let paths = super::dataset::leaf_names(&def);
-        Ok(Examples { source, n, paths })
+        Ok(Examples {
+            source,
+            n,
+            paths,
+            users: None,
+        })
+    }
+
+    /// What is sampled: the users, or the examples.
+    pub(super) fn units(&self) -> usize {
+        self.users.as_ref().map_or(self.n, Users::len)
     }
 
     /// Each leaf's path and `[N, ..shape]`.
@@ -218,21 +141,18 @@ where
     /// clips its share of the logical batch and the step ends with every
     /// rank's parameters checked equal.
     pub fn step(&mut self) -> Result<StepInfo> {
-        let n = self.data.n;
-        let (q, rng) = (self.sample_rate, &mut self.rng);
+        let n = self.data.units();
+        let (q, rng, users) = (self.sample_rate, &mut self.rng, self.data.users.as_ref());
         // drawn by the scheme the accountant analyses, so the two agree
         let sampling = self.accountant.sampling();
         let batch = (q * n as f64).round() as usize;
+        let mut draw = || users::draw(users, sampling, rng, (n, q, batch));
         let (idx, mine) = match &self.comm {
             Some(c) => {
-                let idx = collective::broadcast_batch(c.as_ref(), || sampling.draw(rng, n, q, batch))?;
-                let mine = collective::shard(&idx, c.rank(), c.size());
-                (idx, mine)
+                let flat = collective::broadcast_batch(c.as_ref(), draw)?;
+                users::share(users, flat, (c.rank(), c.size()))?
             }
-            None => {
-                let idx = sampling.draw(rng, n, q, batch);
-                (idx.clone(), idx)
-            }
+            None => users::share(users, draw(), (0, 1))?,
         };
         let params = self.params_now()?;
         // Distributed, a local failure must not leave the other ranks in a
@@ -282,11 +202,14 @@ where
             collective::check_in_step(c.as_ref(), &self.params_now()?, "after a step")?;
         }
         let b = idx.len() as f64;
+        let by_user = matches!(&self.data.users, Some(u) if u.grouped() && u.gradient == UserGradient::Mean);
+        let losses = if by_user { b } else { idx.examples() as f64 };
         Ok(StepInfo {
             batch_size: idx.len(),
+            examples: idx.examples(),
             passes: mine.len().div_ceil(self.physical),
-            mean_loss: if idx.is_empty() { f64::NAN } else { loss_sum / b },
-            clipped_fraction: match (self.bound, idx.is_empty()) {
+            mean_loss: if idx.len() == 0 { f64::NAN } else { loss_sum / losses },
+            clipped_fraction: match (self.bound, idx.len() == 0) {
                 (Some(_), false) => over / b,
                 _ => f64::NAN,
             },
@@ -298,13 +221,13 @@ where
     /// its summed loss and how many norms exceeded the flat bound.
     fn clip_share(
         &self,
-        mine: &[usize],
+        mine: &Share,
         params: &BTreeMap<String, Tensor>,
     ) -> Result<(BTreeMap<String, Tensor>, f64, f64)> {
         let mut sum: Option<BTreeMap<String, Tensor>> = None;
         let (mut loss_sum, mut over) = (0.0, 0usize);
-        for chunk in mine.chunks(self.physical) {
-            let (examples, w) = self.pass(chunk)?;
+        for chunk in mine.passes(self.physical) {
+            let (examples, w) = self.pass(&chunk)?;
             let (clipped, norms, losses) = self.clip.call((params, &examples, &w)).map_err(|e| self.over(e))?;
             // the losses came weighted by 1 / C under adaptive clipping
             loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()? * self.unit();
@@ -502,9 +425,15 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
         self.steps
     }
 
-    /// One pass's examples and weights: the chunk's examples padded to the
-    /// physical size with copies of its first, weighted 0.
-    pub(super) fn pass(&self, chunk: &[usize]) -> Result<(Vec<Tensor>, Tensor)> {
+    /// One pass's examples and weights: the chunk's units padded to the
+    /// physical size with copies of its first, weighted 0; a pass of users
+    /// `[physical, k, ..]` (see [`super::users`]).
+    pub(super) fn pass(&self, chunk: &Share) -> Result<(Vec<Tensor>, Tensor)> {
+        let chunk = match (chunk, &self.data.users) {
+            (Share::Examples(e), _) => e,
+            (Share::Users(u), Some(users)) => return self.pass_users(users, u),
+            (Share::Users(_), None) => return Err(Error::internal("PrivateTrainer::step", "users without users")),
+        };
         let mut ids: Vec<usize> = chunk.to_vec();
         let pad = self.physical - chunk.len();
         ids.extend(std::iter::repeat_n(ids[0], pad));
@@ -515,6 +444,24 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
         let examples = self.data.source.fetch(&ids)?;
         let weights = Tensor::from_vec(weights, self.physical, &self.data.source.device())?;
         Ok((examples, weights))
+    }
+
+    /// A pass of users: `physical` users of `k` slots, each leaf fetched as
+    /// `[physical k, ..]` and split, `(B K) .. -> B K ..`.
+    fn pass_users(&self, users: &Users, chunk: &[Vec<usize>]) -> Result<(Vec<Tensor>, Tensor)> {
+        let (p, k) = (self.physical, users.k);
+        let (ids, w) = users::user_slots(users, chunk, p, 1.0 / self.unit());
+        let examples = self
+            .data
+            .source
+            .fetch(&ids)?
+            .into_iter()
+            .map(|t| {
+                let dims: Vec<usize> = [p, k].into_iter().chain(t.dims()[1..].iter().copied()).collect();
+                t.reshape(dims)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok((examples, Tensor::from_vec(w, (p, k), &self.data.source.device())?))
     }
 
     /// The ε spent so far at `delta`, by the engine's accountant.

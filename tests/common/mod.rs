@@ -310,3 +310,35 @@ pub fn two_layer_loss(p: std::collections::BTreeMap<String, Tracer>, x: Tracer, 
     let out = h.broadcast_matmul(&p["m.weight"].t()?)?;
     out.sub(&y.unsqueeze(0)?)?.sqr()?.sum_all()
 }
+
+/// An in-process [`dp::collective::Collective`] of one rank (every
+/// collective is the identity), which can claim another rank's parameter
+/// hash differs, or a rank outside its size.
+pub struct OneRank {
+    pub lie: bool,
+    pub rank: usize,
+}
+
+impl candle_func::dp::collective::Collective for OneRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        1 + self.lie as usize
+    }
+    fn broadcast_u64(&self, _: &mut Vec<u64>) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn broadcast_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_sum_f32(&self, _: &mut [f32]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> candle_func::Result<()> {
+        Ok(())
+    }
+    fn all_gather_u64(&self, v: u64) -> candle_func::Result<Vec<u64>> {
+        Ok(if self.lie { vec![v, v ^ 1] } else { vec![v] })
+    }
+}

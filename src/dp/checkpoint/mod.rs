@@ -85,6 +85,7 @@ fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>, params: &BTreeMap<String, Tens
         "sample_rate": t.sample_rate,
         "noise_multiplier": t.noise_multiplier,
         "physical_batch": t.physical,
+        "users": t.data.users.as_ref().map(|u| u.describe()),
     })
 }
 
@@ -270,6 +271,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             "sample_rate",
             "noise_multiplier",
             "physical_batch",
+            "users",
         ] {
             // a batch the trainer chose under its memory limit gives way to
             // a smaller saved one, which fits too and continues the run's
