@@ -134,7 +134,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let capped: usize = count.iter().map(|&c| c.min(per_author)).sum();
         texts_per_step = batch as f64 * capped as f64 / writers as f64;
         engine = engine.users(&Tensor::from_vec(ids, n, &dev)?, per_author);
-        println!("user-level DP: {authors} synthetic authors, at most {per_author} texts of an author a step");
+        println!(
+            "user-level DP: {writers} synthetic authors writing 1 to {} texts, at most {per_author} of an author's \
+             texts a step",
+            count.iter().max().unwrap_or(&0)
+        );
     }
     let adam = dp::Adam::new(&vm_dp, lr)?;
     let mut trainer = match sigma {
