@@ -196,4 +196,5 @@ pub fn vhp_fn<F>(f: F) -> transforms::jacobian::VhpFn<F> {
 }
 
 #[doc(hidden)]
+#[allow(deprecated)]
 pub use transforms::settings::warned;

@@ -51,7 +51,9 @@
 //!   function without transforming it. Each returns a
 //!   [`transform::Transformed`] function with `.call` on tensors and the
 //!   option setters (`conv_route`, `strict`, `seed`, `memory_limit`,
-//!   `options`); [`make_graph`] shows the graph a call runs.
+//!   `options`), except [`vjp`] and [`linearize`], which run at once and
+//!   return the value with its pullback or its linear map; [`make_graph`]
+//!   shows the graph a call runs.
 //! * [`Options`]: a transform's settings as one value; [`Schedule`] (how
 //!   a `vmap` runs its batch), [`ConvRoute`] (how a convolution with
 //!   batched input and weight is lowered) and [`Randomness`] are its
@@ -102,7 +104,8 @@
 #![warn(unnameable_types)]
 
 // The layers, bottom to top: error (shared by all) <- ir <- kernels <-
-// rules <- interp <- trace <- ops <- transforms <- nn <- dp <- this root.
+// rules <- interp <- trace <- ops <- transforms <- nn <- dp <- models <-
+// this root.
 // Each imports only from those below it (tests/layering.rs keeps it so;
 // rustfmt lists the declarations alphabetically). The public modules
 // after the re-exports only re-export.
@@ -198,6 +201,7 @@ pub mod tree {
 pub mod settings {
     pub use crate::interp::exec::PORTABLE_ENV;
     #[doc(hidden)]
+    #[allow(deprecated)]
     pub use crate::transforms::settings::warned;
     pub use crate::transforms::settings::{
         auto_capacity, cache_capacity, capture_warnings, conv_route, manual_seed, set_auto_capacity,

@@ -23,18 +23,6 @@ fn dot(a: &Tensor, b: &Tensor) -> f64 {
     (a * b).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
 }
 
-fn close(what: &str, analytic: f64, numeric: f64) {
-    close_to(what, analytic, numeric, 1e-6)
-}
-
-fn close_to(what: &str, analytic: f64, numeric: f64, tol: f64) {
-    let tol = tol * numeric.abs().max(analytic.abs()).max(1.0);
-    assert!(
-        (analytic - numeric).abs() <= tol,
-        "{what}: analytic {analytic} vs finite differences {numeric}"
-    );
-}
-
 /// Checks the gradient of `x -> sum(r * f(x))` along a random direction.
 fn fd1<F>(what: &str, f: F, x: &Tensor, seed: u64)
 where
@@ -52,7 +40,7 @@ where
             .to_scalar::<f64>()
             .unwrap()
     };
-    close(what, dot(&g, &v), (at(EPS) - at(-EPS)) / (2.0 * EPS));
+    close_to(what, dot(&g, &v), (at(EPS) - at(-EPS)) / (2.0 * EPS), 1e-6);
 }
 
 /// The same for a function of two tensors, differentiated in both.
@@ -71,7 +59,12 @@ where
         let ys = (y + (&vy * s).unwrap()).unwrap();
         run.call((xs, ys)).unwrap().to_scalar::<f64>().unwrap()
     };
-    close(what, dot(&gx, &vx) + dot(&gy, &vy), (at(EPS) - at(-EPS)) / (2.0 * EPS));
+    close_to(
+        what,
+        dot(&gx, &vx) + dot(&gy, &vy),
+        (at(EPS) - at(-EPS)) / (2.0 * EPS),
+        1e-6,
+    );
 }
 
 fn unary_ops() -> Vec<(&'static str, Un)> {

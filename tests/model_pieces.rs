@@ -9,26 +9,26 @@ mod common;
 use candle_core::{Device, Tensor};
 use candle_func::nn::{Embedding, Module};
 use candle_func::{grad, jit, jvp, vmap, Tracer};
-use common::{max_diff, rand};
-
-fn close(a: &Tensor, b: &Tensor) {
-    let d = max_diff(a, b) as f32;
-    assert!(d < 1e-6, "differ by {d}");
-}
+use common::{assert_close as close, rand};
 
 #[test]
 fn stop_gradient_blocks_every_derivative_and_keeps_values() {
     let x = rand(&[5], 1);
     // d/dx sum(sg(x) * x) = sg(x) = x, where without it it would be 2x
     let f = |x: Tracer| x.stop_gradient()?.mul(&x)?.sum_all();
-    close(&grad(f).call(&x).unwrap(), &x);
-    close(&jit(|x: Tracer| x.stop_gradient()).call(&x).unwrap(), &x);
+    close(&grad(f).call(&x).unwrap(), &x, 1e-6, "values");
+    close(
+        &jit(|x: Tracer| x.stop_gradient()).call(&x).unwrap(),
+        &x,
+        1e-6,
+        "values",
+    );
     let (y, t) = jvp(&|x: Tracer| x.stop_gradient()?.exp(), &x, &x.ones_like().unwrap()).unwrap();
-    close(&y, &x.exp().unwrap());
-    close(&t, &x.zeros_like().unwrap());
+    close(&y, &x.exp().unwrap(), 1e-6, "values");
+    close(&t, &x.zeros_like().unwrap(), 1e-6, "values");
     // per example
     let xs = rand(&[3, 5], 2);
-    close(&vmap(grad(f)).call(&xs).unwrap(), &xs);
+    close(&vmap(grad(f)).call(&xs).unwrap(), &xs, 1e-6, "values");
 }
 
 #[test]
@@ -40,7 +40,7 @@ fn a_padding_row_is_looked_up_but_gets_no_gradient() {
         .unwrap();
     let ids = Tensor::new(&[0u32, 2, 0, 5], &Device::Cpu).unwrap();
     let run = |m: &Embedding| jit(|i: Tracer| m.forward(&i)).call(&ids).unwrap();
-    close(&run(&padded), &run(&plain));
+    close(&run(&padded), &run(&plain), 1e-6, "values");
     let g = grad(|t: Tracer, i: Tracer| {
         let p = std::collections::BTreeMap::from([("emb.weight".to_string(), t)]);
         padded
@@ -87,7 +87,7 @@ fn fused_and_separate_attention_projections_agree() {
             .call(&x)
             .unwrap()
     };
-    close(&run(&fused), &run(&separate));
+    close(&run(&fused), &run(&separate), 1e-6, "values");
     // grouped-query: key/value heads must divide the query heads
     assert!(SelfAttention::separate(part(0), part(1), part(2), o(), 3, 2).is_err());
 }

@@ -1,7 +1,7 @@
 //! The clipping step of DP-SGD as one transform over a per-example loss:
 //! each example's gradient norm, then the clipped sum `Σ_b min(1, C /
 //! (||g_b|| + 1e-6)) g_b`, with per-sample gradients materialised only
-//! where that is cheaper than the ghost form (`rules::ghost`).
+//! where that is cheaper than the ghost form (`dp::ghost`).
 //!
 //! The clipped sum reuses the first pass ("book-keeping", Bu et al. 2022):
 //! backpropagation is linear in each example's output cotangent, so the
@@ -9,9 +9,9 @@
 //! gradients scaled by the clip factors, contracted with the same
 //! activations: one product per layer, as in an ordinary training step.
 
+use super::ghost::{self, Plan, Viewed};
 use crate::error::{Error, Result};
 use crate::ir::options::{Options, Schedule};
-use crate::rules::ghost::{self, Plan, Viewed};
 use crate::trace::Tracer;
 use crate::transforms::dims::Dims;
 use crate::transforms::grad::{value_and_grad, Nth};
@@ -89,7 +89,7 @@ pub fn per_sample_grad_norms<F>(loss: F) -> PerSampleGradNorms<F> {
 ///
 /// Per-sample gradients are not materialised where a layer's ghost rule is
 /// cheaper (linear layers on vectors and on sequences, see
-/// `rules::ghost`): for a linear layer the norms come from Gram matrices
+/// `dp::ghost`): for a linear layer the norms come from Gram matrices
 /// and the clipped sum from one product, as in an ordinary batched step.
 /// `.ghost(false)` materialises every per-sample gradient (the reference).
 /// The batch axis of each argument is given by [`ClippedGradSum::in_dims`]

@@ -145,3 +145,8 @@ pub(super) fn groups(names: &[String], clipping: &Clipping) -> Result<(Vec<usize
         }
     }
 }
+
+/// Steps per epoch at the sample rate `q`: `1 / q` rounded, at least 1.
+pub(super) fn steps_per_epoch(q: f64) -> usize {
+    ((1.0 / q).round() as usize).max(1)
+}

@@ -74,8 +74,8 @@ use super::optim::Optimizer;
 use super::precision::Precision;
 use super::rng::Rng;
 use super::trainable::Trainable;
-use super::trainer::Examples;
 pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
+use super::trainer::{Examples, Setup};
 use super::users::{UserGradient, Users};
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
@@ -488,11 +488,8 @@ impl PrivacyEngine {
                     .into(),
             );
         }
-        let trainer = PrivateTrainer {
-            clip,
-            varmap: varmap.clone(),
+        let setup = Setup {
             trainable,
-            optimizer,
             accountant,
             rng,
             data,
@@ -507,11 +504,8 @@ impl PrivacyEngine {
                 Clipping::PerLayer(_) | Clipping::Automatic(_) => None,
             },
             adaptive,
-            comm: None,
-            steps: 0,
-            memory: None,
-            canaries: None,
         };
+        let trainer = PrivateTrainer::new(clip, varmap, optimizer, setup)?;
         match self.memory_limit.or(self.options.memory_limit) {
             Some(limit) => trainer.fit_memory(limit, self.physical_batch.is_none()),
             None => Ok(trainer),
@@ -570,8 +564,4 @@ pub(super) fn sample_rate(batch_size: usize, n: usize) -> Result<f64> {
         return Err(Error::privacy("make_private", "batch_size", expected, batch_size));
     }
     Ok(batch_size as f64 / n as f64)
-}
-
-pub(super) fn steps_per_epoch(q: f64) -> usize {
-    ((1.0 / q).round() as usize).max(1)
 }

@@ -3,8 +3,9 @@
 //! engine's own accountant for the steps the loop will take.
 
 use super::accountant::noise_multiplier_with;
+use super::config::steps_per_epoch;
 use super::dataset::{Dataset, TensorDataset};
-use super::engine::{sample_rate, steps_per_epoch, xs_ys, DpConfig, PrivacyEngine};
+use super::engine::{sample_rate, xs_ys, DpConfig, PrivacyEngine};
 use super::optim::Optimizer;
 use super::trainer::PrivateTrainer;
 use super::users::Users;

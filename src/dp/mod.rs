@@ -42,6 +42,7 @@ mod config;
 mod dataset;
 mod engine;
 mod epsilon;
+mod ghost;
 mod loss;
 #[cfg(feature = "mpi")]
 pub mod mpi;

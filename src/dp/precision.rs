@@ -6,7 +6,7 @@
 //! the half dtype where the loss reads it; the cast's gradient carries
 //! each example's gradient back to f32, and the ghost rules widen a
 //! layer's half-precision operands to f32 before its norm and clipped sum
-//! (`rules::ghost`). Frozen weights are constants of the loss in the half
+//! (`dp::ghost`). Frozen weights are constants of the loss in the half
 //! dtype: loaded in it, they take half the memory of f32.
 
 use crate::error::{Error, Result};

@@ -1,4 +1,4 @@
-//! The private training loop's state and its step (see [`super::engine`]
+//! The private training loop's state and its step (see [`super::PrivacyEngine`]
 //! for what one step does): the examples as a tree of tensors sharing a
 //! leading example axis, the trainable parameters, the frozen ones as
 //! constants of the traced loss.
@@ -129,6 +129,72 @@ pub struct PrivateTrainer<F, O, S = XsYs> {
     pub(super) memory: Option<super::budget::MemoryPlan>,
     /// White-box canaries of a one-run audit, when inserted.
     pub(super) canaries: Option<super::audit::Canaries>,
+}
+
+/// What the engine settles for a trainer: what trains, the accountant and
+/// the generator, the data, and the privacy parameters of every step.
+pub(super) struct Setup {
+    pub(super) trainable: Vec<String>,
+    pub(super) accountant: Accountant,
+    pub(super) rng: Rng,
+    pub(super) data: Examples,
+    pub(super) sample_rate: f64,
+    pub(super) noise_multiplier: f64,
+    /// The most one unit (example or user) moves the clipped sum by.
+    pub(super) sensitivity: f64,
+    pub(super) physical: usize,
+    pub(super) secure_mode: bool,
+    pub(super) bound: Option<f64>,
+    pub(super) adaptive: Option<Adaptive>,
+}
+
+impl<F, O, S> PrivateTrainer<F, O, S> {
+    /// A trainer that has taken no step, with its invariants checked: a
+    /// sample rate in `(0, 1]`, a finite noise multiplier of at least 0,
+    /// a finite positive sensitivity, and a physical batch of 1 to the
+    /// number of units sampled (the engine's settings reach here checked;
+    /// these are its own mistakes).
+    pub(super) fn new(clip: ClippedGradSum<Masked<F, S>>, varmap: &VarMap, optimizer: O, s: Setup) -> Result<Self> {
+        let units = s.data.units();
+        let broken = [
+            (!(s.sample_rate > 0.0 && s.sample_rate <= 1.0), "sample rate"),
+            (
+                !(s.noise_multiplier.is_finite() && s.noise_multiplier >= 0.0),
+                "noise multiplier",
+            ),
+            (!(s.sensitivity.is_finite() && s.sensitivity > 0.0), "sensitivity"),
+            (!(1..=units).contains(&s.physical), "physical batch"),
+        ];
+        if let Some((_, what)) = broken.iter().find(|(bad, _)| *bad) {
+            return Err(Error::internal(
+                "make_private",
+                format!(
+                    "the trainer's {what} is out of range (q {}, σ {}, sensitivity {}, physical {} of {units})",
+                    s.sample_rate, s.noise_multiplier, s.sensitivity, s.physical
+                ),
+            ));
+        }
+        Ok(PrivateTrainer {
+            clip,
+            varmap: varmap.clone(),
+            trainable: s.trainable,
+            optimizer,
+            accountant: s.accountant,
+            rng: s.rng,
+            data: s.data,
+            sample_rate: s.sample_rate,
+            noise_multiplier: s.noise_multiplier,
+            sensitivity: s.sensitivity,
+            physical: s.physical,
+            secure_mode: s.secure_mode,
+            bound: s.bound,
+            adaptive: s.adaptive,
+            comm: None,
+            steps: 0,
+            memory: None,
+            canaries: None,
+        })
+    }
 }
 
 impl<F, O, S> PrivateTrainer<F, O, S>
@@ -507,7 +573,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
 
     /// Steps per epoch: `1 / q` rounded, at least 1.
     pub fn steps_per_epoch(&self) -> usize {
-        super::engine::steps_per_epoch(self.sample_rate)
+        super::config::steps_per_epoch(self.sample_rate)
     }
 
     /// The names of the parameters that train (and are noised), sorted;

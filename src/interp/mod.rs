@@ -1,6 +1,8 @@
 //! The interpreter: runs a graph on candle tensors, on the inputs' device,
-//! dropping every intermediate after its last use. It runs `map` bodies
-//! itself (a rule may not run a graph), once per example.
+//! dropping every intermediate after its last use. It runs the bodies of
+//! the primitives that hold a sub-graph itself (a rule may not run a
+//! graph): `map` once per example, `scan` and `while` once per step, the
+//! chosen branch of `cond`.
 //!
 //! Graphs reach it through one door, [`exec::Executable`]: the fixed
 //! list of passes that prepares a graph to run ([`passes`]), its memory

@@ -23,7 +23,6 @@ pub(crate) mod custom;
 pub(crate) mod elementwise;
 pub(crate) mod facts;
 pub(crate) mod fused;
-pub(crate) mod ghost;
 pub(crate) mod index;
 pub(crate) mod map;
 pub(crate) mod matmul;

@@ -1,7 +1,8 @@
 //! The graph walkers: re-emit a whole graph through each primitive's
 //! batching rule ([`batch_graph`]) or forward and then through each VJP
 //! rule in reverse ([`vjp_graph`]). The transforms call these; so do the
-//! rules of primitives that hold a sub-graph (`map`).
+//! rules of primitives that hold a sub-graph (`map`, `scan`, `cond`,
+//! `while`).
 
 use super::{map, rule, BVal, BatchCx, Builder, Tan};
 use crate::error::{Error, Result};

@@ -5,8 +5,8 @@
 //! The body is traced once, in a trace nested in the caller's: its carry
 //! and outputs are packed into one vector per step (so they share one
 //! dtype), the values it reads from the enclosing trace (weights) become
-//! operands every step reads whole, and the loop's rules
-//! (`rules::scan`) batch and differentiate it.
+//! operands every step reads whole, and the loops' rules
+//! (`rules::control`) batch and differentiate them.
 
 use super::next_builder_id;
 use crate::error::{Error, Result};

@@ -27,7 +27,7 @@ const AUTO_MIN_BYTES: usize = 32 << 20;
 
 /// Emits `g` batched over `vals` (batch size `size`) into `b` as the
 /// schedule says, with each output's batch axis where `out_dims` puts it.
-pub(crate) fn run_batch(
+pub(crate) fn emit_batch(
     g: &Graph,
     b: &mut Builder,
     vals: &[BVal],
@@ -64,7 +64,7 @@ pub(crate) fn run_batch(
                 all.extend(per_example(&s.front, b, vals, size, opts)?);
                 run_chunks(&s.head, b, &all, (size, size), opts, out_dims)
             }
-            Front::All => run_batch(
+            Front::All => emit_batch(
                 g,
                 b,
                 vals,
@@ -244,7 +244,7 @@ fn lower_as(
         schedule,
         ..*opts
     };
-    let outs = run_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
+    let outs = emit_batch(g, &mut sb, &ins, size, &forced, &vec![Some(0); g.outputs.len()])?;
     Ok(sb.finish(outs).0.eliminate_dead_code())
 }
 

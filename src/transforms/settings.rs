@@ -191,7 +191,12 @@ pub(crate) fn warn_once(key: String, msg: String) -> bool {
 
 /// Whether a warning with this key has been given in this process (a
 /// test of one call's warnings should use [`capture_warnings`], which
-/// another call cannot satisfy).
+/// another call cannot satisfy). A test hook, public by mistake: it goes
+/// in the next release.
+#[deprecated(
+    since = "0.2.0",
+    note = "use settings::capture_warnings, which sees one call's warnings"
+)]
 pub fn warned(key: &str) -> bool {
     let guard = WARNED.lock().unwrap_or_else(|e| e.into_inner());
     guard.as_ref().is_some_and(|s| s.contains(key))

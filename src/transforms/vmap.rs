@@ -2,7 +2,7 @@
 //! node through its primitive's batching rule into the enclosing trace.
 
 use super::dims::Dims;
-use super::schedule::run_batch;
+use super::schedule::emit_batch;
 use super::settings;
 use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, SymTree, TreeDef};
@@ -195,7 +195,7 @@ impl<S: ArgList, F: Function<S>> Transform<S> for VmapOf<F> {
             for c in &captures {
                 vals.push((ob.lift(c)?, None));
             }
-            run_batch(&g, &mut ob, &vals, ins.size, &opts, &out_dims)?
+            emit_batch(&g, &mut ob, &vals, ins.size, &opts, &out_dims)?
         };
         let tracers: Vec<Tracer> = ids.into_iter().map(|id| Tracer::new(&outer, id)).collect();
         F::Output::unflatten_from(&out_def, &mut tracers.into_iter())

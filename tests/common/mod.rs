@@ -142,6 +142,13 @@ pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
     );
 }
 
+/// Asserts the scalars `got` and `want` agree to `tol` relative to the
+/// larger magnitude (or absolute below 1).
+pub fn close_to(what: &str, got: f64, want: f64, tol: f64) {
+    let tol = tol * want.abs().max(got.abs()).max(1.0);
+    assert!((got - want).abs() <= tol, "{what}: {got} vs {want}");
+}
+
 /// A batched argument: per-example `shape` with a batch of `b` inserted at
 /// `dim` (`None`: an unbatched argument of the per-example shape).
 pub fn batched(shape: &[usize], b: usize, dim: Option<isize>, seed: u64) -> Tensor {

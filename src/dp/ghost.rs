@@ -23,14 +23,15 @@
 //! rows. Other
 //! per-example gradients (biases and norm scales, which are sums;
 //! convolutions) are materialised here and their norms and weighted sums
-//! read them. These rules only emit: the DP transform in `dp` decides and
-//! warns.
+//! read them. These functions only emit into the graph under
+//! construction: the clipping transform (`clip.rs`) decides which to use
+//! and warns.
 
-use super::Builder;
 use crate::error::Result;
 use crate::ir::conv::ConvOp;
 use crate::ir::ops::{Binary, IndexOp, Reduce, ShapeOp, Unary};
 use crate::ir::{ConvGeom, Prim, VarId};
+use crate::rules::Builder;
 use candle_core::DType;
 
 /// A shape-only step from a product to the per-example gradient, batch

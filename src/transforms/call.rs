@@ -1,0 +1,185 @@
+//! Tracing a function and calling it on concrete tensors: the trace of a
+//! call's signature, the cached run, the planned peak, [`make_graph`].
+
+use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
+use super::{next_builder_id, settings, tracing, CacheKey, Function, GraphCache, Traced};
+use crate::error::{Error, Result};
+use crate::interp::exec::Executable;
+use crate::interp::passes;
+use crate::ir::options::Options;
+use crate::ir::{Graph, TensorType};
+use crate::rules::{Builder, BuilderRef, Outer, TraceCtx};
+use crate::trace::Tracer;
+use candle_core::{Device, Tensor};
+use std::sync::Arc;
+
+/// Traces `f` into the fresh builder `b` on symbolic inputs of the given
+/// types: the graph, the outer values it captured, and the result's
+/// structure.
+fn trace_into<S, F>(
+    f: &F,
+    b: &BuilderRef,
+    defs: &[TreeDef],
+    types: &[Vec<TensorType>],
+) -> Result<(Graph, Vec<Outer>, TreeDef)>
+where
+    S: ArgList,
+    F: Function<S> + ?Sized,
+{
+    let tracers = types
+        .iter()
+        .map(|arg| {
+            arg.iter()
+                .map(|ty| {
+                    let id = b.borrow_mut().input(ty.clone());
+                    Tracer::new(b, id)
+                })
+                .collect()
+        })
+        .collect();
+    let out = tracing(b, || f.apply(S::unflatten_args(defs, tracers)?))?;
+    let mut leaves = Vec::new();
+    let out_def = out.flatten_into(&mut leaves);
+    let mut bb = b.borrow_mut();
+    let ids = leaves.iter().map(|t| bb.lift(&t.outer())).collect::<Result<Vec<_>>>()?;
+    let (g, captures) = bb.finish(ids);
+    Ok((g, captures, out_def))
+}
+
+/// Traces `f` on symbolic inputs of the given types in a trace nested in
+/// `outer`, by a transform with the options `given` (and whether it
+/// differentiates or batches what it traces): the graph, the outer values
+/// it captured, and the result's structure.
+pub(crate) fn trace_inner<S, F>(
+    f: &F,
+    outer: &BuilderRef,
+    (given, differentiated, batched): (Options, bool, bool),
+    defs: &[TreeDef],
+    types: &[Vec<TensorType>],
+) -> Result<(Graph, Vec<Outer>, TreeDef)>
+where
+    S: ArgList,
+    F: Function<S>,
+{
+    let b = Builder::child(outer, next_builder_id(), given);
+    b.borrow_mut().differentiated |= differentiated;
+    b.borrow_mut().batched |= batched;
+    trace_into(f, &b, defs, types)
+}
+
+/// Flattened concrete arguments with their device.
+pub(crate) fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<Vec<Tensor>>, Vec<TreeDef>, Device)> {
+    let (leaves, defs) = args.flatten_args();
+    let flat: Vec<&Tensor> = leaves.iter().flatten().collect();
+    let device = flat.first().map(|t| t.device().clone()).unwrap_or(Device::Cpu);
+    if let Some(t) = flat.iter().find(|t| !t.device().same_device(&device)) {
+        return Err(Error::Device {
+            op: "call",
+            msg: format!("arguments on {:?} and {:?}", device.location(), t.device().location()),
+        });
+    }
+    Ok((leaves, defs, device))
+}
+
+/// Traces `f` on symbolic stand-ins for `leaves` in a fresh top-level trace
+/// on `device` (where the planner measures), with the outermost
+/// transform's options `given`; then warns once for each primitive that
+/// fell back to a per-example loop.
+pub(crate) fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
+    f: &F,
+    (given, differentiated): (Options, bool),
+    defs: &[TreeDef],
+    leaves: &[Vec<Tensor>],
+    device: &Device,
+) -> Result<Traced> {
+    let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
+    let ctx = TraceCtx::new(device.clone());
+    ctx.offer_seed(given.seed);
+    // A top-level trace has no enclosing one, so nothing can be captured.
+    let root = Builder::root(next_builder_id(), given, ctx.clone());
+    root.borrow_mut().differentiated = differentiated;
+    let (graph, _, out_def) = trace_into(f, &root, defs, &types)?;
+    for kind in ctx.fallbacks.borrow().iter() {
+        settings::warn_once(
+            format!("loop-{kind}"),
+            format!("vmap: no batching rule for {kind} in this case; running it once per example (performance drop)"),
+        );
+    }
+    let mode_deps = ctx.mode_deps.borrow().clone();
+    Ok(Traced {
+        graph: passes::simplify(&graph),
+        out_def,
+        mode_deps,
+        seed: ctx.seed.get(),
+    })
+}
+
+/// Calls `f` on concrete arguments: traces once per signature (cached in
+/// `cache`), then runs the graph. The options of `f` (if it is a
+/// transform) are inherited by the transforms inside it, and its seed
+/// seeds the run.
+pub(crate) fn call_concrete<S, F, C>(f: &F, cache: &GraphCache, args: &C) -> Result<<F::Output as SymTree>::Concrete>
+where
+    S: ArgList,
+    F: Function<S> + ?Sized,
+    C: CallArgs<S>,
+{
+    let given = f.own_options();
+    let (leaves, defs, device) = flatten_call(args)?;
+    let key = CacheKey {
+        types: leaves.iter().flatten().map(TensorType::of).collect(),
+        defs,
+        device: device.location(),
+        given,
+        route: settings::conv_route().ok(),
+        strict: settings::strict(),
+    };
+    let compiled = match cache.get(&key) {
+        Some(c) if c.current() => c,
+        _ => {
+            let traced = trace_top(f, (given, false), &key.defs, &leaves, &device)?;
+            let c = Arc::new(traced.compile(&given, cache.calls.clone()));
+            cache.insert(key, c.clone());
+            c
+        }
+    };
+    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
+    let outs = compiled.exe.run(&flat)?;
+    F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
+}
+
+/// The planned peak of calling `f` on `args`, as [`call_concrete`] would
+/// trace and compile it, without caching or running it.
+pub(crate) fn planned_peak_of<S, F, C>(f: &F, args: &C) -> Result<usize>
+where
+    S: ArgList,
+    F: Function<S> + ?Sized,
+    C: CallArgs<S>,
+{
+    let given = f.own_options();
+    let (leaves, defs, device) = flatten_call(args)?;
+    let traced = trace_top(f, (given, false), &defs, &leaves, &device)?;
+    Ok(traced.compile(&given, Arc::default()).exe.peak())
+}
+
+/// The graph that calling `f` on `args` runs (traced and transformed, dead
+/// code removed), for inspection; it prints like a jaxpr.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{make_graph, vmap, Tracer};
+/// let xs = Tensor::zeros((8, 3), candle_core::DType::F32, &Device::Cpu)?;
+/// let g = make_graph(&vmap(|x: Tracer| x.exp()?.sum(0)), &xs)?;
+/// assert!(g.to_string().contains("exp"));
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn make_graph<S, F, C>(f: &F, args: C) -> Result<Graph>
+where
+    S: ArgList,
+    F: Function<S>,
+    C: CallArgs<S>,
+{
+    let (leaves, defs, device) = flatten_call(&args)?;
+    let traced = trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?;
+    Ok(Executable::new(&traced.graph).into_graph())
+}
