@@ -203,7 +203,7 @@ where
         // the noise of one tensor: the noised copy the fused kernel writes
         // (f32 and f64 on the CPU); otherwise the draw, the sum and the
         // scaled result, in f32 (twice a half tensor's bytes)
-        let path = crate::interp::exec::portable_path(None);
+        let path = self.path;
         let fused = |p: &Tensor| crate::kernels::has_cpu_kernel(p, path) && p.is_contiguous();
         let noise = match params.values().all(fused) {
             true => largest,

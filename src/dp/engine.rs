@@ -504,6 +504,8 @@ impl PrivacyEngine {
                 Clipping::PerLayer(_) | Clipping::Automatic(_) => None,
             },
             adaptive,
+            // the clipping graph's path: its options', else the environment's
+            path: crate::interp::exec::portable_path(self.options.portable),
         };
         let trainer = PrivateTrainer::new(clip, varmap, optimizer, setup)?;
         match self.memory_limit.or(self.options.memory_limit) {

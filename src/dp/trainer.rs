@@ -129,6 +129,9 @@ pub struct PrivateTrainer<F, O, S = XsYs> {
     pub(super) memory: Option<super::budget::MemoryPlan>,
     /// White-box canaries of a one-run audit, when inserted.
     pub(super) canaries: Option<super::audit::Canaries>,
+    /// The kernels' path the trainer's own work (the noise) runs on: the
+    /// clipping graph's, from the engine's options or the environment.
+    pub(super) path: crate::kernels::Path,
 }
 
 /// What the engine settles for a trainer: what trains, the accountant and
@@ -146,6 +149,7 @@ pub(super) struct Setup {
     pub(super) secure_mode: bool,
     pub(super) bound: Option<f64>,
     pub(super) adaptive: Option<Adaptive>,
+    pub(super) path: crate::kernels::Path,
 }
 
 impl<F, O, S> PrivateTrainer<F, O, S> {
@@ -193,6 +197,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
             steps: 0,
             memory: None,
             canaries: None,
+            path: s.path,
         })
     }
 }
@@ -337,7 +342,7 @@ where
         let scale = if self.comm.is_some() { 1.0 } else { unit / expected };
         let mut noisy = BTreeMap::new();
         let mut failed = None;
-        let path = crate::interp::exec::portable_path(None);
+        let path = self.path;
         for (k, s) in sum {
             let s = match first {
                 false => s,
