@@ -445,3 +445,14 @@ pub(crate) fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
         e => e,
     }
 }
+
+/// An error naming `op` and `what` unless `v` is finite and positive (or
+/// zero, where `zero_ok`); the one check of every DP hyper-parameter: a negative clipping norm zeroes every gradient,
+/// a NaN one makes them NaN, and an expected batch of 0 divides by zero.
+pub(crate) fn positive(op: &'static str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
+    if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
+        return Ok(());
+    }
+    let want = if zero_ok { "finite and >= 0" } else { "finite and > 0" };
+    Err(Error::privacy(op, what, want, v))
+}

@@ -60,7 +60,8 @@
 //!   parts. Process-wide defaults are in [`settings`].
 //! * [`custom_op`] and [`custom_op_with_rules`]: a candle function inside
 //!   a trace, with the user's own derivative and batching rules.
-//! * Modules: [`nn`] (layers, losses, `functional_call`), [`dp`]
+//! * Modules: [`nn`] (layers, losses, `functional_call`), [`optim`]
+//!   (SGD, Adam, AdamW over a `VarMap`, and any `candle_nn` optimiser), [`dp`]
 //!   (differentially private training), [`models`] (pretrained Hugging
 //!   Face checkpoints: BERT, RoBERTa, GPT-2, the Llama family), [`transform`] (the transformed
 //!   functions' types), [`jacobian`] (forward mode and the Jacobian
@@ -104,8 +105,8 @@
 #![warn(unnameable_types)]
 
 // The layers, bottom to top: error (shared by all) <- ir <- kernels <-
-// rules <- interp <- trace <- ops <- transforms <- nn <- dp <- models <-
-// this root.
+// rules <- interp <- trace <- ops <- transforms <- nn <- optim <- dp <-
+// models <- this root.
 // Each imports only from those below it (tests/layering.rs keeps it so;
 // rustfmt lists the declarations alphabetically). The public modules
 // after the re-exports only re-export.
@@ -117,6 +118,7 @@ mod kernels;
 pub mod models;
 pub mod nn;
 mod ops;
+pub mod optim;
 mod rules;
 mod trace;
 mod transforms;

@@ -6,7 +6,7 @@
 //!
 //! Bottom to top (`error` is shared by all), one module per layer:
 //! `ir` ← `kernels` ← `rules` ← `interp` ← `trace` ← `ops` ← `transforms` ←
-//! `nn` ← `dp` ← `models` ← `lib.rs` (with the root's re-exporting modules and the
+//! `nn` ← `optim` ← `dp` ← `models` ← `lib.rs` (with the root's re-exporting modules and the
 //! deprecated names).
 
 use std::collections::HashMap;
@@ -26,9 +26,10 @@ fn rank(module: &str) -> Option<usize> {
         "ops" => 6,
         "transforms" => 7,
         "nn" => 8,
-        "dp" => 9,
-        "models" => 10,
-        "lib" | "deprecated" => 11,
+        "optim" => 9,
+        "dp" => 10,
+        "models" => 11,
+        "lib" | "deprecated" => 12,
         _ => return None,
     })
 }

@@ -15,9 +15,9 @@
 //! at once). An allocator that keeps freed memory (mimalloc with purging
 //! off) holds more than any plan.
 
-use super::optim::Optimizer;
 use super::trainer::{ExampleLoss, PrivateTrainer};
 use crate::error::{Error, Result};
+use crate::optim::Optimizer;
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 
@@ -184,7 +184,7 @@ where
 
     /// The plan with everything but the pass's graph counted.
     fn plan_beside(&self, params: &BTreeMap<String, Tensor>, chosen: bool) -> Result<MemoryPlan> {
-        let weights = sum_bytes(super::optim::var_tensors(&self.varmap)?.values());
+        let weights = sum_bytes(crate::optim::var_tensors(&self.varmap)?.values());
         let data = self.data.source.resident_bytes();
         let (optimizer, step_work) = match self.optimizer.memory_bytes(params) {
             Some(m) => m,

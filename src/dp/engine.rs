@@ -70,7 +70,6 @@ use super::config::groups;
 pub use super::config::{Clipping, DpConfig};
 use super::dataset::{Dataset, TensorDataset};
 use super::loss::Masked;
-use super::optim::Optimizer;
 use super::precision::Precision;
 use super::rng::Rng;
 use super::trainable::Trainable;
@@ -79,6 +78,7 @@ use super::trainer::{Examples, Setup};
 use super::users::{UserGradient, Users};
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
+use crate::optim::Optimizer;
 use crate::trace::Tracer;
 use crate::transforms::tree::{SymTree, TensorTree, TreeDef};
 use crate::transforms::Function;
@@ -437,7 +437,7 @@ impl PrivacyEngine {
                 ));
             }
         }
-        let names = super::optim::var_names(varmap)?;
+        let names = crate::optim::var_names(varmap)?;
         if names.is_empty() {
             return Err(Error::data("make_private", "the VarMap has no variables to train"));
         }
@@ -454,7 +454,7 @@ impl PrivacyEngine {
             Clipping::Adaptive(spec) => Some(Adaptive::new(spec, config.noise_multiplier, q * n as f64)?),
             _ => None,
         };
-        let (frozen, masters): (BTreeMap<_, _>, BTreeMap<_, _>) = super::optim::var_tensors(varmap)?
+        let (frozen, masters): (BTreeMap<_, _>, BTreeMap<_, _>) = crate::optim::var_tensors(varmap)?
             .into_iter()
             .partition(|(k, _)| frozen_names.contains(k));
         self.precision.check_trainable(&masters)?;

@@ -34,7 +34,6 @@ pub mod accountant;
 mod adaptive;
 pub mod audit;
 mod budget;
-mod candle_optim;
 mod checkpoint;
 mod clip;
 pub mod collective;
@@ -46,7 +45,6 @@ mod ghost;
 mod loss;
 #[cfg(feature = "mpi")]
 pub mod mpi;
-mod optim;
 mod precision;
 mod trainable;
 mod trainer;
@@ -54,13 +52,13 @@ mod users;
 pub use accountant::Sampling;
 pub use adaptive::AdaptiveClipping;
 pub use budget::MemoryPlan;
-pub use candle_optim::CandleOptimizer;
 pub use clip::{
     clipped_grad_sum, per_sample_grad_norms, ClipOf, Clipped, ClippedGradSum, NormsOnly, PerSampleGradNorms,
 };
 pub use dataset::{Dataset, SafetensorsDataset, TensorDataset};
 pub use engine::{Clipping, DpConfig, ExampleLoss, PrivacyEngine, PrivateTrainer, StepInfo, XsYs};
-pub use optim::{Adam, AdamW, Optimizer, OptimizerState, Sgd};
+// the optimisers live in `crate::optim`; DP code names them here too
+pub use crate::optim::{Adam, AdamW, CandleOptimizer, Optimizer, OptimizerState, Sgd};
 pub use precision::Precision;
 pub use trainable::Trainable;
 pub use users::UserGradient;
@@ -130,16 +128,7 @@ pub fn clip_per_sample(grads: &BTreeMap<String, Tensor>, max_norm: f64) -> Resul
         .collect()
 }
 
-/// An error naming `op` and `what` unless `v` is finite and positive (or
-/// zero, where `zero_ok`); the one check of every DP hyper-parameter: a negative clipping norm zeroes every gradient,
-/// a NaN one makes them NaN, and an expected batch of 0 divides by zero.
-pub(super) fn positive(op: &'static str, what: &str, v: f64, zero_ok: bool) -> Result<()> {
-    if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
-        return Ok(());
-    }
-    let want = if zero_ok { "finite and >= 0" } else { "finite and > 0" };
-    Err(Error::privacy(op, what, want, v))
-}
+pub(crate) use crate::error::positive;
 
 /// The private gradient of a batch: per-sample gradients clipped to
 /// `max_norm`, summed, with Gaussian noise of standard deviation

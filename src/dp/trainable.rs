@@ -5,13 +5,7 @@
 //! counts only what trains.
 
 use crate::error::{Error, Result};
-pub(crate) use crate::nn::under;
-
-/// Whether two prefixes hold a parameter in common: one is the other or a
-/// `.`-separated head of it (`fc` and `fc.weight`, not `fc` and `fc2`).
-pub(crate) fn overlap(a: &str, b: &str) -> bool {
-    under(a, b) || under(b, a)
-}
+pub(crate) use crate::nn::{overlap, under};
 use std::fmt;
 use std::sync::Arc;
 

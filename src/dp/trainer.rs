@@ -10,10 +10,10 @@ use super::collective::{self, Collective};
 use super::dataset::Dataset;
 use super::loss::Masked;
 pub use super::loss::{ExampleLoss, XsYs};
-use super::optim::Optimizer;
 use super::rng::Rng;
 use super::users::{self, Share, UserGradient, Users};
 use crate::error::{CollectiveFailure, Error, Result};
+use crate::optim::Optimizer;
 use candle_core::{DType, Tensor};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -403,7 +403,7 @@ where
         // every variable, the frozen ones too: they are constants of the
         // traced loss, which shares their storage and is traced at the
         // first step, after this
-        collective::broadcast_vars(&comm, &super::optim::vars_of(&self.varmap, "distributed")?)?;
+        collective::broadcast_vars(&comm, &crate::optim::vars_of(&self.varmap, "distributed")?)?;
         collective::check_in_step(&comm, &self.params_now()?, "after the broadcast of rank 0's parameters")?;
         self.comm = Some(Box::new(comm));
         Ok(self)
@@ -466,7 +466,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
 
     /// The trainable parameters' current values by name.
     pub(super) fn params_now(&self) -> Result<BTreeMap<String, Tensor>> {
-        let mut all = super::optim::var_tensors(&self.varmap)?;
+        let mut all = crate::optim::var_tensors(&self.varmap)?;
         all.retain(|k, _| self.trainable.contains(k));
         if all.len() != self.trainable.len() {
             let gone: Vec<&String> = self.trainable.iter().filter(|k| !all.contains_key(*k)).collect();
@@ -481,7 +481,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// Sets the trainable variable `name` (shape and dtype checked by the
     /// caller).
     pub(super) fn set_param(&self, name: &str, t: &Tensor) -> Result<()> {
-        let vars = super::optim::vars_of(&self.varmap, "PrivateTrainer::resume")?;
+        let vars = crate::optim::vars_of(&self.varmap, "PrivateTrainer::resume")?;
         let var = vars
             .get(name)
             .ok_or_else(|| Error::data("PrivateTrainer::resume", format!("the VarMap has no {name:?}")))?;

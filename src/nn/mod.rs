@@ -298,6 +298,12 @@ pub(crate) fn under(name: &str, prefix: &str) -> bool {
     name == prefix || name.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'))
 }
 
+/// Whether two prefixes hold a parameter in common: one is the other or a
+/// `.`-separated head of it (`fc` and `fc.weight`, not `fc` and `fc2`).
+pub(crate) fn overlap(a: &str, b: &str) -> bool {
+    under(a, b) || under(b, a)
+}
+
 /// A module's parameters as the variables of a new `VarMap`, under the
 /// module's names: one call from a loaded checkpoint to something
 /// `dp`'s trainer and optimisers train. A parameter that already is a

@@ -1,15 +1,15 @@
 //! Any `candle_nn::Optimizer` as the trainer's optimiser: the noisy
 //! gradient is handed over as the `GradStore` a `backward` would have made.
 
-use super::optim::{var_for, vars_of, Optimizer};
+use super::{var_for, vars_of, Optimizer};
 use crate::error::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 
 /// A `candle_nn` optimiser (its `AdamW`, `SGD`, or one of your own) stepping
-/// a `VarMap`'s variables by name, for [`PrivacyEngine`](super::PrivacyEngine)
-/// and [`PrivateTrainer`](super::PrivateTrainer).
+/// a `VarMap`'s variables by name, for [`PrivacyEngine`](crate::dp::PrivacyEngine)
+/// and [`PrivateTrainer`](crate::dp::PrivateTrainer).
 ///
 /// Each step puts the named gradients in a `GradStore` under their
 /// variables and calls the optimiser's `step`; variables without a
@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 /// them. The crate's [`Sgd`](super::Sgd), [`Adam`](super::Adam) and
 /// [`AdamW`](super::AdamW) remain for parameter groups and for saving
 /// their state: a `candle_nn` optimiser does not expose its state, so
-/// [`PrivateTrainer::save`](super::PrivateTrainer::save) refuses a trainer
+/// [`PrivateTrainer::save`](crate::dp::PrivateTrainer::save) refuses a trainer
 /// that steps with one.
 ///
 /// ```
@@ -75,7 +75,7 @@ impl<O: candle_nn::Optimizer> Optimizer for CandleOptimizer<O> {
     }
 
     fn set_lr(&mut self, lr: f64) -> Result<()> {
-        super::positive("CandleOptimizer::set_lr", "lr", lr, true)?;
+        crate::error::positive("CandleOptimizer::set_lr", "lr", lr, true)?;
         self.inner.set_learning_rate(lr);
         Ok(())
     }

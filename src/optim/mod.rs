@@ -1,10 +1,13 @@
-//! Optimisers over a `VarMap` that take gradients as a name -> tensor map
-//! (what the DP step produces). With privatized gradients they are DP-SGD,
-//! DP-Adam and DP-AdamW: everything they do after the noise is
-//! post-processing of private values, at no privacy cost.
+//! Optimisers over a `VarMap` that take gradients as a name -> tensor map:
+//! [`Sgd`], [`Adam`] and [`AdamW`] with parameter groups and saved state,
+//! and [`CandleOptimizer`] for any `candle_nn::Optimizer`. Nothing in them
+//! is private: with the privatized gradients of [`dp`](crate::dp) they are
+//! DP-SGD, DP-Adam and DP-AdamW, since everything after the noise is
+//! post-processing of private values, at no privacy cost. `dp` re-exports
+//! them under the names DP code has always used (`dp::Adam`).
 
-use super::trainable::{overlap, under};
-use crate::error::{Error, Result};
+use crate::error::{positive, Error, Result};
+use crate::nn::{overlap, under};
 // The dtype an optimiser computes a variable's update in and keeps its
 // state in: f32 for half-precision weights (as mixed-precision training
 // keeps its moments; in bf16 `v * 0.999` rounds back to `v`, so Adam's
@@ -15,6 +18,9 @@ use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+mod candle;
+pub use candle::CandleOptimizer;
+
 /// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field.
 macro_rules! lr_field {
     () => {
@@ -23,7 +29,7 @@ macro_rules! lr_field {
         }
 
         fn set_lr(&mut self, lr: f64) -> Result<()> {
-            super::positive("set_lr", "lr", lr, true)?;
+            positive("set_lr", "lr", lr, true)?;
             self.groups.rescale(self.lr, lr);
             self.lr = lr;
             Ok(())
@@ -282,7 +288,7 @@ impl Optimizer for Sgd {
 }
 
 /// The variables of `varmap` by name.
-pub(super) fn vars_of(varmap: &candle_nn::VarMap, op: &'static str) -> Result<BTreeMap<String, Var>> {
+pub(crate) fn vars_of(varmap: &candle_nn::VarMap, op: &'static str) -> Result<BTreeMap<String, Var>> {
     let data = varmap
         .data()
         .lock()
@@ -291,12 +297,12 @@ pub(super) fn vars_of(varmap: &candle_nn::VarMap, op: &'static str) -> Result<BT
 }
 
 /// The names of `varmap`'s variables, sorted.
-pub(super) fn var_names(varmap: &candle_nn::VarMap) -> Result<Vec<String>> {
+pub(crate) fn var_names(varmap: &candle_nn::VarMap) -> Result<Vec<String>> {
     Ok(vars_of(varmap, "make_private")?.into_keys().collect())
 }
 
 /// `varmap`'s variables' current values by name.
-pub(super) fn var_tensors(varmap: &candle_nn::VarMap) -> Result<BTreeMap<String, Tensor>> {
+pub(crate) fn var_tensors(varmap: &candle_nn::VarMap) -> Result<BTreeMap<String, Tensor>> {
     Ok(vars_of(varmap, "PrivateTrainer")?
         .into_iter()
         .map(|(k, v)| (k, v.as_tensor().clone()))
@@ -305,7 +311,7 @@ pub(super) fn var_tensors(varmap: &candle_nn::VarMap) -> Result<BTreeMap<String,
 
 /// The variable the gradient `g` of `name` is for: an error naming `op`
 /// when there is none or its shape is not `g`'s.
-pub(super) fn var_for<'a>(
+pub(crate) fn var_for<'a>(
     vars: &'a BTreeMap<String, Var>,
     op: &'static str,
     name: &str,
@@ -338,9 +344,7 @@ fn value(var: &Var) -> Result<Tensor> {
 
 /// An error naming `op` unless each hyper-parameter is finite and `>= 0`.
 fn check_hyper(op: &'static str, values: &[(&str, f64)]) -> Result<()> {
-    values
-        .iter()
-        .try_for_each(|&(name, v)| super::positive(op, name, v, true))
+    values.iter().try_for_each(|&(name, v)| positive(op, name, v, true))
 }
 
 /// Parameter groups (`torch.optim`'s): variables under a prefix take their
@@ -449,7 +453,7 @@ impl Adam {
         if !(beta_ok(betas.0) && beta_ok(betas.1)) {
             return Err(Error::privacy("Adam", "betas", "each in [0, 1)", format!("{betas:?}")));
         }
-        super::positive("Adam", "eps", eps, false)?;
+        positive("Adam", "eps", eps, false)?;
         self.betas = betas;
         self.eps = eps;
         Ok(self)
