@@ -196,6 +196,13 @@ pub mod tree {
     pub use crate::transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
 }
 
+/// The seeded random source ([`rng::Rng`], ChaCha12): what [`dp`] draws its
+/// noise and batches from and [`nn`] its LoRA initialisations, and what a
+/// user seeds for a reproducible run. `dp::rng` names the same type.
+pub mod rng {
+    pub use crate::kernels::rng::Rng;
+}
+
 /// Process-wide defaults: what a transform uses for an option neither it
 /// nor an enclosing transform sets (the route, strict mode, the random
 /// stream), the capacities of the caches, and the warnings a call gave

@@ -63,7 +63,7 @@ pub use precision::Precision;
 pub use trainable::Trainable;
 pub use users::UserGradient;
 /// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
-/// permutations).
+/// permutations): [`crate::rng`], named here too.
 pub mod rng {
     pub use crate::kernels::rng::Rng;
 }
