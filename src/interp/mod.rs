@@ -1,8 +1,8 @@
 //! The interpreter: runs a graph on candle tensors, on the inputs' device,
-//! dropping every intermediate after its last use. It runs the bodies of
-//! the primitives that hold a sub-graph itself (a rule may not run a
-//! graph): `map` once per example, `scan` and `while` once per step, the
-//! chosen branch of `cond`.
+//! dropping every intermediate after its last use. Every computed node
+//! runs through its primitive's rule; a primitive that holds sub-graphs
+//! (`map`, `scan`, `cond`, `while_loop`) runs them through the runner the
+//! interpreter hands it ([`Nested`]), so none is special here.
 //!
 //! Graphs reach it through one door, [`exec::Executable`]: the fixed
 //! list of passes that prepares a graph to run ([`passes`]), its memory
@@ -13,9 +13,10 @@ mod malloc;
 pub(crate) mod passes;
 
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Cond, Graph, Map, Prim, Scan, TensorType, While};
+use crate::ir::{Graph, Prim, TensorType};
 use crate::kernels::Kx;
-use crate::rules::{rule, RunCx};
+pub(crate) use crate::rules::mix;
+use crate::rules::{rule, Graphs, RunCx};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 
@@ -59,15 +60,6 @@ fn scalar(x: f64, dtype: candle_core::DType, device: &Device) -> candle_core::Re
     }
 }
 
-/// splitmix64's finaliser: a well-mixed seed for each node (and each
-/// example of a map) from the run's seed.
-pub(crate) fn mix(seed: u64, k: u64) -> u64 {
-    let mut z = seed ^ k.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// Runs `g`, also reporting what it held at its peak and, when `times`
 /// is given, the time each node took.
 fn run_inner(
@@ -90,6 +82,7 @@ fn run_inner(
         false => vec![None; g.nodes.len()],
     };
     let mut early: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+    let nested = Nested { copies, path };
     for (v, node) in g.nodes.iter().enumerate() {
         let ran_early = early[v].is_some();
         let t = match &node.prim {
@@ -120,6 +113,7 @@ fn run_inner(
                     seed: mix(seed, v as u64),
                     copies,
                     path,
+                    graphs: &nested,
                 };
                 let t = match partners[v] {
                     Some(u) => {
@@ -271,6 +265,19 @@ fn operands<'a>(g: &Graph, vals: &'a [Option<Tensor>], v: usize) -> Result<Vec<&
         .ok_or_else(|| Error::internal(g.nodes[v].prim.name(), "an operand was freed before its last use"))
 }
 
+/// The runner of sub-graphs handed to the rules: a nested run of the
+/// interpreter with the outer run's tally of copies and its path.
+struct Nested<'a> {
+    copies: &'a crate::kernels::copies::Copies,
+    path: crate::kernels::Path,
+}
+
+impl Graphs for Nested<'_> {
+    fn run(&self, g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+        run_inner(g, inputs, seed, None, (self.copies, self.path)).map(|(outs, _)| outs)
+    }
+}
+
 /// Computes node `v` (not a leaf) on its operands and checks its result.
 fn compute(g: &Graph, v: usize, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
     let node = &g.nodes[v];
@@ -281,130 +288,10 @@ fn compute(g: &Graph, v: usize, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> 
         prim if node.ty.elem_count() == 0 => {
             Tensor::zeros(node.ty.shape.as_slice(), node.ty.dtype, cx.device).op(&prim.name())?
         }
-        Prim::Map(m) => run_map(m, args, &node.ty, cx)?,
-        Prim::Scan(sc) => run_scan(sc, args, &node.ty, cx)?,
-        Prim::Cond(c) => run_cond(c, args, cx)?,
-        Prim::While(w) => run_while(w, args, cx)?,
         prim => rule(prim)?.run(args, &node.ty, cx)?,
     };
     check_result(&node.prim, &t, &node.ty)?;
     Ok(t)
-}
-
-/// Runs a map's body once per example (each with its own seed), writing
-/// each example's result into its row of the result as it comes: the
-/// results are never held all at once beside their stack. On the CPU the
-/// examples run in waves of the map's width on rayon's pool (one
-/// example's kernels are too small to fill the cores; the plan counts a
-/// wave's bodies); the rows and seeds are those of one at a time.
-fn run_map(m: &Map, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-    use rayon::prelude::*;
-    if m.size == 0 {
-        return Err(Error::internal("map", "a map over zero examples"));
-    }
-    let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op("map")?;
-    let example = |i: usize| -> Result<()> {
-        let mut xs = Vec::with_capacity(args.len());
-        for (a, bd) in args.iter().zip(&m.bdims) {
-            xs.push(match bd {
-                Some(d) => a.narrow(*d, i, 1).and_then(|t| t.squeeze(*d)).op("map")?,
-                None => (*a).clone(),
-            });
-        }
-        let y = run_one(&m.body, &xs, mix(cx.seed, i as u64), cx, "map")?;
-        // `stacked` is this node's own fresh buffer, read by nothing else;
-        // each example writes its own row (candle locks the storage)
-        let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("map")?;
-        stacked.slice_set(&row, 0, i).op("map")
-    };
-    let width = if cx.device.is_cpu() {
-        crate::rules::map::width(m)
-    } else {
-        1
-    };
-    for start in (0..m.size).step_by(width) {
-        let wave = start..(start + width).min(m.size);
-        match width {
-            1 => wave.into_iter().try_for_each(example)?,
-            // every example of the wave finishes; the first error in
-            // example order is the one reported
-            _ => wave
-                .into_par_iter()
-                .map(example)
-                .collect::<Vec<Result<()>>>()
-                .into_iter()
-                .collect::<Result<()>>()?,
-        }
-    }
-    Ok(stacked)
-}
-
-/// Runs a scan's body once per step, each step's value written into its
-/// row of the result as it comes and its carry (the first entries along
-/// the last axis) passed to the next step.
-fn run_scan(sc: &Scan, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-    let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op("scan")?;
-    let last = out.rank() - 1;
-    let mut carry = args
-        .first()
-        .map(|c| (*c).clone())
-        .ok_or_else(|| Error::internal("scan", "no carry"))?;
-    for i in 0..sc.length {
-        let t = sc.row(i);
-        let mut xs = Vec::with_capacity(args.len());
-        xs.push(carry);
-        for (k, a) in args[1..].iter().enumerate() {
-            xs.push(match k < sc.scanned {
-                true => a.narrow(0, t, 1).and_then(|s| s.squeeze(0)).op("scan")?,
-                false => (*a).clone(),
-            });
-        }
-        let y = run_one(&sc.body, &xs, mix(cx.seed, i as u64), cx, "scan")?;
-        carry = y.narrow(last - 1, 0, sc.carry).op("scan")?;
-        // `stacked` is this node's own fresh buffer, read by nothing yet
-        let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op("scan")?;
-        stacked.slice_set(&row, 0, t).op("scan")?;
-    }
-    Ok(stacked)
-}
-
-/// Whether a scalar predicate holds (nonzero; NaN holds, as `bool(nan)`).
-fn holds(p: &Tensor, op: &str) -> Result<bool> {
-    let v = p
-        .to_dtype(candle_core::DType::F64)
-        .and_then(|t| t.to_scalar::<f64>())
-        .op(op)?;
-    Ok(v != 0.0)
-}
-
-/// The one output of `g` run on `inputs`.
-fn run_one(g: &Graph, inputs: &[Tensor], seed: u64, cx: &RunCx, op: &str) -> Result<Tensor> {
-    let (mut outs, _) = run_inner(g, inputs, seed, None, (cx.copies, cx.path))?;
-    outs.pop()
-        .ok_or_else(|| Error::internal(op.to_string(), "a graph without output"))
-}
-
-/// Runs the branch the predicate (the first operand) names, on the rest.
-fn run_cond(c: &Cond, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
-    let branch = match holds(args[0], "cond")? {
-        true => &c.on_true,
-        false => &c.on_false,
-    };
-    let ops: Vec<Tensor> = args[1..].iter().map(|t| (*t).clone()).collect();
-    run_one(branch, &ops, cx.seed, cx, "cond")
-}
-
-/// Runs the body while the condition holds, from the first operand.
-fn run_while(w: &While, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
-    let mut ops: Vec<Tensor> = args.iter().map(|t| (*t).clone()).collect();
-    for i in 0u64.. {
-        let p = run_one(&w.cond, &ops, mix(cx.seed, 2 * i), cx, "while_loop")?;
-        if !holds(&p, "while_loop")? {
-            break;
-        }
-        ops[0] = run_one(&w.body, &ops, mix(cx.seed, 2 * i + 1), cx, "while_loop")?;
-    }
-    Ok(ops.swap_remove(0))
 }
 
 fn check_inputs(g: &Graph, inputs: &[Tensor]) -> Result<()> {
@@ -457,6 +344,7 @@ mod tests {
     use super::*;
     use crate::ir::ops::Binary;
     use crate::ir::options::{Options, Opts};
+    use crate::ir::Map;
     use crate::rules::{Builder, TraceCtx};
     use candle_core::DType;
     use std::sync::Arc;

@@ -241,9 +241,7 @@ impl Graph {
     /// pairs at once on the CPU and the memory plan counts the partner from
     /// the first's start, both from that one answer.
     pub(crate) fn partners_where(&self, ok: impl Fn(usize) -> bool) -> Vec<Option<usize>> {
-        let loops: Vec<usize> = (0..self.nodes.len())
-            .filter(|&v| matches!(self.nodes[v].prim, Prim::Map(_) | Prim::Scan(_) | Prim::While(_)) && ok(v))
-            .collect();
+        let loops: Vec<usize> = (0..self.nodes.len()).filter(|&v| ok(v)).collect();
         let mut partner = vec![None; self.nodes.len()];
         let mut taken = vec![false; self.nodes.len()];
         for (k, &v) in loops.iter().enumerate() {

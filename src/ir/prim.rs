@@ -69,6 +69,39 @@ impl Prim {
         matches!(self, Prim::Input(_) | Prim::Const(_) | Prim::Scalar(_))
     }
 
+    /// The same primitive with every body `g` replaced by `f(g)`, in the
+    /// order a map's or a scan's body, a cond's two branches, a while
+    /// loop's condition and body; `None` for the others. The one list of
+    /// the primitives with bodies: the passes reach bodies through it.
+    pub(crate) fn with_bodies(&self, mut f: impl FnMut(&Graph) -> Graph) -> Option<Prim> {
+        let mut f = |g: &Arc<Graph>| Arc::new(f(g));
+        Some(match self {
+            Prim::Map(m) => Prim::Map(Box::new(Map {
+                body: f(&m.body),
+                ..(**m).clone()
+            })),
+            Prim::Scan(s) => Prim::Scan(Box::new(Scan {
+                body: f(&s.body),
+                ..(**s).clone()
+            })),
+            Prim::Cond(c) => Prim::Cond(Box::new(Cond {
+                on_true: f(&c.on_true),
+                on_false: f(&c.on_false),
+            })),
+            Prim::While(w) => Prim::While(Box::new(While {
+                cond: f(&w.cond),
+                body: f(&w.body),
+            })),
+            _ => return None,
+        })
+    }
+
+    /// Whether it runs a body many times (a map, a scan, a while loop),
+    /// and so may run beside another such loop.
+    pub(crate) fn is_loop(&self) -> bool {
+        matches!(self, Prim::Map(_) | Prim::Scan(_) | Prim::While(_))
+    }
+
     /// A short name with the parameters, as the graph printer shows it.
     pub(crate) fn name(&self) -> String {
         match self {

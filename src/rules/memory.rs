@@ -89,8 +89,7 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
 /// effects (a user's custom operation may not be reentrant or may count
 /// its calls; a random draw's seed is its node's).
 pub(crate) fn pairable(g: &Graph, v: usize) -> bool {
-    matches!(g.nodes[v].prim, Prim::Map(_) | Prim::Scan(_) | Prim::While(_))
-        && facts::of_node(g, v).is_some_and(|f| f.effect == Effect::Pure)
+    g.nodes[v].prim.is_loop() && facts::of_node(g, v).is_some_and(|f| f.effect == Effect::Pure)
 }
 
 /// The loops that run side by side ([`Graph::partners_where`] over the

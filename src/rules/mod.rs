@@ -24,7 +24,6 @@ pub(crate) mod elementwise;
 pub(crate) mod facts;
 pub(crate) mod fused;
 pub(crate) mod index;
-pub(crate) mod map;
 pub(crate) mod matmul;
 pub(crate) mod memory;
 pub(crate) mod place;
@@ -39,7 +38,7 @@ pub(crate) use builder::{Builder, BuilderRef, Outer, TraceCtx};
 
 use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Opts};
-use crate::ir::{Prim, TensorType, VarId};
+use crate::ir::{Graph, Prim, TensorType, VarId};
 use crate::kernels::copies::Copies;
 use crate::kernels::{widen, Path};
 use candle_core::{Device, Tensor};
@@ -61,13 +60,46 @@ pub(crate) struct BatchCx<'a> {
 
 /// What a run rule may need besides its operands: the device of the run
 /// (for primitives without operands), the seed of this node's draws, the
-/// run's tally of operands copied to another layout, and whether it takes
-/// the crate's CPU kernels or candle's operations only.
+/// run's tally of operands copied to another layout, whether it takes
+/// the crate's CPU kernels or candle's operations only, and the runner of
+/// sub-graphs for a primitive that holds bodies.
 pub(crate) struct RunCx<'a> {
     pub(crate) device: &'a Device,
     pub(crate) seed: u64,
     pub(crate) copies: &'a Copies,
     pub(crate) path: Path,
+    pub(crate) graphs: &'a dyn Graphs,
+}
+
+/// Runs a sub-graph on tensors. The interpreter hands one to every rule
+/// in its [`RunCx`], so a primitive with a body (`map`, `scan`, `cond`,
+/// `while_loop`) runs it from its own `run` without owning an
+/// interpreter: rules stay pure, and the interpreter has no primitive of
+/// its own to special-case.
+pub(crate) trait Graphs: Sync {
+    /// The outputs of `g` on `inputs`, its draws seeded by `seed`.
+    fn run(&self, g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>>;
+}
+
+/// The runner of a context that has no sub-graphs to run (a rule's unit
+/// test): every call is an internal error.
+#[cfg(test)]
+pub(crate) struct NoGraphs;
+
+#[cfg(test)]
+impl Graphs for NoGraphs {
+    fn run(&self, _g: &Graph, _inputs: &[Tensor], _seed: u64) -> Result<Vec<Tensor>> {
+        Err(Error::internal("run", "no sub-graph runner in this context"))
+    }
+}
+
+/// splitmix64's finaliser: a well-mixed seed for each node (and each
+/// example or step of a body) from the run's seed.
+pub(crate) fn mix(seed: u64, k: u64) -> u64 {
+    let mut z = seed ^ k.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// `run` on the first operand widened to f32 (the others as they are) and

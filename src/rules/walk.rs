@@ -4,7 +4,8 @@
 //! rules of primitives that hold a sub-graph (`map`, `scan`, `cond`,
 //! `while`).
 
-use super::{map, rule, BVal, BatchCx, Builder, Tan};
+use super::control::map;
+use super::{rule, BVal, BatchCx, Builder, Tan};
 use crate::error::{Error, Result};
 use crate::ir::ops::Binary;
 use crate::ir::{Graph, Prim, TensorType, VarId};

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::interp::exec::{self, Executable};
 use crate::ir::options::{Opts, Schedule};
 use crate::ir::{Graph, TensorType, VarId};
-use crate::rules::map::emit_packed;
+use crate::rules::control::map::emit_packed;
 use crate::rules::plan::{Planner, RunAs};
 use crate::rules::walk::batch_graph_shared;
 use crate::rules::{facts, memory};
@@ -105,7 +105,7 @@ fn split(g: &Graph, vals: &[BVal]) -> Front {
 }
 
 /// The batch as maps of `g` (one per output dtype, see
-/// `rules::map::emit_packed`), every output batched on axis 0.
+/// `rules::control::map::emit_packed`), every output batched on axis 0.
 fn per_example(g: &Graph, b: &mut Builder, vals: &[BVal], size: usize, opts: &Opts) -> Result<Vec<BVal>> {
     let outs = emit_packed(b, g, vals, size, *opts)?;
     Ok(outs.into_iter().map(|o| (o, Some(0))).collect())

@@ -11,7 +11,6 @@
 use crate::ir::ops::{Binary, ShapeOp, Unary};
 use crate::ir::{Fused, Graph, Prim, VarId};
 use crate::rules::facts;
-use std::sync::Arc;
 
 /// Whether adding a value of shape `b` to one of shape `y` keeps `y`'s
 /// shape (right-aligned broadcasting that only widens `b`).
@@ -32,7 +31,8 @@ fn users(g: &Graph) -> Vec<Vec<VarId>> {
 
 /// The same computation with every
 /// `relu?(permute?(reshape?(product)) + bias?)` chain (with a bias or a
-/// ReLU) as one `fused` node, inside map bodies too.
+/// ReLU) as one `fused` node (bodies are reached by `prepare`'s one
+/// recursion).
 /// A chain is fused only where each intermediate has that one user and
 /// is not an output; the bias may be any operand the add broadcasts to
 /// the product's shape.
@@ -49,32 +49,6 @@ pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
         _ => None,
     };
     for v in 0..g.nodes.len() {
-        if let Prim::Map(m) = &g.nodes[v].prim {
-            let mut m = m.clone();
-            m.body = Arc::new(fuse_epilogues(&m.body));
-            g.nodes[v].prim = Prim::Map(m);
-            continue;
-        }
-        // the bodies of control flow run as graphs of their own
-        let inner = match &g.nodes[v].prim {
-            Prim::Scan(sc) => Some(Prim::Scan(Box::new(crate::ir::Scan {
-                body: Arc::new(fuse_epilogues(&sc.body)),
-                ..(**sc).clone()
-            }))),
-            Prim::Cond(c) => Some(Prim::Cond(Box::new(crate::ir::Cond {
-                on_true: Arc::new(fuse_epilogues(&c.on_true)),
-                on_false: Arc::new(fuse_epilogues(&c.on_false)),
-            }))),
-            Prim::While(w) => Some(Prim::While(Box::new(crate::ir::While {
-                cond: Arc::new(fuse_epilogues(&w.cond)),
-                body: Arc::new(fuse_epilogues(&w.body)),
-            }))),
-            _ => None,
-        };
-        if let Some(prim) = inner {
-            g.nodes[v].prim = prim;
-            continue;
-        }
         if !facts::of_node(&g, v).is_some_and(|f| f.epilogue) {
             continue;
         }

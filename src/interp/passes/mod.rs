@@ -25,10 +25,24 @@ pub(crate) use simplify::simplify;
 
 use crate::ir::Graph;
 
-/// `g` prepared to run: simplified, fused, rematerialised where that
-/// lowers its peak, and its independent loops paired.
+/// `g` prepared to run: simplified, its bodies prepared, fused,
+/// rematerialised where that lowers its peak, and its independent loops
+/// paired.
 pub(crate) fn prepare(g: &Graph) -> Graph {
     pair::pair_loops(remat::rematerialise(stream::stream_concats(&fuse::fuse_epilogues(
-        &simplify(g),
+        &prepare_bodies(simplify(g)),
     ))))
+}
+
+/// `g` with the body of every primitive that holds one (`Prim::bodies`)
+/// prepared: the one recursion into sub-graphs, so every pass reaches
+/// them. It comes after the outer graph's simplification, which merges
+/// nodes that share a body before the bodies are rebuilt apart.
+fn prepare_bodies(mut g: Graph) -> Graph {
+    for node in &mut g.nodes {
+        if let Some(prim) = node.prim.with_bodies(prepare) {
+            node.prim = prim;
+        }
+    }
+    g
 }

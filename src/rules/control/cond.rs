@@ -15,12 +15,15 @@
 //! * VJP and JVP: a `cond` of the branches' VJPs (their operands'
 //!   cotangents packed into one vector) and JVPs, on the same predicate.
 
-use super::{any_true, batched_graph, example_mask, flat, from_taking, lanes_graph, piece, shape_error};
+use super::{
+    any_true, batched_graph, body_facts, body_peak, example_mask, flat, from_taking, holds, lanes_graph, piece,
+    run_one, shape_error,
+};
 use crate::error::{Error, Result};
 use crate::ir::ops::Compare;
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
-use crate::rules::facts::{self, Arg, Effect, Facts, Workspace};
-use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::rules::facts::{Arg, Facts, Workspace};
+use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -36,27 +39,6 @@ impl Cond {
             on_false: Arc::new(f(&self.on_false)?),
         })
     }
-}
-
-/// The strongest effect of the graphs.
-pub(super) fn effect(gs: &[&Graph]) -> Effect {
-    let effects: Vec<Effect> = gs.iter().map(|g| facts::effect_of(g)).collect();
-    [Effect::Random, Effect::Opaque]
-        .into_iter()
-        .find(|e| effects.contains(e))
-        .unwrap_or(Effect::Pure)
-}
-
-/// The largest peak of the graphs, less their inputs (views of operands
-/// the plan holds already).
-pub(super) fn body_peak(gs: &[&Graph]) -> usize {
-    gs.iter()
-        .map(|g| {
-            let inputs: usize = g.inputs.iter().map(|&i| facts::bytes(g.ty(i))).sum();
-            memory::planned_peak(g).saturating_sub(inputs)
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 impl Cond {
@@ -137,13 +119,7 @@ impl Rule for Cond {
     }
 
     fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
-        let [t, f] = self.branches();
-        Facts {
-            effect: effect(&[t, f]),
-            cheap: false,
-            measurable: facts::measurable(t) && facts::measurable(f),
-            ..Facts::costly()
-        }
+        body_facts(&self.branches())
     }
 
     fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
@@ -151,8 +127,15 @@ impl Rule for Cond {
         Workspace::scratch(body_peak(&[t, f]))
     }
 
-    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
-        Err(Error::internal("cond", "a cond's branches are run by the interpreter"))
+    /// The branch the predicate (the first operand) names, on the rest;
+    /// the other is not run.
+    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        let branch = match holds(args[0], "cond")? {
+            true => &self.on_true,
+            false => &self.on_false,
+        };
+        let ops: Vec<Tensor> = args[1..].iter().map(|t| (*t).clone()).collect();
+        run_one(cx, branch, &ops, cx.seed, "cond")
     }
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {

@@ -1,19 +1,23 @@
-//! Control flow: primitives with sub-graph bodies that the interpreter
-//! runs, one node of the graph each (`scan`, `cond`, `while_loop`), and
-//! their rules, which rewrite the bodies (batched, differentiated) into
-//! new nodes of the same kinds.
+//! The primitives that hold sub-graphs, one node of the graph each
+//! (`map`, `scan`, `cond`, `while_loop`), and all their rules: each runs
+//! its bodies through the runner the interpreter hands it in [`RunCx`],
+//! and its batching and derivative rules rewrite the bodies into new
+//! nodes of the same kinds.
 
 mod cond;
+pub(crate) mod map;
 mod scan;
 mod scan_vjp;
 mod while_loop;
 
-use crate::error::{Error, Result};
+use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Compare, IndexOp, Lookup, Reduce, Unary};
 use crate::ir::{Graph, Prim, TensorType, VarId};
-use crate::rules::facts::{self, Effect};
-use crate::rules::{BVal, BatchCx, Builder};
+use crate::rules::facts::{self, Effect, Facts};
+use crate::rules::memory;
+use crate::rules::{BVal, BatchCx, Builder, RunCx};
 use candle_core::DType;
+use candle_core::Tensor;
 
 /// An error where a body of `op` draws random numbers: its derivative
 /// runs the body again, which would draw anew, so the derivative would be
@@ -27,6 +31,38 @@ fn deterministic(op: &'static str, transform: &'static str, bodies: &[&Graph]) -
              draw them outside the loop and pass them in",
         )),
         false => Ok(()),
+    }
+}
+
+/// The strongest effect of the graphs.
+fn effect(gs: &[&Graph]) -> Effect {
+    let effects: Vec<Effect> = gs.iter().map(|g| facts::effect_of(g)).collect();
+    [Effect::Random, Effect::Opaque]
+        .into_iter()
+        .find(|e| effects.contains(e))
+        .unwrap_or(Effect::Pure)
+}
+
+/// The largest peak of the graphs, less their inputs (views of operands
+/// the plan holds already).
+fn body_peak(gs: &[&Graph]) -> usize {
+    gs.iter()
+        .map(|g| {
+            let inputs: usize = g.inputs.iter().map(|&i| facts::bytes(g.ty(i))).sum();
+            memory::planned_peak(g).saturating_sub(inputs)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The facts of a primitive with the bodies `gs`: the strongest effect
+/// among them, measurable where all are, never cheap to recompute.
+fn body_facts(gs: &[&Graph]) -> Facts {
+    Facts {
+        effect: effect(gs),
+        cheap: false,
+        measurable: gs.iter().all(|g| facts::measurable(g)),
+        ..Facts::costly()
     }
 }
 
@@ -164,4 +200,46 @@ fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) 
     want.extend_from_slice(shape);
     let p = b.narrow(v, axis, start, len)?;
     b.reshape(p, want)
+}
+
+/// The one output of `g` run on `inputs` by the context's runner.
+fn run_one(cx: &RunCx, g: &Graph, inputs: &[Tensor], seed: u64, op: &'static str) -> Result<Tensor> {
+    cx.graphs
+        .run(g, inputs, seed)?
+        .pop()
+        .ok_or_else(|| Error::internal(op, "a graph without output"))
+}
+
+/// Whether a scalar predicate holds (nonzero; NaN holds, as `bool(nan)`).
+fn holds(p: &Tensor, op: &'static str) -> Result<bool> {
+    let v = p.to_dtype(DType::F64).and_then(|t| t.to_scalar::<f64>()).op(op)?;
+    Ok(v != 0.0)
+}
+
+/// A loop's result being filled one row (axis 0) at a time, as each
+/// example or step comes: the rows are never held all at once beside
+/// their stack.
+struct Rows {
+    stacked: Tensor,
+    op: &'static str,
+}
+
+impl Rows {
+    /// A fresh result of type `out` on the run's device.
+    fn new(out: &TensorType, cx: &RunCx, op: &'static str) -> Result<Rows> {
+        let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op(op)?;
+        Ok(Rows { stacked, op })
+    }
+
+    /// Writes `y` (one row's shape) as row `i`. The buffer is this node's
+    /// own and read by nothing before the node returns; rows written from
+    /// several threads each write their own (candle locks the storage).
+    fn write(&self, i: usize, y: &Tensor) -> Result<()> {
+        let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op(self.op)?;
+        self.stacked.slice_set(&row, 0, i).op(self.op)
+    }
+
+    fn into_tensor(self) -> Tensor {
+        self.stacked
+    }
 }

@@ -16,11 +16,11 @@
 //! in front), so a rule never needs to know which axes of an operand the
 //! batching rule put there.
 
-use super::{batched_graph, flat, piece, shape_error};
-use crate::error::{Error, Result};
+use super::{batched_graph, body_facts, flat, piece, run_one, shape_error, Rows};
+use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Graph, Options, Prim, Scan, TensorType, VarId};
 use crate::rules::facts::{self, Arg, Facts, Workspace};
-use crate::rules::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan, TraceCtx};
+use crate::rules::{memory, mix, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan, TraceCtx};
 use candle_core::Tensor;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -171,12 +171,7 @@ impl Rule for Scan {
     }
 
     fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
-        Facts {
-            effect: facts::effect_of(&self.body),
-            cheap: false,
-            measurable: facts::measurable(&self.body),
-            ..Facts::costly()
-        }
+        body_facts(&[&self.body])
     }
 
     fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
@@ -187,9 +182,31 @@ impl Rule for Scan {
         Workspace::scratch(memory::planned_peak(&self.body).saturating_sub(inputs) + carry)
     }
 
-    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
-        // A body is a graph, and running graphs is the interpreter's job.
-        Err(Error::internal("scan", "a scan's body is run by the interpreter"))
+    /// The body once per step, each step's value written into its row as
+    /// it comes and its carry (the first entries along the last axis)
+    /// passed to the next step.
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        let rows = Rows::new(out, cx, "scan")?;
+        let last = out.rank() - 1;
+        let mut carry = args
+            .first()
+            .map(|c| (*c).clone())
+            .ok_or_else(|| Error::internal("scan", "no carry"))?;
+        for i in 0..self.length {
+            let t = self.row(i);
+            let mut xs = Vec::with_capacity(args.len());
+            xs.push(carry);
+            for (k, a) in args[1..].iter().enumerate() {
+                xs.push(match k < self.scanned {
+                    true => a.narrow(0, t, 1).and_then(|s| s.squeeze(0)).op("scan")?,
+                    false => (*a).clone(),
+                });
+            }
+            let y = run_one(cx, &self.body, &xs, mix(cx.seed, i as u64), "scan")?;
+            carry = y.narrow(last - 1, 0, self.carry).op("scan")?;
+            rows.write(t, &y)?;
+        }
+        Ok(rows.into_tensor())
     }
 
     /// The same scan over the body batched (`B` first in the carry and in

@@ -15,12 +15,13 @@
 //!   back over are not known in advance. `fori_loop` (a `scan` of a fixed
 //!   length) is the reverse-differentiable loop.
 
-use super::cond::{body_peak, effect};
-use super::{any_true, batched_graph, example_mask, flat, from_taking, piece, shape_error};
+use super::{
+    any_true, batched_graph, body_facts, body_peak, example_mask, flat, from_taking, holds, piece, run_one, shape_error,
+};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Prim, TensorType, VarId, While};
 use crate::rules::facts::{self, Arg, Facts, Workspace};
-use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::rules::{mix, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -50,12 +51,7 @@ impl Rule for While {
     }
 
     fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
-        Facts {
-            effect: effect(&[&self.cond, &self.body]),
-            cheap: false,
-            measurable: facts::measurable(&self.cond) && facts::measurable(&self.body),
-            ..Facts::costly()
-        }
+        body_facts(&[&self.cond, &self.body])
     }
 
     fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
@@ -63,11 +59,17 @@ impl Rule for While {
         Workspace::scratch(body_peak(&[&self.cond, &self.body]) + carry)
     }
 
-    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
-        Err(Error::internal(
-            "while_loop",
-            "a loop's graphs are run by the interpreter",
-        ))
+    /// The body while the condition holds, from the first operand.
+    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        let mut ops: Vec<Tensor> = args.iter().map(|t| (*t).clone()).collect();
+        for i in 0u64.. {
+            let p = run_one(cx, &self.cond, &ops, mix(cx.seed, 2 * i), "while_loop")?;
+            if !holds(&p, "while_loop")? {
+                break;
+            }
+            ops[0] = run_one(cx, &self.body, &ops, mix(cx.seed, 2 * i + 1), "while_loop")?;
+        }
+        Ok(ops.swap_remove(0))
     }
 
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {

@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 use crate::ir::conv::ConvOp;
 use crate::ir::options::ConvRoute;
 use crate::ir::{ConvGeom, Prim, VarId};
-use crate::rules::{map, BVal, BatchCx};
+use crate::rules::control::map;
+use crate::rules::{BVal, BatchCx};
 
 /// The routes a convolution with both operands batched can take.
 const ROUTES: [ConvRoute; 3] = [ConvRoute::Grouped, ConvRoute::Unfold, ConvRoute::Loop];

@@ -316,6 +316,7 @@ mod tests {
             seed: 0,
             copies: &Copies::default(),
             path: Path::Fast,
+            graphs: &crate::rules::NoGraphs,
         };
         let ty = TensorType::new(vec![1, 4], DType::F32);
         let out = Unary::StopGradient.run(&[&row], &ty, &cx)?;

@@ -1,15 +1,16 @@
 //! The `map` primitive: a per-example sub-graph run once per example and
 //! stacked. It is the generic batching fallback (a primitive without a
 //! rule, JAX's and functorch's loop) and the conv `Loop` route, so `vmap`
-//! never gives a wrong answer for want of a rule. The interpreter runs its
-//! body; its batching rule batches the body; its VJP is a map of the
+//! never gives a wrong answer for want of a rule. Its run rule runs the
+//! body through the interpreter's runner once per example; its batching rule batches the body; its VJP is a map of the
 //! body's per-example VJP.
 
-use super::facts::{self, Arg, Facts, Workspace};
-use super::{memory, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
-use crate::error::{Error, Result};
+use super::{body_facts, lanes_graph, run_one, Rows};
+use crate::error::{CandleContext, Error, Result};
 use crate::ir::options::Opts;
 use crate::ir::{Graph, Map, Prim, TensorType, VarId};
+use crate::rules::facts::{self, Arg, Facts, Workspace};
+use crate::rules::{memory, mix, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -173,13 +174,7 @@ impl Rule for Map {
     }
 
     fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
-        let effect = facts::effect_of(&self.body);
-        Facts {
-            effect,
-            cheap: false,
-            measurable: facts::measurable(&self.body),
-            ..Facts::costly()
-        }
+        body_facts(&[&self.body])
     }
 
     fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
@@ -191,9 +186,47 @@ impl Rule for Map {
         Workspace::scratch(one.saturating_mul(width(self)))
     }
 
-    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
-        // A body is a graph, and running graphs is the interpreter's job.
-        Err(Error::internal(self.name(), "a map's body is run by the interpreter"))
+    /// The body once per example (each with its own seed), each example's
+    /// result written into its row as it comes: the results are never held
+    /// all at once beside their stack. On the CPU the examples run in waves
+    /// of the map's width on rayon's pool (one example's kernels are too
+    /// small to fill the cores; the plan counts a wave's bodies); the rows
+    /// and seeds are those of one at a time.
+    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+        use rayon::prelude::*;
+        if self.size == 0 {
+            return Err(Error::internal("map", "a map over zero examples"));
+        }
+        let rows = Rows::new(out, cx, "map")?;
+        let example = |i: usize| -> Result<()> {
+            let mut xs = Vec::with_capacity(args.len());
+            for (a, bd) in args.iter().zip(&self.bdims) {
+                xs.push(match bd {
+                    Some(d) => a.narrow(*d, i, 1).and_then(|t| t.squeeze(*d)).op("map")?,
+                    None => (*a).clone(),
+                });
+            }
+            rows.write(i, &run_one(cx, &self.body, &xs, mix(cx.seed, i as u64), "map")?)
+        };
+        let width = match cx.device.is_cpu() {
+            true => width(self),
+            false => 1,
+        };
+        for start in (0..self.size).step_by(width) {
+            let wave = start..(start + width).min(self.size);
+            match width {
+                1 => wave.into_iter().try_for_each(example)?,
+                // every example of the wave finishes; the first error in
+                // example order is the one reported
+                _ => wave
+                    .into_par_iter()
+                    .map(example)
+                    .collect::<Vec<Result<()>>>()
+                    .into_iter()
+                    .collect::<Result<()>>()?,
+            }
+        }
+        Ok(rows.into_tensor())
     }
 
     /// A map under another `vmap`: the same map over a body batched by the
@@ -201,47 +234,41 @@ impl Rule for Map {
     /// (`.. B2 .. -> B2 ..`), so the map's own axis moves one place back and
     /// each example of the map sees the new batch at axis 0.
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
-        let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
         let mut operands = Vec::with_capacity(args.len());
         let mut bdims = Vec::with_capacity(args.len());
-        let body = {
-            let mut sb = scratch.borrow_mut();
-            let mut inner = Vec::with_capacity(args.len());
-            for (k, (&(v, bd2), &bd)) in args.iter().zip(&self.bdims).enumerate() {
-                let per = self.body.ty(self.body.inputs[k]).clone();
-                match bd2 {
-                    Some(_) => {
-                        operands.push(cx.front((v, bd2))?);
-                        bdims.push(bd.map(|d| d + 1));
-                        let mut ty = per;
-                        ty.shape.insert(0, cx.size);
-                        inner.push((sb.input(ty), Some(0)));
-                    }
-                    None => {
-                        operands.push(v);
-                        bdims.push(bd);
-                        inner.push((sb.input(per), None));
-                    }
+        let mut types = Vec::with_capacity(args.len());
+        for (k, (&(v, bd2), &bd)) in args.iter().zip(&self.bdims).enumerate() {
+            let per = self.body.ty(self.body.inputs[k]).clone();
+            match bd2 {
+                Some(_) => {
+                    operands.push(cx.front((v, bd2))?);
+                    bdims.push(bd.map(|d| d + 1));
+                }
+                None => {
+                    operands.push(v);
+                    bdims.push(bd);
                 }
             }
-            // The body is batched over the new vmap's axis: its route is
-            // the map's (the caller's choice for what the map holds), strict
-            // if either asks, and random draws as the new vmap says.
-            let opts = Opts {
-                strict: self.opts.strict || cx.opts.strict,
-                randomness: cx.opts.randomness,
-                ..self.opts
-            };
-            let mut icx = BatchCx {
-                b: &mut sb,
-                size: cx.size,
-                opts: &opts,
-                plan: cx.plan,
-            };
-            let out = walk::batch_graph(&self.body, &mut icx, &inner)?[0];
-            let out = icx.materialize(out)?;
-            sb.finish(vec![out]).0.eliminate_dead_code()
+            types.push((per, bd2.is_some()));
+        }
+        // The body is batched over the new vmap's axis: its route is the
+        // map's (the caller's choice for what the map holds), strict if
+        // either asks, and random draws as the new vmap says.
+        let opts = Opts {
+            strict: self.opts.strict || cx.opts.strict,
+            randomness: cx.opts.randomness,
+            ..self.opts
         };
+        let inner = BatchCx {
+            b: cx.b,
+            size: cx.size,
+            opts: &opts,
+            plan: cx.plan,
+        };
+        let body = lanes_graph(&inner, &types, |icx, ins| {
+            let out = walk::batch_graph(&self.body, icx, ins)?[0];
+            icx.materialize(out)
+        })?;
         let m = Map {
             body: Arc::new(body),
             bdims,
