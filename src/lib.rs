@@ -110,6 +110,7 @@
 // Each imports only from those below it (tests/layering.rs keeps it so;
 // rustfmt lists the declarations alphabetically). The public modules
 // after the re-exports only re-export.
+mod control;
 pub mod dp;
 mod error;
 mod interp;
@@ -241,7 +242,7 @@ pub mod graph {
 /// [`while_loop`](loops::while_loop) and [`cond`](loops::cond). The
 /// recurrent layers of [`nn`] are built on `scan`.
 pub mod loops {
-    pub use crate::transforms::loops::{cond, fori_loop, scan, scan_with, while_loop, ScanOptions};
+    pub use crate::control::{cond, fori_loop, scan, scan_with, while_loop, ScanOptions};
 }
 
 /// The traits behind [`Tracer`]'s arguments: an operand

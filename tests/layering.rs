@@ -6,7 +6,7 @@
 //!
 //! Bottom to top (`error` is shared by all), one module per layer:
 //! `ir` ← `kernels` ← `rules` ← `interp` ← `trace` ← `ops` ← `transforms` ←
-//! `nn` ← `optim` ← `dp` ← `models` ← `lib.rs` (with the root's re-exporting modules and the
+//! `control` ← `nn` ← `optim` ← `dp` ← `models` ← `lib.rs` (with the root's re-exporting modules and the
 //! deprecated names).
 
 use std::collections::HashMap;
@@ -25,11 +25,12 @@ fn rank(module: &str) -> Option<usize> {
         "trace" => 5,
         "ops" => 6,
         "transforms" => 7,
-        "nn" => 8,
-        "optim" => 9,
-        "dp" => 10,
-        "models" => 11,
-        "lib" | "deprecated" => 12,
+        "control" => 8,
+        "nn" => 9,
+        "optim" => 10,
+        "dp" => 11,
+        "models" => 12,
+        "lib" | "deprecated" => 13,
         _ => return None,
     })
 }
@@ -371,6 +372,12 @@ fn the_checker_places_root_names_globs_and_same_rank_modules() {
     assert!(up(&["ops"], "use crate::trace::Tracer;").is_empty());
     assert_eq!(up(&["nn"], "use crate::dp::Sgd;").len(), 1);
     assert!(up(&["dp"], "use crate::nn::Module;").is_empty());
+    // the control-flow binders: above the transforms whose traces they
+    // nest in, below the layers built on them
+    assert_eq!(up(&["control", "scan"], "use crate::nn::Linear;").len(), 1);
+    assert_eq!(up(&["transforms", "vmap"], "use crate::control::scan;").len(), 1);
+    assert!(up(&["control"], "use crate::transforms::tracing;").is_empty());
+    assert!(up(&["nn", "recurrent"], "use crate::control::scan_with;").is_empty());
 }
 
 #[test]

@@ -18,9 +18,9 @@
 
 use super::layers::full_name;
 use super::{EagerCache, Module, Params};
+use crate::control::{scan_with, ScanOptions};
 use crate::error::{Error, Result};
 use crate::trace::{Operand, Tracer};
-use crate::transforms::loops::{scan_with, ScanOptions};
 use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 use std::collections::BTreeMap;

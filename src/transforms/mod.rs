@@ -14,7 +14,6 @@ mod graph_run;
 pub(crate) mod jacobian;
 mod jit;
 pub(crate) mod jvp;
-pub(crate) mod loops;
 pub(crate) mod planner;
 pub(crate) mod schedule;
 mod segments;

@@ -1,0 +1,187 @@
+//! Control flow inside a traced function, one node of the graph each
+//! and under every transform: [`scan`] (JAX's `lax.scan`), [`fori_loop`]
+//! (a scan of a fixed trip count), [`while_loop`] and [`cond`]. These are
+//! the binders: they trace the bodies and emit the node; the primitives
+//! and every rule of theirs (run, batch, VJP, JVP, facts) are in
+//! `rules::control`, one file each beside `map`.
+//!
+//! A body is traced once, in a trace nested in the caller's: its carry
+//! and outputs are packed into one vector per step (so they share one
+//! dtype), and the values it reads from the enclosing trace (weights)
+//! become operands every step reads whole.
+
+mod cond;
+mod scan;
+mod while_loop;
+
+pub use cond::cond;
+pub use scan::{fori_loop, scan, scan_with, ScanOptions};
+pub use while_loop::while_loop;
+
+use crate::error::{Error, Result};
+use crate::ir::{Graph, Node, Prim, TensorType};
+use crate::rules::{Builder, BuilderRef, Outer};
+use crate::trace::{Operand, Tracer};
+use crate::transforms::{innermost, innermost_active, next_builder_id, tracing};
+
+/// The trace a loop over `operands` is emitted into: the innermost of
+/// theirs and of the trace being traced now (the body may read a value of
+/// any active trace, as a gradient's weights inside a `vmap` over data).
+fn enclosing(operands: &[Tracer]) -> Option<BuilderRef> {
+    let mine = innermost(&[operands.to_vec()]);
+    let depth = |b: &BuilderRef| b.borrow().ancestors.len();
+    match (mine, innermost_active()) {
+        (Some(m), Some(a)) if depth(&a) > depth(&m) => Some(a),
+        (Some(m), _) => Some(m),
+        (None, a) => a,
+    }
+}
+
+/// A tracer of the caller's trace, to make constants next to.
+fn outer_tracer(outer: &crate::rules::BuilderRef, init: &[Tracer], xs: &[Tracer]) -> Result<Tracer> {
+    let t = init
+        .iter()
+        .chain(xs)
+        .next()
+        .ok_or_else(|| Error::internal("scan", "no operand"))?;
+    let id = outer.borrow_mut().lift(&t.outer())?;
+    Ok(Tracer::new(outer, id))
+}
+
+/// The vector `packed` cut into pieces of the given shapes.
+fn unpack(packed: &Tracer, shapes: impl Iterator<Item = Vec<usize>>) -> Result<Vec<Tracer>> {
+    let mut at = 0;
+    shapes
+        .map(|s| {
+            let n: usize = s.iter().product();
+            let t = packed.narrow(0, at, n)?.reshape(s)?;
+            at += n;
+            Ok(t)
+        })
+        .collect()
+}
+
+/// The one dtype of `ts` (`None` where empty), for `op`.
+fn one_dtype(op: &'static str, ts: &[Tracer], what: &str) -> Result<Option<candle_core::DType>> {
+    let Some(first) = ts.first() else { return Ok(None) };
+    match ts.iter().find(|t| t.dtype() != first.dtype()) {
+        Some(t) => Err(Error::shape(
+            op,
+            &[],
+            format!(
+                "{what} mix {:?} and {:?}: a loop's carry and outputs share one dtype",
+                first.dtype(),
+                t.dtype()
+            ),
+        )),
+        None => Ok(Some(first.dtype())),
+    }
+}
+
+/// The body's carry must be the one it was given, leaf for leaf.
+fn check_carry(op: &'static str, init: &[Tracer], next: &[Tracer]) -> Result<()> {
+    let shapes: Vec<&[usize]> = init.iter().chain(next).map(Tracer::dims).collect();
+    if init.len() != next.len() {
+        return Err(Error::shape(
+            op,
+            &shapes,
+            format!("the body returned {} carries for {} given", next.len(), init.len()),
+        ));
+    }
+    for (k, (a, b)) in init.iter().zip(next).enumerate() {
+        if a.dims() != b.dims() || a.dtype() != b.dtype() {
+            return Err(Error::shape(
+                op,
+                &shapes,
+                format!(
+                    "the body changed carry {k} from {:?} {:?} to {:?} {:?}: a loop's carry keeps its shape and dtype",
+                    a.dtype(),
+                    a.dims(),
+                    b.dtype(),
+                    b.dims()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Traces `f` on fresh inputs of `types` in a trace nested in `outer`:
+/// its graph (one output) and the outer values it read.
+fn trace_nested(
+    outer: &BuilderRef,
+    types: &[TensorType],
+    f: impl FnOnce(&[Tracer]) -> Result<Tracer>,
+) -> Result<(Graph, Vec<Outer>)> {
+    let given = outer.borrow().given;
+    let inner = Builder::child(outer, next_builder_id(), given);
+    let ins: Vec<Tracer> = types
+        .iter()
+        .map(|t| {
+            let id = inner.borrow_mut().input(t.clone());
+            Tracer::new(&inner, id)
+        })
+        .collect();
+    let out = tracing(&inner, || f(&ins))?;
+    let mut bb = inner.borrow_mut();
+    let id = bb.lift(&out.outer())?;
+    Ok(bb.finish(vec![id]))
+}
+
+/// `ts` flattened into one vector of `dtype` (an empty one beside `like`).
+fn pack(ts: &[Tracer], dtype: candle_core::DType, like: &Tracer) -> Result<Tracer> {
+    if ts.is_empty() {
+        return candle_core::Tensor::zeros(0, dtype, &like.device())?.to_tracer(like);
+    }
+    let flat: Vec<Tracer> = ts.iter().map(Tracer::flatten_all).collect::<Result<_>>()?;
+    Tracer::cat(&flat.iter().collect::<Vec<_>>(), 0)
+}
+
+/// A graph traced with its own captures after its first `lead` inputs,
+/// taking the captures of the graphs traced `before` it and `after` it
+/// too (unused inputs), so that all take one operand list: `lead`,
+/// `before`'s, its own, `after`'s.
+fn align(g: Graph, lead: usize, before: &[Outer], after: &[Outer]) -> Graph {
+    let types = |c: &[Outer]| c.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
+    let g = insert_inputs(g, lead, &types(before));
+    let at = g.inputs.len();
+    insert_inputs(g, at, &types(after))
+}
+
+/// `g` with unused inputs of `types` inserted at input position `at`.
+fn insert_inputs(mut g: Graph, at: usize, types: &[TensorType]) -> Graph {
+    let shift = types.len();
+    for node in g.nodes.iter_mut() {
+        if let Prim::Input(k) = &mut node.prim {
+            if *k >= at {
+                *k += shift;
+            }
+        }
+    }
+    let mut ids = Vec::with_capacity(shift);
+    for (j, ty) in types.iter().enumerate() {
+        g.nodes.push(Node {
+            prim: Prim::Input(at + j),
+            args: Vec::new(),
+            ty: ty.clone(),
+        });
+        ids.push(g.nodes.len() - 1);
+    }
+    g.inputs.splice(at..at, ids);
+    g
+}
+
+/// Emits `prim` in `outer` on `operands` and then every capture list.
+fn emit(outer: &BuilderRef, prim: Prim, operands: &[Tracer], caps: &[Vec<Outer>]) -> Result<Tracer> {
+    let mut ob = outer.borrow_mut();
+    let mut ids = Vec::new();
+    for t in operands {
+        ids.push(ob.lift(&t.outer())?);
+    }
+    for c in caps.iter().flatten() {
+        ids.push(ob.lift(c)?);
+    }
+    let out = ob.emit(prim, &ids)?;
+    drop(ob);
+    Ok(Tracer::new(outer, out))
+}
