@@ -239,10 +239,10 @@ pub mod graph {
 /// Control flow inside a traced function, one node of the graph each
 /// whatever the trip count, under every transform: [`scan`](loops::scan)
 /// (JAX's `lax.scan`), [`fori_loop`](loops::fori_loop),
-/// [`while_loop`](loops::while_loop) and [`cond`](loops::cond). The
+/// [`while_loop`](loops::while_loop), [`cond`](loops::cond) and [`switch`](loops::switch). The
 /// recurrent layers of [`nn`] are built on `scan`.
 pub mod loops {
-    pub use crate::control::{cond, fori_loop, scan, scan_with, while_loop, ScanOptions};
+    pub use crate::control::{cond, fori_loop, scan, scan_with, switch, while_loop, Branch, ScanOptions};
 }
 
 /// The traits behind [`Tracer`]'s arguments: an operand

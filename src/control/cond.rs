@@ -1,9 +1,12 @@
-//! `cond`: one `cond` node, its branches traced apart on the operands.
+//! `cond` and `switch`: one `cond` node, its branches traced apart on the
+//! operands and chosen by an index (JAX's `cond_p` serves both).
 
 use super::{align, emit, enclosing, one_dtype, pack, trace_nested, unpack};
 use crate::error::{Error, Result};
 use crate::ir::{Cond, Prim, TensorType};
+use crate::rules::Outer;
 use crate::trace::Tracer;
+use candle_core::DType;
 use std::sync::Arc;
 
 /// `cond`: `on_true(operands)` where `pred` (a scalar; nonzero: true)
@@ -44,40 +47,106 @@ pub fn cond(
     if pred.rank() != 0 {
         return Err(Error::shape("cond", &[pred.dims()], "the predicate must be a scalar"));
     }
-    let all: Vec<Tracer> = std::iter::once(pred.clone()).chain(operands.iter().cloned()).collect();
-    let outer = enclosing(&all).ok_or_else(|| Error::internal("cond", "no trace"))?;
+    // nonzero (NaN included, as `bool(nan)`) picks branch 1
+    let index = pred.ne(0.0)?;
+    branches("cond", &index, vec![Box::new(on_false), Box::new(on_true)], operands)
+}
+
+/// `switch`: `branches[index](operands)`, as JAX's `lax.switch`: `index`
+/// an integer scalar, clamped into `0..branches.len()`, and only that
+/// branch runs. Every branch gives values of the same shapes and dtypes
+/// (one dtype among them). Under `vmap` with an index per example, each
+/// example's result and gradient are its own branch's, as for [`cond`]:
+/// each branch some example takes runs once, batched, on rows that take
+/// it or copy one that does.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::loops::switch;
+/// use candle_func::{vmap, Tracer};
+/// // a per-example choice of activation
+/// let f = |(k, x): (Tracer, Tracer)| {
+///     let out = switch(&k, &[
+///         &|o: &[Tracer]| Ok(vec![o[0].relu()?]),
+///         &|o: &[Tracer]| Ok(vec![o[0].tanh()?]),
+///         &|o: &[Tracer]| Ok(vec![o[0].neg()?]),
+///     ], &[x])?;
+///     Ok(out[0].clone())
+/// };
+/// let k = Tensor::new(&[0u32, 2, 7], &Device::Cpu)?; // 7 is clamped to 2
+/// let x = Tensor::new(&[-1f32, 3.0, 4.0], &Device::Cpu)?;
+/// let y = vmap(f).call((&k, &x))?;
+/// assert_eq!(y.to_vec1::<f32>()?, [0.0, -3.0, -4.0]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn switch(index: &Tracer, branches: &[&Branch<'_>], operands: &[Tracer]) -> Result<Vec<Tracer>> {
+    if index.rank() != 0 || index.dtype().is_float() {
+        return Err(Error::shape(
+            "switch",
+            &[index.dims()],
+            format!("the index must be an integer scalar, got {:?}", index.dtype()),
+        ));
+    }
+    let n = branches.len();
+    if n == 0 {
+        return Err(Error::shape("switch", &[], "no branches"));
+    }
+    // JAX's clamp, in i64 (u8 and u32 hold no negatives; i64 may)
+    let index = match index.dtype() {
+        DType::I64 => index.clamp(0.0, (n - 1) as f64)?,
+        _ => index.to_dtype(DType::I64)?.clamp(0.0, (n - 1) as f64)?,
+    };
+    let fs: Vec<Box<Once<'_>>> = branches.iter().map(|&f| Box::new(f) as Box<Once<'_>>).collect();
+    self::branches("switch", &index, fs, operands)
+}
+
+/// A branch of a [`switch`]: its operands to its values.
+pub type Branch<'a> = dyn Fn(&[Tracer]) -> Result<Vec<Tracer>> + 'a;
+
+/// A branch traced once.
+type Once<'a> = dyn FnOnce(&[Tracer]) -> Result<Vec<Tracer>> + 'a;
+
+/// Emits a `cond` node of `fs` traced on `operands`, chosen by `index`
+/// (an integer scalar already in range), for `op`.
+fn branches(op: &'static str, index: &Tracer, fs: Vec<Box<Once<'_>>>, operands: &[Tracer]) -> Result<Vec<Tracer>> {
+    let all: Vec<Tracer> = std::iter::once(index.clone()).chain(operands.iter().cloned()).collect();
+    let outer = enclosing(&all).ok_or_else(|| Error::internal(op, "no trace"))?;
     let types: Vec<TensorType> = operands.iter().map(|t| t.ty.clone()).collect();
-    let branch = |f: Box<Branch<'_>>| {
+    let mut traced = Vec::with_capacity(fs.len());
+    for f in fs {
         let mut outs = Vec::new();
         let (g, caps) = trace_nested(&outer, &types, |ins| {
             let got = f(ins)?;
-            let dtype = one_dtype("cond", &got, "a branch's values")?
-                .ok_or_else(|| Error::shape("cond", &[], "a branch gives no value"))?;
+            let dtype = one_dtype(op, &got, "a branch's values")?
+                .ok_or_else(|| Error::shape(op, &[], "a branch gives no value"))?;
             outs = got.iter().map(|t| t.ty.clone()).collect();
             pack(&got, dtype, &got[0])
         })?;
-        Ok::<_, Error>((g, caps, outs))
-    };
-    let (gt, ct, tt) = branch(Box::new(on_true))?;
-    let (gf, cf, tf) = branch(Box::new(on_false))?;
-    if tt != tf {
-        let shapes: Vec<&[usize]> = tt.iter().chain(&tf).map(|t| t.shape.as_slice()).collect();
+        traced.push((g, caps, outs));
+    }
+    let first = traced[0].2.clone();
+    if let Some((_, _, other)) = traced.iter().find(|(_, _, o)| *o != first) {
+        let shapes: Vec<&[usize]> = first.iter().chain(other).map(|t| t.shape.as_slice()).collect();
         return Err(Error::shape(
-            "cond",
+            op,
             &shapes,
-            format!("the branches give {tt:?} and {tf:?}: both must give the same shapes and dtypes"),
+            format!("the branches give {first:?} and {other:?}: every branch must give the same shapes and dtypes"),
         ));
     }
+    // every branch takes the operands, then every branch's captures in
+    // branch order (a branch ignores the others')
+    let caps: Vec<Vec<Outer>> = traced.iter().map(|t| t.1.clone()).collect();
     let n = operands.len();
+    let graphs = traced.into_iter().enumerate().map(|(k, (g, _, _))| {
+        let before: Vec<Outer> = caps[..k].concat();
+        let after: Vec<Outer> = caps[k + 1..].concat();
+        Arc::new(align(g, n, &before, &after))
+    });
     let c = Cond {
-        on_true: Arc::new(align(gt, n, &[], &cf)),
-        on_false: Arc::new(align(gf, n, &ct, &[])),
+        branches: graphs.collect(),
     };
-    let mut ops = vec![pred.clone()];
+    let mut ops = vec![index.clone()];
     ops.extend_from_slice(operands);
-    let out = emit(&outer, Prim::Cond(Box::new(c)), &ops, &[ct, cf])?;
-    unpack(&out, tt.iter().map(|t| t.shape.clone()))
+    let out = emit(&outer, Prim::Cond(Box::new(c)), &ops, &caps)?;
+    unpack(&out, first.iter().map(|t| t.shape.clone()))
 }
-
-/// A branch of a `cond`: its operands to its values.
-type Branch<'a> = dyn FnOnce(&[Tracer]) -> Result<Vec<Tracer>> + 'a;

@@ -1,6 +1,6 @@
 //! Control flow inside a traced function, one node of the graph each
 //! and under every transform: [`scan`] (JAX's `lax.scan`), [`fori_loop`]
-//! (a scan of a fixed trip count), [`while_loop`] and [`cond`]. These are
+//! (a scan of a fixed trip count), [`while_loop`], [`cond`] and [`switch`]. These are
 //! the binders: they trace the bodies and emit the node; the primitives
 //! and every rule of theirs (run, batch, VJP, JVP, facts) are in
 //! `rules::control`, one file each beside `map`.
@@ -14,7 +14,7 @@ mod cond;
 mod scan;
 mod while_loop;
 
-pub use cond::cond;
+pub use cond::{cond, switch, Branch};
 pub use scan::{fori_loop, scan, scan_with, ScanOptions};
 pub use while_loop::while_loop;
 

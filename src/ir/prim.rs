@@ -46,7 +46,8 @@ pub(crate) enum Prim {
     /// A loop over a sub-graph carrying a state (`scan`, and `fori_loop`
     /// built on it): one node whatever the trip count.
     Scan(Box<Scan>),
-    /// One of two sub-graphs, chosen by a scalar predicate at run time.
+    /// One of several sub-graphs, chosen by a scalar index at run time
+    /// (`cond`, `switch`).
     Cond(Box<Cond>),
     /// A sub-graph run while another says so (`while_loop`).
     While(Box<While>),
@@ -70,7 +71,7 @@ impl Prim {
     }
 
     /// The same primitive with every body `g` replaced by `f(g)`, in the
-    /// order a map's or a scan's body, a cond's two branches, a while
+    /// order a map's or a scan's body, a cond's branches, a while
     /// loop's condition and body; `None` for the others. The one list of
     /// the primitives with bodies: the passes reach bodies through it.
     pub(crate) fn with_bodies(&self, mut f: impl FnMut(&Graph) -> Graph) -> Option<Prim> {
@@ -85,8 +86,7 @@ impl Prim {
                 ..(**s).clone()
             })),
             Prim::Cond(c) => Prim::Cond(Box::new(Cond {
-                on_true: f(&c.on_true),
-                on_false: f(&c.on_false),
+                branches: c.branches.iter().map(&mut f).collect(),
             })),
             Prim::While(w) => Prim::While(Box::new(While {
                 cond: f(&w.cond),
@@ -272,26 +272,33 @@ impl PartialEq for Scan {
     }
 }
 
-/// `cond`: operands `[pred, operands..]`, `pred` a scalar (nonzero: true);
-/// the result is `on_true(operands..)` or `on_false(operands..)`, the
-/// branch not taken is not run. Both branches take every operand and give
-/// one value of one type.
+/// `cond` (JAX's `cond_p`, which `lax.switch` binds too): operands
+/// `[index, operands..]`, `index` an integer scalar; the result is
+/// `branches[index](operands..)`, the index clamped into the branches'
+/// range, and no other branch runs. Every branch takes every operand and
+/// gives one value of one type. The `cond` binder passes `pred != 0` as
+/// the index of `[on_false, on_true]`; `switch` its own clamped index.
 #[derive(Clone, Debug)]
 pub(crate) struct Cond {
-    pub(crate) on_true: Arc<Graph>,
-    pub(crate) on_false: Arc<Graph>,
+    pub(crate) branches: Vec<Arc<Graph>>,
 }
 
 impl Cond {
     pub(crate) fn name(&self) -> String {
-        let count = |g: &Graph| g.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
-        format!("cond{{{} | {} nodes}}", count(&self.on_true), count(&self.on_false))
+        let count = |g: &Arc<Graph>| g.nodes.iter().filter(|n| !n.prim.is_leaf()).count().to_string();
+        let counts: Vec<String> = self.branches.iter().map(count).collect();
+        format!("cond{{{} nodes}}", counts.join(" | "))
     }
 }
 
 impl PartialEq for Cond {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.on_true, &other.on_true) && Arc::ptr_eq(&self.on_false, &other.on_false)
+        self.branches.len() == other.branches.len()
+            && self
+                .branches
+                .iter()
+                .zip(&other.branches)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
     }
 }
 

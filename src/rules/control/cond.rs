@@ -1,11 +1,13 @@
-//! `cond`: one of two branches, chosen by a scalar predicate when the
-//! graph runs (the interpreter runs only the branch taken).
+//! `cond`: one of several branches, chosen by a scalar index when the
+//! graph runs (only the branch taken runs). `cond` is two branches
+//! indexed by its predicate, `switch` any number (JAX's `cond_p` serves
+//! both the same way).
 //!
-//! * batch: with one predicate for the whole batch, the same `cond` over
-//!   the branches batched. With a predicate per example, each branch runs
+//! * batch: with one index for the whole batch, the same `cond` over the
+//!   branches batched. With an index per example, each branch runs
 //!   batched inside a `cond` of its own that skips it when no example takes
 //!   it, on operands whose rows for the examples not taking it are copies
-//!   of a taking example's; a `where` then picks each example's result.
+//!   of a taking example's; `where`s then pick each example's result.
 //!   So an example's result and gradient depend only on the branch it
 //!   takes, as under `Schedule::PerExample` (where the unbatched graph runs
 //!   per example): a branch's guard holds on every row it runs on, and
@@ -16,8 +18,8 @@
 //!   cotangents packed into one vector) and JVPs, on the same predicate.
 
 use super::{
-    any_true, batched_graph, body_facts, body_peak, example_mask, flat, from_taking, holds, lanes_graph, piece,
-    run_one, shape_error,
+    any_true, batched_graph, body_facts, body_peak, example_mask, flat, from_taking, lanes_graph, piece, run_one,
+    shape_error,
 };
 use crate::error::{Error, Result};
 use crate::ir::ops::Compare;
@@ -28,27 +30,44 @@ use candle_core::Tensor;
 use std::sync::Arc;
 
 impl Cond {
-    fn branches(&self) -> [&Graph; 2] {
-        [&self.on_true, &self.on_false]
+    fn branches(&self) -> Vec<&Graph> {
+        self.branches.iter().map(|g| &**g).collect()
     }
 
-    /// The cond of two branches made from each of this one's.
+    /// The cond of the branches made from each of this one's.
     fn map(&self, mut f: impl FnMut(&Graph) -> Result<Graph>) -> Result<Cond> {
+        let branches = self.branches.iter().map(|g| f(g).map(Arc::new));
         Ok(Cond {
-            on_true: Arc::new(f(&self.on_true)?),
-            on_false: Arc::new(f(&self.on_false)?),
+            branches: branches.collect::<Result<_>>()?,
         })
     }
 }
 
+/// The branch an index picks: its value clamped into `0..n` (as JAX's
+/// `switch`; the binders clamp already, this keeps a run in range).
+fn branch_of(index: &Tensor, n: usize) -> Result<usize> {
+    use crate::error::CandleContext;
+    let v = index
+        .to_dtype(candle_core::DType::F64)
+        .and_then(|t| t.to_scalar::<f64>())
+        .op("cond")?;
+    Ok(match v.is_nan() {
+        true => 0,
+        false => v.clamp(0.0, n.saturating_sub(1) as f64) as usize,
+    })
+}
+
 impl Cond {
-    /// The batching rule for a predicate per example `p` `[B]` (see the
+    /// The batching rule for an index per example `p` `[B]` (see the
     /// module docs): each branch in a `cond` on whether any example takes
     /// it, fed the operands with the other examples' rows taken from one
     /// that does; then each example's result.
     fn per_example(&self, cx: &mut BatchCx, p: VarId, ops: &[BVal]) -> Result<BVal> {
-        let zero = cx.b.scalar_as(0.0, p);
-        let takes = [cx.b.cmp(Compare::Ne, p, zero)?, cx.b.cmp(Compare::Eq, p, zero)?];
+        let mut takes = Vec::with_capacity(self.branches.len());
+        for k in 0..self.branches.len() {
+            let k = cx.b.scalar_as(k as f64, p);
+            takes.push(cx.b.cmp(Compare::Eq, p, k)?);
+        }
         // the inner conds' operands: whether each example takes the branch
         // (its rows are replaced inside, only when it runs), then the
         // operands, batched ones batch first
@@ -66,7 +85,7 @@ impl Cond {
             });
         }
         let mut outs = Vec::with_capacity(2);
-        for (g, taking) in self.branches().into_iter().zip(takes) {
+        for (g, &taking) in self.branches().into_iter().zip(&takes) {
             let run = lanes_graph(cx, &types, |icx, ins| {
                 let fed = from_taking(icx.b, ins[0].0, icx.size, &ins[1..])?;
                 let out = walk::batch_graph(g, icx, &fed)?[0];
@@ -75,34 +94,39 @@ impl Cond {
             let ty = run.ty(run.outputs[0]).clone();
             // taken by no example: skipped, its (discarded) result zeros
             let skip = lanes_graph(cx, &types, |icx, _| icx.b.zeros(ty.shape, ty.dtype))?;
+            // index 1 (some example takes it): run; 0: skip
             let c = Cond {
-                on_true: Arc::new(run),
-                on_false: Arc::new(skip),
+                branches: vec![Arc::new(skip), Arc::new(run)],
             };
             let mut args = vec![any_true(cx.b, taking)?, taking];
             args.extend_from_slice(&operands);
             outs.push(cx.b.emit(Prim::Cond(Box::new(c)), &args)?);
         }
+        // each example's own branch's result: B -> B 1..
         let rank = cx.b.ty(outs[0]).rank();
-        let mask = example_mask(cx.b, p, cx.size, rank)?;
-        Ok((cx.b.select(mask, outs[0], outs[1])?, Some(0)))
+        let mut out = outs[0];
+        for (k, &o) in outs.iter().enumerate().skip(1) {
+            let mask = example_mask(cx.b, takes[k], cx.size, rank)?;
+            out = cx.b.select(mask, o, out)?;
+        }
+        Ok((out, Some(0)))
     }
 }
 
 impl Rule for Cond {
     fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
         let bad = |msg: String| shape_error("cond", args, msg);
-        let Some(pred) = args.first() else {
-            return Err(bad("no predicate".into()));
+        let Some(index) = args.first() else {
+            return Err(bad("no index".into()));
         };
-        if pred.rank() != 0 {
-            return Err(bad(format!("the predicate must be a scalar, got {:?}", pred.shape)));
+        if index.rank() != 0 {
+            return Err(bad(format!("the index must be a scalar, got {:?}", index.shape)));
         }
         let mut out: Option<&TensorType> = None;
-        for (name, g) in ["on_true", "on_false"].iter().zip(self.branches()) {
+        for (k, g) in self.branches().into_iter().enumerate() {
             let ins: Vec<&TensorType> = g.inputs.iter().map(|&i| g.ty(i)).collect();
             if ins != args[1..] || g.outputs.len() != 1 {
-                return Err(bad(format!("{name} does not take the operands {:?}", &args[1..])));
+                return Err(bad(format!("branch {k} does not take the operands {:?}", &args[1..])));
             }
             let ty = g.ty(g.outputs[0]);
             match out {
@@ -123,17 +147,13 @@ impl Rule for Cond {
     }
 
     fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
-        let [t, f] = self.branches();
-        Workspace::scratch(body_peak(&[t, f]))
+        Workspace::scratch(body_peak(&self.branches()))
     }
 
-    /// The branch the predicate (the first operand) names, on the rest;
-    /// the other is not run.
+    /// The branch the index (the first operand) names, on the rest; the
+    /// others are not run.
     fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-        let branch = match holds(args[0], "cond")? {
-            true => &self.on_true,
-            false => &self.on_false,
-        };
+        let branch = &self.branches[branch_of(args[0], self.branches.len())?];
         let ops: Vec<Tensor> = args[1..].iter().map(|t| (*t).clone()).collect();
         run_one(cx, branch, &ops, cx.seed, "cond")
     }
@@ -148,7 +168,7 @@ impl Rule for Cond {
             let p = cx.front((p, Some(d)))?;
             return self.per_example(cx, p, ops).map(Some);
         }
-        // one predicate for all: the same choice between batched branches
+        // one index for all: the same choice between batched branches
         let mut operands = vec![args[0].0];
         for &(v, bd) in ops {
             operands.push(match bd {
