@@ -46,7 +46,8 @@ impl ScanOptions {
     /// keeps every carry. Without this setting a loop keeps every carry
     /// unless they alone would take more than an eighth of the memory
     /// limit ([`Options::memory_limit`](crate::Options::memory_limit),
-    /// else the memory the system has free), and then checkpoints every
+    /// else the machine's total memory: not what is free, so a traced
+    /// loop does not change with the machine's load), and then checkpoints every
     /// `ceil(sqrt(T))` steps. A value of `0` is an error.
     pub fn checkpoint(mut self, steps: usize) -> Self {
         self.checkpoint = Some(steps);
@@ -211,7 +212,7 @@ fn segment_length(outer: &BuilderRef, opts: &ScanOptions, steps: usize, carry_by
         }
         Some(k) => k,
         None => {
-            let limit = crate::interp::exec::effective_limit(outer.borrow().given.memory_limit);
+            let limit = crate::interp::exec::trace_limit(outer.borrow().given.memory_limit);
             let held = steps.saturating_mul(carry_bytes);
             match limit {
                 Some(l) if held > l / 8 => {

@@ -225,6 +225,16 @@ pub(crate) fn effective_limit(limit: Option<usize>) -> Option<usize> {
     limit.or_else(available_memory)
 }
 
+/// The memory a graph's structure is planned for while it is traced:
+/// `limit`, else the machine's total memory, read once per process. Not
+/// what is free: a traced graph is cached, and must not depend on how
+/// busy the machine was when it was first traced; the run checks its
+/// plan against what is available then.
+pub(crate) fn trace_limit(limit: Option<usize>) -> Option<usize> {
+    static TOTAL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    limit.or_else(|| *TOTAL.get_or_init(|| kib_field("/proc/meminfo", "MemTotal:")))
+}
+
 /// An error naming `op`, `what` and the size unless `elems` elements of
 /// `elem_bytes` bytes fit in usize and in the machine's available memory:
 /// the check before a host allocation sized from user input (a config

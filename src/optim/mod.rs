@@ -12,8 +12,9 @@ use crate::nn::{overlap, under};
 // state in: f32 for half-precision weights (as mixed-precision training
 // keeps its moments; in bf16 `v * 0.999` rounds back to `v`, so Adam's
 // second moment never decays), the weight's own otherwise.
-use crate::kernels;
+use crate::interp::exec::portable_path;
 use crate::kernels::accumulation_dtype as work_dtype;
+use crate::kernels::{self, Path};
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -160,6 +161,13 @@ pub trait Optimizer {
     fn memory_bytes(&self, _params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
         None
     }
+    /// Runs candle's operations only (`true`) or the crate's CPU kernels
+    /// where they apply (`false`). An optimiser starts on the path the
+    /// `CANDLE_FUNC_PORTABLE` variable names when it is made; the DP
+    /// trainer sets the path its clipping graph runs on, so one step runs
+    /// on one path. One without kernels of its own ignores it (the
+    /// default).
+    fn set_portable(&mut self, _portable: bool) {}
 }
 
 /// The bytes `t` takes in the dtype an optimiser keeps its state in.
@@ -186,6 +194,7 @@ pub struct Sgd {
     momentum: f64,
     velocity: BTreeMap<String, Tensor>,
     groups: Groups,
+    path: Path,
 }
 
 impl Sgd {
@@ -198,6 +207,7 @@ impl Sgd {
             momentum,
             velocity: BTreeMap::new(),
             groups: Groups::default(),
+            path: portable_path(None),
         })
     }
 
@@ -235,8 +245,12 @@ fn descend(var: &Var, decayed: Option<Tensor>, x: &Tensor, lr: f64, path: crate:
 impl Optimizer for Sgd {
     lr_field!();
 
+    fn set_portable(&mut self, portable: bool) {
+        self.path = portable_path(Some(portable));
+    }
+
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
-        let path = crate::interp::exec::portable_path(None);
+        let path = self.path;
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "sgd", name, g)?;
             let (lr, wd) = self.groups.of(name, (self.lr, 0.0));
@@ -418,6 +432,7 @@ pub struct Adam {
     /// changes.
     shared: AtomicBool,
     groups: Groups,
+    path: Path,
 }
 
 impl Adam {
@@ -436,6 +451,7 @@ impl Adam {
             moments: BTreeMap::new(),
             shared: AtomicBool::new(false),
             groups: Groups::default(),
+            path: portable_path(None),
         })
     }
 
@@ -463,11 +479,15 @@ impl Adam {
 impl Optimizer for Adam {
     lr_field!();
 
+    fn set_portable(&mut self, portable: bool) {
+        self.path = portable_path(Some(portable));
+    }
+
     fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
         self.steps = self.steps.saturating_add(1);
         let (b1, b2) = self.betas;
         let (c1, c2) = (1.0 - b1.powi(self.steps), 1.0 - b2.powi(self.steps));
-        let path = crate::interp::exec::portable_path(None);
+        let path = self.path;
         let shared = self.shared.swap(false, Ordering::Relaxed);
         for (name, g) in grads {
             let (var, g) = checked(&self.vars, "adam", name, g)?;
@@ -520,7 +540,7 @@ impl Optimizer for Adam {
         // tensor's moments (after a state was handed out) and L2 decay's
         // gradient; with candle's operations, the gradient, the old and
         // new moments and the denominator and update of one tensor
-        let path = crate::interp::exec::portable_path(None);
+        let path = self.path;
         let in_place = params.values().all(|p| kernels::adam::fits(&[p], path));
         Some(sized(params, 2, if in_place { 4 } else { 6 }))
     }
@@ -643,6 +663,10 @@ impl Optimizer for AdamW {
     fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
         self.0.memory_bytes(params)
     }
+
+    fn set_portable(&mut self, portable: bool) {
+        self.0.set_portable(portable)
+    }
 }
 
 /// A boxed optimiser, so that one trainer type can take any of them.
@@ -669,5 +693,45 @@ impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
 
     fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
         (**self).memory_bytes(params)
+    }
+
+    fn set_portable(&mut self, portable: bool) {
+        (**self).set_portable(portable)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The path set from outside (the DP trainer's) is the one a step
+    /// takes, through AdamW and a box too, and both paths step alike.
+    #[test]
+    fn set_portable_picks_the_path_every_optimiser_steps_on() -> Result<()> {
+        let varmap = candle_nn::VarMap::new();
+        let dev = candle_core::Device::Cpu;
+        let w = varmap.get((3, 4), "w", candle_nn::Init::Const(0.5), candle_core::DType::F32, &dev)?;
+        let g: BTreeMap<String, Tensor> =
+            [("w".to_string(), Tensor::ones((3, 4), candle_core::DType::F32, &dev)?)].into();
+        let mut sgd = Sgd::new(&varmap, 0.1, 0.9)?;
+        sgd.set_portable(true);
+        assert_eq!(sgd.path, Path::Portable);
+        sgd.set_portable(false);
+        assert_eq!(sgd.path, Path::Fast);
+        let mut adamw: Box<dyn Optimizer> = Box::new(AdamW::new(&varmap, 0.1, 0.01)?);
+        adamw.set_portable(true);
+        adamw.step(&g)?;
+        let portable = w.flatten_all()?.to_vec1::<f32>()?;
+        let mut adamw = AdamW::new(&varmap, 0.1, 0.01)?;
+        adamw.set_portable(false);
+        assert_eq!(adamw.0.path, Path::Fast);
+        adamw.step(&g)?;
+        // the second step from where the first left: both moved every entry
+        let fast = w.flatten_all()?.to_vec1::<f32>()?;
+        assert!(
+            portable.iter().zip(&fast).all(|(p, f)| p < &0.5 && f < p),
+            "{portable:?} {fast:?}"
+        );
+        Ok(())
     }
 }
