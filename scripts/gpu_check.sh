@@ -43,7 +43,7 @@ for l in sys.stdin:
   # about 55 MB each, mostly candle's kernels as PTX text: xz makes them
   # 6 MB, inside the 64 MiB that travels
   xz -T0 -9 .gpu/bench .gpu/fixtures
-  cp ../shared/peers/models.py .gpu/models.py
+  cp benches/peers/models.py .gpu/models.py
   echo "$features" > .gpu/features
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
   du -sh .gpu

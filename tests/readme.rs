@@ -46,8 +46,17 @@ fn blocks(md: &str) -> Vec<Block> {
 
 #[test]
 fn the_readme_is_a_first_read() {
-    let n = read("README.md").lines().count();
+    let readme = read("README.md");
+    let n = readme.lines().count();
     assert!(n <= 250, "README.md has {n} lines; details belong in docs/");
+    // code and tables included: a wider line wraps on a laptop's half screen
+    let wide: Vec<(usize, usize)> = readme
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.chars().count()))
+        .filter(|&(_, w)| w > 105)
+        .collect();
+    assert!(wide.is_empty(), "README.md lines over 105 characters (line, width): {wide:?}");
 }
 
 #[test]

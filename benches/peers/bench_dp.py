@@ -10,7 +10,7 @@ the PyTorch-tutorial CNN at B=64, the Opacus MNIST CNN at B=256 and
   (iii) Opacus's hooks step (per-sample gradients materialised), noise,
         update,
 
-as `../shared/peers/bench_torch.py` times its workloads (3 warm-ups, then
+as `benches/peers/bench_torch.py` times its workloads (3 warm-ups, then
 REPS repetitions, medians; 2 threads). Every batch is the whole data set
 without Poisson sampling, so each step sees the same B examples; clipping
 norm 1, noise multiplier 1, SGD with lr 0.05.
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from opacus import PrivacyEngine
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "peers"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import CNNO, CNNT  # noqa: E402
 from tiny_lm import TinyLM, V, T  # noqa: E402
 import timing  # noqa: E402

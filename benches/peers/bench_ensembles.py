@@ -6,13 +6,13 @@ models, and torch.func's ensembling recipe (`stack_module_state` +
 `functional_call` under `vmap`, as in the "Model ensembling" tutorial), each
 with one shared batch (`in_dims=(0, 0, None)`) and with a batch per model
 (`in_dims=(0, 0, 0)`). The models: the per-sample-gradients tutorial CNN and
-the Opacus MNIST CNN from `../shared/peers/models.py`, and the tutorial's MLP
+the Opacus MNIST CNN from `benches/peers/models.py`, and the tutorial's MLP
 784-128-128-10 defined here.
 
-Prints `RESULT <name> median <ms> ...` lines as `../shared/peers/bench_torch.py`
+Prints `RESULT <name> median <ms> ...` lines as `benches/peers/bench_torch.py`
 does, and a CHECK line per workload (vmap against the loop).
 
-    PEERS=../shared/peers  "$HOME/peers/bin/python" benches/peers/bench_ensembles.py [WHICH] [REPS]
+    "$HOME/peers/bin/python" benches/peers/bench_ensembles.py [WHICH] [REPS]
 
 WHICH: all (default), CNN-T, CNN-O or MLP.
 """
@@ -26,9 +26,9 @@ from torch.func import functional_call, stack_module_state, vmap
 
 torch.set_num_threads(2)
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.environ.get("PEERS", os.path.join(HERE, "..", "..", "..", "shared", "peers"))
+PEERS = os.environ.get("PEERS", HERE)
 if not os.path.exists(os.path.join(PEERS, "models.py")):
-    sys.exit(f"bench_ensembles.py: no models.py in {PEERS}; set PEERS to the shared peers folder")
+    sys.exit(f"bench_ensembles.py: no models.py in {PEERS}; set PEERS to the folder that holds it")
 sys.path.insert(0, PEERS)
 from models import CNNO, CNNT  # noqa: E402
 

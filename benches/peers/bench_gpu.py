@@ -13,7 +13,7 @@ median of REPS, each call followed by `torch.cuda.synchronize()`).
 Prints `RESULT <workload> | <variant> | <median ms>` lines that
 `benches/peers/gpu_table.py` reads beside ours.
 
-    PEERS=../shared/peers python3 benches/peers/bench_gpu.py [REPS]
+    python3 benches/peers/bench_gpu.py [REPS]
 """
 import copy, os, statistics, sys, time, warnings
 
@@ -22,7 +22,7 @@ import torch
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.environ.get("PEERS", os.path.join(HERE, "..", "..", "..", "shared", "peers"))
+PEERS = os.environ.get("PEERS", HERE)
 if not os.path.exists(os.path.join(PEERS, "models.py")):
     sys.exit(f"bench_gpu.py: no models.py in {PEERS}; set PEERS to the folder that holds it")
 sys.path.insert(0, PEERS)

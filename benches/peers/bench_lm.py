@@ -2,7 +2,7 @@
 at the size of `bench --only LM`: V=64, D=64, H=4, L=2, F=256, T=64, B=32,
 LayerNorm, GELU, causal. Times (i) one ordinary batched gradient step,
 (ii) torch.func `vmap(grad)` and (iii) Opacus's `GradSampleModule` hooks,
-as `../shared/peers/bench_torch.py` times its workloads (3 warm-ups, then
+as `benches/peers/bench_torch.py` times its workloads (3 warm-ups, then
 REPS repetitions, medians; 2 threads), and prints the peak memory the
 process's allocator reports beside time (CPU: the growth of the resident
 set while the variant runs, from /proc).

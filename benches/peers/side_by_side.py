@@ -2,7 +2,7 @@
 """Our benchmark beside PyTorch's, round by round, with paired ratios.
 
 Each round runs, one after another (never two at once on two cores):
-`../shared/peers/bench_torch.py` (per-sample gradients and the ordinary
+`benches/peers/bench_torch.py` (per-sample gradients and the ordinary
 batched step), `benches/peers/bench_ensembles.py` (the three ensembles, a
 for-loop and torch.func's vmap) and the crate's `examples/bench.rs --json`
 on the same workloads. A ratio is taken within each round, so load on the
@@ -19,7 +19,7 @@ import json, os, subprocess, sys
 from paired import results, rounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PEERS = os.environ.get("PEERS", os.path.join(ROOT, "..", "shared", "peers"))
+PEERS = os.environ.get("PEERS", os.path.join(ROOT, "benches", "peers"))
 PY = os.environ.get("PY", "python3")
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 REPS = sys.argv[2] if len(sys.argv) > 2 else "5"

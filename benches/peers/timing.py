@@ -1,5 +1,5 @@
 """The peer scripts' timing: warm-ups, then repetitions, medians (as
-`../shared/peers/bench_torch.py` times its workloads), printed as the
+`benches/peers/bench_torch.py` times its workloads), printed as the
 `RESULT <name> median <ms> ms` lines `paired.py` reads."""
 import statistics, time
 
