@@ -105,8 +105,8 @@
 #![warn(unnameable_types)]
 
 // The layers, bottom to top: error (shared by all) <- ir <- kernels <-
-// rules <- interp <- trace <- ops <- transforms <- nn <- optim <- dp <-
-// models <- this root.
+// rules <- interp <- trace <- ops <- transforms <- control <- nn <- optim
+// <- dp <- models <- this root.
 // Each imports only from those below it (tests/layering.rs keeps it so;
 // rustfmt lists the declarations alphabetically). The public modules
 // after the re-exports only re-export.
@@ -149,7 +149,8 @@ mod doc_chapters {
 }
 
 pub use error::{Error, Result};
-pub use ir::{ConvRoute, Graph, Options, Randomness, Schedule};
+pub use interp::Prepared as Graph;
+pub use ir::{ConvRoute, Options, Randomness, Schedule};
 pub use ops::{custom_op, custom_op_with_rules, CustomRules};
 pub use trace::Tracer;
 pub use transforms::grad::{grad, value_and_grad, vjp};
@@ -232,8 +233,9 @@ pub mod planner {
 /// nodes and types, running it, and what a run held and how long each node
 /// took.
 pub mod graph {
+    pub use crate::interp::Prepared as Graph;
     pub use crate::interp::{NodeTimes, RunStats};
-    pub use crate::ir::{ConvGeom, CustomKernel, Graph, NodeView, TensorType};
+    pub use crate::ir::{ConvGeom, CustomKernel, NodeView, TensorType};
 }
 
 /// Control flow inside a traced function, one node of the graph each

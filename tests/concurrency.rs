@@ -89,12 +89,12 @@ fn independent_loops_are_made_neighbours_and_the_plan_bounds_their_run() {
     // value first, so the second scan reads nothing the first is after
     let f = |xs: Tracer| {
         let init = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
-        let sums = |c: &[Tracer], x: &[Tracer]| {
+        let sums = |c: Vec<Tracer>, x: Vec<Tracer>| {
             let s = c[0].add(&x[0])?.tanh()?;
             Ok((vec![s.clone()], vec![s]))
         };
-        let (_, a) = candle_func::loops::scan(sums, std::slice::from_ref(&init), std::slice::from_ref(&xs))?;
-        let (_, b) = candle_func::loops::scan(sums, &[init], &[xs.exp()?])?;
+        let (_, a) = candle_func::loops::scan(sums, vec![init.clone()], vec![xs.clone()])?;
+        let (_, b) = candle_func::loops::scan(sums, vec![init], vec![xs.exp()?])?;
         a[0].add(&b[0])
     };
     let xs = rand(&[16, 32], 2);

@@ -23,9 +23,9 @@ fn t64(v: &[f64]) -> Tensor {
 fn piecewise(x: Tracer) -> candle_func::Result<Tracer> {
     let out = cond(
         &x.lt(0.0)?,
-        |o: &[Tracer]| Ok(vec![o[0].powf(3.0)?.neg()?]),
-        |o: &[Tracer]| Ok(vec![o[0].sin()?.mul(&o[0])?]),
-        std::slice::from_ref(&x),
+        |o: Vec<Tracer>| Ok(vec![o[0].powf(3.0)?.neg()?]),
+        |o: Vec<Tracer>| Ok(vec![o[0].sin()?.mul(&o[0])?]),
+        vec![x.clone()],
     )?;
     Ok(out[0].clone())
 }
@@ -78,7 +78,7 @@ fn a_shared_predicate_stays_one_cond_and_a_per_example_one_runs_each_examples_br
         move |x: Tracer| -> candle_func::Result<Tracer> {
             let branch = |k: usize| {
                 let calls = calls.clone();
-                move |o: &[Tracer]| {
+                move |o: Vec<Tracer>| {
                     let calls = calls.clone();
                     let ty = TensorType::new(vec![], DType::F64);
                     let y = custom_op("branch", &[&o[0]], ty, move |xs| {
@@ -88,7 +88,7 @@ fn a_shared_predicate_stays_one_cond_and_a_per_example_one_runs_each_examples_br
                     Ok(vec![y])
                 }
             };
-            Ok(cond(&x.gt(0.0)?, branch(0), branch(1), std::slice::from_ref(&x))?[0].clone())
+            Ok(cond(&x.gt(0.0)?, branch(0), branch(1), vec![x.clone()])?[0].clone())
         }
     };
     let xs = t64(&[1.0, -2.0, -3.0, -4.0]);
@@ -126,9 +126,9 @@ fn a_shared_predicate_stays_one_cond_and_a_per_example_one_runs_each_examples_br
     let shared = |p: Tracer, x: Tracer| {
         Ok(cond(
             &p,
-            |o: &[Tracer]| Ok(vec![o[0].exp()?]),
-            |o: &[Tracer]| Ok(vec![o[0].neg()?]),
-            &[x],
+            |o: Vec<Tracer>| Ok(vec![o[0].exp()?]),
+            |o: Vec<Tracer>| Ok(vec![o[0].neg()?]),
+            vec![x],
         )?[0]
             .clone())
     };
@@ -149,9 +149,9 @@ fn a_shared_predicate_stays_one_cond_and_a_per_example_one_runs_each_examples_br
 fn halve(x: Tracer) -> candle_func::Result<(Tracer, Tracer)> {
     let zero = x.affine(0.0, 0.0)?;
     let out = while_loop(
-        |c: &[Tracer]| c[0].ge(1.0),
-        |c: &[Tracer]| Ok(vec![c[0].affine(0.5, 0.0)?, c[1].affine(1.0, 1.0)?]),
-        &[x, zero],
+        |c: &Vec<Tracer>| c[0].ge(1.0),
+        |c: Vec<Tracer>| Ok(vec![c[0].affine(0.5, 0.0)?, c[1].affine(1.0, 1.0)?]),
+        vec![x, zero],
     )?;
     Ok((out[0].clone(), out[1].clone()))
 }
@@ -199,7 +199,7 @@ fn while_loop_runs_each_examples_own_steps_and_is_forward_differentiable() {
 #[test]
 fn fori_loop_is_reverse_differentiable_and_control_flow_nests() {
     // x -> x^(2^4) by four squarings, and its derivative 16 x^15
-    let f = |x: Tracer| Ok(fori_loop(0, 4, |_i: &Tracer, c: &[Tracer]| Ok(vec![c[0].sqr()?]), &[x])?[0].clone());
+    let f = |x: Tracer| Ok(fori_loop(0, 4, |_i: &Tracer, c: Vec<Tracer>| Ok(vec![c[0].sqr()?]), vec![x])?[0].clone());
     let xs = t64(&[0.9, 1.05, -1.1]);
     let want: Vec<f64> = [0.9f64, 1.05, -1.1].iter().map(|x| 16.0 * x.powi(15)).collect();
     assert_close(
@@ -214,8 +214,8 @@ fn fori_loop_is_reverse_differentiable_and_control_flow_nests() {
         let out = fori_loop(
             2,
             5,
-            |i: &Tracer, c: &[Tracer]| Ok(vec![c[0].add(&i.to_dtype(DType::F64)?.mul(&x)?)?]),
-            &[zero],
+            |i: &Tracer, c: Vec<Tracer>| Ok(vec![c[0].add(&i.to_dtype(DType::F64)?.mul(&x)?)?]),
+            vec![zero],
         )?;
         Ok(out[0].clone())
     };
@@ -225,17 +225,17 @@ fn fori_loop_is_reverse_differentiable_and_control_flow_nests() {
     let h = |xs: Tracer| {
         let init = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
         let (c, _) = scan(
-            |c: &[Tracer], x: &[Tracer]| {
+            |c: Vec<Tracer>, x: Vec<Tracer>| {
                 let v = cond(
                     &x[0].lt(1.0)?,
-                    |o: &[Tracer]| Ok(vec![o[0].abs()?.affine(1.0, -1.0)?]),
-                    |o: &[Tracer]| Ok(vec![o[0].sqr()?]),
-                    &[x[0].clone()],
+                    |o: Vec<Tracer>| Ok(vec![o[0].abs()?.affine(1.0, -1.0)?]),
+                    |o: Vec<Tracer>| Ok(vec![o[0].sqr()?]),
+                    vec![x[0].clone()],
                 )?;
-                Ok((vec![c[0].add(&v[0])?], vec![]))
+                Ok((vec![c[0].add(&v[0])?], ()))
             },
-            &[init],
-            &[xs],
+            vec![init],
+            vec![xs],
         )?;
         Ok(c[0].clone())
     };
@@ -269,9 +269,9 @@ fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the
         let p = x.sum_all()?.gt(0.0)?;
         Ok(cond(
             &p,
-            |o: &[Tracer]| Ok(vec![o[0].clone()]),
-            |o: &[Tracer]| Ok(vec![o[0].sum_all()?]),
-            &[x],
+            |o: Vec<Tracer>| Ok(vec![o[0].clone()]),
+            |o: Vec<Tracer>| Ok(vec![o[0].sum_all()?]),
+            vec![x],
         )?[0]
             .clone())
     };
@@ -282,9 +282,9 @@ fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the
     let vector_pred = |x: Tracer| {
         Ok(cond(
             &x.gt(0.0)?,
-            |o: &[Tracer]| Ok(o.to_vec()),
-            |o: &[Tracer]| Ok(o.to_vec()),
-            &[x],
+            |o: Vec<Tracer>| Ok(o.to_vec()),
+            |o: Vec<Tracer>| Ok(o.to_vec()),
+            vec![x],
         )?[0]
             .clone())
     };
@@ -294,9 +294,9 @@ fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the
     }
     let grows = |x: Tracer| {
         let out = while_loop(
-            |c: &[Tracer]| c[0].sum_all()?.lt(10.0),
-            |c: &[Tracer]| Ok(vec![Tracer::cat(&[&c[0], &c[0]], 0)?]),
-            &[x],
+            |c: &Vec<Tracer>| c[0].sum_all()?.lt(10.0),
+            |c: Vec<Tracer>| Ok(vec![Tracer::cat(&[&c[0], &c[0]], 0)?]),
+            vec![x],
         )?;
         Ok(out[0].clone())
     };
@@ -306,7 +306,7 @@ fn branches_that_disagree_and_bodies_that_change_the_carry_are_errors_naming_the
     }
     // a fori_loop with nothing to carry says so
     let nothing = |x: Tracer| {
-        fori_loop(0, 3, |_i: &Tracer, c: &[Tracer]| Ok(c.to_vec()), &[])?;
+        fori_loop(0, 3, |_i: &Tracer, c: Vec<Tracer>| Ok(c.to_vec()), Vec::<Tracer>::new())?;
         Ok(x)
     };
     match jit(nothing).call(&x) {
@@ -324,9 +324,9 @@ fn bodies_read_any_active_trace_draws_refuse_derivatives_and_a_cond_needs_no_ope
         let g = grad(|w: Tracer| {
             let init = x.sum_all()?.affine(0.0, 0.0)?;
             let (c, _) = scan(
-                |c: &[Tracer], xt: &[Tracer]| Ok((vec![c[0].add(&xt[0].mul(&w)?)?.tanh()?], vec![])),
-                &[init],
-                std::slice::from_ref(&x),
+                |c: Vec<Tracer>, xt: Vec<Tracer>| Ok((vec![c[0].add(&xt[0].mul(&w)?)?.tanh()?], ())),
+                vec![init],
+                vec![x.clone()],
             )?;
             Ok(c[0].clone())
         });
@@ -343,9 +343,9 @@ fn bodies_read_any_active_trace_draws_refuse_derivatives_and_a_cond_needs_no_ope
         let w = p.affine(2.0, 0.0)?;
         let out = cond(
             &p.gt(0.0)?,
-            |_: &[Tracer]| Ok(vec![w.sqr()?]),
-            |_: &[Tracer]| Ok(vec![w.neg()?]),
-            &[],
+            |_: Vec<Tracer>| Ok(vec![w.sqr()?]),
+            |_: Vec<Tracer>| Ok(vec![w.neg()?]),
+            Vec::<Tracer>::new(),
         )?;
         Ok(out[0].clone())
     };
@@ -355,9 +355,9 @@ fn bodies_read_any_active_trace_draws_refuse_derivatives_and_a_cond_needs_no_ope
     let noisy = |x: Tracer| {
         let init = x.sum_all()?.affine(0.0, 0.0)?;
         let (c, _) = scan(
-            |c: &[Tracer], xt: &[Tracer]| Ok((vec![c[0].add(&xt[0].mul(&xt[0].rand_uniform_like()?)?)?], vec![])),
-            &[init],
-            &[x],
+            |c: Vec<Tracer>, xt: Vec<Tracer>| Ok((vec![c[0].add(&xt[0].mul(&xt[0].rand_uniform_like()?)?)?], ())),
+            vec![init],
+            vec![x],
         )?;
         Ok(c[0].clone())
     };
@@ -370,9 +370,9 @@ fn bodies_read_any_active_trace_draws_refuse_derivatives_and_a_cond_needs_no_ope
     let mixed = |x: Tracer| {
         let out = cond(
             &x.sum_all()?.gt(0.0)?,
-            |o: &[Tracer]| Ok(vec![o[0].clone(), o[0].to_dtype(DType::F32)?]),
-            |o: &[Tracer]| Ok(vec![o[0].clone(), o[0].to_dtype(DType::F32)?]),
-            &[x],
+            |o: Vec<Tracer>| Ok(vec![o[0].clone(), o[0].to_dtype(DType::F32)?]),
+            |o: Vec<Tracer>| Ok(vec![o[0].clone(), o[0].to_dtype(DType::F32)?]),
+            vec![x],
         )?;
         Ok(out[0].clone())
     };
@@ -406,14 +406,14 @@ fn guarded(i: Tracer) -> candle_func::Result<Tracer> {
     let t = table();
     let out = cond(
         &i.lt(5.0)?,
-        move |o: &[Tracer]| {
+        move |o: Vec<Tracer>| {
             Ok(vec![t
                 .to_tracer(&o[0])?
                 .index_select(&o[0].to_dtype(DType::U32)?.unsqueeze(0)?, 0)?
                 .squeeze(0)?])
         },
-        |o: &[Tracer]| Ok(vec![o[0].affine(0.0, 0.0)?]),
-        std::slice::from_ref(&i),
+        |o: Vec<Tracer>| Ok(vec![o[0].affine(0.0, 0.0)?]),
+        vec![i.clone()],
     )?;
     Ok(out[0].clone())
 }
@@ -440,9 +440,9 @@ fn a_guarded_branch_runs_only_on_rows_that_take_it_under_every_schedule() {
 fn sqrt_abs(x: Tracer) -> candle_func::Result<Tracer> {
     let out = cond(
         &x.gt(0.0)?,
-        |o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
-        |o: &[Tracer]| Ok(vec![o[0].neg()?.sqrt()?]),
-        std::slice::from_ref(&x),
+        |o: Vec<Tracer>| Ok(vec![o[0].sqrt()?]),
+        |o: Vec<Tracer>| Ok(vec![o[0].neg()?.sqrt()?]),
+        vec![x.clone()],
     )?;
     Ok(out[0].clone())
 }
@@ -480,15 +480,15 @@ fn table_sum(i: Tracer) -> candle_func::Result<Tracer> {
     let t = table();
     let zero = i.affine(0.0, 0.0)?;
     let out = while_loop(
-        |c: &[Tracer]| c[0].lt(5.0),
-        move |c: &[Tracer]| {
+        |c: &Vec<Tracer>| c[0].lt(5.0),
+        move |c: Vec<Tracer>| {
             let v = t
                 .to_tracer(&c[0])?
                 .index_select(&c[0].to_dtype(DType::U32)?.unsqueeze(0)?, 0)?
                 .squeeze(0)?;
             Ok(vec![c[0].affine(1.0, 1.0)?, c[1].add(&v)?])
         },
-        &[i, zero],
+        vec![i, zero],
     )?;
     Ok(out[1].clone())
 }
@@ -516,14 +516,14 @@ fn nested_vmaps_of_a_guarded_lookup_agree_with_single_calls() {
         let table = Tensor::new(&[10f32, 11., 12., 13., 14.], &Device::Cpu).unwrap();
         let out = cond(
             &i.lt(5.0)?,
-            move |o: &[Tracer]| {
+            move |o: Vec<Tracer>| {
                 Ok(vec![table
                     .to_tracer(&o[0])?
                     .index_select(&o[0].reshape(1)?, 0)?
                     .squeeze(0)?])
             },
-            |o: &[Tracer]| Ok(vec![o[0].to_dtype(DType::F32)?.affine(0.0, 0.0)?]),
-            &[i],
+            |o: Vec<Tracer>| Ok(vec![o[0].to_dtype(DType::F32)?.affine(0.0, 0.0)?]),
+            vec![i],
         )?;
         Ok(out[0].clone())
     };
@@ -542,14 +542,14 @@ fn nested_vmaps_of_a_guarded_lookup_agree_with_single_calls() {
 fn walk_table(x: Tracer) -> candle_func::Result<Tracer> {
     let table = Tensor::new(&[1f64, 1., 2., 1., 1.], &Device::Cpu).unwrap();
     let out = while_loop(
-        |c: &[Tracer]| c[0].lt(5.0),
-        move |c: &[Tracer]| {
+        |c: &Vec<Tracer>| c[0].lt(5.0),
+        move |c: Vec<Tracer>| {
             let step = table
                 .to_tracer(&c[0])?
                 .index_select(&c[0].to_dtype(DType::I64)?.reshape(1)?, 0)?;
             Ok(vec![c[0].add(&step.squeeze(0)?)?])
         },
-        &[x],
+        vec![x],
     )?;
     Ok(out[0].clone())
 }
@@ -579,9 +579,9 @@ fn vector_operands_and_a_cond_inside_a_scan_keep_each_examples_gradient() {
         let z = x.affine(0.0, 7.0)?;
         let out = cond(
             &x.sum_all()?.gt(0.0)?,
-            |o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
-            |o: &[Tracer]| Ok(vec![o[0].neg()?.sqrt()?]),
-            &[x, z],
+            |o: Vec<Tracer>| Ok(vec![o[0].sqrt()?]),
+            |o: Vec<Tracer>| Ok(vec![o[0].neg()?.sqrt()?]),
+            vec![x, z],
         )?;
         Ok(out[0].clone())
     };
@@ -597,9 +597,9 @@ fn vector_operands_and_a_cond_inside_a_scan_keep_each_examples_gradient() {
     let h = |xs: Tracer| -> candle_func::Result<Tracer> {
         let init = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
         let (c, _) = scan(
-            |c: &[Tracer], x: &[Tracer]| Ok((vec![c[0].add(&sqrt_abs(x[0].clone())?)?], vec![])),
-            &[init],
-            &[xs],
+            |c: Vec<Tracer>, x: Vec<Tracer>| Ok((vec![c[0].add(&sqrt_abs(x[0].clone())?)?], ())),
+            vec![init],
+            vec![xs],
         )?;
         Ok(c[0].clone())
     };
@@ -623,9 +623,9 @@ fn an_example_whose_rows_are_copied_keeps_its_own_gradient_at_a_singular_point()
     let f = |x: Tracer| -> candle_func::Result<Tracer> {
         let out = cond(
             &x.ge(0.0)?,
-            |o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
-            |o: &[Tracer]| Ok(vec![o[0].affine(2.0, 0.0)?]),
-            &[x],
+            |o: Vec<Tracer>| Ok(vec![o[0].sqrt()?]),
+            |o: Vec<Tracer>| Ok(vec![o[0].affine(2.0, 0.0)?]),
+            vec![x],
         )?;
         Ok(out[0].clone())
     };
@@ -647,9 +647,9 @@ fn a_per_example_cond_differentiates_as_a_single_calls_does_or_refuses_alike() {
     let noisy = |x: Tracer| -> candle_func::Result<Tracer> {
         let out = cond(
             &x.gt(0.0)?,
-            |o: &[Tracer]| Ok(vec![o[0].mul(&o[0].rand_uniform_like()?)?]),
-            |o: &[Tracer]| Ok(vec![o[0].neg()?]),
-            &[x],
+            |o: Vec<Tracer>| Ok(vec![o[0].mul(&o[0].rand_uniform_like()?)?]),
+            |o: Vec<Tracer>| Ok(vec![o[0].neg()?]),
+            vec![x],
         )?;
         Ok(out[0].clone())
     };

@@ -54,12 +54,12 @@ fn run_scan(p: &P, x: &Tracer, reverse: bool) -> candle_func::Result<(Tracer, Tr
         ScanOptions::new()
     };
     let (c, ys) = scan_with(
-        |c: &[Tracer], x: &[Tracer]| {
+        |c: Vec<Tracer>, x: Vec<Tracer>| {
             let h = cell(p, &c[0], &x[0])?;
             Ok((vec![h.clone()], vec![h.clone(), h.sqr()?.sum_all()?]))
         },
-        &[p["h0"].clone()],
-        std::slice::from_ref(x),
+        vec![p["h0"].clone()],
+        vec![x.clone()],
         opts,
     )?;
     Ok((c[0].clone(), ys[0].clone(), ys[1].clone()))
@@ -313,9 +313,9 @@ fn the_graph_does_not_grow_with_the_trip_count() {
         let x = rand(&[t, E], 16);
         let f = |p: P, x: Tracer| -> candle_func::Result<Tracer> {
             let (c, _) = scan(
-                |c: &[Tracer], x: &[Tracer]| Ok((vec![cell(&p, &c[0], &x[0])?], vec![])),
-                &[p["h0"].clone()],
-                &[x],
+                |c: Vec<Tracer>, x: Vec<Tracer>| Ok((vec![cell(&p, &c[0], &x[0])?], ())),
+                vec![p["h0"].clone()],
+                vec![x],
             )?;
             c[0].sum_all()
         };
@@ -339,12 +339,12 @@ fn a_loop_with_no_scanned_operand_runs_its_length_and_an_empty_one_returns_its_c
     let f = |steps: usize| {
         move |x: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
             let (c, ys) = scan_with(
-                |c: &[Tracer], _: &[Tracer]| {
+                |c: Vec<Tracer>, _: Vec<Tracer>| {
                     let n = c[0].affine(0.5, 1.0)?;
                     Ok((vec![n.clone()], vec![n.sum_all()?]))
                 },
-                &[x],
-                &[],
+                vec![x],
+                Vec::<Tracer>::new(),
                 ScanOptions::new().length(steps),
             )?;
             Ok((c[0].clone(), ys[0].clone()))
@@ -384,9 +384,9 @@ fn a_body_that_changes_its_carry_or_lengths_that_disagree_are_errors_naming_the_
     let grows = |x: Tracer| {
         let init = x.narrow(0, 0, 1)?.squeeze(0)?;
         let (c, _) = scan(
-            |c: &[Tracer], x: &[Tracer]| Ok((vec![Tracer::cat(&[&c[0], &x[0]], 0)?], vec![])),
-            &[init],
-            &[x],
+            |c: Vec<Tracer>, x: Vec<Tracer>| Ok((vec![Tracer::cat(&[&c[0], &x[0]], 0)?], ())),
+            vec![init],
+            vec![x],
         )?;
         c[0].sum_all()
     };
@@ -395,9 +395,9 @@ fn a_body_that_changes_its_carry_or_lengths_that_disagree_are_errors_naming_the_
     let two = |x: Tracer| {
         let y = x.narrow(0, 0, T - 1)?;
         let (c, _) = scan(
-            |c: &[Tracer], _: &[Tracer]| Ok((c.to_vec(), vec![])),
-            &[x.sum_all()?],
-            &[x, y],
+            |c: Vec<Tracer>, _: Vec<Tracer>| Ok((c.to_vec(), ())),
+            vec![x.sum_all()?],
+            vec![x, y],
         )?;
         Ok(c[0].clone())
     };
@@ -405,9 +405,9 @@ fn a_body_that_changes_its_carry_or_lengths_that_disagree_are_errors_naming_the_
     assert!(msg.contains("6 and 5 steps"), "{msg}");
     let length = |x: Tracer| {
         let (c, _) = scan_with(
-            |c: &[Tracer], _: &[Tracer]| Ok((c.to_vec(), vec![])),
-            &[x.sum_all()?],
-            &[x],
+            |c: Vec<Tracer>, _: Vec<Tracer>| Ok((c.to_vec(), ())),
+            vec![x.sum_all()?],
+            vec![x],
             ScanOptions::new().length(4),
         )?;
         Ok(c[0].clone())
@@ -416,12 +416,88 @@ fn a_body_that_changes_its_carry_or_lengths_that_disagree_are_errors_naming_the_
     assert!(msg.contains("4 and 6 steps"), "{msg}");
     let mixed = |x: Tracer| {
         let (c, _) = scan(
-            |c: &[Tracer], x: &[Tracer]| Ok((c.to_vec(), vec![x[0].to_dtype(DType::F64)?])),
-            &[x.sum_all()?],
-            &[x],
+            |c: Vec<Tracer>, x: Vec<Tracer>| Ok((c.to_vec(), vec![x[0].to_dtype(DType::F64)?])),
+            vec![x.sum_all()?],
+            vec![x],
         )?;
         Ok(c[0].clone())
     };
     let msg = shape_error(jit(mixed).call(&x));
     assert!(msg.contains("share one dtype"), "{msg}");
+}
+
+/// The carry, the scanned operands and the outputs are trees: a pair
+/// carry (a state and a running count), a map of scanned operands, a
+/// tuple of outputs; against the same loop written out step by step,
+/// and its gradient through the tree.
+#[test]
+fn scan_takes_and_gives_trees() {
+    let xs = rand(&[T, E], 21).to_dtype(DType::F64).unwrap();
+    let ws = rand(&[T, E], 22).to_dtype(DType::F64).unwrap();
+    let looped = |xs: Tracer, ws: Tracer| {
+        let ops: BTreeMap<String, Tracer> = [("x".to_string(), xs.clone()), ("w".to_string(), ws)].into();
+        let init = (
+            xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 1.0)?,
+            xs.sum_all()?.affine(0.0, 0.0)?,
+        );
+        let ((s, n), (ys, norms)) = scan(
+            |(s, n): (Tracer, Tracer), o: BTreeMap<String, Tracer>| {
+                let s = s.mul(&o["x"])?.add(&o["w"])?.tanh()?;
+                let norm = s.sqr()?.sum_all()?;
+                Ok(((s.clone(), n.affine(1.0, 1.0)?), (s, norm)))
+            },
+            init,
+            ops,
+        )?;
+        Ok((s, n, ys, norms))
+    };
+    let unrolled = |xs: Tracer, ws: Tracer| {
+        let mut s = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 1.0)?;
+        let (mut ys, mut norms) = (Vec::new(), Vec::new());
+        for t in 0..T {
+            let (x, w) = (xs.narrow(0, t, 1)?.squeeze(0)?, ws.narrow(0, t, 1)?.squeeze(0)?);
+            s = s.mul(&x)?.add(&w)?.tanh()?;
+            norms.push(s.sqr()?.sum_all()?.unsqueeze(0)?);
+            ys.push(s.unsqueeze(0)?);
+        }
+        let n = xs.sum_all()?.affine(0.0, T as f64)?;
+        Ok((
+            s,
+            n,
+            Tracer::cat(&ys.iter().collect::<Vec<_>>(), 0)?,
+            Tracer::cat(&norms.iter().collect::<Vec<_>>(), 0)?,
+        ))
+    };
+    let (s, n, ys, norms) = jit(looped).call((&xs, &ws)).unwrap();
+    let (s2, n2, ys2, norms2) = jit(unrolled).call((&xs, &ws)).unwrap();
+    assert_close(&s, &s2, 1e-12, "final state");
+    assert_close(&n, &n2, 1e-12, "step count");
+    assert_close(&ys, &ys2, 1e-12, "stacked states");
+    assert_close(&norms, &norms2, 1e-12, "stacked norms");
+    assert_eq!(ys.dims(), &[T, E]);
+    type Four = candle_func::Result<(Tracer, Tracer, Tracer, Tracer)>;
+    let loss = |f: fn(Tracer, Tracer) -> Four| {
+        move |xs: Tracer, ws: Tracer| {
+            let (s, _, _, norms) = f(xs, ws)?;
+            s.sum_all()?.add(&norms.sum_all()?)
+        }
+    };
+    let g = grad(loss(looped)).argnum::<1>().call((&xs, &ws)).unwrap();
+    let g2 = grad(loss(unrolled)).argnum::<1>().call((&xs, &ws)).unwrap();
+    assert_close(&g, &g2, 1e-12, "gradient through the tree");
+}
+
+#[test]
+fn a_body_that_changes_its_carrys_structure_is_an_error_naming_the_loop() {
+    let x = rand(&[T, E], 23);
+    let grows = |x: Tracer| {
+        let (c, ()) = scan(
+            |c: Vec<Tracer>, _: Tracer| Ok((vec![c[0].clone(), c[0].clone()], ())),
+            vec![x.sum_all()?],
+            x,
+        )?;
+        Ok(c[0].clone())
+    };
+    let msg = shape_error(jit(grows).call(&x));
+    assert!(msg.contains("structure"), "{msg}");
 }

@@ -35,14 +35,14 @@ fn params(seed: u64) -> BTreeMap<String, Tensor> {
 /// An Elman cell, its state as an output and a second, scalar output.
 fn run(p: &P, x: &Tracer, opts: ScanOptions) -> candle_func::Result<Tracer> {
     let (c, ys) = scan_with(
-        |c: &[Tracer], x: &[Tracer]| {
+        |c: Vec<Tracer>, x: Vec<Tracer>| {
             let wh = p["W"].matmul(&c[0].unsqueeze(1)?)?.squeeze(1)?;
             let ux = p["U"].matmul(&x[0].unsqueeze(1)?)?.squeeze(1)?;
             let h = wh.add(&ux)?.add(&p["b"])?.tanh()?;
             Ok((vec![h.clone()], vec![h.clone(), h.sqr()?.sum_all()?]))
         },
-        &[p["h0"].clone()],
-        std::slice::from_ref(x),
+        vec![p["h0"].clone()],
+        vec![x.clone()],
         opts,
     )?;
     // every value the loop gives, weighted so that no two rows are alike
@@ -146,9 +146,9 @@ const N: usize = 8192;
 fn iterate(steps: usize, opts: ScanOptions) -> impl Fn(Tracer, Tracer) -> candle_func::Result<Tracer> + Copy {
     move |x: Tracer, a: Tracer| {
         let (c, _) = scan_with(
-            |c: &[Tracer], _: &[Tracer]| Ok((vec![c[0].sin()?.affine(0.9, 0.0)?.add(&c[0].mul(&a)?)?], vec![])),
-            &[x],
-            &[],
+            |c: Vec<Tracer>, _: Vec<Tracer>| Ok((vec![c[0].sin()?.affine(0.9, 0.0)?.add(&c[0].mul(&a)?)?], ())),
+            vec![x],
+            Vec::<Tracer>::new(),
             opts.length(steps),
         )?;
         c[0].sqr()?.sum_all()
@@ -204,8 +204,8 @@ fn a_memory_limit_the_saved_carries_exceed_makes_the_loop_recompute_them() {
     // inherited by the gradient inside it
     let f = move |x: Tracer, a: Tracer| {
         let body = move |x: Tracer| {
-            let step = |_i: &Tracer, c: &[Tracer]| Ok(vec![c[0].sin()?.affine(0.9, 0.0)?.add(&c[0].mul(&a)?)?]);
-            fori_loop(0, steps, step, &[x])?[0].sqr()?.sum_all()
+            let step = |_i: &Tracer, c: Vec<Tracer>| Ok(vec![c[0].sin()?.affine(0.9, 0.0)?.add(&c[0].mul(&a)?)?]);
+            fori_loop(0, steps, step, vec![x])?[0].sqr()?.sum_all()
         };
         grad(body).apply((x,))
     };

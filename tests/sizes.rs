@@ -50,11 +50,19 @@ fn layers_sized_past_memory_are_errors_naming_the_parameter() {
 #[test]
 fn a_loop_of_more_steps_than_memory_holds_indices_for_is_an_error() {
     let x = Tensor::new(1f32, &Device::Cpu).unwrap();
-    let f = |x: Tracer| Ok(fori_loop(0, HUGE, |_: &Tracer, c: &[Tracer]| Ok(vec![c[0].clone()]), &[x])?[0].clone());
+    let f =
+        |x: Tracer| Ok(fori_loop(0, HUGE, |_: &Tracer, c: Vec<Tracer>| Ok(vec![c[0].clone()]), vec![x])?[0].clone());
     config_error(jit(f).call(&x), "fori_loop");
     // a loop that fits runs
-    let g =
-        |x: Tracer| Ok(fori_loop(2, 5, |_: &Tracer, c: &[Tracer]| Ok(vec![c[0].affine(2.0, 0.0)?]), &[x])?[0].clone());
+    let g = |x: Tracer| {
+        Ok(fori_loop(
+            2,
+            5,
+            |_: &Tracer, c: Vec<Tracer>| Ok(vec![c[0].affine(2.0, 0.0)?]),
+            vec![x],
+        )?[0]
+            .clone())
+    };
     assert_eq!(jit(g).call(&x).unwrap().to_scalar::<f32>().unwrap(), 8.0);
 }
 

@@ -19,16 +19,13 @@ fn t64(v: &[f64]) -> Tensor {
 
 /// `[x^3, x sin x, sqrt(x)][k]`: the third branch is NaN for `x < 0`.
 fn pick(k: &Tracer, x: &Tracer) -> candle_func::Result<Tracer> {
-    let out = switch(
+    switch(
         k,
-        &[
-            &|o: &[Tracer]| Ok(vec![o[0].powf(3.0)?]),
-            &|o: &[Tracer]| Ok(vec![o[0].sin()?.mul(&o[0])?]),
-            &|o: &[Tracer]| Ok(vec![o[0].sqrt()?]),
-        ],
-        std::slice::from_ref(x),
-    )?;
-    Ok(out[0].clone())
+        &[&|o: Tracer| o.powf(3.0), &|o: Tracer| o.sin()?.mul(&o), &|o: Tracer| {
+            o.sqrt()
+        }],
+        x.clone(),
+    )
 }
 
 /// The value and derivative of branch `k` clamped into `0..3`.
@@ -115,19 +112,38 @@ fn bad_indices_and_disagreeing_branches_are_errors_naming_switch() {
     let f = |x: Tracer| pick(&x.to_dtype(DType::I64)?, &x);
     shape_err(jit(f).call(&x), "a vector index");
     // no branches
-    let f = |x: Tracer| Ok(switch(&x.sum_all()?.to_dtype(DType::U32)?, &[], std::slice::from_ref(&x))?[0].clone());
+    let f = |x: Tracer| switch::<Tracer, Tracer>(&x.sum_all()?.to_dtype(DType::U32)?, &[], x);
     shape_err(jit(f).call(&x), "no branches");
     // branches of other shapes
     let f = |x: Tracer| {
         let k = x.sum_all()?.to_dtype(DType::U32)?;
-        let out = switch(
-            &k,
-            &[&|o: &[Tracer]| Ok(vec![o[0].clone()]), &|o: &[Tracer]| {
-                Ok(vec![o[0].sum_all()?])
-            }],
-            std::slice::from_ref(&x),
-        )?;
-        Ok(out[0].clone())
+        switch(&k, &[&|o: Tracer| Ok(o), &|o: Tracer| o.sum_all()], x)
     };
     shape_err(jit(f).call(&x), "branches of other shapes");
+    // branches of other structures: a pair and a list of two
+    let f = |x: Tracer| {
+        let k = x.sum_all()?.to_dtype(DType::U32)?;
+        let pair = |o: Tracer| Ok(vec![o.clone(), o]);
+        let both = |o: Tracer| Ok(vec![o.clone(), o.neg()?, o]);
+        Ok(switch(&k, &[&pair, &both], x)?.remove(0))
+    };
+    shape_err(jit(f).call(&x), "branches of other structures");
+}
+
+/// Operands and results are trees: a map of named tensors in, a pair out.
+#[test]
+fn switch_takes_and_gives_trees() {
+    use std::collections::BTreeMap;
+    let x = t64(&[1.0, -2.0]);
+    let f = |x: Tracer| {
+        let ops: BTreeMap<String, Tracer> = [("a".to_string(), x.clone()), ("b".to_string(), x.sqr()?)].into();
+        let k = x.sum_all()?.ge(0.0)?.to_dtype(DType::U32)?;
+        let sum = |o: BTreeMap<String, Tracer>| Ok((o["a"].add(&o["b"])?, o["b"].clone()));
+        let diff = |o: BTreeMap<String, Tracer>| Ok((o["a"].sub(&o["b"])?, o["a"].clone()));
+        let (u, v) = switch(&k, &[&sum, &diff], ops)?;
+        u.add(&v.affine(10.0, 0.0)?)
+    };
+    // sum(x) = -1 < 0: branch 0, a + b + 10 b
+    let y = jit(f).call(&x).unwrap();
+    assert_close(&y, &t64(&[12.0, 42.0]), 1e-12, "branch 0 of a tree");
 }

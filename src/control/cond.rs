@@ -1,18 +1,20 @@
 //! `cond` and `switch`: one `cond` node, its branches traced apart on the
 //! operands and chosen by an index (JAX's `cond_p` serves both).
 
-use super::{align, emit, enclosing, one_dtype, pack, trace_nested, unpack};
+use super::{align, emit, enclosing, leaves, one_dtype, pack, rebuild, trace_nested, unpack};
 use crate::error::{Error, Result};
 use crate::ir::{Cond, Prim, TensorType};
 use crate::rules::Outer;
 use crate::trace::Tracer;
+use crate::transforms::tree::{SymTree, TreeDef};
 use candle_core::DType;
 use std::sync::Arc;
 
 /// `cond`: `on_true(operands)` where `pred` (a scalar; nonzero: true)
-/// holds, else `on_false(operands)`, as JAX's `lax.cond`. The branch not
-/// taken does not run. Both branches give values of the same shapes and
-/// dtypes (one dtype among them). Under `vmap` with a predicate per
+/// holds, else `on_false(operands)`, as JAX's `lax.cond`. The operands
+/// and the values are trees. The branch not taken does not run. Both
+/// branches give trees of the same structure, shapes and dtypes (one
+/// dtype among their leaves). Under `vmap` with a predicate per
 /// example, each example's result and gradient are those of its own
 /// branch under every schedule: batched, each branch some example takes
 /// runs once on all rows, those of the examples not taking it replaced by
@@ -31,31 +33,40 @@ use std::sync::Arc;
 /// use candle_func::{vmap, Tracer};
 /// let f = |x: Tracer| {
 ///     let neg = x.lt(0.0)?;
-///     let out = cond(&neg, |o: &[Tracer]| Ok(vec![o[0].neg()?]), |o: &[Tracer]| Ok(vec![o[0].sqr()?]), &[x])?;
-///     Ok(out[0].clone())
+///     cond(&neg, |o: Tracer| o.neg(), |o: Tracer| o.sqr(), x)
 /// };
 /// let y = vmap(f).call(&Tensor::new(&[-2f32, 3.0], &Device::Cpu)?)?;
 /// assert_eq!(y.to_vec1::<f32>()?, [2.0, 9.0]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn cond(
+pub fn cond<O: SymTree, R: SymTree>(
     pred: &Tracer,
-    on_true: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
-    on_false: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
-    operands: &[Tracer],
-) -> Result<Vec<Tracer>> {
+    on_true: impl FnOnce(O) -> Result<R>,
+    on_false: impl FnOnce(O) -> Result<R>,
+    operands: O,
+) -> Result<R> {
     if pred.rank() != 0 {
         return Err(Error::shape("cond", &[pred.dims()], "the predicate must be a scalar"));
     }
     // nonzero (NaN included, as `bool(nan)`) picks branch 1
     let index = pred.ne(0.0)?;
-    branches("cond", &index, vec![Box::new(on_false), Box::new(on_true)], operands)
+    let (ops, odef) = leaves(&operands);
+    let fs: Vec<Box<Once<'_>>> = vec![on_leaves(&odef, on_false), on_leaves(&odef, on_true)];
+    let (outs, rdef) = branches("cond", &index, fs, &ops)?;
+    rebuild(&rdef, outs)
+}
+
+/// `f` on the leaves of a tree of structure `def`, giving its value's
+/// leaves and structure.
+fn on_leaves<'a, O: SymTree, R: SymTree>(def: &'a TreeDef, f: impl FnOnce(O) -> Result<R> + 'a) -> Box<Once<'a>> {
+    Box::new(move |ins: &[Tracer]| Ok(leaves(&f(rebuild(def, ins.to_vec())?)?)))
 }
 
 /// `switch`: `branches[index](operands)`, as JAX's `lax.switch`: `index`
 /// an integer scalar, clamped into `0..branches.len()`, and only that
-/// branch runs. Every branch gives values of the same shapes and dtypes
-/// (one dtype among them). Under `vmap` with an index per example, each
+/// branch runs. The operands and the values are trees; every branch
+/// gives a tree of the same structure, shapes and dtypes (one dtype among
+/// its leaves). Under `vmap` with an index per example, each
 /// example's result and gradient are its own branch's, as for [`cond`]:
 /// each branch some example takes runs once, batched, on rows that take
 /// it or copy one that does.
@@ -66,12 +77,7 @@ pub fn cond(
 /// use candle_func::{vmap, Tracer};
 /// // a per-example choice of activation
 /// let f = |(k, x): (Tracer, Tracer)| {
-///     let out = switch(&k, &[
-///         &|o: &[Tracer]| Ok(vec![o[0].relu()?]),
-///         &|o: &[Tracer]| Ok(vec![o[0].tanh()?]),
-///         &|o: &[Tracer]| Ok(vec![o[0].neg()?]),
-///     ], &[x])?;
-///     Ok(out[0].clone())
+///     switch(&k, &[&|o: Tracer| o.relu(), &|o: Tracer| o.tanh(), &|o: Tracer| o.neg()], x)
 /// };
 /// let k = Tensor::new(&[0u32, 2, 7], &Device::Cpu)?; // 7 is clamped to 2
 /// let x = Tensor::new(&[-1f32, 3.0, 4.0], &Device::Cpu)?;
@@ -79,7 +85,7 @@ pub fn cond(
 /// assert_eq!(y.to_vec1::<f32>()?, [0.0, -3.0, -4.0]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn switch(index: &Tracer, branches: &[&Branch<'_>], operands: &[Tracer]) -> Result<Vec<Tracer>> {
+pub fn switch<O: SymTree, R: SymTree>(index: &Tracer, branches: &[&Branch<'_, O, R>], operands: O) -> Result<R> {
     if index.rank() != 0 || index.dtype().is_float() {
         return Err(Error::shape(
             "switch",
@@ -96,43 +102,63 @@ pub fn switch(index: &Tracer, branches: &[&Branch<'_>], operands: &[Tracer]) -> 
         DType::I64 => index.clamp(0.0, (n - 1) as f64)?,
         _ => index.to_dtype(DType::I64)?.clamp(0.0, (n - 1) as f64)?,
     };
-    let fs: Vec<Box<Once<'_>>> = branches.iter().map(|&f| Box::new(f) as Box<Once<'_>>).collect();
-    self::branches("switch", &index, fs, operands)
+    let (ops, odef) = leaves(&operands);
+    let fs: Vec<Box<Once<'_>>> = branches.iter().map(|&f| on_leaves(&odef, f)).collect();
+    let (outs, rdef) = self::branches("switch", &index, fs, &ops)?;
+    rebuild(&rdef, outs)
 }
 
-/// A branch of a [`switch`]: its operands to its values.
-pub type Branch<'a> = dyn Fn(&[Tracer]) -> Result<Vec<Tracer>> + 'a;
+/// A branch of a [`switch`]: its operands to its values, both trees.
+pub type Branch<'a, O, R> = dyn Fn(O) -> Result<R> + 'a;
 
-/// A branch traced once.
-type Once<'a> = dyn FnOnce(&[Tracer]) -> Result<Vec<Tracer>> + 'a;
+/// A branch traced once on the operands' leaves: its values' leaves and
+/// structure.
+type Once<'a> = dyn FnOnce(&[Tracer]) -> Result<(Vec<Tracer>, TreeDef)> + 'a;
 
 /// Emits a `cond` node of `fs` traced on `operands`, chosen by `index`
 /// (an integer scalar already in range), for `op`.
-fn branches(op: &'static str, index: &Tracer, fs: Vec<Box<Once<'_>>>, operands: &[Tracer]) -> Result<Vec<Tracer>> {
+fn branches(
+    op: &'static str,
+    index: &Tracer,
+    fs: Vec<Box<Once<'_>>>,
+    operands: &[Tracer],
+) -> Result<(Vec<Tracer>, TreeDef)> {
     let all: Vec<Tracer> = std::iter::once(index.clone()).chain(operands.iter().cloned()).collect();
     let outer = enclosing(&all).ok_or_else(|| Error::internal(op, "no trace"))?;
     let types: Vec<TensorType> = operands.iter().map(|t| t.ty.clone()).collect();
     let mut traced = Vec::with_capacity(fs.len());
     for f in fs {
-        let mut outs = Vec::new();
+        let (mut outs, mut def) = (Vec::new(), None);
         let (g, caps) = trace_nested(&outer, &types, |ins| {
-            let got = f(ins)?;
+            let (got, d) = f(ins)?;
             let dtype = one_dtype(op, &got, "a branch's values")?
                 .ok_or_else(|| Error::shape(op, &[], "a branch gives no value"))?;
-            outs = got.iter().map(|t| t.ty.clone()).collect();
+            outs = got.iter().map(|t| t.ty.clone()).collect::<Vec<_>>();
+            def = Some(d);
             pack(&got, dtype, &got[0])
         })?;
-        traced.push((g, caps, outs));
+        let def = def.ok_or_else(|| Error::internal(op, "a branch was not traced"))?;
+        traced.push((g, caps, (outs, def)));
     }
     let first = traced[0].2.clone();
     if let Some((_, _, other)) = traced.iter().find(|(_, _, o)| *o != first) {
-        let shapes: Vec<&[usize]> = first.iter().chain(other).map(|t| t.shape.as_slice()).collect();
+        let shapes: Vec<&[usize]> = first.0.iter().chain(&other.0).map(|t| t.shape.as_slice()).collect();
         return Err(Error::shape(
             op,
             &shapes,
-            format!("the branches give {first:?} and {other:?}: every branch must give the same shapes and dtypes"),
+            match first.1 == other.1 {
+                true => format!(
+                    "the branches give {:?} and {:?}: every branch must give the same shapes and dtypes",
+                    first.0, other.0
+                ),
+                false => format!(
+                    "the branches give trees of the structures {:?} and {:?}: every branch must give the same shapes and dtypes, in one structure",
+                    first.1, other.1
+                ),
+            },
         ));
     }
+    let (first, def) = first;
     // every branch takes the operands, then every branch's captures in
     // branch order (a branch ignores the others')
     let caps: Vec<Vec<Outer>> = traced.iter().map(|t| t.1.clone()).collect();
@@ -148,5 +174,5 @@ fn branches(op: &'static str, index: &Tracer, fs: Vec<Box<Once<'_>>>, operands: 
     let mut ops = vec![index.clone()];
     ops.extend_from_slice(operands);
     let out = emit(&outer, Prim::Cond(Box::new(c)), &ops, &caps)?;
-    unpack(&out, first.iter().map(|t| t.shape.clone()))
+    Ok((unpack(&out, first.iter().map(|t| t.shape.clone()))?, def))
 }

@@ -5,8 +5,10 @@
 //! and every rule of theirs (run, batch, VJP, JVP, facts) are in
 //! `rules::control`, one file each beside `map`.
 //!
-//! A body is traced once, in a trace nested in the caller's: its carry
-//! and outputs are packed into one vector per step (so they share one
+//! Carries, scanned operands, outputs and branch operands are trees
+//! ([`SymTree`]: a tracer, tuples, vectors, maps), as in JAX. A body is
+//! traced once, in a trace nested in the caller's: its carry's and
+//! outputs' leaves are packed into one vector per step (so they share one
 //! dtype), and the values it reads from the enclosing trace (weights)
 //! become operands every step reads whole.
 
@@ -22,7 +24,34 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, Prim, TensorType};
 use crate::rules::{Builder, BuilderRef, Outer};
 use crate::trace::{Operand, Tracer};
+use crate::transforms::tree::{SymTree, TreeDef};
 use crate::transforms::{innermost, innermost_active, next_builder_id, tracing};
+
+/// A tree's leaves, in order, and its structure.
+fn leaves<T: SymTree>(t: &T) -> (Vec<Tracer>, TreeDef) {
+    let mut out = Vec::new();
+    let def = t.flatten_into(&mut out);
+    (out, def)
+}
+
+/// The tree of structure `def` over `leaves`.
+fn rebuild<T: SymTree>(def: &TreeDef, leaves: Vec<Tracer>) -> Result<T> {
+    T::unflatten_from(def, &mut leaves.into_iter())
+}
+
+/// The leaves of the tree a body returned, an error naming `op` unless
+/// it has the structure `want` (a loop's carry keeps its structure).
+fn same_tree<T: SymTree>(op: &'static str, what: &str, t: &T, want: &TreeDef) -> Result<Vec<Tracer>> {
+    let (got, def) = leaves(t);
+    match &def == want {
+        true => Ok(got),
+        false => Err(Error::shape(
+            op,
+            &[],
+            format!("{what} has the structure {def:?}, where {want:?} was given: a loop's carry keeps its structure"),
+        )),
+    }
+}
 
 /// The trace a loop over `operands` is emitted into: the innermost of
 /// theirs and of the trace being traced now (the body may read a value of

@@ -1,11 +1,14 @@
 //! `scan` and `fori_loop`: one `scan` node (or, checkpointed, a scan of
 //! segments and one of the steps left over).
 
-use super::{check_carry, emit, enclosing, one_dtype, outer_tracer, pack, trace_nested, unpack};
+use super::{
+    check_carry, emit, enclosing, leaves, one_dtype, outer_tracer, pack, rebuild, same_tree, trace_nested, unpack,
+};
 use crate::error::{Error, Result};
 use crate::ir::{Prim, Scan, TensorType};
 use crate::rules::{BuilderRef, Outer};
 use crate::trace::{Operand, Tracer};
+use crate::transforms::tree::SymTree;
 use std::sync::Arc;
 
 /// How a [`scan_with`] runs: backwards, or a number of steps with no
@@ -55,47 +58,73 @@ impl ScanOptions {
     }
 }
 
-/// What a loop's body returns: the next carry and this step's outputs.
+/// What a loop's body returns, as leaves: the next carry and this step's
+/// outputs.
 type Step = Result<(Vec<Tracer>, Vec<Tracer>)>;
 
 /// `lax.scan`: runs `f(carry, xs[t])` for `t = 0..T`, each step's carry
 /// the one the step before returned, and returns the final carry and each
-/// output stacked over the steps (`[T, ..]`). Every `xs` is scanned along
-/// its first axis (all of one length `T`). Inside a traced function only;
-/// one node of the graph whatever `T`, so the graph does not grow with
-/// the sequence. The carry and the outputs share one dtype; a body that
-/// returns a carry of another shape or dtype than it was given is an
-/// [`Error::Shape`] naming the loop.
+/// output stacked over the steps (every leaf `[T, ..]`). The carry, the
+/// scanned operands and the outputs are trees (a tracer, a tuple, a
+/// vector, a map); every leaf of `xs` is scanned along its first axis
+/// (all of one length `T`). Inside a traced function only; one node of
+/// the graph whatever `T`, so the graph does not grow with the sequence.
+/// The carry's and the outputs' leaves share one dtype; a body that
+/// returns a carry of another structure, shape or dtype than it was given
+/// is an [`Error::Shape`] naming the loop.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
 /// use candle_func::loops::scan;
 /// use candle_func::{jit, Tracer};
-/// // running sums: carry s, output s + x
+/// // running sums and step counts: carry (s, n), output s + x
 /// let f = |xs: Tracer| {
-///     let init = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
-///     let (_, ys) = scan(|c: &[Tracer], x: &[Tracer]| {
-///         let s = c[0].add(&x[0])?;
-///         Ok((vec![s.clone()], vec![s]))
-///     }, &[init], &[xs])?;
-///     Ok(ys[0].clone())
+///     let zero = xs.narrow(0, 0, 1)?.squeeze(0)?.affine(0.0, 0.0)?;
+///     let ((_, n), ys) = scan(|(s, n): (Tracer, Tracer), x: Tracer| {
+///         let s = s.add(&x)?;
+///         Ok(((s.clone(), n.affine(1.0, 1.0)?), s))
+///     }, (zero.clone(), zero.sum_all()?), xs)?;
+///     Ok((ys, n))
 /// };
 /// let xs = Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &Device::Cpu)?;
-/// let ys = jit(f).call(&xs)?;
+/// let (ys, n) = jit(f).call(&xs)?;
 /// assert_eq!(ys.to_vec2::<f32>()?, [[1., 2.], [4., 6.], [9., 12.]]);
+/// assert_eq!(n.to_scalar::<f32>()?, 3.0);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn scan(
-    f: impl FnOnce(&[Tracer], &[Tracer]) -> Step,
-    init: &[Tracer],
-    xs: &[Tracer],
-) -> Result<(Vec<Tracer>, Vec<Tracer>)> {
+pub fn scan<C: SymTree, X: SymTree, Y: SymTree>(
+    f: impl FnOnce(C, X) -> Result<(C, Y)>,
+    init: C,
+    xs: X,
+) -> Result<(C, Y)> {
     scan_with(f, init, xs, ScanOptions::new())
 }
 
 /// [`scan`] with [`ScanOptions`]: backwards, or a trip count with no
-/// scanned operand (`xs` empty).
-pub fn scan_with(
+/// scanned operand (`xs` an empty tree, such as `()` or `Vec::new()`).
+pub fn scan_with<C: SymTree, X: SymTree, Y: SymTree>(
+    f: impl FnOnce(C, X) -> Result<(C, Y)>,
+    init: C,
+    xs: X,
+    opts: ScanOptions,
+) -> Result<(C, Y)> {
+    let (init, cdef) = leaves(&init);
+    let (xs, xdef) = leaves(&xs);
+    let mut ydef = None;
+    let body = |c: &[Tracer], x: &[Tracer]| -> Step {
+        let (next, y) = f(rebuild(&cdef, c.to_vec())?, rebuild(&xdef, x.to_vec())?)?;
+        let next = same_tree("scan", "the body's carry", &next, &cdef)?;
+        let (y, def) = leaves(&y);
+        ydef = Some(def);
+        Ok((next, y))
+    };
+    let (carry, ys) = scan_leaves(body, &init, &xs, opts)?;
+    let ydef = ydef.ok_or_else(|| Error::internal("scan", "the body was not traced"))?;
+    Ok((rebuild(&cdef, carry)?, rebuild(&ydef, ys)?))
+}
+
+/// [`scan_with`] on the leaves of the carry and the scanned operands.
+fn scan_leaves(
     f: impl FnOnce(&[Tracer], &[Tracer]) -> Step,
     init: &[Tracer],
     xs: &[Tracer],
@@ -302,31 +331,32 @@ fn trip_count(xs: &[Tracer], length: Option<usize>) -> Result<usize> {
 }
 
 /// `fori_loop`: `carry = body(i, carry)` for `i` in `lower..upper` (an
-/// `i64` scalar), as JAX's `lax.fori_loop`. A `scan` of `upper - lower`
-/// steps underneath, so reverse-differentiable (unlike [`while_loop`]);
-/// no step runs where `upper <= lower`.
+/// `i64` scalar), as JAX's `lax.fori_loop`, the carry a tree. A `scan` of
+/// `upper - lower` steps underneath, so reverse-differentiable (unlike
+/// [`while_loop`](super::while_loop)); no step runs where `upper <= lower`.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
 /// use candle_func::loops::fori_loop;
 /// use candle_func::{grad, Tracer};
 /// // x^(2^3) by squaring three times; its derivative at 1.5
-/// let f = |x: Tracer| Ok(fori_loop(0, 3, |_i: &Tracer, c: &[Tracer]| Ok(vec![c[0].sqr()?]), &[x])?[0].clone());
+/// let f = |x: Tracer| fori_loop(0, 3, |_i: &Tracer, c: Tracer| c.sqr(), x);
 /// let g = grad(f).call(&Tensor::new(1.5f64, &Device::Cpu)?)?;
 /// assert!((g.to_scalar::<f64>()? - 8.0 * 1.5f64.powi(7)).abs() < 1e-9);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn fori_loop(
+pub fn fori_loop<C: SymTree>(
     lower: usize,
     upper: usize,
-    body: impl FnOnce(&Tracer, &[Tracer]) -> Result<Vec<Tracer>>,
-    init: &[Tracer],
-) -> Result<Vec<Tracer>> {
-    let like = init
+    body: impl FnOnce(&Tracer, C) -> Result<C>,
+    init: C,
+) -> Result<C> {
+    let (leaves_of_init, _) = leaves(&init);
+    let like = leaves_of_init
         .first()
         .ok_or_else(|| Error::shape("fori_loop", &[], "needs a carry"))?;
     if upper <= lower {
-        return Ok(init.to_vec());
+        return Ok(init);
     }
     // the indices are a scanned operand: a trip count past memory is an
     // error here, not an aborted allocation
@@ -342,10 +372,6 @@ pub fn fori_loop(
     let mut steps: Vec<i64> = crate::interp::exec::host_vec("fori_loop", "the indices", n)?;
     steps.extend((lower..upper).map(|i| i as i64));
     let idx = candle_core::Tensor::from_vec(steps, n, &like.device())?.to_tracer(like)?;
-    let (carry, _) = scan(
-        |c: &[Tracer], i: &[Tracer]| Ok((body(&i[0], c)?, Vec::new())),
-        init,
-        &[idx],
-    )?;
+    let (carry, ()) = scan(|c: C, i: Tracer| Ok((body(&i, c)?, ())), init, idx)?;
     Ok(carry)
 }

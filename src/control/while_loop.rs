@@ -1,19 +1,20 @@
 //! `while_loop`: one `while` node, its condition and body traced apart.
 
-use super::{align, check_carry, emit, enclosing, one_dtype, pack, trace_nested, unpack};
+use super::{align, check_carry, emit, enclosing, leaves, one_dtype, pack, rebuild, same_tree, trace_nested, unpack};
 use crate::error::{Error, Result};
 use crate::ir::{Prim, TensorType, While};
 use crate::trace::Tracer;
+use crate::transforms::tree::SymTree;
 use std::sync::Arc;
 
-/// `while_loop`: `carry = body_fun(carry)` while `cond_fun(carry)` (a
-/// scalar, nonzero: true) holds, as JAX's `lax.while_loop`; one node of
-/// the graph. Under `vmap` with a condition per example each example runs
+/// `while_loop`: `carry = body_fun(carry)` while `cond_fun(&carry)` (a
+/// scalar, nonzero: true) holds, as JAX's `lax.while_loop`, the carry a
+/// tree; one node of the graph. Under `vmap` with a condition per example each example runs
 /// its own steps under every schedule: batched, the loop runs until every
 /// example's condition fails, a finished example keeping its carry and no
 /// longer feeding the body its own values (its rows are a running
 /// example's, discarded), so the body never sees a finished carry. Forward-differentiable (`jvp`); its gradient is an error, as
-/// in JAX, since the trip count is data: use [`fori_loop`].
+/// in JAX, since the trip count is data: use [`fori_loop`](super::fori_loop).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -21,32 +22,34 @@ use std::sync::Arc;
 /// use candle_func::{vmap, Tracer};
 /// // halve until below 1, each example its own number of times
 /// let f = |x: Tracer| {
-///     let out = while_loop(|c: &[Tracer]| c[0].ge(1.0), |c: &[Tracer]| Ok(vec![c[0].affine(0.5, 0.0)?]), &[x])?;
-///     Ok(out[0].clone())
+///     while_loop(|c: &Tracer| c.ge(1.0), |c: Tracer| c.affine(0.5, 0.0), x)
 /// };
 /// let y = vmap(f).call(&Tensor::new(&[5f32, 0.5, 12.0], &Device::Cpu)?)?;
 /// assert_eq!(y.to_vec1::<f32>()?, [0.625, 0.5, 0.75]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn while_loop(
-    cond_fun: impl FnOnce(&[Tracer]) -> Result<Tracer>,
-    body_fun: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
-    init: &[Tracer],
-) -> Result<Vec<Tracer>> {
+pub fn while_loop<C: SymTree>(
+    cond_fun: impl FnOnce(&C) -> Result<Tracer>,
+    body_fun: impl FnOnce(C) -> Result<C>,
+    init: C,
+) -> Result<C> {
+    let (init, def) = leaves(&init);
+    let init = &init[..];
     let outer = enclosing(init).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
     let dtype = one_dtype("while_loop", init, "the carry")?.unwrap_or(candle_core::DType::F32);
     let nc: usize = init.iter().map(Tracer::elem_count).sum();
     let shapes = || init.iter().map(|t| t.dims().to_vec());
     let carry_ty = TensorType::new(vec![nc], dtype);
     let (gc, cc) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
-        let p = cond_fun(&unpack(&ins[0], shapes())?)?;
+        let p = cond_fun(&rebuild(&def, unpack(&ins[0], shapes())?)?)?;
         match p.rank() {
             0 => Ok(p),
             _ => Err(Error::shape("while_loop", &[p.dims()], "cond_fun must give a scalar")),
         }
     })?;
     let (gb, cb) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
-        let next = body_fun(&unpack(&ins[0], shapes())?)?;
+        let next = body_fun(rebuild(&def, unpack(&ins[0], shapes())?)?)?;
+        let next = same_tree("while_loop", "the body's carry", &next, &def)?;
         check_carry("while_loop", init, &next)?;
         pack(&next, dtype, &ins[0])
     })?;
@@ -58,5 +61,5 @@ pub fn while_loop(
         body: Arc::new(gb),
     };
     let out = emit(&outer, Prim::While(Box::new(w)), &[packed], &[cc, cb])?;
-    unpack(&out, shapes())
+    rebuild(&def, unpack(&out, shapes())?)
 }

@@ -59,10 +59,7 @@ impl Executable {
     /// out; seeded from the process-wide stream, with no limit but the
     /// machine's memory.
     pub(crate) fn new(g: &Graph) -> Executable {
-        match g.prepared {
-            true => Self::prepared(g.clone()),
-            false => Self::prepared(passes::prepare(g)),
-        }
+        Self::prepared(passes::prepare(g))
     }
 
     /// A graph the passes have already prepared, as it is.
@@ -115,12 +112,9 @@ impl Executable {
         self.limit(o.memory_limit).portable(o.portable)
     }
 
-    /// The prepared graph, taken out (marked as prepared).
-    pub(crate) fn into_graph(self) -> Graph {
-        Graph {
-            prepared: true,
-            ..self.graph
-        }
+    /// The prepared graph, taken out.
+    pub(crate) fn into_prepared(self) -> super::Prepared {
+        super::Prepared::of_prepared(self.graph)
     }
 
     /// The bytes the graph holds at its peak by its plan.

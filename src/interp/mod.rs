@@ -11,6 +11,9 @@
 pub(crate) mod exec;
 mod malloc;
 pub(crate) mod passes;
+mod prepared;
+
+pub use prepared::Prepared;
 
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Graph, Prim, TensorType};

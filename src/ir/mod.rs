@@ -82,13 +82,12 @@ pub(crate) struct Node {
     pub(crate) ty: TensorType,
 }
 
-/// A traced function, as [`make_graph`](crate::make_graph) returns it:
-/// nodes in topological order, the input nodes in argument order, and the
-/// output values. It prints like a jaxpr and can be inspected node by node
-/// ([`Graph::nodes`]) and run ([`Graph::run`]); it is built only by the
-/// crate, so every graph a user holds is well formed.
+/// A traced function: nodes in topological order, the input nodes in
+/// argument order, and the output values. Transforms rewrite it; the
+/// interpreter's passes prepare it to run (`interp::Prepared`, the graph
+/// a user holds).
 #[derive(Clone, Debug, Default)]
-pub struct Graph {
+pub(crate) struct Graph {
     /// All values, topologically ordered.
     pub(crate) nodes: Vec<Node>,
     /// The `Prim::Input` nodes, in argument order.
@@ -97,9 +96,6 @@ pub struct Graph {
     pub(crate) outputs: Vec<VarId>,
     /// candle tensors captured while tracing, referenced by `Prim::Const`.
     pub(crate) consts: Vec<Tensor>,
-    /// Whether the passes that prepare a graph to run have made it (a graph
-    /// `make_graph` returned), so running it does not prepare it again.
-    pub(crate) prepared: bool,
 }
 
 /// A read-only view of one node of a [`Graph`].
@@ -145,7 +141,7 @@ impl Graph {
     }
 
     /// Every node, in topological order.
-    pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
+    pub(crate) fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
         self.nodes
             .iter()
             .enumerate()
@@ -153,27 +149,27 @@ impl Graph {
     }
 
     /// The node with index `v`, if there is one.
-    pub fn node(&self, v: usize) -> Option<NodeView<'_>> {
+    pub(crate) fn node(&self, v: usize) -> Option<NodeView<'_>> {
         self.nodes.get(v).map(|node| NodeView { index: v, node })
     }
 
     /// The indices of the output values, in output order.
-    pub fn outputs(&self) -> &[usize] {
+    pub(crate) fn outputs(&self) -> &[usize] {
         &self.outputs
     }
 
     /// The types of the inputs, in argument order.
-    pub fn input_types(&self) -> Vec<TensorType> {
+    pub(crate) fn input_types(&self) -> Vec<TensorType> {
         self.inputs.iter().map(|&v| self.nodes[v].ty.clone()).collect()
     }
 
     /// The types of the outputs, in output order.
-    pub fn output_types(&self) -> Vec<TensorType> {
+    pub(crate) fn output_types(&self) -> Vec<TensorType> {
         self.outputs.iter().map(|&v| self.nodes[v].ty.clone()).collect()
     }
 
     /// Number of equations (nodes that are not inputs, constants or literals).
-    pub fn equation_count(&self) -> usize {
+    pub(crate) fn equation_count(&self) -> usize {
         self.nodes.iter().filter(|n| !n.prim.is_leaf()).count()
     }
 

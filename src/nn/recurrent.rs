@@ -379,7 +379,7 @@ impl Recurrent {
         if let Some(k) = self.checkpoint {
             opts = opts.checkpoint(k);
         }
-        let (last, ys) = scan_with(|c: &[Tracer], x: &[Tracer]| self.step(w, c, x), &init, &xs, opts)?;
+        let (last, ys) = scan_with(|c: Vec<Tracer>, x: Vec<Tracer>| self.step(w, &c, &x), init, xs, opts)?;
         let c = (self.cell == RecurrentCell::Lstm).then(|| last[1].clone());
         Ok((ys[0].clone(), last[0].clone(), c))
     }

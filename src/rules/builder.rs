@@ -219,7 +219,6 @@ impl Builder {
             inputs: self.inputs.clone(),
             outputs,
             consts: self.consts.clone(),
-            prepared: false,
         };
         let captures = self.captures.iter().map(|(t, _)| t.clone()).collect();
         (graph, captures)

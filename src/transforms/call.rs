@@ -173,7 +173,7 @@ where
 /// assert!(g.to_string().contains("exp"));
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn make_graph<S, F, C>(f: &F, args: C) -> Result<Graph>
+pub fn make_graph<S, F, C>(f: &F, args: C) -> Result<crate::interp::Prepared>
 where
     S: ArgList,
     F: Function<S>,
@@ -181,5 +181,5 @@ where
 {
     let (leaves, defs, device) = flatten_call(&args)?;
     let traced = trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?;
-    Ok(Executable::new(&traced.graph).into_graph())
+    Ok(Executable::new(&traced.graph).into_prepared())
 }

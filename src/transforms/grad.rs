@@ -519,7 +519,6 @@ pub(crate) fn partition(j: &Graph, n_primals: usize, n_out: usize) -> (Graph, Gr
             .chain(residuals.iter().copied())
             .collect(),
         consts: j.consts.clone(),
-        prepared: false,
     }
     .eliminate_dead_code();
     // The backward graph: residuals become inputs, then the cotangents.

@@ -1,16 +1,16 @@
 //! Transforms and what they share, a file each: the [`Function`] trait (a
 //! traceable function: a closure or another transform, `function.rs`), the
 //! per-signature graph cache (`cache.rs`), the trace stack (`stack.rs`),
-//! tracing and calling a traced function on concrete tensors (`call.rs`),
-//! running a graph (`graph_run.rs`) and [`jit`] (`jit.rs`); one file per
-//! transform beside them.
+//! tracing and calling a traced function on concrete tensors (`call.rs`)
+//! and [`jit`] (`jit.rs`); one file per transform beside them. A graph
+//! `make_graph` returns runs by the interpreter's own type
+//! (`interp::Prepared`).
 
 mod cache;
 mod call;
 pub(crate) mod dims;
 mod function;
 pub(crate) mod grad;
-mod graph_run;
 pub(crate) mod jacobian;
 mod jit;
 pub(crate) mod jvp;

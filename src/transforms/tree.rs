@@ -173,6 +173,27 @@ macro_rules! tuple_trees {
     };
 }
 
+/// The empty tree: a loop's body with no outputs, nothing scanned.
+impl SymTree for () {
+    type Concrete = ();
+    type Nest<L: SymTree> = ();
+    fn flatten_into(&self, _out: &mut Vec<Tracer>) -> TreeDef {
+        TreeDef::Tuple(Vec::new())
+    }
+    fn unflatten_from(def: &TreeDef, _leaves: &mut IntoIter<Tracer>) -> Result<Self> {
+        match def {
+            TreeDef::Tuple(c) if c.is_empty() => Ok(()),
+            d => Err(mismatch("()", d)),
+        }
+    }
+    fn concrete_from(def: &TreeDef, _leaves: &mut IntoIter<Tensor>) -> Result<()> {
+        match def {
+            TreeDef::Tuple(c) if c.is_empty() => Ok(()),
+            d => Err(mismatch("()", d)),
+        }
+    }
+}
+
 tuple_trees!(A 0, B 1);
 tuple_trees!(A 0, B 1, C 2);
 tuple_trees!(A 0, B 1, C 2, D 3);
