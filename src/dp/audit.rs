@@ -235,7 +235,7 @@ where
         }
         // the canaries join each step as Poisson-sampled examples do, so the
         // audit measures the add/remove-one guarantee of a Poisson run
-        let sampling = self.accountant.sampling();
+        let sampling = self.setup.accountant.sampling();
         if sampling != crate::dp::accountant::Sampling::Poisson {
             return Err(Error::data(
                 OP,
@@ -293,8 +293,12 @@ where
         &mut self,
         sum: &mut std::collections::BTreeMap<String, candle_core::Tensor>,
     ) -> Result<()> {
-        let unit = if self.adaptive.is_some() { 1.0 } else { self.sensitivity };
-        let q = self.sample_rate;
+        let unit = if self.setup.adaptive.is_some() {
+            1.0
+        } else {
+            self.setup.sensitivity
+        };
+        let q = self.setup.sample_rate;
         let Some(c) = self.canaries.as_mut() else {
             return Ok(());
         };

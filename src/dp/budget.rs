@@ -132,10 +132,10 @@ where
             return Err(over(&plan, no_batch_fits()));
         }
         let budget = target - plan.beside_pass();
-        let cap = self.physical;
+        let cap = self.setup.physical;
         let peak = |t: &mut Self, p: usize| -> Result<usize> {
-            t.physical = p;
-            let (examples, w) = t.pass(&super::users::first(t.data.users.as_ref(), p))?;
+            t.setup.physical = p;
+            let (examples, w) = t.pass(&super::users::first(t.setup.data.users.as_ref(), p))?;
             // planned whole: no limit lets the inner vmap lower it to chunks
             t.clip
                 .planned_peak((&params, &examples, &w), |o| o.memory_limit(usize::MAX))
@@ -164,13 +164,13 @@ where
                     log::debug!(
                         "make_private: {cap} examples a pass plan over the limit of {limit} bytes; passes of {k}"
                     );
-                    self.physical = k;
+                    self.setup.physical = k;
                     return self.limited(plan, budget);
                 }
             };
             return Err(over(&plan, remedy));
         }
-        self.physical = cap;
+        self.setup.physical = cap;
         self.limited(plan, budget)
     }
 
@@ -185,7 +185,7 @@ where
     /// The plan with everything but the pass's graph counted.
     fn plan_beside(&self, params: &BTreeMap<String, Tensor>, chosen: bool) -> Result<MemoryPlan> {
         let weights = sum_bytes(crate::optim::var_tensors(&self.varmap)?.values());
-        let data = self.data.source.resident_bytes();
+        let data = self.setup.data.source.resident_bytes();
         let (optimizer, step_work) = match self.optimizer.memory_bytes(params) {
             Some(m) => m,
             None => {
@@ -203,7 +203,7 @@ where
         // the noise of one tensor: the noised copy the fused kernel writes
         // (f32 and f64 on the CPU); otherwise the draw, the sum and the
         // scaled result, in f32 (twice a half tensor's bytes)
-        let path = self.path;
+        let path = self.setup.path;
         let fused = |p: &Tensor| crate::kernels::has_cpu_kernel(p, path) && p.is_contiguous();
         let noise = match params.values().all(fused) {
             true => largest,
@@ -216,7 +216,7 @@ where
             .unwrap_or(0)
             .saturating_sub(weights.saturating_add(data));
         Ok(MemoryPlan {
-            physical_batch: self.physical,
+            physical_batch: self.setup.physical,
             pass: 0,
             weights,
             optimizer,

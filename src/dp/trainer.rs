@@ -110,18 +110,10 @@ impl Examples {
 pub struct PrivateTrainer<F, O, S = XsYs> {
     pub(super) clip: ClippedGradSum<Masked<F, S>>,
     pub(super) varmap: VarMap,
-    pub(super) trainable: Vec<String>,
     pub(super) optimizer: O,
-    pub(super) accountant: Accountant,
-    pub(super) rng: Rng,
-    pub(super) data: Examples,
-    pub(super) sample_rate: f64,
-    pub(super) noise_multiplier: f64,
-    pub(super) sensitivity: f64,
-    pub(super) physical: usize,
-    pub(super) secure_mode: bool,
-    pub(super) bound: Option<f64>,
-    pub(super) adaptive: Option<Adaptive>,
+    /// What trains, the accountant, the generator, the data and the
+    /// privacy parameters of every step, as the engine settled them.
+    pub(super) setup: Setup,
     pub(super) comm: Option<Box<dyn Collective>>,
     /// Steps taken (restored by `resume`).
     pub(super) steps: u64,
@@ -129,9 +121,6 @@ pub struct PrivateTrainer<F, O, S = XsYs> {
     pub(super) memory: Option<super::budget::MemoryPlan>,
     /// White-box canaries of a one-run audit, when inserted.
     pub(super) canaries: Option<super::audit::Canaries>,
-    /// The kernels' path the trainer's own work (the noise) runs on: the
-    /// clipping graph's, from the engine's options or the environment.
-    pub(super) path: crate::kernels::Path,
 }
 
 /// What the engine settles for a trainer: what trains, the accountant and
@@ -181,23 +170,12 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
         Ok(PrivateTrainer {
             clip,
             varmap: varmap.clone(),
-            trainable: s.trainable,
             optimizer,
-            accountant: s.accountant,
-            rng: s.rng,
-            data: s.data,
-            sample_rate: s.sample_rate,
-            noise_multiplier: s.noise_multiplier,
-            sensitivity: s.sensitivity,
-            physical: s.physical,
-            secure_mode: s.secure_mode,
-            bound: s.bound,
-            adaptive: s.adaptive,
+            setup: s,
             comm: None,
             steps: 0,
             memory: None,
             canaries: None,
-            path: s.path,
         })
     }
 }
@@ -212,10 +190,14 @@ where
     /// clips its share of the logical batch and the step ends with every
     /// rank's parameters checked equal.
     pub fn step(&mut self) -> Result<StepInfo> {
-        let n = self.data.units();
-        let (q, rng, users) = (self.sample_rate, &mut self.rng, self.data.users.as_ref());
+        let n = self.setup.data.units();
+        let (q, rng, users) = (
+            self.setup.sample_rate,
+            &mut self.setup.rng,
+            self.setup.data.users.as_ref(),
+        );
         // drawn by the scheme the accountant analyses, so the two agree
-        let sampling = self.accountant.sampling();
+        let sampling = self.setup.accountant.sampling();
         let batch = (q * n as f64).round() as usize;
         let mut draw = || users::draw(users, sampling, rng, (n, q, batch));
         let (idx, mine) = match &self.comm {
@@ -239,8 +221,8 @@ where
         // adaptive clipping's count of unclipped examples, noised once
         let mut unclipped = mine.len() as f64 - over;
         let draws = self.comm.as_ref().is_none_or(|c| c.rank() == 0);
-        if let (Some(a), true) = (&self.adaptive, draws) {
-            unclipped += a.count_noise(&mut self.rng);
+        if let (Some(a), true) = (&self.setup.adaptive, draws) {
+            unclipped += a.count_noise(&mut self.setup.rng);
         }
         let mut counts = [loss_sum, over, unclipped, failed.is_some() as u8 as f64];
         let mut sum = sum;
@@ -262,25 +244,27 @@ where
         // half-way has still released noisy values.
         // The step count moves with the accountant, so that a checkpoint's
         // history always holds exactly `steps` steps (resume checks it).
-        self.accountant.step(self.noise_multiplier, self.sample_rate)?;
+        self.setup
+            .accountant
+            .step(self.setup.noise_multiplier, self.setup.sample_rate)?;
         self.score_canaries(&grads)?;
         self.steps += 1;
         self.optimizer.step(&grads)?;
-        if let Some(a) = &mut self.adaptive {
-            a.update(unclipped, self.sample_rate * n as f64);
+        if let Some(a) = &mut self.setup.adaptive {
+            a.update(unclipped, self.setup.sample_rate * n as f64);
         }
         if let Some(c) = &self.comm {
             collective::check_in_step(c.as_ref(), &self.params_now()?, "after a step")?;
         }
         let b = idx.len() as f64;
-        let by_user = matches!(&self.data.users, Some(u) if u.grouped() && u.gradient == UserGradient::Mean);
+        let by_user = matches!(&self.setup.data.users, Some(u) if u.grouped() && u.gradient == UserGradient::Mean);
         let losses = if by_user { b } else { idx.examples() as f64 };
         Ok(StepInfo {
             batch_size: idx.len(),
             examples: idx.examples(),
-            passes: mine.len().div_ceil(self.physical),
+            passes: mine.len().div_ceil(self.setup.physical),
             mean_loss: if idx.len() == 0 { f64::NAN } else { loss_sum / losses },
-            clipped_fraction: match (self.bound, idx.len() == 0) {
+            clipped_fraction: match (self.setup.bound, idx.len() == 0) {
                 (Some(_), false) => over / b,
                 _ => f64::NAN,
             },
@@ -297,12 +281,12 @@ where
     ) -> Result<(BTreeMap<String, Tensor>, f64, f64)> {
         let mut sum: Option<BTreeMap<String, Tensor>> = None;
         let (mut loss_sum, mut over) = (0.0, 0usize);
-        for chunk in mine.passes(self.physical) {
+        for chunk in mine.passes(self.setup.physical) {
             let (examples, w) = self.pass(&chunk)?;
             let (clipped, norms, losses) = self.clip.call((params, &examples, &w)).map_err(|e| self.over(e))?;
             // the losses came weighted by 1 / C under adaptive clipping
             loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()? * self.unit();
-            if let Some(c) = self.bound {
+            if let Some(c) = self.setup.bound {
                 let real = norms.narrow(0, 0, chunk.len())?.to_dtype(DType::F64)?;
                 over += real.to_vec1::<f64>()?.iter().filter(|&&v| v > c).count();
             }
@@ -332,21 +316,21 @@ where
         counts: &mut [f64],
         ok: bool,
     ) -> Result<BTreeMap<String, Tensor>> {
-        let expected = self.sample_rate * n as f64;
+        let expected = self.setup.sample_rate * n as f64;
         // adaptive: the sum is of gradients scaled by 1 / C, clipped to 1
-        let (std, unit) = match &self.adaptive {
+        let (std, unit) = match &self.setup.adaptive {
             Some(a) => (a.grad_sigma, a.bound),
-            None => (self.noise_multiplier * self.sensitivity, 1.0),
+            None => (self.setup.noise_multiplier * self.setup.sensitivity, 1.0),
         };
         let first = ok && self.comm.as_ref().is_none_or(|c| c.rank() == 0);
         let scale = if self.comm.is_some() { 1.0 } else { unit / expected };
         let mut noisy = BTreeMap::new();
         let mut failed = None;
-        let path = self.path;
+        let path = self.setup.path;
         for (k, s) in sum {
             let s = match first {
                 false => s,
-                true => match self.rng.add_noise(&s, std, scale, self.secure_mode, path) {
+                true => match self.setup.rng.add_noise(&s, std, scale, self.setup.secure_mode, path) {
                     Ok(t) => t,
                     // rank 0 still joins the all-reduce, flagged, if it fails
                     Err(e) if self.comm.is_some() => {
@@ -399,7 +383,7 @@ where
             ));
         }
         let before = self.params_now()?;
-        collective::check_same_setup(&comm, &before, &self.data.probe()?)?;
+        collective::check_same_setup(&comm, &before, &self.setup.data.probe()?)?;
         // every variable, the frozen ones too: they are constants of the
         // traced loss, which shares their storage and is traced at the
         // first step, after this
@@ -414,13 +398,13 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// The adaptive bound `C` the examples are scaled by (`1 / C` as their
     /// weight), 1 for a fixed bound.
     fn unit(&self) -> f64 {
-        self.adaptive.as_ref().map_or(1.0, |a| a.bound)
+        self.setup.adaptive.as_ref().map_or(1.0, |a| a.bound)
     }
 
     /// The flat bound the next step clips to (moved after every step by
     /// adaptive clipping); NaN for per-layer clipping.
     pub fn clip_bound(&self) -> f64 {
-        match (&self.adaptive, self.bound) {
+        match (&self.setup.adaptive, self.setup.bound) {
             (Some(a), _) => a.bound,
             (None, Some(c)) => c,
             (None, None) => f64::NAN,
@@ -446,7 +430,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
             op: "PrivateTrainer::step",
             needed,
             limit,
-            parts: format!("a pass of {} examples", self.physical),
+            parts: format!("a pass of {} examples", self.setup.physical),
             remedy: remedy.into(),
         }
     }
@@ -454,7 +438,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// Examples per pass: [`PrivacyEngine::physical_batch`](super::PrivacyEngine::physical_batch)'s,
     /// or the one the trainer chose under a memory limit.
     pub fn physical_batch(&self) -> usize {
-        self.physical
+        self.setup.physical
     }
 
     /// The process's memory at a step's peak by part, where the engine had
@@ -467,9 +451,9 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// The trainable parameters' current values by name.
     pub(super) fn params_now(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut all = crate::optim::var_tensors(&self.varmap)?;
-        all.retain(|k, _| self.trainable.contains(k));
-        if all.len() != self.trainable.len() {
-            let gone: Vec<&String> = self.trainable.iter().filter(|k| !all.contains_key(*k)).collect();
+        all.retain(|k, _| self.setup.trainable.contains(k));
+        if all.len() != self.setup.trainable.len() {
+            let gone: Vec<&String> = self.setup.trainable.iter().filter(|k| !all.contains_key(*k)).collect();
             return Err(Error::data(
                 "PrivateTrainer::step",
                 format!("trainable variables {gone:?} were removed from the VarMap"),
@@ -500,29 +484,30 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// physical size with copies of its first, weighted 0; a pass of users
     /// `[physical, k, ..]` (see [`super::users`]).
     pub(super) fn pass(&self, chunk: &Share) -> Result<(Vec<Tensor>, Tensor)> {
-        let chunk = match (chunk, &self.data.users) {
+        let chunk = match (chunk, &self.setup.data.users) {
             (Share::Examples(e), _) => e,
             (Share::Users(u), Some(users)) => return self.pass_users(users, u),
             (Share::Users(_), None) => return Err(Error::internal("PrivateTrainer::step", "users without users")),
         };
         let mut ids: Vec<usize> = chunk.to_vec();
-        let pad = self.physical - chunk.len();
+        let pad = self.setup.physical - chunk.len();
         ids.extend(std::iter::repeat_n(ids[0], pad));
         let w = (1.0 / self.unit()) as f32;
-        let weights: Vec<f32> = (0..self.physical)
+        let weights: Vec<f32> = (0..self.setup.physical)
             .map(|i| if i < chunk.len() { w } else { 0.0 })
             .collect();
-        let examples = self.data.source.fetch(&ids)?;
-        let weights = Tensor::from_vec(weights, self.physical, &self.data.source.device())?;
+        let examples = self.setup.data.source.fetch(&ids)?;
+        let weights = Tensor::from_vec(weights, self.setup.physical, &self.setup.data.source.device())?;
         Ok((examples, weights))
     }
 
     /// A pass of users: `physical` users of `k` slots, each leaf fetched as
     /// `[physical k, ..]` and split, `(B K) .. -> B K ..`.
     fn pass_users(&self, users: &Users, chunk: &[Vec<usize>]) -> Result<(Vec<Tensor>, Tensor)> {
-        let (p, k) = (self.physical, users.k);
+        let (p, k) = (self.setup.physical, users.k);
         let (ids, w) = users::user_slots(users, chunk, p, 1.0 / self.unit());
         let examples = self
+            .setup
             .data
             .source
             .fetch(&ids)?
@@ -532,17 +517,17 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
                 t.reshape(dims)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok((examples, Tensor::from_vec(w, (p, k), &self.data.source.device())?))
+        Ok((examples, Tensor::from_vec(w, (p, k), &self.setup.data.source.device())?))
     }
 
     /// The ε spent so far at `delta`, by the engine's accountant.
     pub fn epsilon(&self, delta: f64) -> Result<f64> {
-        self.accountant.epsilon(delta)
+        self.setup.accountant.epsilon(delta)
     }
 
     /// The accountant ([`PrivateTrainer::save`] saves it with the rest).
     pub fn accountant(&self) -> &Accountant {
-        &self.accountant
+        &self.setup.accountant
     }
 
     /// Replaces the accountant (to report ε by another analysis, say). Its
@@ -551,7 +536,7 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
     /// [`PrivateTrainer::save`], which refuses any other; to continue a
     /// saved run, use [`PrivateTrainer::resume`].
     pub fn set_accountant(&mut self, accountant: Accountant) {
-        self.accountant = accountant;
+        self.setup.accountant = accountant;
     }
 
     /// The optimiser (for its learning rate).
@@ -568,23 +553,23 @@ impl<F, O, S> PrivateTrainer<F, O, S> {
 
     /// The noise multiplier `σ` in use.
     pub fn noise_multiplier(&self) -> f64 {
-        self.noise_multiplier
+        self.setup.noise_multiplier
     }
 
     /// The sample rate `q = batch_size / N`.
     pub fn sample_rate(&self) -> f64 {
-        self.sample_rate
+        self.setup.sample_rate
     }
 
     /// Steps per epoch: `1 / q` rounded, at least 1.
     pub fn steps_per_epoch(&self) -> usize {
-        super::config::steps_per_epoch(self.sample_rate)
+        super::config::steps_per_epoch(self.setup.sample_rate)
     }
 
     /// The names of the parameters that train (and are noised), sorted;
     /// the rest of the `VarMap` is frozen.
     pub fn trainable_names(&self) -> &[String] {
-        &self.trainable
+        &self.setup.trainable
     }
 
     /// How many coordinates the noise is added to: the trainable

@@ -78,14 +78,14 @@ fn identity<F, O, S>(t: &PrivateTrainer<F, O, S>, params: &BTreeMap<String, Tens
         .iter()
         .map(|(k, v)| json!([k, v.dims(), format!("{:?}", v.dtype())]))
         .collect();
-    let data: Vec<Value> = t.data.dims().into_iter().map(|(k, d)| json!([k, d])).collect();
+    let data: Vec<Value> = t.setup.data.dims().into_iter().map(|(k, d)| json!([k, d])).collect();
     json!({
         "trainable": params,
         "examples": data,
-        "sample_rate": t.sample_rate,
-        "noise_multiplier": t.noise_multiplier,
-        "physical_batch": t.physical,
-        "users": t.data.users.as_ref().map(|u| u.describe()),
+        "sample_rate": t.setup.sample_rate,
+        "noise_multiplier": t.setup.noise_multiplier,
+        "physical_batch": t.setup.physical,
+        "users": t.setup.data.users.as_ref().map(|u| u.describe()),
     })
 }
 
@@ -139,7 +139,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         folder::check_replaceable(dir, &FILES, WHAT)?;
         // a history this trainer's own resume would refuse (one given by
         // set_accountant) is refused before anything is written
-        self.check_history(&self.accountant, self.steps, WHAT)?;
+        self.check_history(&self.setup.accountant, self.steps, WHAT)?;
         // everything read from the trainer before anything is written
         let current = self.params_now()?;
         let opt = self.optimizer.state()?;
@@ -156,9 +156,10 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
     /// `state.json`'s text.
     fn state_json(&self, current: &BTreeMap<String, Tensor>, opt: &OptimizerState) -> Result<String> {
         const WHAT: &str = "PrivateTrainer::save";
-        let accountant: Value = serde_json::from_str(&self.accountant.to_json())
+        let accountant: Value = serde_json::from_str(&self.setup.accountant.to_json())
             .map_err(|e| Error::internal(WHAT, format!("the accountant's JSON: {e}")))?;
         let rng = self
+            .setup
             .rng
             .state()
             .map(|(key, stream, word)| json!({"key": hex(&key), "stream": stream, "word_pos": word.to_string()}));
@@ -169,7 +170,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             "accountant": accountant,
             "optimizer": {"kind": opt.kind, "scalars": opt.scalars},
             "rng": rng,
-            "clip_bound": self.adaptive.as_ref().map(|a| a.bound),
+            "clip_bound": self.setup.adaptive.as_ref().map(|a| a.bound),
         });
         serde_json::to_string_pretty(&state).map_err(|e| Error::internal(WHAT, e.to_string()))
     }
@@ -192,28 +193,28 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         // steps taken before the resume would vanish from the accounting,
         // though what they released (their reports, a model evaluated
         // then) may be out
-        if self.steps != 0 || self.accountant.steps() != 0 {
+        if self.steps != 0 || self.setup.accountant.steps() != 0 {
             return Err(bad(format!(
                 "this trainer has taken {} steps: resume into a newly built one, whose accounting is empty",
-                self.steps.max(self.accountant.steps() as u64)
+                self.steps.max(self.setup.accountant.steps() as u64)
             )));
         }
         let r = self.read(dir.as_ref())?;
         // the optimiser checks its state whole before taking any of it; the
         // parameters were checked by `read`
         self.optimizer.load_state(&r.optimizer)?;
-        for k in &self.trainable {
+        for k in &self.setup.trainable {
             self.set_param(k, &r.params[k])?;
         }
-        self.accountant = r.accountant;
+        self.setup.accountant = r.accountant;
         if let Keying::Adopt(rng) = r.rng {
-            self.rng = *rng;
+            self.setup.rng = *rng;
         }
-        if let (Some(a), Some(c)) = (&mut self.adaptive, r.bound) {
+        if let (Some(a), Some(c)) = (&mut self.setup.adaptive, r.bound) {
             a.bound = c;
         }
         self.steps = r.steps;
-        self.physical = r.physical;
+        self.setup.physical = r.physical;
         if let Some(m) = &mut self.memory {
             // its pass stays planned for the larger batch: a bound
             m.physical_batch = r.physical;
@@ -276,7 +277,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             // a batch the trainer chose under its memory limit gives way to
             // a smaller saved one, which fits too and continues the run's
             // sums bit for bit
-            let smaller = (1..=self.physical).contains(&physical);
+            let smaller = (1..=self.setup.physical).contains(&physical);
             if field == "physical_batch" && smaller && self.memory.as_ref().is_some_and(|m| m.chosen) {
                 continue;
             }
@@ -288,7 +289,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
         // onto the parameters' device (the data may live elsewhere)
         let device = match current.values().next() {
             Some(t) => t.device().clone(),
-            None => self.data.source.device(),
+            None => self.setup.data.source.device(),
         };
         let params = load_tensors(&dir.join("params.safetensors"), &device)?;
         for (k, t) in &current {
@@ -325,12 +326,12 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             .ok_or_else(|| bad("state.json: steps is not a count"))?;
         let accountant = self.checked_history(&state["accountant"], steps)?;
         let rng = self.keying(&state["rng"], dir)?;
-        let bound = match (&self.adaptive, &state["clip_bound"]) {
+        let bound = match (&self.setup.adaptive, &state["clip_bound"]) {
             (None, Value::Null) => None,
             (Some(_), Value::Number(c)) => c.as_f64().filter(|c| c.is_finite() && *c > 0.0),
             (_, v) => return Err(bad(format!("clip_bound {v} does not fit this trainer's clipping"))),
         };
-        if self.adaptive.is_some() && bound.is_none() {
+        if self.setup.adaptive.is_some() && bound.is_none() {
             return Err(bad("clip_bound is not a positive number"));
         }
         Ok(Restored {
@@ -351,21 +352,21 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
     fn checked_history(&self, saved: &Value, steps: u64) -> Result<Accountant> {
         let saved = Accountant::from_json(&saved.to_string())?;
         self.check_history(&saved, steps, "PrivateTrainer::resume")?;
-        if saved.mechanism() != self.accountant.mechanism() {
+        if saved.mechanism() != self.setup.accountant.mechanism() {
             warn_once(
                 "dp-resume-mechanism".into(),
                 format!(
                     "PrivateTrainer::resume: the saved run reported epsilon by {}, this trainer by {}: \
                      epsilon is recomputed from the saved history by {}",
                     saved.mechanism().name(),
-                    self.accountant.mechanism().name(),
-                    self.accountant.mechanism().name()
+                    self.setup.accountant.mechanism().name(),
+                    self.setup.accountant.mechanism().name()
                 ),
             );
         }
-        let mut accountant = self.accountant.emptied();
+        let mut accountant = self.setup.accountant.emptied();
         let steps = usize::try_from(steps).map_err(|_| bad(format!("{steps} steps overflow usize")))?;
-        accountant.record(self.noise_multiplier, self.sample_rate, steps)?;
+        accountant.record(self.setup.noise_multiplier, self.setup.sample_rate, steps)?;
         Ok(accountant)
     }
 
@@ -373,13 +374,13 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
     /// trainer takes (its `σ` and `q`), `steps` of them.
     fn check_history(&self, acc: &Accountant, steps: u64, what: &'static str) -> Result<()> {
         let bad = |msg: String| Error::Checkpoint { what, msg };
-        let (sigma, q) = (self.noise_multiplier, self.sample_rate);
+        let (sigma, q) = (self.setup.noise_multiplier, self.setup.sample_rate);
         // a run sampled one way is never accounted as another
-        if acc.sampling() != self.accountant.sampling() {
+        if acc.sampling() != self.setup.accountant.sampling() {
             return Err(bad(format!(
                 "the accountant's steps were sampled {:?}, this trainer samples {:?}",
                 acc.sampling(),
-                self.accountant.sampling()
+                self.setup.accountant.sampling()
             )));
         }
         for (i, &(s, r, n)) in acc.history().iter().enumerate() {
@@ -405,7 +406,7 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
 
     /// What to do with the saved generator (see the module docs).
     fn keying(&self, saved: &Value, dir: &Path) -> Result<Keying> {
-        match (saved, self.rng.is_seeded()) {
+        match (saved, self.setup.rng.is_seeded()) {
             (Value::Null, false) => Ok(Keying::Keep),
             (Value::Null, true) => Err(bad(format!(
                 "{} was saved by a run whose noise came from an OS-keyed generator; this trainer's is seeded \
