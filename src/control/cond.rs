@@ -1,7 +1,7 @@
 //! `cond` and `switch`: one `cond` node, its branches traced apart on the
 //! operands and chosen by an index (JAX's `cond_p` serves both).
 
-use super::{align, emit, enclosing, leaves, one_dtype, pack, rebuild, trace_nested, unpack};
+use super::{align, emit, enclosing, leaves_of, one_dtype, pack, rebuild, trace_nested, unpack};
 use crate::error::{Error, Result};
 use crate::ir::{Cond, Prim, TensorType};
 use crate::rules::Outer;
@@ -50,7 +50,7 @@ pub fn cond<O: SymTree, R: SymTree>(
     }
     // nonzero (NaN included, as `bool(nan)`) picks branch 1
     let index = pred.ne(0.0)?;
-    let (ops, odef) = leaves(&operands);
+    let (ops, odef) = leaves_of(&operands);
     let fs: Vec<Box<Once<'_>>> = vec![on_leaves(&odef, on_false), on_leaves(&odef, on_true)];
     let (outs, rdef) = branches("cond", &index, fs, &ops)?;
     rebuild(&rdef, outs)
@@ -59,7 +59,7 @@ pub fn cond<O: SymTree, R: SymTree>(
 /// `f` on the leaves of a tree of structure `def`, giving its value's
 /// leaves and structure.
 fn on_leaves<'a, O: SymTree, R: SymTree>(def: &'a TreeDef, f: impl FnOnce(O) -> Result<R> + 'a) -> Box<Once<'a>> {
-    Box::new(move |ins: &[Tracer]| Ok(leaves(&f(rebuild(def, ins.to_vec())?)?)))
+    Box::new(move |ins: &[Tracer]| Ok(leaves_of(&f(rebuild(def, ins.to_vec())?)?)))
 }
 
 /// `switch`: `branches[index](operands)`, as JAX's `lax.switch`: `index`
@@ -102,7 +102,7 @@ pub fn switch<O: SymTree, R: SymTree>(index: &Tracer, branches: &[&Branch<'_, O,
         DType::I64 => index.clamp(0.0, (n - 1) as f64)?,
         _ => index.to_dtype(DType::I64)?.clamp(0.0, (n - 1) as f64)?,
     };
-    let (ops, odef) = leaves(&operands);
+    let (ops, odef) = leaves_of(&operands);
     let fs: Vec<Box<Once<'_>>> = branches.iter().map(|&f| on_leaves(&odef, f)).collect();
     let (outs, rdef) = self::branches("switch", &index, fs, &ops)?;
     rebuild(&rdef, outs)

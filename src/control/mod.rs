@@ -24,15 +24,8 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, Prim, TensorType};
 use crate::rules::{Builder, BuilderRef, Outer};
 use crate::trace::{Operand, Tracer};
-use crate::transforms::tree::{SymTree, TreeDef};
+use crate::transforms::tree::{leaves_of, SymTree, TreeDef};
 use crate::transforms::{innermost, innermost_active, next_builder_id, tracing};
-
-/// A tree's leaves, in order, and its structure.
-fn leaves<T: SymTree>(t: &T) -> (Vec<Tracer>, TreeDef) {
-    let mut out = Vec::new();
-    let def = t.flatten_into(&mut out);
-    (out, def)
-}
 
 /// The tree of structure `def` over `leaves`.
 fn rebuild<T: SymTree>(def: &TreeDef, leaves: Vec<Tracer>) -> Result<T> {
@@ -42,7 +35,7 @@ fn rebuild<T: SymTree>(def: &TreeDef, leaves: Vec<Tracer>) -> Result<T> {
 /// The leaves of the tree a body returned, an error naming `op` unless
 /// it has the structure `want` (a loop's carry keeps its structure).
 fn same_tree<T: SymTree>(op: &'static str, what: &str, t: &T, want: &TreeDef) -> Result<Vec<Tracer>> {
-    let (got, def) = leaves(t);
+    let (got, def) = leaves_of(t);
     match &def == want {
         true => Ok(got),
         false => Err(Error::shape(

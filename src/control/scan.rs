@@ -2,7 +2,7 @@
 //! segments and one of the steps left over).
 
 use super::{
-    check_carry, emit, enclosing, leaves, one_dtype, outer_tracer, pack, rebuild, same_tree, trace_nested, unpack,
+    check_carry, emit, enclosing, leaves_of, one_dtype, outer_tracer, pack, rebuild, same_tree, trace_nested, unpack,
 };
 use crate::error::{Error, Result};
 use crate::ir::{Prim, Scan, TensorType};
@@ -108,13 +108,13 @@ pub fn scan_with<C: SymTree, X: SymTree, Y: SymTree>(
     xs: X,
     opts: ScanOptions,
 ) -> Result<(C, Y)> {
-    let (init, cdef) = leaves(&init);
-    let (xs, xdef) = leaves(&xs);
+    let (init, cdef) = leaves_of(&init);
+    let (xs, xdef) = leaves_of(&xs);
     let mut ydef = None;
     let body = |c: &[Tracer], x: &[Tracer]| -> Step {
         let (next, y) = f(rebuild(&cdef, c.to_vec())?, rebuild(&xdef, x.to_vec())?)?;
         let next = same_tree("scan", "the body's carry", &next, &cdef)?;
-        let (y, def) = leaves(&y);
+        let (y, def) = leaves_of(&y);
         ydef = Some(def);
         Ok((next, y))
     };
@@ -351,8 +351,8 @@ pub fn fori_loop<C: SymTree>(
     body: impl FnOnce(&Tracer, C) -> Result<C>,
     init: C,
 ) -> Result<C> {
-    let (leaves_of_init, _) = leaves(&init);
-    let like = leaves_of_init
+    let (init_leaves, _) = leaves_of(&init);
+    let like = init_leaves
         .first()
         .ok_or_else(|| Error::shape("fori_loop", &[], "needs a carry"))?;
     if upper <= lower {

@@ -1,6 +1,8 @@
 //! `while_loop`: one `while` node, its condition and body traced apart.
 
-use super::{align, check_carry, emit, enclosing, leaves, one_dtype, pack, rebuild, same_tree, trace_nested, unpack};
+use super::{
+    align, check_carry, emit, enclosing, leaves_of, one_dtype, pack, rebuild, same_tree, trace_nested, unpack,
+};
 use crate::error::{Error, Result};
 use crate::ir::{Prim, TensorType, While};
 use crate::trace::Tracer;
@@ -33,7 +35,7 @@ pub fn while_loop<C: SymTree>(
     body_fun: impl FnOnce(C) -> Result<C>,
     init: C,
 ) -> Result<C> {
-    let (init, def) = leaves(&init);
+    let (init, def) = leaves_of(&init);
     let init = &init[..];
     let outer = enclosing(init).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
     let dtype = one_dtype("while_loop", init, "the carry")?.unwrap_or(candle_core::DType::F32);

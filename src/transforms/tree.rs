@@ -173,6 +173,13 @@ macro_rules! tuple_trees {
     };
 }
 
+/// A tree's leaves, in order, and its structure.
+pub(crate) fn leaves_of<T: SymTree>(t: &T) -> (Vec<Tracer>, TreeDef) {
+    let mut out = Vec::new();
+    let def = t.flatten_into(&mut out);
+    (out, def)
+}
+
 /// The empty tree: a loop's body with no outputs, nothing scanned.
 impl SymTree for () {
     type Concrete = ();

@@ -18,8 +18,8 @@
 //!   cotangents packed into one vector) and JVPs, on the same predicate.
 
 use super::{
-    any_true, batched_graph, body_facts, body_peak, example_mask, flat, from_taking, lanes_graph, piece, run_one,
-    shape_error,
+    any_true, batched_graph, body_facts, body_peak, flat, from_taking, lanes_graph, piece, rows_mask, run_one,
+    scalar_value, shape_error,
 };
 use crate::error::{Error, Result};
 use crate::ir::ops::Compare;
@@ -46,11 +46,7 @@ impl Cond {
 /// The branch an index picks: its value clamped into `0..n` (as JAX's
 /// `switch`; the binders clamp already, this keeps a run in range).
 fn branch_of(index: &Tensor, n: usize) -> Result<usize> {
-    use crate::error::CandleContext;
-    let v = index
-        .to_dtype(candle_core::DType::F64)
-        .and_then(|t| t.to_scalar::<f64>())
-        .op("cond")?;
+    let v = scalar_value(index, "cond")?;
     Ok(match v.is_nan() {
         true => 0,
         false => v.clamp(0.0, n.saturating_sub(1) as f64) as usize,
@@ -106,7 +102,7 @@ impl Cond {
         let rank = cx.b.ty(outs[0]).rank();
         let mut out = outs[0];
         for (k, &o) in outs.iter().enumerate().skip(1) {
-            let mask = example_mask(cx.b, takes[k], cx.size, rank)?;
+            let mask = rows_mask(cx.b, takes[k], cx.size, rank)?;
             out = cx.b.select(mask, o, out)?;
         }
         Ok((out, Some(0)))

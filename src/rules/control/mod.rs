@@ -125,9 +125,15 @@ fn lanes_graph(
 fn example_mask(b: &mut Builder, p: VarId, size: usize, rank: usize) -> Result<VarId> {
     let zero = b.scalar_as(0.0, p);
     let mask = b.cmp(Compare::Ne, p, zero)?;
+    rows_mask(b, mask, size, rank)
+}
+
+/// A mask `m` `[B]` (a comparison's result) shaped `B 1..` to select
+/// between values of rank `rank` (batch first).
+fn rows_mask(b: &mut Builder, m: VarId, size: usize, rank: usize) -> Result<VarId> {
     let mut shape = vec![size];
     shape.resize(rank, 1);
-    b.reshape(mask, shape)
+    b.reshape(m, shape)
 }
 
 /// Whether any entry of the mask `m` `[B]` (nonzero: true) holds: a
@@ -210,10 +216,14 @@ fn run_one(cx: &RunCx, g: &Graph, inputs: &[Tensor], seed: u64, op: &'static str
         .ok_or_else(|| Error::internal(op, "a graph without output"))
 }
 
+/// The value of a scalar operand (a predicate, an index), read on the host.
+fn scalar_value(t: &Tensor, op: &'static str) -> Result<f64> {
+    t.to_dtype(DType::F64).and_then(|t| t.to_scalar::<f64>()).op(op)
+}
+
 /// Whether a scalar predicate holds (nonzero; NaN holds, as `bool(nan)`).
 fn holds(p: &Tensor, op: &'static str) -> Result<bool> {
-    let v = p.to_dtype(DType::F64).and_then(|t| t.to_scalar::<f64>()).op(op)?;
-    Ok(v != 0.0)
+    Ok(scalar_value(p, op)? != 0.0)
 }
 
 /// A loop's result being filled one row (axis 0) at a time, as each

@@ -10,7 +10,7 @@
 use super::grad::{grad, Argnums, Aux, Plain, Wrt, Wrt2, Wrt3, Wrt4};
 use super::jvp::named_jvp_fn;
 use super::transformed::{Transform, Transformed};
-use super::tree::{ArgList, SymTree};
+use super::tree::{leaves_of, ArgList, SymTree};
 use super::vmap::{vmap, Vmap};
 use super::{ByRef, Function};
 use crate::error::{CandleContext, Error, Result};
@@ -121,13 +121,6 @@ impl Split {
         }
         args
     }
-}
-
-/// A tree's leaves and structure.
-fn leaves_of<T: SymTree>(t: &T) -> (Vec<Tracer>, super::tree::TreeDef) {
-    let mut l = Vec::new();
-    let def = t.flatten_into(&mut l);
-    (l, def)
 }
 
 /// What a Jacobian transform of `F` (over `W`, in mode `M`) returns.
