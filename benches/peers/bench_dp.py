@@ -30,7 +30,7 @@ from models import CNNO, CNNT  # noqa: E402
 from tiny_lm import TinyLM, V, T  # noqa: E402
 import timing  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("PEER_THREADS", "2")))  # PEER_THREADS=1 for one-thread rounds
 torch.manual_seed(0)
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
 

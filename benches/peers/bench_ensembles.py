@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, stack_module_state, vmap
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("PEER_THREADS", "2")))  # PEER_THREADS=1 for one-thread rounds
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = os.environ.get("PEERS", HERE)
 if not os.path.exists(os.path.join(PEERS, "models.py")):

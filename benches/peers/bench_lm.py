@@ -9,7 +9,7 @@ set while the variant runs, from /proc).
 
     $HOME/peers/bin/python benches/peers/bench_lm.py [REPS]
 """
-import copy, sys, warnings
+import copy, os, sys, warnings
 
 warnings.filterwarnings("ignore")
 import torch
@@ -20,7 +20,7 @@ from opacus import GradSampleModule
 from tiny_lm import TinyLM, V, T
 import timing
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("PEER_THREADS", "2")))  # PEER_THREADS=1 for one-thread rounds
 torch.manual_seed(0)
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
 B = 32

@@ -4,7 +4,8 @@ script and then the crate's `examples/bench.rs --json` on the same
 workloads, one after the other (never two at once on two cores), and takes
 the ratios within the round, so load during one round falls on both sides
 of its ratios. Prints each ratio's median, min and max over the rounds and
-the last round's milliseconds."""
+the last round's milliseconds; with `RATIOS_JSON=PATH` set, also writes
+them to PATH (`scripts/readme_figures.py` reads it)."""
 import json, os, re, statistics, subprocess, sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,3 +64,18 @@ def rounds(n, run_peer, run_ours, ratios, show=print_last, heading="ratio"):
         print(f"| {k} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
     print("\nlast round, milliseconds:\n")
     show(*last)
+    threads = int(os.environ.get("RAYON_NUM_THREADS") or os.cpu_count())
+    save_ratios(n, {(threads, k): v for k, v in table.items()})
+
+
+def save_ratios(n, table):
+    """Writes `table` ({(threads, ratio name): [one value per round]}) as
+    JSON to `$RATIOS_JSON`, when it is set: each ratio's thread count,
+    median, min and max over the `n` rounds."""
+    path = os.environ.get("RATIOS_JSON")
+    if not path:
+        return
+    rows = [{"threads": t, "ratio": k, "rounds": n, "median": statistics.median(v), "min": min(v), "max": max(v)}
+            for (t, k), v in table.items()]
+    with open(path, "w") as f:
+        json.dump({"script": os.path.basename(sys.argv[0]), "ratios": rows}, f, indent=1)

@@ -1,11 +1,14 @@
 """Paired rounds of one-variant-per-process benchmarks (the side-by-side
 scripts for MiniLM and the LSTM): each variant runs in a fresh process, so
 the peak resident memory it prints is its own, at one thread and at two,
-and the ratios are taken within a round."""
+and the ratios are taken within a round. `RATIOS_JSON=PATH` writes the
+ratios to PATH too (`paired.save_ratios`)."""
 import os
 import re
 import statistics
 import subprocess
+
+from paired import save_ratios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = os.environ.get("PY", "python3")
@@ -57,3 +60,4 @@ def paired(rounds, one_round):
         for (side, v), res in got.items():
             if res is not None:
                 print(f"  {threads} thread(s) {side} {v}: {res[0]:.1f} / {res[1]:.0f} / {res[2]:.0f}")
+    save_ratios(rounds, ratios)

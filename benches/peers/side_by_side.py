@@ -9,10 +9,11 @@ on the same workloads. A ratio is taken within each round, so load on the
 machine during one round falls on both sides of that round's ratios; the
 table gives each ratio's median, min and max over the rounds.
 
-    PY="$HOME/peers/bin/python" python3 benches/peers/side_by_side.py [ROUNDS] [REPS] [FEATURES]
+    PY="$HOME/peers/bin/python" python3 benches/peers/side_by_side.py [ROUNDS] [REPS] [FEATURES] [ONLY]
 
 from the repository root; ROUNDS default 3, REPS (timed repetitions per
-run) default 5, FEATURES passed to cargo (for instance `mimalloc`).
+run) default 5, FEATURES passed to cargo (for instance `mimalloc`; `""`
+for none), ONLY the workloads (default `T,O,C3D,ENS`).
 Ratios below 1 favour this crate.
 """
 import json, os, subprocess, sys
@@ -24,6 +25,7 @@ PY = os.environ.get("PY", "python3")
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 REPS = sys.argv[2] if len(sys.argv) > 2 else "5"
 FEATURES = sys.argv[3] if len(sys.argv) > 3 else ""
+ONLY = sys.argv[4] if len(sys.argv) > 4 else "T,O,C3D,ENS"
 
 # torch's per-sample tag -> our workload name's prefix
 PER_SAMPLE = {"CNN-T B=64": "PyTorch-tutorial CNN, B=64", "CNN-O B=64": "Opacus MNIST CNN, B=64",
@@ -34,8 +36,10 @@ ENSEMBLES = {"CNN-T": "tutorial CNNs", "CNN-O": "Opacus MNIST CNNs", "MLP": "MLP
 
 def torch_run():
     run = lambda script, *a: subprocess.run([PY, script, *a], capture_output=True, text=True, check=True).stdout
-    t = results(run(os.path.join(PEERS, "bench_torch.py"), "all", REPS))
-    t.update(results(run(os.path.join(ROOT, "benches", "peers", "bench_ensembles.py"), "all", REPS)))
+    t = {}
+    for which in ONLY.split(","):
+        script = "bench_ensembles.py" if which == "ENS" else "bench_torch.py"
+        t.update(results(run(os.path.join(PEERS, script), "all" if which == "ENS" else which, REPS)))
     return t
 
 
@@ -43,7 +47,7 @@ def ours_run():
     cmd = ["cargo", "run", "--release", "-q", "--example", "bench"]
     if FEATURES:
         cmd += ["--features", FEATURES]
-    cmd += ["--", "--only", "T,O,C3D,ENS", "--json", "--reps", REPS]
+    cmd += ["--", "--only", ONLY, "--json", "--reps", REPS]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     res = {}
     for line in out.splitlines():

@@ -8,8 +8,9 @@
 //! run the fused node as the ops it replaced. Which primitives take an
 //! epilogue is each one's fact (`rules::facts`).
 
+use super::rewrite::{rewrite, Arg, Rewrite, View};
 use crate::ir::ops::{Binary, ShapeOp, Unary};
-use crate::ir::{Fused, Graph, Prim, VarId};
+use crate::ir::{Fused, Graph, Prim, TensorType, VarId};
 use crate::rules::facts;
 
 /// Whether adding a value of shape `b` to one of shape `y` keeps `y`'s
@@ -18,82 +19,98 @@ fn fits(b: &[usize], y: &[usize]) -> bool {
     b.len() <= y.len() && b.iter().rev().zip(y.iter().rev()).all(|(&d, &e)| d == 1 || d == e)
 }
 
-/// Each node's users (a user listed once per operand it reads).
-fn users(g: &Graph) -> Vec<Vec<VarId>> {
-    let mut users = vec![Vec::new(); g.nodes.len()];
-    for (v, n) in g.nodes.iter().enumerate() {
-        for &a in &n.args {
-            users[a].push(v);
+/// `end` as `permute?(reshape?(product))`, each link read only by the
+/// next (and `end` only by `reader`), none an output: the views a
+/// batching rule puts between a product and its epilogue (`(B N) C ->
+/// B N C`, then `B N C -> B C N`), which the epilogue runs through on the
+/// product's own layout. The product, the reshape's shape, the permute.
+type Chain = (VarId, Option<Vec<usize>>, Option<Vec<usize>>);
+
+fn chain(g: &View, end: VarId, reader: VarId) -> Option<Chain> {
+    if g.sole(end) != Some(reader) {
+        return None;
+    }
+    let (mut v, mut perm, mut view) = (end, None, None);
+    if let Prim::Shape(ShapeOp::Permute(p)) = g.prim(v) {
+        let a = g.args(v)[0];
+        (perm, v) = (Some(p.clone()), a);
+        if g.sole(v) != Some(end) {
+            return None;
         }
     }
-    users
+    if let Prim::Shape(ShapeOp::Reshape(shape)) = g.prim(v) {
+        let (a, r) = (g.args(v)[0], v);
+        (view, v) = (Some(shape.clone()), a);
+        if g.sole(v) != Some(r) {
+            return None;
+        }
+    }
+    facts::of_node(g.g, v)
+        .is_some_and(|f| f.epilogue)
+        .then_some((v, view, perm))
+}
+
+/// The fused node of `chain` with a bias and/or a ReLU, of type `ty`.
+fn fused(g: &View, (product, view, perm): Chain, bias: Option<VarId>, relu: bool, ty: &TensorType) -> Rewrite {
+    let mut args: Vec<Arg> = g.args(product).iter().map(|&a| Arg::Old(a)).collect();
+    args.extend(bias.map(Arg::Old));
+    let base = g.prim(product).clone();
+    let fused = Fused {
+        base,
+        view,
+        perm,
+        bias: bias.is_some(),
+        relu,
+    };
+    Rewrite::node(Prim::Fused(Box::new(fused)), args, ty.clone())
+}
+
+/// `chain(product) + bias`, the bias any operand the add broadcasts to
+/// the product's shape (of the two products an add may read, the
+/// earlier).
+fn bias_epilogue(g: &View, v: VarId) -> Option<Rewrite> {
+    if *g.prim(v) != Prim::Binary(Binary::Add) {
+        return None;
+    }
+    let [x, y] = g.args(v) else { return None };
+    let ty = g.ty(v);
+    let with = |end: VarId, bias: VarId| {
+        let c = chain(g, end, v)?;
+        (bias != end && g.ty(end) == ty && fits(&g.ty(bias).shape, &ty.shape)).then_some((c, bias))
+    };
+    let (c, bias) = match (with(*x, *y), with(*y, *x)) {
+        (Some(a), Some(b)) => std::cmp::min_by_key(a, b, |(c, _)| c.0),
+        (a, b) => a.or(b)?,
+    };
+    Some(fused(g, c, Some(bias), false, ty))
+}
+
+/// `relu(chain(product))`, or the ReLU of a fused node with a bias and no
+/// ReLU yet that nothing else reads.
+fn relu_epilogue(g: &View, v: VarId) -> Option<Rewrite> {
+    if *g.prim(v) != Prim::Unary(Unary::Relu) {
+        return None;
+    }
+    let x = g.args(v)[0];
+    if let Prim::Fused(f) = g.prim(x) {
+        if f.relu || g.sole(x) != Some(v) {
+            return None;
+        }
+        let fused = Fused {
+            relu: true,
+            ..(**f).clone()
+        };
+        let args = g.args(x).iter().map(|&a| Arg::Old(a)).collect();
+        return Some(Rewrite::node(Prim::Fused(Box::new(fused)), args, g.ty(v).clone()));
+    }
+    Some(fused(g, chain(g, x, v)?, None, true, g.ty(v)))
 }
 
 /// The same computation with every
 /// `relu?(permute?(reshape?(product)) + bias?)` chain (with a bias or a
 /// ReLU) as one `fused` node (bodies are reached by `prepare`'s one
-/// recursion).
-/// A chain is fused only where each intermediate has that one user and
-/// is not an output; the bias may be any operand the add broadcasts to
-/// the product's shape.
+/// recursion). A chain is fused only where each intermediate has that
+/// one reader and is not an output.
 pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
-    let mut g = old.clone();
-    let users = users(&g);
-    let mut is_output = vec![false; g.nodes.len()];
-    for &o in &g.outputs {
-        is_output[o] = true;
-    }
-    // The one user of `v`, where `v` is not an output.
-    let sole = |v: VarId| match users[v].as_slice() {
-        [u] if !is_output[v] => Some(*u),
-        _ => None,
-    };
-    for v in 0..g.nodes.len() {
-        if !facts::of_node(&g, v).is_some_and(|f| f.epilogue) {
-            continue;
-        }
-        let (mut end, mut view, mut perm, mut bias, mut relu) = (v, None, None, None, false);
-        // the views a batching rule puts between a product and its
-        // epilogue: `(B N) C -> B N C`, then a permute (`B N C -> B C N`);
-        // the epilogue runs on the product's own layout
-        if let Some(u) = sole(end) {
-            if let Prim::Shape(ShapeOp::Reshape(shape)) = &g.nodes[u].prim {
-                (end, view) = (u, Some(shape.clone()));
-            }
-        }
-        if let Some(u) = sole(end) {
-            if let Prim::Shape(ShapeOp::Permute(p)) = &g.nodes[u].prim {
-                (end, perm) = (u, Some(p.clone()));
-            }
-        }
-        if let Some(u) = sole(end) {
-            let n = &g.nodes[u];
-            if n.prim == Prim::Binary(Binary::Add) && n.ty == g.nodes[end].ty {
-                let other = if n.args[0] == end { n.args[1] } else { n.args[0] };
-                if other != end && fits(&g.nodes[other].ty.shape, &n.ty.shape) {
-                    (end, bias) = (u, Some(other));
-                }
-            }
-        }
-        if let Some(u) = sole(end) {
-            if g.nodes[u].prim == Prim::Unary(Unary::Relu) {
-                (end, relu) = (u, true);
-            }
-        }
-        if bias.is_none() && !relu {
-            continue;
-        }
-        let mut args = g.nodes[v].args.clone();
-        args.extend(bias);
-        let base = g.nodes[v].prim.clone();
-        g.nodes[end].prim = Prim::Fused(Box::new(Fused {
-            base,
-            view,
-            perm,
-            bias: bias.is_some(),
-            relu,
-        }));
-        g.nodes[end].args = args;
-    }
-    g.eliminate_dead_code()
+    rewrite(old, &[bias_epilogue, relu_epilogue])
 }

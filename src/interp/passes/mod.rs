@@ -11,12 +11,14 @@
 //! 5. `pair`: independent loops made neighbours, to run at once.
 //!
 //! Each reads the facts of the primitives (`rules::facts`), never a list
-//! of its own.
+//! of its own. The local rewrites (simplify's, the layout passes',
+//! fusion's) are tables of pattern rules run by one driver (`rewrite`).
 
 mod fuse;
 mod layout;
 mod pair;
 mod remat;
+mod rewrite;
 mod simplify;
 mod slices;
 mod stream;

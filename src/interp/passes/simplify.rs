@@ -10,20 +10,86 @@
 //! each primitive's fact (`rules::facts`).
 
 use super::layout;
+use super::rewrite::{rewrite, Arg, Rewrite, Rule, View};
 use super::slices::place_slices;
 use crate::ir::ops::{Binary, ShapeOp, Unary};
-use crate::ir::{Graph, Prim};
+use crate::ir::{Graph, Prim, VarId};
 use crate::rules::facts;
 use std::collections::HashMap;
 
 /// Whether `v` is the scalar `value`, possibly reshaped or broadcast.
-fn is_literal(g: &Graph, v: usize, value: f64) -> bool {
-    match &g.nodes[v].prim {
+fn is_literal(g: &View, v: VarId, value: f64) -> bool {
+    match g.prim(v) {
         Prim::Scalar(x) => *x == value,
-        Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Broadcast(_)) => is_literal(g, g.nodes[v].args[0], value),
+        Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Broadcast(_)) => is_literal(g, g.args(v)[0], value),
         _ => false,
     }
 }
+
+/// `reshape(x)` to `x`'s own type is `x`; `reshape(reshape(x))` is
+/// `reshape(x)`, or `x` itself.
+fn reshape(g: &View, v: VarId) -> Option<Rewrite> {
+    let Prim::Shape(ShapeOp::Reshape(_)) = g.prim(v) else {
+        return None;
+    };
+    let a = g.args(v)[0];
+    if g.ty(a) == g.ty(v) {
+        return Some(Rewrite::Alias(a));
+    }
+    let Prim::Shape(ShapeOp::Reshape(_)) = g.prim(a) else {
+        return None;
+    };
+    let x = g.args(a)[0];
+    Some(match g.ty(x) == g.ty(v) {
+        true => Rewrite::Alias(x),
+        false => Rewrite::node(g.prim(v).clone(), vec![Arg::Old(x)], g.ty(v).clone()),
+    })
+}
+
+/// `permute(permute(x, q), p)` is `permute(x, q[p[i]])`, or `x` itself.
+fn permute(g: &View, v: VarId) -> Option<Rewrite> {
+    let Prim::Shape(ShapeOp::Permute(p)) = g.prim(v) else {
+        return None;
+    };
+    let a = g.args(v)[0];
+    let Prim::Shape(ShapeOp::Permute(q)) = g.prim(a) else {
+        return None;
+    };
+    let r: Vec<usize> = p.iter().map(|&i| q[i]).collect();
+    let x = g.args(a)[0];
+    Some(match r.iter().enumerate().all(|(i, &j)| i == j) {
+        true => Rewrite::Alias(x),
+        false => Rewrite::node(Prim::Shape(ShapeOp::Permute(r)), vec![Arg::Old(x)], g.ty(v).clone()),
+    })
+}
+
+/// `x * 1` and `x + 0` (either side, the literal possibly broadcast) are
+/// `x`, where `x` has the result's type.
+fn unit_operand(g: &View, v: VarId) -> Option<Rewrite> {
+    let unit = match g.prim(v) {
+        Prim::Binary(Binary::Mul) => 1.0,
+        Prim::Binary(Binary::Add) => 0.0,
+        _ => return None,
+    };
+    let &[a, b] = g.args(v) else { return None };
+    let keeps = |o: VarId| g.ty(o) == g.ty(v);
+    if is_literal(g, a, unit) && keeps(b) {
+        Some(Rewrite::Alias(b))
+    } else if is_literal(g, b, unit) && keeps(a) {
+        Some(Rewrite::Alias(a))
+    } else {
+        None
+    }
+}
+
+/// `1 * x + 0` is `x`.
+fn identity_affine(g: &View, v: VarId) -> Option<Rewrite> {
+    matches!(g.prim(v), Prim::Unary(Unary::Affine(m, a)) if *m == 1.0 && *a == 0.0)
+        .then(|| Rewrite::Alias(g.args(v)[0]))
+}
+
+/// The local simplifications, as rules.
+const RULES: &[Rule] = &[reshape, permute, unit_operand, identity_affine];
 
 /// The nodes met so far, by primitive name and arguments: where an equal
 /// node (same primitive, arguments and type) was computed before.
@@ -53,69 +119,24 @@ impl Seen {
     }
 }
 
-/// The same computation with local redundancies removed (then dead code).
-pub(crate) fn simplify(old: &Graph) -> Graph {
-    let mut g = layout::products_in_place(&place_slices(old));
+/// `g` with every node computed twice computed once (common
+/// subexpressions), in one forward sweep: a node's operands are merged
+/// before it is looked up.
+fn merge_common(mut g: Graph) -> Graph {
     let mut same: Vec<usize> = (0..g.nodes.len()).collect();
     let mut seen = Seen::default();
     for v in 0..g.nodes.len() {
         let args: Vec<usize> = g.nodes[v].args.iter().map(|&a| same[a]).collect();
-        g.nodes[v].args = args.clone();
-        let ty = g.nodes[v].ty.clone();
-        let replacement = match g.nodes[v].prim.clone() {
-            Prim::Shape(ShapeOp::Reshape(_)) => {
-                let a = args[0];
-                if g.nodes[a].ty == ty {
-                    Some(a)
-                } else {
-                    // reshape(reshape(x)) = reshape(x), or x itself
-                    match g.nodes[a].prim {
-                        Prim::Shape(ShapeOp::Reshape(_)) => {
-                            let x = g.nodes[a].args[0];
-                            g.nodes[v].args = vec![x];
-                            (g.nodes[x].ty == ty).then_some(x)
-                        }
-                        _ => None,
-                    }
-                }
-            }
-            Prim::Shape(ShapeOp::Permute(p)) => {
-                let a = args[0];
-                if let Prim::Shape(ShapeOp::Permute(q)) = g.nodes[a].prim.clone() {
-                    // permute(permute(x, q), p) = permute(x, q[p[i]])
-                    let r: Vec<usize> = p.iter().map(|&i| q[i]).collect();
-                    let x = g.nodes[a].args[0];
-                    if r.iter().enumerate().all(|(i, &j)| i == j) {
-                        Some(x)
-                    } else {
-                        g.nodes[v].prim = Prim::Shape(ShapeOp::Permute(r));
-                        g.nodes[v].args = vec![x];
-                        None
-                    }
-                } else {
-                    None
-                }
-            }
-            Prim::Binary(op @ (Binary::Mul | Binary::Add)) => {
-                let unit = if op == Binary::Mul { 1.0 } else { 0.0 };
-                let keeps = |o: usize| g.nodes[o].ty == ty;
-                if is_literal(&g, args[0], unit) && keeps(args[1]) {
-                    Some(args[1])
-                } else if is_literal(&g, args[1], unit) && keeps(args[0]) {
-                    Some(args[0])
-                } else {
-                    None
-                }
-            }
-            Prim::Unary(Unary::Affine(m, a)) if m == 1.0 && a == 0.0 => Some(args[0]),
-            _ => None,
-        };
-        if let Some(r) = replacement {
-            same[v] = r;
-        } else if let Some(u) = seen.first_equal(&g, v) {
+        g.nodes[v].args = args;
+        if let Some(u) = seen.first_equal(&g, v) {
             same[v] = u;
         }
     }
     g.outputs = g.outputs.iter().map(|&o| same[o]).collect();
     g.eliminate_dead_code()
+}
+
+/// The same computation with local redundancies removed (then dead code).
+pub(crate) fn simplify(old: &Graph) -> Graph {
+    merge_common(rewrite(&layout::products_in_place(&place_slices(old)), RULES))
 }
