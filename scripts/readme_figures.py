@@ -16,7 +16,7 @@ not the one the committed file gives, so a figure cannot be edited by hand.
 ROUNDS (paired rounds per script) defaults to 3. Build first:
 `cargo build --release --example bench --example bench_lstm`.
 """
-import datetime, json, os, subprocess, sys, tempfile
+import datetime, json, os, subprocess, sys, tempfile, textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, "benches", "peers")
@@ -69,7 +69,7 @@ def run_script(script, rounds, threads):
     env = dict(os.environ, RATIOS_JSON=path)
     if threads is not None:
         env.update(PEER_THREADS=str(threads), RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    print(f"running {script} ({threads or 'both'} thread counts) ...", file=sys.stderr, flush=True)
+    print(f"running {script} at {threads or 'each of the'} thread(s) ...", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, os.path.join(PEERS, script), str(rounds), *args], check=True, cwd=ROOT,
                    env=env, stdout=sys.stderr)
     with open(path) as f:
@@ -105,9 +105,10 @@ def measure(rounds):
 def table(doc):
     """The README's block: one line saying where and when, then the table."""
     heads = " | ".join(f"{t} thread{'s' if t > 1 else ''}" for t in doc["threads"])
-    lines = [f"Measured on {doc['date']} ({doc['cpu']}; {doc['peers']}; commit {doc['commit']}), medians of "
-             f"{doc['rounds']} paired rounds, below 1 favouring this crate:", "",
-             f"| ratio of times | {heads} |", "| --- |" + " --- |" * len(doc["threads"])]
+    said = (f"Measured side by side on {doc['date']} ({doc['cpu']}; {doc['peers']}; commit {doc['commit']}), "
+            f"medians of {doc['rounds']} paired rounds, below 1 favouring this crate (`scripts/readme_figures.py` "
+            "reruns the sitting and writes this; more in [benchmarks](docs/benchmarks.md)):")
+    lines = textwrap.wrap(said, 100) + ["", f"| ratio of times | {heads} |", "| --- |" + " --- |" * len(doc["threads"])]
     for fig in doc["figures"]:
         lines.append(f"| {fig['label']} | " + " | ".join(f"{m:.2f}" for m in fig["median"]) + " |")
     return lines

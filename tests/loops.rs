@@ -333,6 +333,67 @@ fn the_graph_does_not_grow_with_the_trip_count() {
     assert!(loops.iter().any(|l| l.contains("carry=10,reverse=true")), "{loops:?}");
 }
 
+/// A loop whose carries nothing reads (a forward pass) keeps its last
+/// carry only, not every step's: its planned peak is the input's and not
+/// twice it, and its values are the unrolled loop's. Under `grad` the
+/// forward loop keeps every carry (the backward loop reads them) and the
+/// backward loop keeps its last only.
+#[test]
+fn a_loop_whose_carries_nothing_reads_keeps_only_its_last() {
+    const N: usize = 4096;
+    const STEPS: usize = 128;
+    let x = rand(&[STEPS, N], 17);
+    let run = |looped: bool| {
+        move |x: Tracer| -> candle_func::Result<Tracer> {
+            let step = |c: Tracer, x: Tracer| -> candle_func::Result<(Tracer, Tracer)> {
+                let c = c.mul(&x)?.add(&x)?.tanh()?;
+                let y = c.sum_all()?;
+                Ok((c, y))
+            };
+            let init = x.narrow(0, 0, 1)?.squeeze(0)?;
+            let (c, ys) = match looped {
+                true => scan(step, init, x)?,
+                false => {
+                    let (mut c, mut ys) = (init, Vec::new());
+                    for t in 0..STEPS {
+                        let y;
+                        (c, y) = step(c, x.narrow(0, t, 1)?.squeeze(0)?)?;
+                        ys.push(y.unsqueeze(0)?);
+                    }
+                    (c, Tracer::cat(&ys.iter().collect::<Vec<_>>(), 0)?)
+                }
+            };
+            c.sum_all()?.add(&ys.sum_all()?)
+        }
+    };
+    let g = make_graph(&run(true), &x).unwrap();
+    let loops: Vec<String> = g.nodes().map(|n| n.name()).filter(|n| n.starts_with("scan")).collect();
+    assert!(loops.len() == 1 && loops[0].contains("last carry only"), "{loops:?}");
+    let input = STEPS * N * 4;
+    // every carry kept would be another `input`
+    assert!(
+        g.planned_peak_bytes() < input + input / 4,
+        "{} planned",
+        g.planned_peak_bytes()
+    );
+    assert_close(
+        &g.run(std::slice::from_ref(&x)).unwrap()[0],
+        &jit(run(false)).call(&x).unwrap(),
+        1e-5,
+        "value",
+    );
+    let g = make_graph(&grad(run(true)), &x).unwrap();
+    let loops: Vec<String> = g.nodes().map(|n| n.name()).filter(|n| n.starts_with("scan")).collect();
+    assert_eq!(loops.len(), 2, "{loops:?}");
+    assert!(loops.iter().any(|l| l.contains("reverse=false]")), "{loops:?}");
+    assert!(
+        loops.iter().any(|l| l.contains("reverse=true,last carry only")),
+        "{loops:?}"
+    );
+    let (gl, gu) = (grad(run(true)).call(&x).unwrap(), grad(run(false)).call(&x).unwrap());
+    assert_close(&gl, &gu, 1e-5, "gradient");
+}
+
 #[test]
 fn a_loop_with_no_scanned_operand_runs_its_length_and_an_empty_one_returns_its_carry() {
     let x = Tensor::new(&[1.5f64, -0.5], &Device::Cpu).unwrap();
@@ -416,14 +477,16 @@ fn a_body_that_changes_its_carry_or_lengths_that_disagree_are_errors_naming_the_
     assert!(msg.contains("4 and 6 steps"), "{msg}");
     let mixed = |x: Tracer| {
         let (c, _) = scan(
-            |c: Vec<Tracer>, x: Vec<Tracer>| Ok((c.to_vec(), vec![x[0].to_dtype(DType::F64)?])),
+            |c: Vec<Tracer>, x: Vec<Tracer>| Ok((c.to_vec(), vec![x[0].to_dtype(DType::I64)?])),
             vec![x.sum_all()?],
             vec![x],
         )?;
         Ok(c[0].clone())
     };
+    // other mixes are carried (tests/mixed_carries.rs); no float holds
+    // every i64
     let msg = shape_error(jit(mixed).call(&x));
-    assert!(msg.contains("share one dtype"), "{msg}");
+    assert!(msg.contains("holds exactly") && msg.contains("I64"), "{msg}");
 }
 
 /// The carry, the scanned operands and the outputs are trees: a pair

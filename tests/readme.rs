@@ -1,8 +1,9 @@
 //! The README and the chapters under `docs/` tell the truth about the
 //! crate: their Rust code runs as doc-tests (`lib.rs` includes each file;
 //! the guide is `nn::candle_models`), an excerpt marked `rust,ignore` is
-//! the text of the file it names, every chapter is linked, and the
-//! README's list of the crate's root names the root's every export.
+//! the text of the file it names, every chapter is linked, the README's
+//! list of the crate's root names the root's every export, and its speed
+//! figures are those of the committed results file.
 
 use std::path::Path;
 
@@ -155,5 +156,83 @@ fn the_readme_shows_the_final_root() {
             section.contains(&format!("`{n}`")),
             "the README's root list omits `{n}`"
         );
+    }
+}
+
+/// A markdown table row's cells, trimmed.
+fn cells(row: &str) -> Vec<String> {
+    let inner = row.trim().trim_start_matches('|').trim_end_matches('|');
+    inner.split('|').map(|c| c.trim().to_string()).collect()
+}
+
+/// The README's speed figures are those of the committed results file,
+/// as `scripts/readme_figures.py write` puts them: the sitting (date, CPU,
+/// peers, commit, rounds) in the sentence, one row per figure with its
+/// median at each thread count, and each figure the ratio of that name
+/// the side-by-side script measured in that sitting.
+#[test]
+fn the_readme_figures_are_the_committed_results() {
+    let readme = read("README.md");
+    let doc: serde_json::Value = serde_json::from_str(&read("benches/results/readme.json")).unwrap();
+    let (_, rest) = readme
+        .split_once("<!-- figures: benches/results/readme.json -->")
+        .expect("README.md has no figures block");
+    let (block, _) = rest
+        .split_once("<!-- /figures -->")
+        .expect("the figures block is not closed");
+    let prose = block.split_whitespace().collect::<Vec<_>>().join(" ");
+    let field = |k: &str| {
+        doc[k]
+            .as_str()
+            .unwrap_or_else(|| panic!("readme.json has no {k}"))
+            .to_string()
+    };
+    for said in [
+        field("date"),
+        field("cpu"),
+        field("peers"),
+        format!("commit {}", field("commit")),
+    ] {
+        assert!(
+            prose.contains(&said),
+            "the figures' sentence does not say {said:?}:\n{prose}"
+        );
+    }
+    assert!(prose.contains(&format!("medians of {} paired rounds", doc["rounds"])));
+    let threads: Vec<u64> = doc["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    let rows: Vec<Vec<String>> = block
+        .lines()
+        .filter(|l| l.starts_with('|') && !l.contains("---"))
+        .map(cells)
+        .collect();
+    let heads: Vec<String> = threads
+        .iter()
+        .map(|&t| format!("{t} thread{}", if t > 1 { "s" } else { "" }))
+        .collect();
+    assert_eq!(
+        rows[0][1..],
+        heads[..],
+        "the table's columns are not the sitting's thread counts"
+    );
+    let figures = doc["figures"].as_array().unwrap();
+    assert_eq!(rows.len() - 1, figures.len(), "one row per figure");
+    let measured = doc["all_ratios"].as_array().unwrap();
+    for (row, fig) in rows[1..].iter().zip(figures) {
+        assert_eq!(row[0], fig["label"].as_str().unwrap());
+        for (k, &t) in threads.iter().enumerate() {
+            let median = fig["median"][k].as_f64().unwrap();
+            assert_eq!(row[1 + k], format!("{median:.2}"), "{} at {t} thread(s)", row[0]);
+            // the figure is the script's own ratio of that sitting
+            let from = measured
+                .iter()
+                .find(|r| r["script"] == fig["script"] && r["ratio"] == fig["ratio"] && r["threads"] == t)
+                .unwrap_or_else(|| panic!("no measured {} at {t} thread(s)", fig["ratio"]));
+            assert!((from["median"].as_f64().unwrap() - median).abs() < 1e-4, "{}", row[0]);
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! `cond` and `switch`: one `cond` node, its branches traced apart on the
 //! operands and chosen by an index (JAX's `cond_p` serves both).
 
-use super::{align, emit, enclosing, leaves_of, one_dtype, pack, rebuild, trace_nested, unpack};
+use super::{align, carrier, emit, enclosing, leaves_of, pack, rebuild, trace_nested, unpack};
 use crate::error::{Error, Result};
 use crate::ir::{Cond, Prim, TensorType};
 use crate::rules::Outer;
@@ -13,8 +13,8 @@ use std::sync::Arc;
 /// `cond`: `on_true(operands)` where `pred` (a scalar; nonzero: true)
 /// holds, else `on_false(operands)`, as JAX's `lax.cond`. The operands
 /// and the values are trees. The branch not taken does not run. Both
-/// branches give trees of the same structure, shapes and dtypes (one
-/// dtype among their leaves). Under `vmap` with a predicate per
+/// branches give trees of the same structure, shapes and dtypes (leaves
+/// of any dtypes, as a loop's carry). Under `vmap` with a predicate per
 /// example, each example's result and gradient are those of its own
 /// branch under every schedule: batched, each branch some example takes
 /// runs once on all rows, those of the examples not taking it replaced by
@@ -65,9 +65,9 @@ fn on_leaves<'a, O: SymTree, R: SymTree>(def: &'a TreeDef, f: impl FnOnce(O) -> 
 /// `switch`: `branches[index](operands)`, as JAX's `lax.switch`: `index`
 /// an integer scalar, clamped into `0..branches.len()`, and only that
 /// branch runs. The operands and the values are trees; every branch
-/// gives a tree of the same structure, shapes and dtypes (one dtype among
-/// its leaves). Under `vmap` with an index per example, each
-/// example's result and gradient are its own branch's, as for [`cond`]:
+/// gives a tree of the same structure, shapes and dtypes. Under `vmap`
+/// with an index per example, each example's result and gradient are its
+/// own branch's, as for [`cond`]:
 /// each branch some example takes runs once, batched, on rows that take
 /// it or copy one that does.
 ///
@@ -131,7 +131,8 @@ fn branches(
         let (mut outs, mut def) = (Vec::new(), None);
         let (g, caps) = trace_nested(&outer, &types, |ins| {
             let (got, d) = f(ins)?;
-            let dtype = one_dtype(op, &got, "a branch's values")?
+            let dtypes: Vec<DType> = got.iter().map(Tracer::dtype).collect();
+            let dtype = carrier(op, "a branch's values", &dtypes)?
                 .ok_or_else(|| Error::shape(op, &[], "a branch gives no value"))?;
             outs = got.iter().map(|t| t.ty.clone()).collect::<Vec<_>>();
             def = Some(d);
@@ -174,5 +175,5 @@ fn branches(
     let mut ops = vec![index.clone()];
     ops.extend_from_slice(operands);
     let out = emit(&outer, Prim::Cond(Box::new(c)), &ops, &caps)?;
-    Ok((unpack(&out, first.iter().map(|t| t.shape.clone()))?, def))
+    Ok((unpack(&out, first.into_iter())?, def))
 }

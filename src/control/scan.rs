@@ -2,13 +2,15 @@
 //! segments and one of the steps left over).
 
 use super::{
-    check_carry, emit, enclosing, leaves_of, one_dtype, outer_tracer, pack, rebuild, same_tree, trace_nested, unpack,
+    carrier, check_carry, emit, enclosing, leaves_of, outer_tracer, pack, rebuild, same_tree, trace_nested, types_of,
+    unpack, widen_first_input,
 };
 use crate::error::{Error, Result};
 use crate::ir::{Prim, Scan, TensorType};
 use crate::rules::{BuilderRef, Outer};
 use crate::trace::{Operand, Tracer};
 use crate::transforms::tree::SymTree;
+use candle_core::DType;
 use std::sync::Arc;
 
 /// How a [`scan_with`] runs: backwards, or a number of steps with no
@@ -69,9 +71,12 @@ type Step = Result<(Vec<Tracer>, Vec<Tracer>)>;
 /// vector, a map); every leaf of `xs` is scanned along its first axis
 /// (all of one length `T`). Inside a traced function only; one node of
 /// the graph whatever `T`, so the graph does not grow with the sequence.
-/// The carry's and the outputs' leaves share one dtype; a body that
-/// returns a carry of another structure, shape or dtype than it was given
-/// is an [`Error::Shape`] naming the loop.
+/// Leaves may be of any dtypes, as in JAX: they go round packed in one
+/// that holds each exactly (the widest float among them; u32 beside a
+/// float in f64), so a mixed carry is stored at that dtype's width, and
+/// i64 beside a float is an error. A body that returns a carry of
+/// another structure, shape or dtype than it was given is an
+/// [`Error::Shape`] naming the loop.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -139,50 +144,46 @@ fn scan_leaves(
         )
     })?;
     let length = trip_count(xs, opts.length)?;
-    let dtype = one_dtype("scan", init, "the carry")?;
+    let carry_types = types_of(init);
+    let init_dtypes: Vec<DType> = init.iter().map(Tracer::dtype).collect();
+    let traced = carrier("scan", "the carry's leaves", &init_dtypes)?;
     let nc: usize = init.iter().map(Tracer::elem_count).sum();
-    let shapes = || init.iter().map(|t| t.dims().to_vec());
     // the body traced once, nested in the caller's trace: the packed carry
     // and one step of each scanned operand in, next carry and outputs out
-    let mut types = vec![TensorType::new(vec![nc], dtype.unwrap_or(candle_core::DType::F32))];
+    let mut types = vec![TensorType::new(vec![nc], traced.unwrap_or(DType::F32))];
     types.extend(xs.iter().map(|x| TensorType::new(x.dims()[1..].to_vec(), x.dtype())));
-    let (mut y_shapes, mut y_dtype) = (Vec::new(), None);
-    let (mut graph, captures) = trace_nested(&outer, &types, |ins| {
-        let (next, ys) = f(&unpack(&ins[0], shapes())?, &ins[1..])?;
+    let (mut y_types, mut dtype) = (Vec::new(), None);
+    let (graph, captures) = trace_nested(&outer, &types, |ins| {
+        let (next, ys) = f(&unpack(&ins[0], carry_types.iter().cloned())?, &ins[1..])?;
         check_carry("scan", init, &next)?;
-        y_dtype = one_dtype("scan", &ys, "the outputs")?;
-        if let (Some(c), Some(y)) = (dtype, y_dtype) {
-            if c != y {
-                return Err(Error::shape(
-                    "scan",
-                    &[],
-                    format!("the carry is {c:?} and the outputs {y:?}: a loop's carry and outputs share one dtype"),
-                ));
-            }
-        }
-        y_shapes = ys.iter().map(|y| y.dims().to_vec()).collect();
-        pack(
-            &[next, ys].concat(),
-            dtype.or(y_dtype).unwrap_or(candle_core::DType::F32),
-            &ins[0],
-        )
+        y_types = types_of(&ys);
+        // the outputs may need a wider carrier than the carry alone
+        let all: Vec<DType> = init_dtypes
+            .iter()
+            .copied()
+            .chain(ys.iter().map(Tracer::dtype))
+            .collect();
+        dtype = carrier("scan", "the carry's and the outputs' leaves", &all)?;
+        pack(&[next, ys].concat(), dtype.unwrap_or(DType::F32), &ins[0])
     })?;
-    let Some(dtype) = dtype.or(y_dtype) else {
+    let Some(dtype) = dtype else {
         return Ok((Vec::new(), Vec::new()));
     };
     let like = outer_tracer(&outer, init, xs)?;
     if length == 0 {
         // no step runs: the carry as given, outputs with no rows
-        let empty = y_shapes
+        let empty = y_types
             .iter()
-            .map(|s| candle_core::Tensor::zeros([&[0], &s[..]].concat(), dtype, &like.device())?.to_tracer(&like))
+            .map(|t| {
+                let shape = [&[0], &t.shape[..]].concat();
+                candle_core::Tensor::zeros(shape, t.dtype, &like.device())?.to_tracer(&like)
+            })
             .collect::<Result<Vec<_>>>();
         return Ok((init.to_vec(), empty?));
     }
-    // a loop with no carry reads none: its empty carry takes the outputs'
-    // dtype, which was not known before the body ran
-    let first = graph.inputs[0];
-    graph.nodes[first].ty.dtype = dtype;
+    // the carry goes round in the carrier of the carry and the outputs
+    // (a loop with no carry reads none: its empty carry just takes it)
+    let graph = widen_first_input(graph, dtype);
     // operands in the caller's trace: the packed initial carry, the
     // scanned operands, then whatever the body read from outside
     let mut operands = vec![pack(init, dtype, &like)?];
@@ -193,8 +194,9 @@ fn scan_leaves(
         scanned: xs.len(),
         length,
         reverse: opts.reverse,
+        every_carry: true,
     };
-    let ny: usize = y_shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let ny: usize = y_types.iter().map(TensorType::elem_count).sum();
     let every = segment_length(&outer, &opts, length, nc * dtype.size_in_bytes())?;
     let (last, ys) = match every {
         Some(k) => segmented(&outer, sc, k, &operands, &captures, ny)?,
@@ -205,12 +207,13 @@ fn scan_leaves(
             opts.reverse,
         )?,
     };
-    let carry = unpack(&last, shapes())?;
-    let mut outs = Vec::with_capacity(y_shapes.len());
+    let carry = unpack(&last, carry_types.into_iter())?;
+    let mut outs = Vec::with_capacity(y_types.len());
     let mut at = 0;
-    for s in y_shapes {
-        let n: usize = s.iter().product();
-        outs.push(ys.narrow(1, at, n)?.reshape([&[length], &s[..]].concat())?);
+    for t in y_types {
+        let n = t.elem_count();
+        let rows = ys.narrow(1, at, n)?.reshape([&[length], &t.shape[..]].concat())?;
+        outs.push(rows.to_dtype(t.dtype)?);
         at += n;
     }
     Ok((carry, outs))

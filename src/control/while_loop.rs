@@ -1,7 +1,7 @@
 //! `while_loop`: one `while` node, its condition and body traced apart.
 
 use super::{
-    align, check_carry, emit, enclosing, leaves_of, one_dtype, pack, rebuild, same_tree, trace_nested, unpack,
+    align, carrier, check_carry, emit, enclosing, leaves_of, pack, rebuild, same_tree, trace_nested, types_of, unpack,
 };
 use crate::error::{Error, Result};
 use crate::ir::{Prim, TensorType, While};
@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 /// `while_loop`: `carry = body_fun(carry)` while `cond_fun(&carry)` (a
 /// scalar, nonzero: true) holds, as JAX's `lax.while_loop`, the carry a
-/// tree; one node of the graph. Under `vmap` with a condition per example each example runs
+/// tree (its leaves of any dtypes, packed as [`scan`](super::scan)'s);
+/// one node of the graph. Under `vmap` with a condition per example each example runs
 /// its own steps under every schedule: batched, the loop runs until every
 /// example's condition fails, a finished example keeping its carry and no
 /// longer feeding the body its own values (its rows are a running
@@ -38,9 +39,11 @@ pub fn while_loop<C: SymTree>(
     let (init, def) = leaves_of(&init);
     let init = &init[..];
     let outer = enclosing(init).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
-    let dtype = one_dtype("while_loop", init, "the carry")?.unwrap_or(candle_core::DType::F32);
+    let dtypes: Vec<_> = init.iter().map(Tracer::dtype).collect();
+    let dtype = carrier("while_loop", "the carry's leaves", &dtypes)?.unwrap_or(candle_core::DType::F32);
     let nc: usize = init.iter().map(Tracer::elem_count).sum();
-    let shapes = || init.iter().map(|t| t.dims().to_vec());
+    let types = types_of(init);
+    let shapes = || types.iter().cloned();
     let carry_ty = TensorType::new(vec![nc], dtype);
     let (gc, cc) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
         let p = cond_fun(&rebuild(&def, unpack(&ins[0], shapes())?)?)?;

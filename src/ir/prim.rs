@@ -244,13 +244,20 @@ pub(crate) struct Scan {
     pub(crate) length: usize,
     /// Whether the steps run from the last row to the first.
     pub(crate) reverse: bool,
+    /// Whether the result keeps every step's carry (as a VJP reads
+    /// them); where nothing reads them, `passes::scan_rows` clears this
+    /// after every transform, and the result is one vector: each step's
+    /// outputs in row order (`T L.. ny`, flattened), then the last carry
+    /// (`L.. nc`).
+    pub(crate) every_carry: bool,
 }
 
 impl Scan {
     pub(crate) fn name(&self) -> String {
         let steps = self.body.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
+        let last = if self.every_carry { "" } else { ",last carry only" };
         format!(
-            "scan[length={},carry={},reverse={}]{{{steps} nodes}}",
+            "scan[length={},carry={},reverse={}{last}]{{{steps} nodes}}",
             self.length, self.carry, self.reverse
         )
     }
@@ -267,8 +274,14 @@ impl Scan {
 impl PartialEq for Scan {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.body, &other.body)
-            && (self.carry, self.scanned, self.length, self.reverse)
-                == (other.carry, other.scanned, other.length, other.reverse)
+            && (self.carry, self.scanned, self.length, self.reverse, self.every_carry)
+                == (
+                    other.carry,
+                    other.scanned,
+                    other.length,
+                    other.reverse,
+                    other.every_carry,
+                )
     }
 }
 

@@ -4,7 +4,8 @@
 //! 1. [`simplify`]: local rewrites (reshapes of reshapes, identities,
 //!    transposed products, slices of one cotangent placed side by side),
 //!    common subexpressions merged, dead code removed;
-//! 2. `fuse`: a product's bias add and ReLU fused into it;
+//! 2. `fuse`: a product's bias add and ReLU fused into it; `scan_rows`:
+//!    a scan whose carries nothing reads keeps its last only;
 //! 3. `stream`: concatenations written in place as their pieces come;
 //! 4. `remat`: cheap values recomputed before late readers where that
 //!    lowers the planned peak;
@@ -19,6 +20,7 @@ mod layout;
 mod pair;
 mod remat;
 mod rewrite;
+mod scan_rows;
 mod simplify;
 mod slices;
 mod stream;
@@ -27,13 +29,14 @@ pub(crate) use simplify::simplify;
 
 use crate::ir::Graph;
 
-/// `g` prepared to run: simplified, its bodies prepared, fused,
-/// rematerialised where that lowers its peak, and its independent loops
-/// paired.
+/// `g` prepared to run: simplified, its bodies prepared, fused, its
+/// scans keeping no carry nothing reads, rematerialised where that lowers
+/// its peak, and its independent loops paired.
 pub(crate) fn prepare(g: &Graph) -> Graph {
-    pair::pair_loops(remat::rematerialise(stream::stream_concats(&fuse::fuse_epilogues(
-        &prepare_bodies(simplify(g)),
-    ))))
+    let fused = fuse::fuse_epilogues(&prepare_bodies(simplify(g)));
+    pair::pair_loops(remat::rematerialise(stream::stream_concats(
+        &scan_rows::last_carry_only(&fused),
+    )))
 }
 
 /// `g` with the body of every primitive that holds one (`Prim::bodies`)

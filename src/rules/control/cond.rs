@@ -21,8 +21,8 @@ use super::{
     any_true, batched_graph, body_facts, body_peak, flat, from_taking, lanes_graph, piece, rows_mask, run_one,
     scalar_value, shape_error,
 };
-use crate::error::{Error, Result};
-use crate::ir::ops::Compare;
+use crate::error::Result;
+use crate::ir::ops::{Compare, Unary};
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
 use crate::rules::facts::{Arg, Facts, Workspace};
 use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
@@ -187,14 +187,9 @@ impl Rule for Cond {
     fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
         super::deterministic("cond", "grad", &self.branches())?;
         let floats: Vec<usize> = (1..args.len()).filter(|&k| b.ty(args[k]).dtype.is_float()).collect();
+        // the float operands' cotangents go out packed in the result's
+        // dtype (a carrier that holds each exactly), converted back after
         let dtype = b.ty(ct).dtype;
-        if let Some(&k) = floats.iter().find(|&&k| b.ty(args[k]).dtype != dtype) {
-            return Err(Error::unsupported(
-                "cond",
-                "grad",
-                format!("operand {k} is {:?} and the result {dtype:?}: differentiate a cond whose float operands share the result's dtype", b.ty(args[k]).dtype),
-            ));
-        }
         if floats.is_empty() {
             return Ok(Some(vec![None; args.len()]));
         }
@@ -209,7 +204,11 @@ impl Rule for Cond {
             let mut parts = Vec::with_capacity(floats.len());
             for &k in &floats {
                 let v = sb.or_zeros(cts[k - 1], ins[k - 1])?;
-                parts.push(flat(&mut sb, v)?);
+                let v = flat(&mut sb, v)?;
+                parts.push(match sb.ty(v).dtype == dtype {
+                    true => v,
+                    false => sb.un(Unary::Cast(dtype), v)?,
+                });
             }
             let out = sb.concat(&parts, 0)?;
             Ok(sb.finish(vec![out]).0.eliminate_dead_code())
@@ -220,8 +219,12 @@ impl Rule for Cond {
         let mut cts: Cts = vec![None; args.len()];
         let mut at = 0;
         for &k in &floats {
-            let shape = b.dims(args[k]);
-            cts[k] = Some(piece(b, packed, 0, at, &shape)?);
+            let (shape, own) = (b.dims(args[k]), b.ty(args[k]).dtype);
+            let c = piece(b, packed, 0, at, &shape)?;
+            cts[k] = Some(match own == dtype {
+                true => c,
+                false => b.un(Unary::Cast(own), c)?,
+            });
             at += shape.iter().product::<usize>();
         }
         Ok(Some(cts))

@@ -249,6 +249,13 @@ impl Rows {
         self.stacked.slice_set(&row, 0, i).op(self.op)
     }
 
+    /// Writes `y`'s entries in row-major order at `offset` of a result
+    /// that is one vector.
+    fn write_flat(&self, offset: usize, y: &Tensor) -> Result<()> {
+        let flat = y.flatten_all().and_then(|f| f.contiguous()).op(self.op)?;
+        self.stacked.slice_set(&flat, 0, offset).op(self.op)
+    }
+
     fn into_tensor(self) -> Tensor {
         self.stacked
     }

@@ -30,6 +30,18 @@ fn bad(args: &[&TensorType], msg: String) -> Error {
 }
 
 impl Scan {
+    /// Transforms see scans with every carry: the last-carry-only form is
+    /// made after them, when a graph is prepared to run.
+    fn transformable(&self, what: &str) -> Result<()> {
+        match self.every_carry {
+            true => Ok(()),
+            false => Err(Error::internal(
+                "scan",
+                format!("{what} of a scan prepared to keep its last carry only"),
+            )),
+        }
+    }
+
     pub(super) fn emit(self, b: &mut Builder, operands: &[VarId]) -> Result<VarId> {
         b.emit(Prim::Scan(Box::new(self)), operands)
     }
@@ -167,6 +179,12 @@ impl Rule for Scan {
         }
         let mut shape = vec![self.length];
         shape.extend_from_slice(&out.shape);
+        if !self.every_carry {
+            // T L.. ny, then L.. nc, as one vector
+            let lead: usize = lead.iter().product();
+            let ny = out.shape[out.rank() - 1] - self.carry;
+            shape = vec![self.length * lead * ny + lead * self.carry];
+        }
         Ok(TensorType::new(shape, out.dtype))
     }
 
@@ -187,7 +205,10 @@ impl Rule for Scan {
     /// passed to the next step.
     fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
         let rows = Rows::new(out, cx, "scan")?;
-        let last = out.rank() - 1;
+        let last = self.body.ty(self.body.outputs[0]).rank() - 1;
+        // where only the last carry is kept: each step's outputs at its
+        // row's offset (`L.. ny` entries a row), the carry at the end
+        let row_len = (out.elem_count() - args[0].elem_count()) / self.length;
         let mut carry = args
             .first()
             .map(|c| (*c).clone())
@@ -203,8 +224,19 @@ impl Rule for Scan {
                 });
             }
             let y = run_one(cx, &self.body, &xs, mix(cx.seed, i as u64), "scan")?;
-            carry = y.narrow(last - 1, 0, self.carry).op("scan")?;
-            rows.write(t, &y)?;
+            carry = y.narrow(last, 0, self.carry).op("scan")?;
+            match self.every_carry {
+                true => rows.write(t, &y)?,
+                false => {
+                    let ys = y
+                        .narrow(last, self.carry, y.dim(last).op("scan")? - self.carry)
+                        .op("scan")?;
+                    rows.write_flat(t * row_len, &ys)?;
+                }
+            }
+        }
+        if !self.every_carry {
+            rows.write_flat(self.length * row_len, &carry)?;
         }
         Ok(rows.into_tensor())
     }
@@ -213,6 +245,7 @@ impl Rule for Scan {
     /// every step; a scanned operand `T .. B .. -> T B ..`). The result is
     /// `T B L.. P`: batched at axis 1.
     fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+        self.transformable("vmap")?;
         if args.iter().all(|a| a.1.is_none()) {
             let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
             return Ok(Some((self.clone().emit(cx.b, &ids)?, None)));
@@ -240,11 +273,13 @@ impl Rule for Scan {
     }
 
     fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
+        self.transformable("grad")?;
         super::deterministic("scan", "grad", &[&self.body])?;
         super::scan_vjp::emit(self, b, args, out, ct).map(Some)
     }
 
     fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        self.transformable("jvp")?;
         if tans.iter().all(Option::is_none) {
             return Ok(Some(None));
         }
@@ -282,6 +317,7 @@ impl Rule for Scan {
             scanned: self.scanned + split(&present, true).len(),
             length: self.length,
             reverse: self.reverse,
+            every_carry: true,
         };
         let rows = fwd.emit(b, &operands)?;
         // rows: T (c, tc, y, ty) -> T L.. (tc, ty)

@@ -15,7 +15,7 @@
 
 use super::{flat, piece};
 use crate::error::{Error, Result};
-use crate::ir::ops::{Binary, ShapeOp};
+use crate::ir::ops::{Binary, ShapeOp, Unary};
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
 use crate::rules::{walk, Builder, Cts};
 use candle_core::DType;
@@ -71,6 +71,7 @@ pub(super) fn emit(sc: &Scan, b: &mut Builder, args: &[VarId], out: VarId, ct: V
         scanned: sc.scanned + 2,
         length: sc.length,
         reverse: !sc.reverse,
+        every_carry: true,
     };
     let rows = back.emit(b, &operands)?;
     // the backward loop ends at the forward loop's first step
@@ -88,8 +89,19 @@ pub(super) fn emit(sc: &Scan, b: &mut Builder, args: &[VarId], out: VarId, ct: V
             Route::Summed(at) => Some(piece(b, last, 0, layout.ncf + at, &shape)?),
             Route::Factors { at, a, b: bs, views } => Some(contract(b, rows, steps + at, (a, bs), sc.length, views)?),
         });
+        if let Some(c) = cts[k] {
+            cts[k] = Some(cast(b, c, sc.input_ty(k).dtype)?);
+        }
     }
     Ok(cts)
+}
+
+/// `v` in `dtype` (itself where it is already).
+fn cast(b: &mut Builder, v: VarId, dtype: DType) -> Result<VarId> {
+    match b.ty(v).dtype == dtype {
+        true => Ok(v),
+        false => b.un(Unary::Cast(dtype), v),
+    }
 }
 
 /// `sum_t A_t B_t` from the stacked factors in `rows` (`A_t` `[m, r]` at
@@ -162,16 +174,9 @@ impl Layout {
             if !ty.dtype.is_float() {
                 continue;
             }
-            if ty.dtype != dtype {
-                return Err(Error::unsupported(
-                    "scan",
-                    "grad",
-                    format!(
-                        "operand {k} is {:?} and the carry {dtype:?}: differentiate a loop whose float operands share the carry's dtype",
-                        ty.dtype
-                    ),
-                ));
-            }
+            // a float operand of another dtype than the carry (f32 weights
+            // beside a carry widened to f64) has its cotangent carried in
+            // the carry's dtype and converted back after the loop
             *route = if k <= sc.scanned {
                 nys += ty.elem_count();
                 Route::Step(nys - ty.elem_count())
@@ -236,7 +241,8 @@ impl Layout {
         let (_, cts) = walk::vjp_graph(&sc.body, &mut sb, &ins, &wrt, &[(0, seed)])?;
         let ct_of = |sb: &mut Builder, k: usize| -> Result<VarId> {
             let c = sb.or_zeros(cts[k], ins[k])?;
-            flat(sb, c)
+            let c = flat(sb, c)?;
+            cast(sb, c, self.dtype)
         };
         let mut parts = vec![ct_of(&mut sb, 0)?];
         let summed: Vec<usize> = (1..n).filter(|&k| matches!(self.routes[k], Route::Summed(_))).collect();
