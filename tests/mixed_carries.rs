@@ -98,6 +98,31 @@ fn a_carry_of_three_dtypes_runs_as_the_unrolled_loop() {
     assert_eq!(n2.to_vec1::<u32>().unwrap(), counts);
 }
 
+/// A NaN in the f32 state goes round the f64 carrier and comes back a
+/// NaN where the unrolled loop has one, as in PyTorch; the rest stays
+/// equal.
+#[test]
+fn a_nan_in_a_mixed_carry_propagates_as_in_the_unrolled_loop() {
+    let mut v = common::values(&rand(&[T, E], 10));
+    v[E + 1] = f64::NAN; // step 1, entry 1
+    let xs = Tensor::from_vec(v.iter().map(|&x| x as f32).collect::<Vec<_>>(), (T, E), &Device::Cpu).unwrap();
+    let w = rand(&[E], 11);
+    let (s, sum, _, ys) = jit(looped).call((&xs, &w)).unwrap();
+    let (s2, sum2, _, ys2) = jit(unrolled).call((&xs, &w)).unwrap();
+    let nan = |t: &Tensor| common::values(t).iter().map(|x| x.is_nan()).collect::<Vec<_>>();
+    assert_eq!(nan(&s), nan(&s2));
+    assert_eq!(nan(&s), [false, true, false, false], "the state's NaN entry");
+    assert!(sum.to_scalar::<f64>().unwrap().is_nan() && sum2.to_scalar::<f64>().unwrap().is_nan());
+    assert_eq!(nan(&ys), nan(&ys2));
+    let finite = |t: &Tensor| {
+        common::values(t)
+            .into_iter()
+            .filter(|x| !x.is_nan())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(finite(&s), finite(&s2));
+}
+
 #[test]
 fn gradients_and_tangents_through_a_mixed_carry_are_the_unrolled_loops() {
     let (xs, w) = (rand(&[T, E], 3), rand(&[E], 4));

@@ -213,11 +213,11 @@ fn widen_first_input(g: Graph, dtype: DType) -> Graph {
         if v == first {
             // `first` keeps its place as the input; its readers read the cast
             out.nodes[v].ty.dtype = dtype;
-            out.nodes.push(Node {
-                prim: Prim::Unary(crate::ir::ops::Unary::Cast(traced.dtype)),
-                args: vec![out.nodes.len() - 1],
-                ty: traced.clone(),
-            });
+            out.add_node(
+                Prim::Unary(crate::ir::ops::Unary::Cast(traced.dtype)),
+                vec![v],
+                traced.clone(),
+            );
         }
         remap.push(out.nodes.len() - 1);
     }

@@ -43,17 +43,17 @@ pub fn while_loop<C: SymTree>(
     let dtype = carrier("while_loop", "the carry's leaves", &dtypes)?.unwrap_or(candle_core::DType::F32);
     let nc: usize = init.iter().map(Tracer::elem_count).sum();
     let types = types_of(init);
-    let shapes = || types.iter().cloned();
+    let leaf_types = || types.iter().cloned();
     let carry_ty = TensorType::new(vec![nc], dtype);
     let (gc, cc) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
-        let p = cond_fun(&rebuild(&def, unpack(&ins[0], shapes())?)?)?;
+        let p = cond_fun(&rebuild(&def, unpack(&ins[0], leaf_types())?)?)?;
         match p.rank() {
             0 => Ok(p),
             _ => Err(Error::shape("while_loop", &[p.dims()], "cond_fun must give a scalar")),
         }
     })?;
     let (gb, cb) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
-        let next = body_fun(rebuild(&def, unpack(&ins[0], shapes())?)?)?;
+        let next = body_fun(rebuild(&def, unpack(&ins[0], leaf_types())?)?)?;
         let next = same_tree("while_loop", "the body's carry", &next, &def)?;
         check_carry("while_loop", init, &next)?;
         pack(&next, dtype, &ins[0])
@@ -66,5 +66,5 @@ pub fn while_loop<C: SymTree>(
         body: Arc::new(gb),
     };
     let out = emit(&outer, Prim::While(Box::new(w)), &[packed], &[cc, cb])?;
-    rebuild(&def, unpack(&out, shapes())?)
+    rebuild(&def, unpack(&out, leaf_types())?)
 }

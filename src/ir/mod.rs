@@ -140,6 +140,13 @@ impl Graph {
         &self.nodes[v].ty
     }
 
+    /// Appends a node (its operands already in the graph) and returns its
+    /// index: what a pass that rebuilds a graph writes its nodes with.
+    pub(crate) fn add_node(&mut self, prim: Prim, args: Vec<VarId>, ty: TensorType) -> VarId {
+        self.nodes.push(Node { prim, args, ty });
+        self.nodes.len() - 1
+    }
+
     /// Every node, in topological order.
     pub(crate) fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
         self.nodes

@@ -276,6 +276,14 @@ impl Builder {
         self.emit(Prim::Unary(u), &[v])
     }
 
+    /// `v` in `dtype` (`v` itself where it is already).
+    pub(crate) fn cast(&mut self, v: VarId, dtype: DType) -> Result<VarId> {
+        match self.ty(v).dtype == dtype {
+            true => Ok(v),
+            false => self.un(Unary::Cast(dtype), v),
+        }
+    }
+
     pub(crate) fn bin(&mut self, op: Binary, a: VarId, b: VarId) -> Result<VarId> {
         self.emit(Prim::Binary(op), &[a, b])
     }

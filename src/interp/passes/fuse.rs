@@ -19,13 +19,15 @@ fn fits(b: &[usize], y: &[usize]) -> bool {
     b.len() <= y.len() && b.iter().rev().zip(y.iter().rev()).all(|(&d, &e)| d == 1 || d == e)
 }
 
+/// A product seen through views: the product, the reshape's shape, the
+/// permute.
+type Chain = (VarId, Option<Vec<usize>>, Option<Vec<usize>>);
+
 /// `end` as `permute?(reshape?(product))`, each link read only by the
 /// next (and `end` only by `reader`), none an output: the views a
 /// batching rule puts between a product and its epilogue (`(B N) C ->
 /// B N C`, then `B N C -> B C N`), which the epilogue runs through on the
-/// product's own layout. The product, the reshape's shape, the permute.
-type Chain = (VarId, Option<Vec<usize>>, Option<Vec<usize>>);
-
+/// product's own layout.
 fn chain(g: &View, end: VarId, reader: VarId) -> Option<Chain> {
     if g.sole(end) != Some(reader) {
         return None;

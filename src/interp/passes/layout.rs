@@ -1,10 +1,10 @@
-//! Products in the layouts the batching rules leave them: a product
-//! whose result is read transposed is computed transposed
-//! (`transpose_products`); a transpose before an elementwise map with a
-//! small broadcast operand (a bias, a ReLU) moves after it
-//! (`sink_permutes`), so that a product of two transposed operands can be
+//! Products in the layouts the batching rules leave them, as three rule
+//! tables: a product whose result is read transposed is computed
+//! transposed (`transpose_product`); a transpose before an elementwise map
+//! with a small broadcast operand (a bias, a ReLU) moves after it
+//! (`sink_permute`), so that a product of two transposed operands can be
 //! computed as the transpose of the reversed product, reading both in the
-//! layout they are stored in (`untranspose_products`).
+//! layout they are stored in (`untranspose_product`).
 
 use super::rewrite::{rewrite, Arg, Rewrite, View};
 use crate::ir::ops::ShapeOp;
@@ -23,7 +23,7 @@ fn swaps_last_two(p: &[usize]) -> bool {
     r >= 2 && p[r - 2] == r - 1 && p[r - 1] == r - 2 && p[..r - 2].iter().enumerate().all(|(i, &j)| i == j)
 }
 
-/// `p`'s own permutation swapping the last two of `rank` axes.
+/// The permutation swapping the last two of `rank` axes.
 fn swap_last_two(rank: usize) -> Vec<usize> {
     let mut p: Vec<usize> = (0..rank).collect();
     p.swap(rank - 2, rank - 1);

@@ -54,6 +54,16 @@ impl<'a> View<'a> {
         }
     }
 
+    /// The nodes that read `v` (a reader listed once per operand it reads).
+    pub(super) fn readers(&self, v: VarId) -> &[VarId] {
+        &self.readers[v]
+    }
+
+    /// Whether `v` is an output of the graph.
+    pub(super) fn is_output(&self, v: VarId) -> bool {
+        self.output[v]
+    }
+
     /// How many times `v` is read, as an operand or as an output.
     pub(super) fn uses(&self, v: VarId) -> usize {
         self.readers[v].len() + usize::from(self.output[v])
@@ -147,7 +157,7 @@ fn sweep(old: &Graph, rules: &[Rule]) -> Option<Graph> {
                             Arg::New(k) => first + k,
                         })
                         .collect();
-                    g.nodes.push(Node { prim, args, ty });
+                    g.add_node(prim, args, ty);
                 }
                 g.nodes.len() - 1
             }

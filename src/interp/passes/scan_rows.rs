@@ -6,8 +6,9 @@
 //! vector instead (`Scan::every_carry`), and its readers read that: `T`
 //! carries fewer held (an LSTM's `[T, B, 2H]` states).
 
+use super::rewrite::View;
 use crate::ir::ops::ShapeOp;
-use crate::ir::{Graph, Node, Prim, Scan, TensorType, VarId};
+use crate::ir::{Graph, Prim, Scan, VarId};
 
 /// How a reader reads a scan's rows `[T, L.., nc + ny]`.
 #[derive(Clone, Copy)]
@@ -21,9 +22,8 @@ enum Read {
 
 /// How node `r` reads the scan `s` at `v`, where it reads it in a way
 /// the last-carry form serves.
-fn read(g: &Graph, s: &Scan, v: VarId, r: VarId) -> Option<Read> {
-    let n = &g.nodes[r];
-    let Prim::Shape(ShapeOp::Narrow { axis, start, len }) = n.prim else {
+fn read(g: &View, s: &Scan, v: VarId, r: VarId) -> Option<Read> {
+    let Prim::Shape(ShapeOp::Narrow { axis, start, len }) = *g.prim(r) else {
         return None;
     };
     let last_axis = g.ty(v).rank() - 1;
@@ -40,37 +40,27 @@ fn read(g: &Graph, s: &Scan, v: VarId, r: VarId) -> Option<Read> {
 
 /// The reads of each scan that can keep its last carry only (every
 /// reader a `Read`, not an output), by node.
-fn convertible(g: &Graph) -> Vec<Option<Vec<(VarId, Read)>>> {
-    let mut readers = vec![Vec::new(); g.nodes.len()];
-    for (r, n) in g.nodes.iter().enumerate() {
-        for &a in &n.args {
-            readers[a].push(r);
-        }
-    }
-    let mut out = vec![None; g.nodes.len()];
-    for (v, n) in g.nodes.iter().enumerate() {
+fn convertible(old: &Graph) -> Vec<Option<Vec<(VarId, Read)>>> {
+    let g = View::new(old);
+    let mut out = vec![None; old.nodes.len()];
+    for (v, n) in old.nodes.iter().enumerate() {
         let Prim::Scan(s) = &n.prim else { continue };
-        if !s.every_carry || s.carry == 0 || g.outputs.contains(&v) || readers[v].is_empty() {
+        if !s.every_carry || s.carry == 0 || g.is_output(v) || g.readers(v).is_empty() {
             continue;
         }
         // a reader reading the scan twice is a reader of another kind
-        let reads: Option<Vec<_>> = readers[v]
+        out[v] = g
+            .readers(v)
             .iter()
             .map(|&r| {
-                (g.nodes[r].args.len() == 1)
-                    .then(|| read(g, s, v, r))
+                (g.args(r).len() == 1)
+                    .then(|| read(&g, s, v, r))
                     .flatten()
                     .map(|k| (r, k))
             })
             .collect();
-        out[v] = reads;
     }
     out
-}
-
-fn push(g: &mut Graph, prim: Prim, args: Vec<VarId>, ty: TensorType) -> VarId {
-    g.nodes.push(Node { prim, args, ty });
-    g.nodes.len() - 1
 }
 
 /// `g` with every scan whose carries nothing reads keeping its last only.
@@ -100,8 +90,7 @@ pub(super) fn last_carry_only(old: &Graph) -> Graph {
                     every_carry: false,
                     ..(**s).clone()
                 };
-                let flat = push(
-                    &mut g,
+                let flat = g.add_node(
                     Prim::Scan(Box::new(sc)),
                     args,
                     rows.with_shape(vec![t * l * ny + l * s.carry]),
@@ -109,9 +98,8 @@ pub(super) fn last_carry_only(old: &Graph) -> Graph {
                 // (T L.. ny) -> T L.. ny; (L.. nc) -> 1 L.. nc
                 let view = |g: &mut Graph, start: usize, len: usize, shape: Vec<usize>| {
                     let narrow = Prim::Shape(ShapeOp::Narrow { axis: 0, start, len });
-                    let part = push(g, narrow, vec![flat], rows.with_shape(vec![len]));
-                    push(
-                        g,
+                    let part = g.add_node(narrow, vec![flat], rows.with_shape(vec![len]));
+                    g.add_node(
                         Prim::Shape(ShapeOp::Reshape(shape.clone())),
                         vec![part],
                         rows.with_shape(shape),
@@ -126,8 +114,7 @@ pub(super) fn last_carry_only(old: &Graph) -> Graph {
             }
             (_, _, Some((Read::Outputs { start, len }, ys, _))) => {
                 let axis = n.ty.rank() - 1;
-                push(
-                    &mut g,
+                g.add_node(
                     Prim::Shape(ShapeOp::Narrow { axis, start, len }),
                     vec![ys],
                     n.ty.clone(),
@@ -146,11 +133,11 @@ pub(super) fn last_carry_only(old: &Graph) -> Graph {
                         start: row,
                         len: 1,
                     });
-                    let y = push(&mut g, narrow, vec![ys], y_ty);
-                    push(&mut g, Prim::Shape(ShapeOp::Concat(axis)), vec![carry, y], n.ty.clone())
+                    let y = g.add_node(narrow, vec![ys], y_ty);
+                    g.add_node(Prim::Shape(ShapeOp::Concat(axis)), vec![carry, y], n.ty.clone())
                 }
             }
-            _ => push(&mut g, n.prim.clone(), args, n.ty.clone()),
+            _ => g.add_node(n.prim.clone(), args, n.ty.clone()),
         };
         remap.push(to);
     }

@@ -12,7 +12,7 @@
 //! other terms are added to it.
 
 use crate::ir::ops::{Binary, ShapeOp};
-use crate::ir::{Graph, Node, Prim, TensorType, VarId};
+use crate::ir::{Graph, Prim, TensorType, VarId};
 
 /// A padded slice: `(start, len, piece)` for each non-zero operand of a
 /// concatenation along `axis`.
@@ -133,12 +133,12 @@ pub(crate) fn place_slices(old: &Graph) -> Graph {
             Some((_, p, rest)) => {
                 let sum = concat(&mut g, &n.ty, &p, &remap);
                 rest.iter().fold(sum, |acc, &t| {
-                    push(&mut g, Prim::Binary(Binary::Add), vec![acc, remap[t]], n.ty.clone())
+                    g.add_node(Prim::Binary(Binary::Add), vec![acc, remap[t]], n.ty.clone())
                 })
             }
             None => {
                 let args = n.args.iter().map(|&a| remap[a]).collect();
-                push(&mut g, n.prim.clone(), args, n.ty.clone())
+                g.add_node(n.prim.clone(), args, n.ty.clone())
             }
         };
     }
@@ -149,12 +149,11 @@ pub(crate) fn place_slices(old: &Graph) -> Graph {
 
 /// One concatenation of `p`'s pieces along its axis, zeros in the gaps.
 fn concat(g: &mut Graph, ty: &TensorType, p: &Padded, remap: &[VarId]) -> VarId {
-    let zero = push(g, Prim::Scalar(0.0), vec![], ty.with_shape(vec![]));
+    let zero = g.add_node(Prim::Scalar(0.0), vec![], ty.with_shape(vec![]));
     let gap = |g: &mut Graph, len: usize| {
         let mut shape = ty.shape.clone();
         shape[p.axis] = len;
-        push(
-            g,
+        g.add_node(
             Prim::Shape(ShapeOp::Broadcast(shape.clone())),
             vec![zero],
             ty.with_shape(shape),
@@ -171,10 +170,5 @@ fn concat(g: &mut Graph, ty: &TensorType, p: &Padded, remap: &[VarId]) -> VarId 
     if ty.shape[p.axis] > at {
         parts.push(gap(g, ty.shape[p.axis] - at));
     }
-    push(g, Prim::Shape(ShapeOp::Concat(p.axis)), parts, ty.clone())
-}
-
-fn push(g: &mut Graph, prim: Prim, args: Vec<VarId>, ty: TensorType) -> VarId {
-    g.nodes.push(Node { prim, args, ty });
-    g.nodes.len() - 1
+    g.add_node(Prim::Shape(ShapeOp::Concat(p.axis)), parts, ty.clone())
 }

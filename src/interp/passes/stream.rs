@@ -7,7 +7,7 @@
 //! made, so each piece is dropped as soon as it is written.
 
 use crate::ir::ops::{PlaceOp, ShapeOp};
-use crate::ir::{Graph, Node, Prim, TensorType, VarId};
+use crate::ir::{Graph, Prim, VarId};
 use crate::rules::facts::bytes;
 
 /// Concatenations smaller than this stay as they are: their pieces are
@@ -70,10 +70,6 @@ pub(super) fn stream_concats(old: &Graph) -> Graph {
         consts: old.consts.clone(),
         ..Graph::default()
     };
-    let push = |g: &mut Graph, prim: Prim, args: Vec<VarId>, ty: TensorType| {
-        g.nodes.push(Node { prim, args, ty });
-        g.nodes.len() - 1
-    };
     let mut remap = vec![usize::MAX; old.nodes.len()];
     // each streamed concatenation's buffer so far
     let mut filled = vec![usize::MAX; old.nodes.len()];
@@ -84,18 +80,18 @@ pub(super) fn stream_concats(old: &Graph) -> Graph {
             remap[v] = filled[v];
         } else {
             let args = node.args.iter().map(|&a| remap[a]).collect();
-            remap[v] = push(&mut g, node.prim.clone(), args, node.ty.clone());
+            remap[v] = g.add_node(node.prim.clone(), args, node.ty.clone());
         }
         if let Some(p) = pieces[v] {
             let ty = old.ty(p.concat).clone();
             if p.first {
-                filled[p.concat] = push(&mut g, Prim::Place(PlaceOp::Empty(ty.clone())), vec![], ty.clone());
+                filled[p.concat] = g.add_node(Prim::Place(PlaceOp::Empty(ty.clone())), vec![], ty.clone());
             }
             let write = Prim::Place(PlaceOp::Write {
                 axis: p.axis,
                 offset: p.offset,
             });
-            filled[p.concat] = push(&mut g, write, vec![filled[p.concat], remap[v]], ty);
+            filled[p.concat] = g.add_node(write, vec![filled[p.concat], remap[v]], ty);
         }
     }
     g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
@@ -107,7 +103,7 @@ pub(super) fn stream_concats(old: &Graph) -> Graph {
 mod tests {
     use super::*;
     use crate::interp::exec::Executable;
-    use crate::ir::Options;
+    use crate::ir::{Options, TensorType};
     use crate::rules::{Builder, TraceCtx};
     use candle_core::{DType, Device, Tensor};
 

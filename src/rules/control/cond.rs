@@ -22,7 +22,7 @@ use super::{
     scalar_value, shape_error,
 };
 use crate::error::Result;
-use crate::ir::ops::{Compare, Unary};
+use crate::ir::ops::Compare;
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
 use crate::rules::facts::{Arg, Facts, Workspace};
 use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
@@ -205,10 +205,7 @@ impl Rule for Cond {
             for &k in &floats {
                 let v = sb.or_zeros(cts[k - 1], ins[k - 1])?;
                 let v = flat(&mut sb, v)?;
-                parts.push(match sb.ty(v).dtype == dtype {
-                    true => v,
-                    false => sb.un(Unary::Cast(dtype), v)?,
-                });
+                parts.push(sb.cast(v, dtype)?);
             }
             let out = sb.concat(&parts, 0)?;
             Ok(sb.finish(vec![out]).0.eliminate_dead_code())
@@ -221,10 +218,7 @@ impl Rule for Cond {
         for &k in &floats {
             let (shape, own) = (b.dims(args[k]), b.ty(args[k]).dtype);
             let c = piece(b, packed, 0, at, &shape)?;
-            cts[k] = Some(match own == dtype {
-                true => c,
-                false => b.un(Unary::Cast(own), c)?,
-            });
+            cts[k] = Some(b.cast(c, own)?);
             at += shape.iter().product::<usize>();
         }
         Ok(Some(cts))

@@ -15,7 +15,7 @@
 
 use super::{flat, piece};
 use crate::error::{Error, Result};
-use crate::ir::ops::{Binary, ShapeOp, Unary};
+use crate::ir::ops::{Binary, ShapeOp};
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
 use crate::rules::{walk, Builder, Cts};
 use candle_core::DType;
@@ -90,18 +90,10 @@ pub(super) fn emit(sc: &Scan, b: &mut Builder, args: &[VarId], out: VarId, ct: V
             Route::Factors { at, a, b: bs, views } => Some(contract(b, rows, steps + at, (a, bs), sc.length, views)?),
         });
         if let Some(c) = cts[k] {
-            cts[k] = Some(cast(b, c, sc.input_ty(k).dtype)?);
+            cts[k] = Some(b.cast(c, sc.input_ty(k).dtype)?);
         }
     }
     Ok(cts)
-}
-
-/// `v` in `dtype` (itself where it is already).
-fn cast(b: &mut Builder, v: VarId, dtype: DType) -> Result<VarId> {
-    match b.ty(v).dtype == dtype {
-        true => Ok(v),
-        false => b.un(Unary::Cast(dtype), v),
-    }
 }
 
 /// `sum_t A_t B_t` from the stacked factors in `rows` (`A_t` `[m, r]` at
@@ -242,7 +234,7 @@ impl Layout {
         let ct_of = |sb: &mut Builder, k: usize| -> Result<VarId> {
             let c = sb.or_zeros(cts[k], ins[k])?;
             let c = flat(sb, c)?;
-            cast(sb, c, self.dtype)
+            sb.cast(c, self.dtype)
         };
         let mut parts = vec![ct_of(&mut sb, 0)?];
         let summed: Vec<usize> = (1..n).filter(|&k| matches!(self.routes[k], Route::Summed(_))).collect();
