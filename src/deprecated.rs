@@ -119,7 +119,7 @@ pub use transforms::tree::{ArgList, CallArgs, SymTree, TensorTree};
 /// Moved to `candle_func::settings::ROUTE_ENV`.
 #[doc(hidden)]
 #[deprecated(since = "0.2.0", note = "moved to candle_func::settings::ROUTE_ENV")]
-pub const ROUTE_ENV: &str = transforms::settings::ROUTE_ENV;
+pub const ROUTE_ENV: &str = crate::env::ROUTE_ENV;
 
 /// Moved to `candle_func::settings::DEFAULT_CACHE_CAPACITY`.
 #[doc(hidden)]

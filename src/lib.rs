@@ -112,6 +112,7 @@
 // after the re-exports only re-export.
 mod control;
 pub mod dp;
+mod env;
 mod error;
 mod interp;
 mod ir;
@@ -210,22 +211,22 @@ pub mod rng {
 /// stream), the capacities of the caches, and the warnings a call gave
 /// ([`settings::capture_warnings`]).
 pub mod settings {
-    pub use crate::interp::exec::PORTABLE_ENV;
+    pub use crate::env::{PORTABLE_ENV, ROUTE_ENV};
     #[doc(hidden)]
     #[allow(deprecated)]
     pub use crate::transforms::settings::warned;
     pub use crate::transforms::settings::{
         auto_capacity, cache_capacity, capture_warnings, conv_route, manual_seed, set_auto_capacity,
         set_cache_capacity, set_conv_route, set_strict, strict, Warning, DEFAULT_AUTO_CAPACITY, DEFAULT_CACHE_CAPACITY,
-        ROUTE_ENV,
     };
 }
 
 /// What `Auto` (the convolution route and the `vmap` schedule) measured and
 /// chose, and its decisions saved to a file and loaded again.
 pub mod planner {
+    pub use crate::env::AUTO_CACHE_ENV;
     pub use crate::transforms::planner::{
-        auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice, AUTO_CACHE_ENV,
+        auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice,
     };
 }
 

@@ -4,10 +4,14 @@
 //! mutable global state. This test reads the sources and fails on a
 //! violation, naming the file, the line and the layers involved.
 //!
-//! Bottom to top (`error` is shared by all), one module per layer:
-//! `ir` ← `kernels` ← `rules` ← `interp` ← `trace` ← `ops` ← `transforms` ←
-//! `control` ← `nn` ← `optim` ← `dp` ← `models` ← `lib.rs` (with the root's re-exporting modules and the
-//! deprecated names).
+//! Bottom to top (`error` is shared by all, `env` beside it is the machine
+//! and the process), one module per layer:
+//! `error` ← `env` ← `ir` ← `kernels` ← `rules` ← `interp` ← `trace` ← `ops` ←
+//! `transforms` ← `control` ← `optim` ← `nn` ← `dp` ← `models` ← `lib.rs` (with
+//! the root's re-exporting modules and the deprecated names). The layers
+//! built on the transforms (`control`, `optim`, `nn`, `dp`, `models`) do not
+//! see the interpreter at all, and only `env` reads the environment's
+//! variables and `/proc`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,19 +22,20 @@ use std::path::{Path, PathBuf};
 fn rank(module: &str) -> Option<usize> {
     Some(match module {
         "error" => 0,
-        "ir" => 1,
-        "kernels" => 2,
-        "rules" => 3,
-        "interp" => 4,
-        "trace" => 5,
-        "ops" => 6,
-        "transforms" => 7,
-        "control" => 8,
-        "nn" => 9,
+        "env" => 1,
+        "ir" => 2,
+        "kernels" => 3,
+        "rules" => 4,
+        "interp" => 5,
+        "trace" => 6,
+        "ops" => 7,
+        "transforms" => 8,
+        "control" => 9,
         "optim" => 10,
-        "dp" => 11,
-        "models" => 12,
-        "lib" | "deprecated" => 13,
+        "nn" => 11,
+        "dp" => 12,
+        "models" => 13,
+        "lib" | "deprecated" => 14,
         _ => return None,
     })
 }
@@ -211,7 +216,10 @@ fn upward_imports(path: &[&str], src: &str, roots: &HashMap<String, String>) -> 
             let why = match rank(&target) {
                 _ if target == "*" => Some("a glob of the crate root, which hides each name's layer".to_string()),
                 Some(r) if r > own => Some(format!("{target} (layer {r})")),
-                None if own < 10 && !target.is_empty() => {
+                Some(_) if target == "interp" && above_the_engine(module) => {
+                    Some("interp, which the layers built on the transforms never see".to_string())
+                }
+                None if own < 12 && !target.is_empty() => {
                     Some(format!("{target}, a crate-root name the checker cannot place"))
                 }
                 _ => None,
@@ -219,6 +227,24 @@ fn upward_imports(path: &[&str], src: &str, roots: &HashMap<String, String>) -> 
             if let Some(why) = why {
                 bad.push(format!("line {n}: {module} (layer {own}) uses {why}: {}", line.trim()));
             }
+        }
+    }
+    bad
+}
+
+/// Whether `module` is one of the layers built on the transforms, which
+/// reach a graph's run only through them.
+fn above_the_engine(module: &str) -> bool {
+    matches!(module, "control" | "optim" | "nn" | "dp" | "models")
+}
+
+/// What only `env` may do: read the environment's variables and `/proc`.
+fn machine_reads(src: &str) -> Vec<String> {
+    let banned = ["env::var", "\"/proc", "var_os("];
+    let mut bad = Vec::new();
+    for (n, line) in code_lines(src) {
+        if let Some(b) = banned.iter().find(|b| line.contains(*b)) {
+            bad.push(format!("line {n}: {b} outside env: {}", line.trim()));
         }
     }
     bad
@@ -310,11 +336,14 @@ fn layers_point_down() {
         for v in upward_imports(&path, &text, &roots) {
             bad.push(format!("{}: {v}", rel.display()));
         }
-        let checks: Vec<String> = match path.first() {
+        let mut checks: Vec<String> = match path.first() {
             Some(&"rules") => impure(&text),
             Some(&"kernels") => mutable_globals(&text),
             _ => Vec::new(),
         };
+        if path.first() != Some(&"env") {
+            checks.extend(machine_reads(&text));
+        }
         bad.extend(checks.into_iter().map(|v| format!("{}: {v}", rel.display())));
     }
     assert!(bad.is_empty(), "the layers must point down:\n{}", bad.join("\n"));
@@ -378,6 +407,22 @@ fn the_checker_places_root_names_globs_and_same_rank_modules() {
     assert_eq!(up(&["transforms", "vmap"], "use crate::control::scan;").len(), 1);
     assert!(up(&["control"], "use crate::transforms::tracing;").is_empty());
     assert!(up(&["nn", "recurrent"], "use crate::control::scan_with;").is_empty());
+    // the machine's room is below everything but the error; the optimisers
+    // below the layers; nothing built on the transforms sees the interpreter
+    assert!(up(&["ir", "options"], "use crate::env::Machine;").is_empty());
+    assert_eq!(up(&["env"], "use crate::ir::Options;").len(), 1);
+    assert_eq!(up(&["optim"], "use crate::nn::Params;").len(), 1);
+    assert!(up(&["nn", "lora"], "use crate::optim::Sgd;").is_empty());
+    assert_eq!(
+        up(&["dp", "budget"], "let m = crate::interp::exec::resident();").len(),
+        1
+    );
+    assert_eq!(up(&["control", "scan"], "use crate::interp::Prepared;").len(), 1);
+    assert!(up(&["transforms", "cache"], "use crate::interp::exec::Executable;").is_empty());
+    assert_eq!(
+        machine_reads("let v = std::env::var(\"X\");\nlet m = read(\"/proc/meminfo\");").len(),
+        2
+    );
 }
 
 #[test]

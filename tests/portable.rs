@@ -124,3 +124,38 @@ fn the_variable_turns_it_on_for_a_function_whose_options_do_not_say() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Every door through which a graph or a step runs honours the options of
+/// the caller, not the environment alone: a graph from `make_graph` runs on
+/// its function's path and under its memory limit, `dp::privatize_with`
+/// takes its path from options and refuses one it would not read.
+#[test]
+fn every_door_honours_the_callers_options() {
+    let x = x();
+    let candle = x.exp().unwrap();
+    let graph = |o: Options| candle_func::make_graph(&jit(exp).options(o), &x).unwrap();
+    let portable = graph(Options::new().portable(true))
+        .run(std::slice::from_ref(&x))
+        .unwrap();
+    assert_eq!(max_diff(&portable[0], &candle), 0.0, "make_graph(..).run: candle's exp");
+    let fast = graph(Options::new().portable(false))
+        .run(std::slice::from_ref(&x))
+        .unwrap();
+    assert!(max_diff(&fast[0], &candle) > 0.0, "and the kernel's on the other path");
+    let small = graph(Options::new().memory_limit(1024));
+    match small.run(std::slice::from_ref(&x)) {
+        Err(candle_func::Error::Memory { limit, .. }) => assert_eq!(limit, 1024),
+        other => panic!("a graph made under a 1 KiB limit ran: {other:?}"),
+    }
+
+    let per_sample = BTreeMap::from([("w".to_string(), Tensor::ones((4, 3), DType::F32, &Device::Cpu).unwrap())]);
+    let mut rng = candle_func::rng::Rng::seeded(3);
+    let on = |o: Options, rng: &mut candle_func::rng::Rng| {
+        candle_func::dp::privatize_with(&per_sample, (1.0, 0.5, 4.0), rng, &o)
+    };
+    assert_eq!(on(Options::new().portable(true), &mut rng).unwrap()["w"].dims(), &[3]);
+    let err = on(Options::new().memory_limit(1 << 20), &mut rng)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("privatize") && err.contains("portable"), "{err}");
+}

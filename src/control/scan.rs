@@ -51,8 +51,9 @@ impl ScanOptions {
     /// keeps every carry. Without this setting a loop keeps every carry
     /// unless they alone would take more than an eighth of the memory
     /// limit ([`Options::memory_limit`](crate::Options::memory_limit),
-    /// else the machine's total memory: not what is free, so a traced
-    /// loop does not change with the machine's load), and then checkpoints every
+    /// else the memory the machine had available when the process first
+    /// asked, read once, so a traced loop does not change with the
+    /// machine's load), and then checkpoints every
     /// `ceil(sqrt(T))` steps. A value of `0` is an error.
     pub fn checkpoint(mut self, steps: usize) -> Self {
         self.checkpoint = Some(steps);
@@ -244,7 +245,7 @@ fn segment_length(outer: &BuilderRef, opts: &ScanOptions, steps: usize, carry_by
         }
         Some(k) => k,
         None => {
-            let limit = crate::interp::exec::trace_limit(outer.borrow().given.memory_limit);
+            let limit = outer.borrow().given.machine().trace_bytes();
             let held = steps.saturating_mul(carry_bytes);
             match limit {
                 Some(l) if held > l / 8 => {
@@ -364,7 +365,7 @@ pub fn fori_loop<C: SymTree>(
     // the indices are a scanned operand: a trip count past memory is an
     // error here, not an aborted allocation
     let n = upper - lower;
-    crate::interp::exec::check_host_alloc("fori_loop", &format!("the indices {lower}..{upper}"), n, 8)?;
+    crate::env::check_host_alloc("fori_loop", &format!("the indices {lower}..{upper}"), n, 8)?;
     if i64::try_from(upper - 1).is_err() {
         return Err(Error::shape(
             "fori_loop",
@@ -372,7 +373,7 @@ pub fn fori_loop<C: SymTree>(
             format!("index {} overflows i64", upper - 1),
         ));
     }
-    let mut steps: Vec<i64> = crate::interp::exec::host_vec("fori_loop", "the indices", n)?;
+    let mut steps: Vec<i64> = crate::env::host_vec("fori_loop", "the indices", n)?;
     steps.extend((lower..upper).map(|i| i as i64));
     let idx = candle_core::Tensor::from_vec(steps, n, &like.device())?.to_tracer(like)?;
     let (carry, ()) = scan(|c: C, i: Tracer| Ok((body(&i, c)?, ())), init, idx)?;

@@ -212,7 +212,7 @@ where
         // adding a pass's sum to the sum so far: the pass's sum and one
         // new tensor
         let adding = sums.saturating_add(largest);
-        let rest = crate::interp::exec::resident_memory()
+        let rest = crate::env::resident_memory()
             .unwrap_or(0)
             .saturating_sub(weights.saturating_add(data));
         Ok(MemoryPlan {

@@ -504,12 +504,11 @@ impl PrivacyEngine {
                 Clipping::PerLayer(_) | Clipping::Automatic(_) => None,
             },
             adaptive,
-            // the clipping graph's path: its options', else the environment's
-            path: crate::interp::exec::portable_path(self.options.portable),
+            // the clipping graph's path: its options' (resolved as the
+            // clipping transform resolves them), which the noise and the
+            // optimiser's step take too
+            path: self.options.machine().path,
         };
-        // the optimiser steps on the path the clipping graph runs on
-        let mut optimizer = optimizer;
-        optimizer.set_portable(setup.path == crate::kernels::Path::Portable);
         let trainer = PrivateTrainer::new(clip, varmap, optimizer, setup)?;
         match self.memory_limit.or(self.options.memory_limit) {
             Some(limit) => trainer.fit_memory(limit, self.physical_batch.is_none()),

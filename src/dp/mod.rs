@@ -69,6 +69,7 @@ pub mod rng {
 }
 
 use crate::error::{Error, Result};
+use crate::ir::options::Options;
 use candle_core::{DType, Tensor};
 use rng::Rng;
 use std::collections::BTreeMap;
@@ -133,7 +134,9 @@ pub(crate) use crate::error::positive;
 /// The private gradient of a batch: per-sample gradients clipped to
 /// `max_norm`, summed, with Gaussian noise of standard deviation
 /// `noise_multiplier * max_norm` added to each coordinate, divided by
-/// `expected_batch` (for Poisson sampling, `q N`, as Opacus does).
+/// `expected_batch` (for Poisson sampling, `q N`, as Opacus does). The
+/// noise is drawn on the path the `CANDLE_FUNC_PORTABLE` variable names;
+/// [`privatize_with`] takes it from options.
 pub fn privatize(
     per_sample: &BTreeMap<String, Tensor>,
     max_norm: f64,
@@ -141,10 +144,50 @@ pub fn privatize(
     expected_batch: f64,
     rng: &mut Rng,
 ) -> Result<BTreeMap<String, Tensor>> {
+    privatize_with(
+        per_sample,
+        (max_norm, noise_multiplier, expected_batch),
+        rng,
+        &Options::new(),
+    )
+}
+
+/// [`privatize`] under `options`: `(max_norm, noise_multiplier,
+/// expected_batch)` as there, the noise drawn on the kernel path
+/// `options.portable` names (unset: the variable's). A memory limit or
+/// any option a transform alone has is an error: nothing here would
+/// read it.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_func::{dp, rng::Rng, Options};
+/// use std::collections::BTreeMap;
+/// let g = Tensor::ones((4, 3), candle_core::DType::F32, &Device::Cpu)?; // 4 examples
+/// let per_sample = BTreeMap::from([("w".to_string(), g)]);
+/// let mut rng = Rng::seeded(7);
+/// let private = dp::privatize_with(&per_sample, (1.0, 0.5, 4.0), &mut rng, &Options::new().portable(true))?;
+/// assert_eq!(private["w"].dims(), &[3]);
+/// # Ok::<(), candle_func::Error>(())
+/// ```
+pub fn privatize_with(
+    per_sample: &BTreeMap<String, Tensor>,
+    (max_norm, noise_multiplier, expected_batch): (f64, f64, f64),
+    rng: &mut Rng,
+    options: &Options,
+) -> Result<BTreeMap<String, Tensor>> {
     positive("privatize", "noise_multiplier", noise_multiplier, true)?;
     positive("privatize", "expected_batch", expected_batch, false)?;
+    let only_path = Options {
+        portable: options.portable,
+        ..Options::new()
+    };
+    if *options != only_path {
+        return Err(Error::Config {
+            msg: format!("privatize: only `portable` applies to the noise, got {options:?}"),
+        });
+    }
     let clipped = clip_per_sample(per_sample, max_norm)?;
-    let path = crate::interp::exec::portable_path(None);
+    let path = options.machine().path;
     clipped
         .into_iter()
         .map(|(k, g)| {

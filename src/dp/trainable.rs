@@ -5,7 +5,7 @@
 //! counts only what trains.
 
 use crate::error::{Error, Result};
-pub(crate) use crate::nn::{overlap, under};
+pub(crate) use crate::transforms::tree::{overlap, under};
 use std::fmt;
 use std::sync::Arc;
 

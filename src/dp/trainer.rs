@@ -138,7 +138,7 @@ pub(super) struct Setup {
     pub(super) secure_mode: bool,
     pub(super) bound: Option<f64>,
     pub(super) adaptive: Option<Adaptive>,
-    pub(super) path: crate::kernels::Path,
+    pub(super) path: crate::env::Path,
 }
 
 impl<F, O, S> PrivateTrainer<F, O, S> {
@@ -249,7 +249,9 @@ where
             .step(self.setup.noise_multiplier, self.setup.sample_rate)?;
         self.score_canaries(&grads)?;
         self.steps += 1;
-        self.optimizer.step(&grads)?;
+        // on the path the clipping graph ran on: one step, one path
+        let portable = self.setup.path == crate::env::Path::Portable;
+        self.optimizer.step_on(&grads, portable)?;
         if let Some(a) = &mut self.setup.adaptive {
             a.update(unclipped, self.setup.sample_rate * n as f64);
         }

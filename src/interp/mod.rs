@@ -9,16 +9,15 @@
 //! plan worked out once and checked against the limit, and its seed.
 
 pub(crate) mod exec;
-mod malloc;
 pub(crate) mod passes;
 mod prepared;
 
 pub use prepared::Prepared;
 
+use crate::env::mix;
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Graph, Prim, TensorType};
 use crate::kernels::Kx;
-pub(crate) use crate::rules::mix;
 use crate::rules::{rule, Graphs, RunCx};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
@@ -183,10 +182,7 @@ fn run_inner(
 /// The process's resident memory in MiB (Linux; 0 elsewhere), for the
 /// trace-level log of a run.
 fn resident_mib() -> f64 {
-    let pages = std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<f64>().ok()));
-    pages.unwrap_or(0.0) * 4096.0 / (1u64 << 20) as f64
+    crate::env::resident_now().unwrap_or(0) as f64 / (1u64 << 20) as f64
 }
 
 /// The buffers behind the live values: for each, how many live values

@@ -1,7 +1,8 @@
 //! A graph prepared to run, a type of its own: what `make_graph` returns.
-//! Only an executable's passes make one, so holding one says the passes
-//! have run, and running it does not prepare it again; the IR's
-//! graph carries no such state.
+//! It holds the executable the passes made, with its plan and the machine
+//! its options resolved to, so holding one says the passes have run, and
+//! running it neither prepares nor plans it again; the IR's graph carries
+//! no such state.
 
 use super::exec::Executable;
 use super::{NodeTimes, RunStats};
@@ -18,65 +19,70 @@ use std::fmt;
 /// graph a user holds is well formed.
 #[derive(Clone, Debug)]
 pub struct Prepared {
-    graph: ir::Graph,
+    exe: Executable,
 }
 
 impl Prepared {
-    /// A graph the passes have made already (an executable's), as it is.
-    pub(crate) fn of_prepared(graph: ir::Graph) -> Prepared {
-        Prepared { graph }
+    /// An executable's graph, run by it.
+    pub(crate) fn of(exe: Executable) -> Prepared {
+        Prepared { exe }
+    }
+
+    fn graph(&self) -> &ir::Graph {
+        self.exe.graph()
     }
 
     /// Every node, in topological order.
     pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
-        self.graph.nodes()
+        self.graph().nodes()
     }
 
     /// The node with index `v`, if there is one.
     pub fn node(&self, v: usize) -> Option<NodeView<'_>> {
-        self.graph.node(v)
+        self.graph().node(v)
     }
 
     /// The indices of the output values, in output order.
     pub fn outputs(&self) -> &[usize] {
-        self.graph.outputs()
+        self.graph().outputs()
     }
 
     /// The types of the inputs, in argument order.
     pub fn input_types(&self) -> Vec<TensorType> {
-        self.graph.input_types()
+        self.graph().input_types()
     }
 
     /// The types of the outputs, in output order.
     pub fn output_types(&self) -> Vec<TensorType> {
-        self.graph.output_types()
+        self.graph().output_types()
     }
 
     /// Number of equations (nodes that are not inputs, constants or literals).
     pub fn equation_count(&self) -> usize {
-        self.graph.equation_count()
+        self.graph().equation_count()
     }
 
     /// Runs the graph on concrete tensors, in the order of the flattened
     /// arguments (as `make_graph` flattened them), and returns its outputs.
-    /// Each run goes through the executable as a transform's call does
-    /// (the memory check against the machine's available memory); random
-    /// draws come from the process-wide stream.
+    /// Each run goes through the executable as a transform's call does:
+    /// on the kernel path and under the memory limit of the options the
+    /// function was made with, its plan checked first; random draws come
+    /// from the process-wide stream.
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.executable().run(inputs)
+        self.exe.run(inputs)
     }
 
     /// [`Graph::run`](Prepared::run), also reporting the peak number and
     /// size of values held at once.
     pub fn run_with_stats(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, RunStats)> {
-        self.executable().run_with_stats(inputs)
+        self.exe.run_with_stats(inputs)
     }
 
     /// [`Graph::run`](Prepared::run), also returning the seconds each
     /// computed node took, as `(node index, seconds)`: where a graph spends
     /// its time.
     pub fn run_profiled(&self, inputs: &[Tensor]) -> Result<(Vec<Tensor>, NodeTimes)> {
-        self.executable().run_profiled(inputs)
+        self.exe.run_profiled(inputs)
     }
 
     /// The most bytes a run of the graph holds at once by its plan:
@@ -85,16 +91,12 @@ impl Prepared {
     /// running at that moment allocates besides its result. A call whose
     /// plan exceeds the memory limit is refused before it runs.
     pub fn planned_peak_bytes(&self) -> usize {
-        self.executable().peak()
-    }
-
-    fn executable(&self) -> Executable {
-        Executable::prepared(self.graph.clone()).named("Graph::run")
+        self.exe.peak()
     }
 }
 
 impl fmt::Display for Prepared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.graph.fmt(f)
+        self.graph().fmt(f)
     }
 }

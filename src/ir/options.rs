@@ -3,6 +3,7 @@
 //! carried by `Map` nodes). Process-wide defaults live in
 //! `crate::transforms::settings`; here are only the types.
 
+use crate::env::Machine;
 use crate::error::{Error, Result};
 use std::str::FromStr;
 
@@ -182,9 +183,12 @@ impl Options {
     /// The most bytes a call may hold at once, by the interpreter's plan
     /// (every value alive at the same time, inputs included); a call whose
     /// plan needs more is an [`Error::Memory`](crate::Error::Memory)
-    /// before anything runs. Unset: the machine's available memory
-    /// (`MemAvailable` on Linux; no limit elsewhere). Read from the
-    /// outermost transform called on tensors.
+    /// before anything runs. Unset: the machine's memory, which means one
+    /// thing while a function is traced (what was available when the
+    /// process first asked, `MemAvailable` on Linux, so a cached graph
+    /// does not change with the machine's load) and is checked against
+    /// what is available when a plan runs; no limit where it cannot be
+    /// read. Read from the outermost transform called on tensors.
     pub fn memory_limit(mut self, bytes: usize) -> Self {
         self.memory_limit = Some(bytes);
         self
@@ -256,6 +260,12 @@ impl Options {
         Ok(())
     }
 
+    /// The machine these options run on: their path and limit, resolved
+    /// (an unset path read from the environment once per process).
+    pub(crate) fn machine(&self) -> Machine {
+        Machine::resolve(self.portable, self.memory_limit)
+    }
+
     /// These options with every unset inherited field (route, strict
     /// mode, seed, memory limit) taken from `outer`, the enclosing
     /// transform's.
@@ -282,13 +292,10 @@ pub(crate) struct Opts {
     /// The transform's own seed; `None` draws from the process-wide stream.
     pub(crate) seed: Option<u64>,
     pub(crate) schedule: Schedule,
-    /// The most bytes the call may hold (`None`: the machine's available
-    /// memory): a `vmap` that would exceed it runs in chunks that fit, and
-    /// `Auto` measures no candidate that does not.
-    pub(crate) memory_limit: Option<usize>,
-    /// Whether runs take candle's operations only (`None`: as the
-    /// environment says).
-    pub(crate) portable: Option<bool>,
+    /// The kernel path and the memory limit (`None`: the machine's
+    /// memory, in `env`'s one meaning): a `vmap` that would exceed it runs
+    /// in chunks that fit, and `Auto` measures no candidate that does not.
+    pub(crate) machine: Machine,
     /// How many of a `Map`'s examples run at once on the CPU (the threads
     /// of the pool the transform was resolved in; 0 counts as 1). Each
     /// running example holds its own body's values, so the plan counts

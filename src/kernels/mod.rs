@@ -430,20 +430,7 @@ pub(crate) fn contiguous_slice<'a, T>(op: &str, data: &'a [T], layout: &Layout) 
     }
 }
 
-/// Which kernels a run takes: the crate's own CPU kernels where they
-/// apply (`Fast`), or candle's operations only (`Portable`): the path
-/// every other device takes, which the CPU takes too when asked
-/// (`Options::portable`, `CANDLE_FUNC_PORTABLE=1`) so that tests check
-/// that path on every commit. The caller says which: no kernel reads a
-/// setting of its own.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub(crate) enum Path {
-    /// The crate's kernels where they apply.
-    #[default]
-    Fast,
-    /// candle's operations only.
-    Portable,
-}
+pub(crate) use crate::env::Path;
 
 /// What a kernel that may copy operands needs of the run: the tally of
 /// layout copies and the path.

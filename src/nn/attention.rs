@@ -125,7 +125,7 @@ pub fn attend(q: &Tracer, k: &Tracer, v: &Tracer, mask: &AttentionMask, scale: f
 /// a position is never a real token's, so no loss reads it.
 fn windowed(raw: &Tracer, v: &Tracer, keep: Option<&Tracer>, scale: f64, w: usize) -> Result<Tracer> {
     let (n, t) = (raw.dims()[0], raw.dims()[2]);
-    crate::interp::exec::check_host_alloc("attention", "the sliding window's band", t.saturating_mul(t), 1)?;
+    crate::env::check_host_alloc("attention", "the sliding window's band", t.saturating_mul(t), 1)?;
     // key j visible to query i where 0 <= i - j < w
     let band: Vec<u8> = (0..t * t)
         .map(|x| u8::from(x % t <= x / t && x / t - x % t < w))

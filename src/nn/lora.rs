@@ -184,7 +184,7 @@ impl Lora {
         // a saved module may be new (a head built on the map), so the map
         // is where it must be
         for keep in &config.modules_to_save {
-            if !data.keys().any(|k| super::under(k, keep)) {
+            if !data.keys().any(|k| crate::transforms::tree::under(k, keep)) {
                 return Err(Error::Model {
                     what: format!("LoraConfig.modules_to_save {keep:?}"),
                     msg: "holds no variable of the VarMap".into(),
@@ -293,7 +293,7 @@ impl Lora {
         let prefixes = self.trainable_prefixes();
         let mut out = BTreeMap::new();
         for (name, var) in data.iter() {
-            if prefixes.iter().any(|p| super::under(name, p)) {
+            if prefixes.iter().any(|p| crate::transforms::tree::under(name, p)) {
                 out.insert(name.clone(), var.as_tensor().clone());
             }
         }

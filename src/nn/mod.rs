@@ -71,7 +71,7 @@ use std::collections::BTreeMap;
 /// user input (a hidden size of 2^40) is an error naming it, never an
 /// aborted allocation.
 pub(crate) fn param(vb: &candle_nn::VarBuilder, shape: &[usize], name: &str, init: candle_nn::Init) -> Result<Tensor> {
-    use crate::interp::exec::{check_host_shape, checked_elems};
+    use crate::env::{check_host_shape, checked_elems};
     let what = format!("parameter {:?}", layers::full_name(&vb.prefix(), name));
     // the host's memory bounds a parameter made on the host only (a GPU's
     // is another size); every device's bounds the element count
@@ -290,18 +290,6 @@ pub fn functional_call<M: Module + ?Sized>(model: &M, params: &BTreeMap<String, 
         }
     }
     model.forward_with(&Params::with(params), x)
-}
-
-/// Whether `prefix` holds `name`: the name itself or a `.`-separated head
-/// of it (`"fc1"` holds `fc1.weight`, not `fc10.weight`).
-pub(crate) fn under(name: &str, prefix: &str) -> bool {
-    name == prefix || name.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'))
-}
-
-/// Whether two prefixes hold a parameter in common: one is the other or a
-/// `.`-separated head of it (`fc` and `fc.weight`, not `fc` and `fc2`).
-pub(crate) fn overlap(a: &str, b: &str) -> bool {
-    under(a, b) || under(b, a)
 }
 
 /// A module's parameters as the variables of a new `VarMap`, under the

@@ -146,7 +146,7 @@ pub fn rotary_tables(
             msg: format!("rotary_tables: the head size {dim} must be even"),
         });
     }
-    use crate::interp::exec::{check_host_shape, host_vec};
+    use crate::env::{check_host_shape, host_vec};
     let what = "the tables' angles";
     check_host_shape("rotary_tables", what, &[max_seq, dim / 2], 8)?;
     let inv: Vec<f64> = (0..dim / 2)

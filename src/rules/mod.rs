@@ -93,14 +93,7 @@ impl Graphs for NoGraphs {
     }
 }
 
-/// splitmix64's finaliser: a well-mixed seed for each node (and each
-/// example or step of a body) from the run's seed.
-pub(crate) fn mix(seed: u64, k: u64) -> u64 {
-    let mut z = seed ^ k.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+pub(crate) use crate::env::mix;
 
 /// `run` on the first operand widened to f32 (the others as they are) and
 /// the result type in f32, the result rounded to `out`'s dtype once: how a

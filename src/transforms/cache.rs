@@ -42,7 +42,7 @@ impl Traced {
     /// above `limit`, drawing from the trace's seed counted by `calls`.
     pub(crate) fn compile(self, given: &Options, calls: Arc<AtomicU64>) -> Compiled {
         Compiled {
-            exe: Executable::new(&self.graph).seeded(self.seed, calls).options(given),
+            exe: Executable::new(&self.graph, given.machine()).seeded(self.seed, calls),
             out_def: self.out_def,
             mode_deps: self.mode_deps,
         }

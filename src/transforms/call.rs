@@ -180,6 +180,8 @@ where
     C: CallArgs<S>,
 {
     let (leaves, defs, device) = flatten_call(&args)?;
-    let traced = trace_top(f, (f.own_options(), false), &defs, &leaves, &device)?;
-    Ok(Executable::new(&traced.graph).into_prepared())
+    let given = f.own_options();
+    let traced = trace_top(f, (given, false), &defs, &leaves, &device)?;
+    let exe = Executable::new(&traced.graph, given.machine()).named("Graph::run");
+    Ok(exe.seeded(traced.seed, Arc::default()).into_prepared())
 }

@@ -440,12 +440,11 @@ where
     // backward pass reads is an output of `fwd` and so stays unfused),
     // each checked against the limit before it runs: the forward now, the
     // backward at every pullback.
-    let opts = f.own_options();
-    let fwd = Executable::new(&fwd)
+    let machine = f.own_options().machine();
+    let fwd = Executable::new(&fwd, machine)
         .named("vjp")
-        .seeded(traced.seed, Default::default())
-        .options(&opts);
-    let backward = Executable::new(&backward).named("vjp pullback").options(&opts);
+        .seeded(traced.seed, Default::default());
+    let backward = Executable::new(&backward, machine).named("vjp pullback");
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

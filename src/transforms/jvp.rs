@@ -75,10 +75,9 @@ where
     }
     let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
     let n_out = traced.graph.outputs.len();
-    let joint = Executable::new(&joint_graph(&traced.graph, device)?)
+    let joint = Executable::new(&joint_graph(&traced.graph, device)?, f.own_options().machine())
         .named("jvp")
-        .seeded(traced.seed, Default::default())
-        .options(&f.own_options());
+        .seeded(traced.seed, Default::default());
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
     let mut outs = joint.run(&flat)?;
     let tangent_outs = outs.split_off(n_out);
@@ -308,12 +307,11 @@ where
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
     // each half checked against the limit before it runs: the forward
     // now, the tangent map at every call
-    let opts = f.own_options();
-    let fwd = Executable::new(&fwd)
+    let machine = f.own_options().machine();
+    let fwd = Executable::new(&fwd, machine)
         .named("linearize")
-        .seeded(traced.seed, Default::default())
-        .options(&opts);
-    let tangent = Executable::new(&tangent).named("linearized map").options(&opts);
+        .seeded(traced.seed, Default::default());
+    let tangent = Executable::new(&tangent, machine).named("linearized map");
     let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
     let mut outs = fwd.run(&flat)?;
     let residuals = outs.split_off(n_out);

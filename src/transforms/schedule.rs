@@ -10,7 +10,7 @@
 use super::planner::{cached_schedule, measured_schedule, record_unmeasured, Candidate, Measured, PER_EXAMPLE_SAMPLE};
 use super::segments::{split_after_convs, Front};
 use crate::error::{Error, Result};
-use crate::interp::exec::{self, Executable};
+use crate::interp::exec::Executable;
 use crate::ir::options::{Opts, Schedule};
 use crate::ir::{Graph, TensorType, VarId};
 use crate::rules::control::map::emit_packed;
@@ -147,19 +147,13 @@ fn auto_schedule(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts
         size.next_power_of_two(),
         b.ctx.device.location(),
         opts.route,
-        super::planner::path_key(opts.portable)
+        super::planner::path_key(opts.machine.path)
     );
     if let Some(r) = cached_schedule(&key) {
         return Ok(r);
     }
-    let measured = lower_candidates(g, b, vals, size, opts).and_then(|candidates| {
-        measured_schedule(
-            &key,
-            size,
-            candidates,
-            (&b.ctx.device, opts.memory_limit, opts.portable),
-        )
-    });
+    let measured = lower_candidates(g, b, vals, size, opts)
+        .and_then(|candidates| measured_schedule(&key, size, candidates, (&b.ctx.device, opts.machine)));
     match measured {
         Ok(r) => Ok(r),
         Err(e) => {
@@ -262,26 +256,31 @@ fn fit_memory(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts, r
     // every example counted each time): where even that fits, no lowering
     // is planned
     let rough = memory::planned_peak(g).saturating_mul(size);
-    if exec::fits(rough, opts.memory_limit) {
+    let machine = opts.machine;
+    if machine.plan_fits(rough) {
         return Ok(run_as);
     }
     let types = batch_types(b, vals, size);
     let peak = |run_as: RunAs| -> Result<usize> {
-        Ok(Executable::new(&lower_as(g, b, (vals, &types), size, opts, run_as)?).peak())
+        Ok(Executable::new(&lower_as(g, b, (vals, &types), size, opts, run_as)?, machine).peak())
     };
     let whole = peak(run_as)?;
-    if exec::fits(whole, opts.memory_limit) || size < 2 {
+    if machine.plan_fits(whole) || size < 2 {
         return Ok(run_as);
     }
     // chunks planned to a little under the limit, leaving room for what an
     // enclosing graph holds beside this vmap
-    let target = exec::effective_limit(opts.memory_limit).map(|l| l - l / 16);
+    let target = machine.trace_bytes().map(|l| l - l / 16);
     // the largest chunk that fits, by bisection: `lo` fits (0: none
     // known), `hi` does not
     let (mut lo, mut hi) = (0usize, size);
     while hi - lo > 1 {
         let k = lo + (hi - lo) / 2;
-        if exec::fits(peak(RunAs::Chunks(k))?, target) {
+        let fits = match target {
+            Some(t) => peak(RunAs::Chunks(k))? <= t,
+            None => true,
+        };
+        if fits {
             lo = k;
         } else {
             hi = k;
@@ -290,7 +289,7 @@ fn fit_memory(g: &Graph, b: &Builder, vals: &[BVal], size: usize, opts: &Opts, r
     if lo == 0 {
         return Ok(run_as);
     }
-    let limit = exec::effective_limit(opts.memory_limit).unwrap_or(usize::MAX);
+    let limit = machine.trace_bytes().unwrap_or(usize::MAX);
     log::debug!(
         "vmap: a batch of {size} plans {whole} bytes at its peak, over the memory limit of {limit}; running it in chunks of {lo}"
     );

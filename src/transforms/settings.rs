@@ -10,8 +10,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 
-/// Name of the environment variable that sets the process-wide route.
-pub const ROUTE_ENV: &str = "CANDLE_FUNC_CONV_ROUTE";
+use crate::env::ROUTE_ENV;
 
 static STRICT: AtomicBool = AtomicBool::new(false);
 static PROCESS_ROUTE: RwLock<Option<ConvRoute>> = RwLock::new(None);
@@ -77,14 +76,12 @@ pub fn conv_route() -> Result<ConvRoute> {
     if let Some(r) = *PROCESS_ROUTE.read().unwrap_or_else(|e| e.into_inner()) {
         return Ok(r);
     }
-    match std::env::var(ROUTE_ENV) {
-        Ok(v) => v.parse().map_err(|e: Error| Error::Config {
+    match crate::env::route_var() {
+        Some(Ok(v)) => v.parse().map_err(|e: Error| Error::Config {
             msg: format!("{ROUTE_ENV}: {e}"),
         }),
-        Err(std::env::VarError::NotPresent) => Ok(ConvRoute::default()),
-        Err(e) => Err(Error::Config {
-            msg: format!("{ROUTE_ENV}: {e}"),
-        }),
+        None => Ok(ConvRoute::default()),
+        Some(Err(msg)) => Err(Error::Config { msg }),
     }
 }
 
@@ -92,7 +89,7 @@ pub fn conv_route() -> Result<ConvRoute> {
 /// without a seed of their own): the runs after this call draw the same
 /// sequence of values.
 pub fn manual_seed(seed: u64) {
-    crate::interp::exec::manual_seed(seed);
+    crate::env::manual_seed(seed);
 }
 
 /// `opts` resolved against the process defaults: the options a `vmap`
@@ -114,8 +111,7 @@ pub(crate) fn resolve(opts: &Options) -> Result<Opts> {
         chunk_size: opts.chunk_size,
         seed: opts.seed,
         schedule: opts.schedule.unwrap_or_default(),
-        memory_limit: opts.memory_limit,
-        portable: opts.portable,
+        machine: opts.machine(),
         width: rayon::current_num_threads(),
     })
 }

@@ -392,3 +392,15 @@ macro_rules! call_args {
 call_args!(A 0, B 1);
 call_args!(A 0, B 1, C 2);
 call_args!(A 0, B 1, C 2, D 3);
+
+/// Whether `prefix` holds `name`: the name itself or a `.`-separated head
+/// of it (`"fc1"` holds `fc1.weight`, not `fc10.weight`).
+pub(crate) fn under(name: &str, prefix: &str) -> bool {
+    name == prefix || name.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'))
+}
+
+/// Whether two prefixes hold a parameter in common: one is the other or a
+/// `.`-separated head of it (`fc` and `fc.weight`, not `fc` and `fc2`).
+pub(crate) fn overlap(a: &str, b: &str) -> bool {
+    under(a, b) || under(b, a)
+}

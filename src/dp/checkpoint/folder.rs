@@ -172,7 +172,9 @@ fn remove_stale(parent: &Path, name: &str, target_whole: bool) {
                 continue;
             };
             let pid = rest.split('-').next().unwrap_or_default();
-            let dead = pid.parse::<u32>().is_ok() && !Path::new("/proc").join(pid).exists();
+            let dead = pid
+                .parse::<u32>()
+                .is_ok_and(|p| crate::env::process_alive(p) == Some(false));
             if dead && (target_whole || !file.ends_with(".old")) {
                 let _ = std::fs::remove_dir_all(entry.path());
             }

@@ -163,7 +163,11 @@ mod tests {
         assert_eq!(r.nodes.len(), g.nodes.len() + 1);
         let x = Tensor::randn(0f32, 1., (4, 8, 32, 32), &Device::Cpu).unwrap();
         // run as they are (preparing them again would merge the copy back)
-        let run = |g: Graph| Executable::prepared(g).run(std::slice::from_ref(&x)).unwrap();
+        let run = |g: Graph| {
+            Executable::prepared(g, Default::default())
+                .run(std::slice::from_ref(&x))
+                .unwrap()
+        };
         let (a, b) = (run(g), run(r));
         let d = (&a[0] - &b[0]).unwrap().abs().unwrap().to_dtype(DType::F64).unwrap();
         assert_eq!(d.to_scalar::<f64>().unwrap(), 0.0);

@@ -130,7 +130,11 @@ mod tests {
             );
         }
         let x = Tensor::randn(0f32, 1., (64, 128), &Device::Cpu).unwrap();
-        let run = |g: Graph| Executable::prepared(g).run(std::slice::from_ref(&x)).unwrap();
+        let run = |g: Graph| {
+            Executable::prepared(g, Default::default())
+                .run(std::slice::from_ref(&x))
+                .unwrap()
+        };
         let (a, c) = (run(g), run(s));
         let d = (&a[0] - &c[0]).unwrap().abs().unwrap().max_all().unwrap();
         assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);

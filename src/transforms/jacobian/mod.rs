@@ -214,11 +214,11 @@ fn basis(op: &'static str, leaves: &[Tracer]) -> Result<Vec<Tracer>> {
             .checked_add(acc)
     });
     // the limit the call runs under (set on an enclosing transform), else
-    // the machine's available memory
-    let set = leaves.first().and_then(|t| t.b.borrow().given.memory_limit);
+    // the machine's memory (`env`'s one meaning at trace time)
+    let machine = leaves.first().map(|t| t.b.borrow().given.machine()).unwrap_or_default();
     let needed = bytes.unwrap_or(usize::MAX);
-    if !crate::interp::exec::fits(needed, set) {
-        let limit = crate::interp::exec::effective_limit(set).unwrap_or(usize::MAX);
+    if !machine.plan_fits(needed) {
+        let limit = machine.trace_bytes().unwrap_or(usize::MAX);
         let msg = format!(
             "the standard basis of {n} x {n} elements needs {needed} bytes, more than the {limit} allowed; differentiate with respect to fewer elements (argnums), or use the other mode"
         );

@@ -15,11 +15,10 @@
 
 mod tables;
 
-pub use tables::{
-    auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice, AUTO_CACHE_ENV,
-};
+pub use tables::{auto_choices, load_auto_cache, save_auto_cache, schedule_choices, AutoChoice, ScheduleChoice};
 pub(crate) use tables::{cached_schedule, record_unmeasured};
 
+use crate::env::{Machine, Path};
 use crate::error::{CandleContext, Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::ConvRoute;
@@ -40,7 +39,7 @@ impl Planner for Measured {
             choice.prim.name(),
             choice.size,
             choice.device.location(),
-            path_key(choice.opts.portable)
+            path_key(choice.opts.machine.path)
         );
         if let Some(r) = tables::cached_route(&key) {
             return Ok(r);
@@ -77,10 +76,10 @@ impl Planner for Measured {
 
 /// What a decision's key adds for the path its runs take: nothing for the
 /// crate's kernels (so keys saved before the path existed still hold).
-pub(crate) fn path_key(portable: Option<bool>) -> &'static str {
-    match crate::interp::exec::portable_path(portable) {
-        crate::kernels::Path::Fast => "",
-        crate::kernels::Path::Portable => "|portable",
+pub(crate) fn path_key(path: Path) -> &'static str {
+    match path {
+        Path::Fast => "",
+        Path::Portable => "|portable",
     }
 }
 
@@ -127,11 +126,7 @@ fn time_routes(choice: &Choice) -> Result<Vec<(ConvRoute, f64)>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let best = time_graphs(
-        &candidates,
-        choice.device,
-        (AUTO_ROUNDS, choice.opts.memory_limit, choice.opts.portable),
-    )?;
+    let best = time_graphs(&candidates, choice.device, (AUTO_ROUNDS, choice.opts.machine))?;
     Ok(choice
         .candidates
         .iter()
@@ -180,20 +175,11 @@ fn time_one(exe: &Executable, inputs: &[Tensor], scale: f64, device: &Device) ->
 /// when one is left. A candidate whose plan exceeds the memory `limit` is
 /// not run; where none fits, the first one's error is returned before any
 /// input is made.
-fn time_graphs(
-    candidates: &[Candidate],
-    device: &Device,
-    (rounds, limit, portable): (usize, Option<usize>, Option<bool>),
-) -> Result<Vec<f64>> {
+fn time_graphs(candidates: &[Candidate], device: &Device, (rounds, machine): (usize, Machine)) -> Result<Vec<f64>> {
     // as a call would run them
     let exes: Vec<Executable> = candidates
         .iter()
-        .map(|c| {
-            Executable::new(&c.graph)
-                .named("auto timing")
-                .limit(limit)
-                .portable(portable)
-        })
+        .map(|c| Executable::new(&c.graph, machine).named("auto timing"))
         .collect();
     let mut alive: Vec<bool> = exes.iter().map(|e| e.check().is_ok()).collect();
     if let Some(e) = exes.first().filter(|_| !alive.contains(&true)) {
@@ -250,11 +236,11 @@ pub(crate) fn measured_schedule(
     key: &str,
     size: usize,
     candidates: Vec<(RunAs, Candidate)>,
-    (device, limit, portable): (&Device, Option<usize>, Option<bool>),
+    (device, machine): (&Device, Machine),
 ) -> Result<RunAs> {
     let equations = candidates.first().map_or(0, |(_, c)| c.graph.equation_count());
     let (kinds, graphs): (Vec<RunAs>, Vec<Candidate>) = candidates.into_iter().unzip();
-    let times = time_graphs(&graphs, device, (SCHEDULE_ROUNDS, limit, portable))?;
+    let times = time_graphs(&graphs, device, (SCHEDULE_ROUNDS, machine))?;
     let best = kinds
         .iter()
         .zip(&times)

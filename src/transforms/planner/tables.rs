@@ -344,35 +344,23 @@ fn write(path: &Path, text: &str) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// The name of the variable that moves the default decisions file, or
-/// turns it off (`off`).
-pub const AUTO_CACHE_ENV: &str = "CANDLE_FUNC_AUTO_CACHE";
-
 /// The default decisions file (see the module docs), if there is one.
 fn default_file() -> Option<PathBuf> {
-    match std::env::var(AUTO_CACHE_ENV) {
-        Ok(v) if v.trim().eq_ignore_ascii_case("off") => return None,
-        Ok(v) if !v.trim().is_empty() => return Some(PathBuf::from(v)),
-        _ => {}
+    match crate::env::auto_cache_var() {
+        (Some(named), _) => named,
+        (None, cache) => Some(cache?.join("candle-func").join(format!("auto-{}.tsv", machine()))),
     }
-    let dir = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(dir.join("candle-func").join(format!("auto-{}.tsv", machine())))
 }
 
 /// What a decision depends on besides its program: the CPU, the number of
 /// threads the kernels use, the crate's version.
 fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let id = format!("{cpu}|{}|{}", crate::kernels::max_threads(), env!("CARGO_PKG_VERSION"));
+    let id = format!(
+        "{}|{}|{}",
+        crate::env::cpu_name(),
+        crate::kernels::max_threads(),
+        env!("CARGO_PKG_VERSION")
+    );
     // FNV-1a: the same name in every process and build
     let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)

@@ -32,13 +32,13 @@ const MIN_KEPT: usize = 64 << 20;
 const HEAP_BUFFERS: usize = 2 << 20;
 
 /// Keeps at least `peak` bytes of freed memory in the process.
-pub(super) fn keep(peak: usize) {
+pub(crate) fn keep(peak: usize) {
     let want = peak.max(MIN_KEPT);
     let kept = KEPT.load(Ordering::Relaxed);
     if kept >= want || kept == usize::MAX {
         return;
     }
-    if kept == 0 && std::env::var("CANDLE_FUNC_MALLOC").is_ok_and(|v| v.trim() == "system") {
+    if kept == 0 && super::vars::malloc_system() {
         KEPT.store(usize::MAX, Ordering::Relaxed);
         return;
     }
@@ -67,7 +67,7 @@ fn set_thresholds(_trim: usize) {}
 /// process's resident memory read next is what it holds live (the memory
 /// a trainer's plan starts from) rather than what earlier graphs freed.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-pub(crate) fn trim() {
+pub(super) fn trim() {
     // SAFETY: malloc_trim only gives free pages back to the kernel (it
     // takes the arenas' locks itself and moves no live allocation); safe
     // from any thread at any time. Exercised by tests/dp_memory.rs, whose
@@ -78,4 +78,4 @@ pub(crate) fn trim() {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub(crate) fn trim() {}
+pub(super) fn trim() {}
