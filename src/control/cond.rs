@@ -1,7 +1,7 @@
 //! `cond` and `switch`: one `cond` node, its branches traced apart on the
 //! operands and chosen by an index (JAX's `cond_p` serves both).
 
-use super::{align, carrier, emit, enclosing, leaves_of, pack, rebuild, trace_nested, unpack};
+use super::{align, emit, enclosing, leaves_of, rebuild, trace_nested};
 use crate::error::{Error, Result};
 use crate::ir::{Cond, Prim, TensorType};
 use crate::rules::Outer;
@@ -14,7 +14,7 @@ use std::sync::Arc;
 /// holds, else `on_false(operands)`, as JAX's `lax.cond`. The operands
 /// and the values are trees. The branch not taken does not run. Both
 /// branches give trees of the same structure, shapes and dtypes (leaves
-/// of any dtypes, as a loop's carry). Under `vmap` with a predicate per
+/// of any dtypes, each a result of the node of its own type). Under `vmap` with a predicate per
 /// example, each example's result and gradient are those of its own
 /// branch under every schedule: batched, each branch some example takes
 /// runs once on all rows, those of the examples not taking it replaced by
@@ -131,12 +131,12 @@ fn branches(
         let (mut outs, mut def) = (Vec::new(), None);
         let (g, caps) = trace_nested(&outer, &types, |ins| {
             let (got, d) = f(ins)?;
-            let dtypes: Vec<DType> = got.iter().map(Tracer::dtype).collect();
-            let dtype = carrier(op, "a branch's values", &dtypes)?
-                .ok_or_else(|| Error::shape(op, &[], "a branch gives no value"))?;
+            if got.is_empty() {
+                return Err(Error::shape(op, &[], "a branch gives no value"));
+            }
             outs = got.iter().map(|t| t.ty.clone()).collect::<Vec<_>>();
             def = Some(d);
-            pack(&got, dtype, &got[0])
+            Ok(got)
         })?;
         let def = def.ok_or_else(|| Error::internal(op, "a branch was not traced"))?;
         traced.push((g, caps, (outs, def)));
@@ -159,7 +159,7 @@ fn branches(
             },
         ));
     }
-    let (first, def) = first;
+    let def = first.1;
     // every branch takes the operands, then every branch's captures in
     // branch order (a branch ignores the others')
     let caps: Vec<Vec<Outer>> = traced.iter().map(|t| t.1.clone()).collect();
@@ -174,6 +174,5 @@ fn branches(
     };
     let mut ops = vec![index.clone()];
     ops.extend_from_slice(operands);
-    let out = emit(&outer, Prim::Cond(Box::new(c)), &ops, &caps)?;
-    Ok((unpack(&out, first.into_iter())?, def))
+    Ok((emit(&outer, Prim::Cond(Box::new(c)), &ops, &caps)?, def))
 }

@@ -1,16 +1,12 @@
 //! `scan` and `fori_loop`: one `scan` node (or, checkpointed, a scan of
 //! segments and one of the steps left over).
 
-use super::{
-    carrier, check_carry, emit, enclosing, leaves_of, outer_tracer, pack, rebuild, same_tree, trace_nested, types_of,
-    unpack, widen_first_input,
-};
+use super::{check_carry, emit, enclosing, leaves_of, outer_tracer, rebuild, same_tree, trace_nested, types_of};
 use crate::error::{Error, Result};
 use crate::ir::{Prim, Scan, TensorType};
 use crate::rules::{BuilderRef, Outer};
 use crate::trace::{Operand, Tracer};
 use crate::transforms::tree::SymTree;
-use candle_core::DType;
 use std::sync::Arc;
 
 /// How a [`scan_with`] runs: backwards, or a number of steps with no
@@ -72,10 +68,8 @@ type Step = Result<(Vec<Tracer>, Vec<Tracer>)>;
 /// vector, a map); every leaf of `xs` is scanned along its first axis
 /// (all of one length `T`). Inside a traced function only; one node of
 /// the graph whatever `T`, so the graph does not grow with the sequence.
-/// Leaves may be of any dtypes, as in JAX: they go round packed in one
-/// that holds each exactly (the widest float among them; u32 beside a
-/// float in f64), so a mixed carry is stored at that dtype's width, and
-/// i64 beside a float is an error. A body that returns a carry of
+/// Leaves may be of any dtypes, as in JAX: each goes round as itself, a
+/// value of the loop's node of its own type. A body that returns a carry of
 /// another structure, shape or dtype than it was given is an
 /// [`Error::Shape`] naming the loop.
 ///
@@ -145,34 +139,21 @@ fn scan_leaves(
         )
     })?;
     let length = trip_count(xs, opts.length)?;
-    let carry_types = types_of(init);
-    let init_dtypes: Vec<DType> = init.iter().map(Tracer::dtype).collect();
-    let traced = carrier("scan", "the carry's leaves", &init_dtypes)?;
-    let nc: usize = init.iter().map(Tracer::elem_count).sum();
-    // the body traced once, nested in the caller's trace: the packed carry
-    // and one step of each scanned operand in, next carry and outputs out
-    let mut types = vec![TensorType::new(vec![nc], traced.unwrap_or(DType::F32))];
+    // the body traced once, nested in the caller's trace: each carry leaf
+    // and one step of each scanned operand in, next carries and outputs out
+    let mut types = types_of(init);
     types.extend(xs.iter().map(|x| TensorType::new(x.dims()[1..].to_vec(), x.dtype())));
-    let (mut y_types, mut dtype) = (Vec::new(), None);
+    let nc = init.len();
+    let mut y_types = Vec::new();
     let (graph, captures) = trace_nested(&outer, &types, |ins| {
-        let (next, ys) = f(&unpack(&ins[0], carry_types.iter().cloned())?, &ins[1..])?;
+        let (next, ys) = f(&ins[..nc], &ins[nc..])?;
         check_carry("scan", init, &next)?;
         y_types = types_of(&ys);
-        // the outputs may need a wider carrier than the carry alone
-        let all: Vec<DType> = init_dtypes
-            .iter()
-            .copied()
-            .chain(ys.iter().map(Tracer::dtype))
-            .collect();
-        dtype = carrier("scan", "the carry's and the outputs' leaves", &all)?;
-        pack(&[next, ys].concat(), dtype.unwrap_or(DType::F32), &ins[0])
+        Ok([next, ys].concat())
     })?;
-    let Some(dtype) = dtype else {
-        return Ok((Vec::new(), Vec::new()));
-    };
-    let like = outer_tracer(&outer, init, xs)?;
     if length == 0 {
         // no step runs: the carry as given, outputs with no rows
+        let like = outer_tracer(&outer, init, xs)?;
         let empty = y_types
             .iter()
             .map(|t| {
@@ -182,52 +163,27 @@ fn scan_leaves(
             .collect::<Result<Vec<_>>>();
         return Ok((init.to_vec(), empty?));
     }
-    // the carry goes round in the carrier of the carry and the outputs
-    // (a loop with no carry reads none: its empty carry just takes it)
-    let graph = widen_first_input(graph, dtype);
-    // operands in the caller's trace: the packed initial carry, the
-    // scanned operands, then whatever the body read from outside
-    let mut operands = vec![pack(init, dtype, &like)?];
-    operands.extend_from_slice(xs);
+    // operands in the caller's trace: the initial carries, the scanned
+    // operands, then whatever the body read from outside
+    let operands: Vec<Tracer> = init.iter().chain(xs).cloned().collect();
     let sc = Scan {
         body: Arc::new(graph.eliminate_dead_code()),
-        carry: nc,
+        carries: nc,
         scanned: xs.len(),
         length,
         reverse: opts.reverse,
-        every_carry: true,
+        reads: true,
     };
-    let ny: usize = y_types.iter().map(TensorType::elem_count).sum();
-    let every = segment_length(&outer, &opts, length, nc * dtype.size_in_bytes())?;
-    let (last, ys) = match every {
-        Some(k) => segmented(&outer, sc, k, &operands, &captures, ny)?,
-        None => finish(
-            emit(&outer, Prim::Scan(Box::new(sc)), &operands, &[captures])?,
-            nc,
-            ny,
-            opts.reverse,
-        )?,
+    let carry_bytes: usize = init.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    let every = segment_length(&outer, &opts, length, carry_bytes)?;
+    let mut results = match every {
+        Some(k) => segmented(&outer, sc, k, &operands, &captures)?,
+        None => emit(&outer, Prim::Scan(Box::new(sc)), &operands, &[captures])?,
     };
-    let carry = unpack(&last, carry_types.into_iter())?;
-    let mut outs = Vec::with_capacity(y_types.len());
-    let mut at = 0;
-    for t in y_types {
-        let n = t.elem_count();
-        let rows = ys.narrow(1, at, n)?.reshape([&[length], &t.shape[..]].concat())?;
-        outs.push(rows.to_dtype(t.dtype)?);
-        at += n;
-    }
-    Ok((carry, outs))
-}
-
-/// A scan's rows (`T nc+ny`) cut into its final carry (`[nc]`, in the row
-/// the last step wrote: the first where it ran backwards) and its outputs
-/// (`T ny`).
-fn finish(rows: Tracer, nc: usize, ny: usize, reverse: bool) -> Result<(Tracer, Tracer)> {
-    let steps = rows.dims()[0];
-    let last_row = if reverse { 0 } else { steps - 1 };
-    let last = rows.narrow(0, last_row, 1)?.squeeze(0)?.narrow(0, 0, nc)?;
-    Ok((last, rows.narrow(1, nc, ny)?))
+    // final carries, then the stacked outputs (the carries read stay for a VJP)
+    results.truncate(nc + y_types.len());
+    let ys = results.split_off(nc);
+    Ok((results, ys))
 }
 
 /// The steps per segment a scan of `steps` steps whose carry takes
@@ -259,19 +215,13 @@ fn segment_length(outer: &BuilderRef, opts: &ScanOptions, steps: usize, carry_by
     Ok((1 < every && every < steps).then_some(every))
 }
 
-/// The scan `sc` over `operands` (the packed carry, the scanned operands;
-/// then `captures`) run as segments of `k` steps (`Scan::segmented`), the
+/// The scan `sc` over `operands` (the carries, the scanned operands; then
+/// `captures`) run as segments of `k` steps (`Scan::segmented`), the
 /// steps left over in a loop of their own after them (before them where it
-/// runs backwards): its final carry and outputs, as [`finish`] gives them.
-fn segmented(
-    outer: &BuilderRef,
-    sc: Scan,
-    k: usize,
-    operands: &[Tracer],
-    captures: &[Outer],
-    ny: usize,
-) -> Result<(Tracer, Tracer)> {
-    let (nc, steps, reverse) = (sc.carry, sc.length, sc.reverse);
+/// runs backwards): its final carries and stacked outputs.
+fn segmented(outer: &BuilderRef, sc: Scan, k: usize, operands: &[Tracer], captures: &[Outer]) -> Result<Vec<Tracer>> {
+    let (nc, ns, steps, reverse) = (sc.carries, sc.scanned, sc.length, sc.reverse);
+    let ny = sc.outputs();
     let segments = steps / k;
     let left = steps - segments * k;
     // the segments cover the first S k steps, or the last where it runs
@@ -282,29 +232,36 @@ fn segmented(
         (ob.given, ob.ctx.clone())
     };
     let outer_sc = sc.segmented(k, segments, given, ctx)?;
-    let mut ops = vec![operands[0].clone()];
-    for x in &operands[1..] {
+    let mut ops = operands[..nc].to_vec();
+    for x in &operands[nc..nc + ns] {
         // T .. -> S k ..
         let mut shape = vec![segments, k];
         shape.extend_from_slice(&x.dims()[1..]);
         ops.push(x.narrow(0, main, segments * k)?.reshape(shape)?);
     }
-    let rows = emit(outer, Prim::Scan(Box::new(outer_sc)), &ops, &[captures.to_vec()])?;
-    // S (nc + k ny) -> (S k) ny
-    let (mid, ys) = finish(rows, nc, k * ny, reverse)?;
-    let ys = ys.reshape((segments * k, ny))?;
-    if left == 0 {
-        return Ok((mid, ys));
+    let mut got = emit(outer, Prim::Scan(Box::new(outer_sc)), &ops, &[captures.to_vec()])?;
+    got.truncate(nc + ny);
+    // S k .. -> (S k) ..
+    for y in &mut got[nc..] {
+        let mut shape = vec![segments * k];
+        shape.extend_from_slice(&y.dims()[2..]);
+        *y = y.reshape(shape)?;
     }
-    let mut ops = vec![mid];
-    for x in &operands[1..] {
+    if left == 0 {
+        return Ok(got);
+    }
+    let mut ops = got[..nc].to_vec();
+    for x in &operands[nc..nc + ns] {
         ops.push(x.narrow(0, rest, left)?);
     }
     let tail = Scan { length: left, ..sc };
-    let rows = emit(outer, Prim::Scan(Box::new(tail)), &ops, &[captures.to_vec()])?;
-    let (last, tail_ys) = finish(rows, nc, ny, reverse)?;
-    let parts = if reverse { [&tail_ys, &ys] } else { [&ys, &tail_ys] };
-    Ok((last, Tracer::cat(&parts, 0)?))
+    let tail = emit(outer, Prim::Scan(Box::new(tail)), &ops, &[captures.to_vec()])?;
+    let mut out = tail[..nc].to_vec();
+    for (y, t) in got[nc..].iter().zip(&tail[nc..nc + ny]) {
+        let parts = if reverse { [t, y] } else { [y, t] };
+        out.push(Tracer::cat(&parts, 0)?);
+    }
+    Ok(out)
 }
 
 /// The number of steps: the scanned operands' common leading axis, or

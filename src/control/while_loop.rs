@@ -1,17 +1,15 @@
 //! `while_loop`: one `while` node, its condition and body traced apart.
 
-use super::{
-    align, carrier, check_carry, emit, enclosing, leaves_of, pack, rebuild, same_tree, trace_nested, types_of, unpack,
-};
+use super::{align, check_carry, emit, enclosing, leaves_of, rebuild, same_tree, trace_nested, types_of};
 use crate::error::{Error, Result};
-use crate::ir::{Prim, TensorType, While};
+use crate::ir::{Prim, While};
 use crate::trace::Tracer;
 use crate::transforms::tree::SymTree;
 use std::sync::Arc;
 
 /// `while_loop`: `carry = body_fun(carry)` while `cond_fun(&carry)` (a
 /// scalar, nonzero: true) holds, as JAX's `lax.while_loop`, the carry a
-/// tree (its leaves of any dtypes, packed as [`scan`](super::scan)'s);
+/// tree (its leaves of any dtypes, each a value of its own);
 /// one node of the graph. Under `vmap` with a condition per example each example runs
 /// its own steps under every schedule: batched, the loop runs until every
 /// example's condition fails, a finished example keeping its carry and no
@@ -38,33 +36,30 @@ pub fn while_loop<C: SymTree>(
 ) -> Result<C> {
     let (init, def) = leaves_of(&init);
     let init = &init[..];
+    if init.is_empty() {
+        return Err(Error::shape("while_loop", &[], "needs a carry"));
+    }
     let outer = enclosing(init).ok_or_else(|| Error::shape("while_loop", &[], "needs a carry"))?;
-    let dtypes: Vec<_> = init.iter().map(Tracer::dtype).collect();
-    let dtype = carrier("while_loop", "the carry's leaves", &dtypes)?.unwrap_or(candle_core::DType::F32);
-    let nc: usize = init.iter().map(Tracer::elem_count).sum();
     let types = types_of(init);
-    let leaf_types = || types.iter().cloned();
-    let carry_ty = TensorType::new(vec![nc], dtype);
-    let (gc, cc) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
-        let p = cond_fun(&rebuild(&def, unpack(&ins[0], leaf_types())?)?)?;
+    let (gc, cc) = trace_nested(&outer, &types, |ins| {
+        let p = cond_fun(&rebuild(&def, ins.to_vec())?)?;
         match p.rank() {
-            0 => Ok(p),
+            0 => Ok(vec![p]),
             _ => Err(Error::shape("while_loop", &[p.dims()], "cond_fun must give a scalar")),
         }
     })?;
-    let (gb, cb) = trace_nested(&outer, std::slice::from_ref(&carry_ty), |ins| {
-        let next = body_fun(rebuild(&def, unpack(&ins[0], leaf_types())?)?)?;
+    let (gb, cb) = trace_nested(&outer, &types, |ins| {
+        let next = body_fun(rebuild(&def, ins.to_vec())?)?;
         let next = same_tree("while_loop", "the body's carry", &next, &def)?;
         check_carry("while_loop", init, &next)?;
-        pack(&next, dtype, &ins[0])
+        Ok(next)
     })?;
-    let (gc, gb) = (align(gc, 1, &[], &cb), align(gb, 1, &cc, &[]));
-    let like = &init[0];
-    let packed = pack(init, dtype, like)?;
+    let n = init.len();
+    let (gc, gb) = (align(gc, n, &[], &cb), align(gb, n, &cc, &[]));
     let w = While {
         cond: Arc::new(gc),
         body: Arc::new(gb),
     };
-    let out = emit(&outer, Prim::While(Box::new(w)), &[packed], &[cc, cb])?;
-    rebuild(&def, unpack(&out, leaf_types())?)
+    let out = emit(&outer, Prim::While(Box::new(w)), init, &[cc, cb])?;
+    rebuild(&def, out)
 }

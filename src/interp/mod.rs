@@ -74,7 +74,7 @@ fn run_inner(
     check_inputs(g, inputs)?;
     let device = run_device(g, inputs);
     let last = g.last_uses();
-    let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+    let mut vals: Vec<Option<Value>> = vec![None; g.nodes.len()];
     let (mut live, mut held, mut stats) = (0usize, Held::default(), RunStats::default());
     let copied_before = copies.bytes();
     // Pairs of independent loops run at once on the CPU's pool (not while
@@ -83,7 +83,7 @@ fn run_inner(
         true => crate::rules::memory::partners(g),
         false => vec![None; g.nodes.len()],
     };
-    let mut early: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+    let mut early: Vec<Option<Value>> = vec![None; g.nodes.len()];
     let nested = Nested { copies, path };
     for (v, node) in g.nodes.iter().enumerate() {
         let ran_early = early[v].is_some();
@@ -93,12 +93,24 @@ fn run_inner(
             // candle history would keep every earlier step's tensors alive
             // through the outputs (a training loop over parameters made from
             // `Var`s grew by 13 MB a step).
-            Prim::Input(k) => inputs
-                .get(*k)
-                .map(Tensor::detach)
-                .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
-            Prim::Const(k) => constant(g, *k, &device)?,
-            Prim::Scalar(x) => scalar(*x, node.ty.dtype, &device).op("scalar")?,
+            Prim::Input(k) => Value::One(
+                inputs
+                    .get(*k)
+                    .map(Tensor::detach)
+                    .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
+            ),
+            Prim::Const(k) => Value::One(constant(g, *k, &device)?),
+            Prim::Scalar(x) => Value::One(scalar(*x, node.ty.dtype, &device).op("scalar")?),
+            // a result of a tuple: the tensor it holds (the same buffer)
+            Prim::Get(k) => match vals.get(node.args[0]).and_then(Option::as_ref) {
+                Some(Value::Many(ts)) if *k < ts.len() => Value::One(ts[*k].clone()),
+                _ => {
+                    return Err(Error::internal(
+                        "get",
+                        format!("no result {k} of node {}", node.args[0]),
+                    ))
+                }
+            },
             _ if ran_early => early[v]
                 .take()
                 .ok_or_else(|| Error::internal("run", "an early result"))?,
@@ -122,7 +134,7 @@ fn run_inner(
                         let uargs = operands(g, &vals, u)?;
                         let (t, w) = rayon::join(|| compute(g, v, &args, &cx(v)), || compute(g, u, &uargs, &cx(u)));
                         let (t, w) = (t?, w?);
-                        held.take(&w);
+                        w.each(|x| held.take(x));
                         early[u] = Some(w);
                         t
                     }
@@ -136,7 +148,7 @@ fn run_inner(
             }
         };
         if !ran_early {
-            held.take(&t);
+            t.each(|x| held.take(x));
         }
         if log::log_enabled!(log::Level::Trace) {
             log::trace!(
@@ -164,7 +176,7 @@ fn run_inner(
                 // tensors: their memory stays however early the run is
                 // done with them
                 if !g.nodes[a].prim.is_leaf() {
-                    held.release(&t);
+                    t.each(|x| held.release(x));
                 }
             }
         }
@@ -172,9 +184,12 @@ fn run_inner(
     let outs = g
         .outputs
         .iter()
-        .map(|&o| vals.get(o).and_then(Option::clone))
+        .map(|&o| match vals.get(o) {
+            Some(Some(Value::One(t))) => Some(t.clone()),
+            _ => None,
+        })
         .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| Error::internal("run", "an output was not computed"))?;
+        .ok_or_else(|| Error::internal("run", "an output was not computed, or is a tuple"))?;
     stats.copied_bytes = copies.bytes() - copied_before;
     Ok((outs, stats))
 }
@@ -254,12 +269,32 @@ fn constant(g: &Graph, k: usize, device: &Device) -> Result<Tensor> {
     Ok(c.detach())
 }
 
+/// A node's value: one tensor, or a tuple's results.
+#[derive(Clone)]
+enum Value {
+    One(Tensor),
+    Many(Vec<Tensor>),
+}
+
+impl Value {
+    /// Calls `f` on each tensor it holds.
+    fn each(&self, mut f: impl FnMut(&Tensor)) {
+        match self {
+            Value::One(t) => f(t),
+            Value::Many(ts) => ts.iter().for_each(f),
+        }
+    }
+}
+
 /// Node `v`'s operands, each still held (freed only after its last use).
-fn operands<'a>(g: &Graph, vals: &'a [Option<Tensor>], v: usize) -> Result<Vec<&'a Tensor>> {
+fn operands<'a>(g: &Graph, vals: &'a [Option<Value>], v: usize) -> Result<Vec<&'a Tensor>> {
     g.nodes[v]
         .args
         .iter()
-        .map(|&a| vals.get(a).and_then(Option::as_ref))
+        .map(|&a| match vals.get(a) {
+            Some(Some(Value::One(t))) => Some(t),
+            _ => None,
+        })
         .collect::<Option<Vec<&Tensor>>>()
         .ok_or_else(|| Error::internal(g.nodes[v].prim.name(), "an operand was freed before its last use"))
 }
@@ -277,9 +312,26 @@ impl Graphs for Nested<'_> {
     }
 }
 
-/// Computes node `v` (not a leaf) on its operands and checks its result.
-fn compute(g: &Graph, v: usize, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> {
+/// Computes node `v` (not a leaf) on its operands and checks its result
+/// (each of a tuple's).
+fn compute(g: &Graph, v: usize, args: &[&Tensor], cx: &RunCx) -> Result<Value> {
     let node = &g.nodes[v];
+    if let Some(types) = node.prim.results() {
+        let many = rule(&node.prim)?
+            .many()
+            .ok_or_else(|| Error::internal(node.prim.name(), "a tuple without rules for its results"))?;
+        let ts = many.run_many(args, cx)?;
+        if ts.len() != types.len() {
+            return Err(Error::internal(
+                node.prim.name(),
+                "another number of results than inferred",
+            ));
+        }
+        for (t, ty) in ts.iter().zip(&types) {
+            check_result(&node.prim, t, ty)?;
+        }
+        return Ok(Value::Many(ts));
+    }
     let t = match &node.prim {
         // An empty result has no values to compute; candle's kernels
         // panic on some empty views (a concatenation of narrowed empty
@@ -290,7 +342,7 @@ fn compute(g: &Graph, v: usize, args: &[&Tensor], cx: &RunCx) -> Result<Tensor> 
         prim => rule(prim)?.run(args, &node.ty, cx)?,
     };
     check_result(&node.prim, &t, &node.ty)?;
-    Ok(t)
+    Ok(Value::One(t))
 }
 
 fn check_inputs(g: &Graph, inputs: &[Tensor]) -> Result<()> {
@@ -373,10 +425,13 @@ mod tests {
         let x = b.input(TensorType::new(vec![3, 4], DType::F32)); // examples on axis 1
         let w = b.input(TensorType::new(vec![3], DType::F32));
         let ct = b.input(TensorType::new(vec![4, 3], DType::F32));
-        let out = b.emit(Prim::Map(Box::new(m.clone())), &[x, w]).unwrap();
+        let tuple = b.emit_tuple(Prim::Map(Box::new(m.clone())), &[x, w]).unwrap();
+        let out = b.get(tuple, 0).unwrap();
         let cts = crate::rules::rule(&Prim::Map(Box::new(m)))
             .unwrap()
-            .vjp(&mut b, &[x, w], out, ct)
+            .many()
+            .unwrap()
+            .vjp_many(&mut b, &[x, w], tuple, &[Some(ct)])
             .unwrap()
             .unwrap();
         let maps = b.nodes[out + 1..]

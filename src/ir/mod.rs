@@ -3,9 +3,13 @@
 //! A [`Graph`] is a list of nodes in topological order. Every value is a
 //! node: inputs (`Prim::Input`), captured candle tensors (`Prim::Const`),
 //! scalar literals (`Prim::Scalar`) and equations alike, so a [`VarId`] is
-//! just an index into the node list. One node yields one tensor; primitives
-//! that would naturally yield two (max-pool with its argmax) are split into
-//! two primitives instead, which keeps every transform rule single-output.
+//! just an index into the node list. A node yields one tensor, but for the
+//! primitives with bodies (map, scan, cond, while), which yield several
+//! (JAX's `multiple_results`): their node is a tuple (its type is the bytes
+//! of its results, [`tuple_type`]) and each result is read by a
+//! `Prim::Get(k)` node after it, a view of that result, typed as it is
+//! (tinygrad's `GEP`). Only a `Get` reads a tuple; a tuple is never an
+//! input or an output of a graph.
 
 pub(crate) mod conv;
 mod geom;
@@ -17,7 +21,7 @@ mod print;
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};
 pub use prim::CustomKernel;
-pub(crate) use prim::{Cond, CustomGraphs, CustomOp, Fused, Map, Prim, Scan, While};
+pub(crate) use prim::{tuple_type, Cond, CustomGraphs, CustomOp, Fused, Map, Prim, Scan, While};
 
 use candle_core::{DType, Tensor};
 

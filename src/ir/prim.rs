@@ -40,6 +40,9 @@ pub(crate) enum Prim {
     Pool(PoolOp),
     /// Scaled dot-product attention and its gradient, fused.
     Attention(AttnOp),
+    /// Result `k` of a primitive with several results (its one operand):
+    /// a view of that result, read where the primitive wrote it.
+    Get(usize),
     /// A per-example sub-graph mapped over a batch axis: the generic
     /// batching fallback and the conv `Loop` route.
     Map(Box<Map>),
@@ -102,6 +105,25 @@ impl Prim {
         matches!(self, Prim::Map(_) | Prim::Scan(_) | Prim::While(_))
     }
 
+    /// Whether it has several results (read by [`Prim::Get`] nodes).
+    pub(crate) fn is_tuple(&self) -> bool {
+        matches!(self, Prim::Map(_) | Prim::Scan(_) | Prim::Cond(_) | Prim::While(_))
+    }
+
+    /// The types of its results, for a primitive with several (every one
+    /// with a body: JAX's `multiple_results`); `None` for the others,
+    /// which have one. Its node's own type is [`tuple_type`] of these,
+    /// and [`Prim::Get`] nodes read them.
+    pub(crate) fn results(&self) -> Option<Vec<TensorType>> {
+        Some(match self {
+            Prim::Map(m) => m.results(),
+            Prim::Scan(s) => s.results(),
+            Prim::Cond(c) => c.results(),
+            Prim::While(w) => w.results(),
+            _ => return None,
+        })
+    }
+
     /// A short name with the parameters, as the graph printer shows it.
     pub(crate) fn name(&self) -> String {
         match self {
@@ -119,6 +141,7 @@ impl Prim {
             Prim::Conv(c) => c.name(),
             Prim::Pool(p) => p.name(),
             Prim::Attention(a) => a.name(),
+            Prim::Get(k) => format!("get[{k}]"),
             Prim::Map(m) => m.name(),
             Prim::Scan(s) => s.name(),
             Prim::Cond(c) => c.name(),
@@ -182,14 +205,15 @@ impl Fused {
     }
 }
 
-/// `body` (a per-example graph with one output) mapped over the batch axis
-/// `bdims[i]` of each batched operand; the result has the batch axis first.
+/// `body` (a per-example graph) mapped over the batch axis `bdims[i]` of
+/// each batched operand: one result per output of the body, each with the
+/// batch axis first.
 /// It carries the options of the transform that made it, so whatever
 /// rewrites it later (batching, differentiation) honours the caller's
 /// route, strict mode and randomness.
 #[derive(Clone, Debug)]
 pub(crate) struct Map {
-    /// The per-example computation: one input per operand, one output.
+    /// The per-example computation: one input per operand, any outputs.
     pub(crate) body: Arc<Graph>,
     /// The batch axis of each operand (`None`: shared by all examples).
     pub(crate) bdims: Vec<Option<usize>>,
@@ -200,6 +224,11 @@ pub(crate) struct Map {
 }
 
 impl Map {
+    /// Each output of the body stacked over the examples (`B out..`).
+    pub(crate) fn results(&self) -> Vec<TensorType> {
+        stacked(&self.body, &self.body.outputs, self.size)
+    }
+
     pub(crate) fn name(&self) -> String {
         let inner: Vec<String> = self
             .body
@@ -221,44 +250,40 @@ impl PartialEq for Map {
     }
 }
 
-/// `scan`: the body run `length` times, each step reading the carry the
-/// step before wrote. Operands: the initial carry `[L.., nc]` (`L`: batch
-/// axes the batching rule put first; none in a traced program), the
-/// scanned operands `[length, ..]` (the body reads one step's slice) and
-/// the operands every step reads whole. The body maps `(carry, slices..,
-/// whole..)` to one value `[L.., nc + ny]` whose first `nc` entries along
-/// the last axis are the next carry and the rest the step's outputs, all
-/// flattened into one vector (so one dtype). The result stacks the body's
-/// value of every step, `[length, L.., nc + ny]`, in the order of the
-/// scanned axis (step `t` at row `t`, also when `reverse` runs from the
-/// last row): the final carry is in the last row run, and every carry is
-/// there for the VJP, which runs the body's VJP backwards over them.
+/// `scan`: the body run `length` times, each step reading the carries the
+/// step before wrote. Operands: the initial carries (`carries` of them),
+/// the scanned operands `[length, ..]` (the body reads one step's slice)
+/// and the operands every step reads whole. The body maps `(carries..,
+/// slices.., whole..)` to `(next carries.., outputs..)`, each leaf of its
+/// own type. The results, in order: the final carries; each output
+/// stacked over the steps (`[length, ..]`, step `t` at row `t`, also when
+/// `reverse` runs from the last row); and, where `reads`, the carries each
+/// step read, stacked alike (what the VJP runs back over). Dead results go
+/// by the primitive's own rule (`Many::prune`): an output nothing reads
+/// leaves the body, and the stacked carries leave where no VJP reads them,
+/// so a loop run forward holds its last carry only.
 #[derive(Clone, Debug)]
 pub(crate) struct Scan {
     pub(crate) body: Arc<Graph>,
-    /// Entries of the carry along the last axis (`nc`).
-    pub(crate) carry: usize,
-    /// How many operands after the carry are scanned.
+    /// How many leading operands (and body outputs) are carries.
+    pub(crate) carries: usize,
+    /// How many operands after the carries are scanned.
     pub(crate) scanned: usize,
     /// The trip count (at least 1).
     pub(crate) length: usize,
     /// Whether the steps run from the last row to the first.
     pub(crate) reverse: bool,
-    /// Whether the result keeps every step's carry (as a VJP reads
-    /// them); where nothing reads them, `passes::scan_rows` clears this
-    /// after every transform, and the result is one vector: each step's
-    /// outputs in row order (`T L.. ny`, flattened), then the last carry
-    /// (`L.. nc`).
-    pub(crate) every_carry: bool,
+    /// Whether the carries each step read are results too.
+    pub(crate) reads: bool,
 }
 
 impl Scan {
     pub(crate) fn name(&self) -> String {
         let steps = self.body.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
-        let last = if self.every_carry { "" } else { ",last carry only" };
+        let reads = if self.reads { "" } else { ",last carry only" };
         format!(
-            "scan[length={},carry={},reverse={}{last}]{{{steps} nodes}}",
-            self.length, self.carry, self.reverse
+            "scan[length={},carries={},reverse={}{reads}]{{{steps} nodes}}",
+            self.length, self.carries, self.reverse
         )
     }
 
@@ -269,27 +294,61 @@ impl Scan {
             false => i,
         }
     }
+
+    /// The number of outputs a step gives besides its carries.
+    pub(crate) fn outputs(&self) -> usize {
+        self.body.outputs.len().saturating_sub(self.carries)
+    }
+
+    /// The final carries, the stacked outputs, then (where `reads`) the
+    /// stacked carries read.
+    pub(crate) fn results(&self) -> Vec<TensorType> {
+        let b = &self.body;
+        let carries: Vec<usize> = b.inputs.iter().take(self.carries).copied().collect();
+        let mut out: Vec<TensorType> = carries.iter().map(|&c| b.ty(c).clone()).collect();
+        out.extend(stacked(b, &b.outputs[self.carries.min(b.outputs.len())..], self.length));
+        if self.reads {
+            out.extend(stacked(b, &carries, self.length));
+        }
+        out
+    }
 }
 
 impl PartialEq for Scan {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.body, &other.body)
-            && (self.carry, self.scanned, self.length, self.reverse, self.every_carry)
-                == (
-                    other.carry,
-                    other.scanned,
-                    other.length,
-                    other.reverse,
-                    other.every_carry,
-                )
+            && (self.carries, self.scanned, self.length, self.reverse, self.reads)
+                == (other.carries, other.scanned, other.length, other.reverse, other.reads)
     }
 }
 
+/// The types of `g`'s values `vs`, each stacked `n` times (`[n, ..]`).
+fn stacked(g: &Graph, vs: &[usize], n: usize) -> Vec<TensorType> {
+    vs.iter()
+        .map(|&v| {
+            let mut t = g.ty(v).clone();
+            t.shape.insert(0, n);
+            t
+        })
+        .collect()
+}
+
+/// The type of a node with several results: the bytes they take, as one
+/// `u8` vector (what the memory plan holds for it until its last
+/// [`Prim::Get`] is done; the results themselves are separate tensors).
+pub(crate) fn tuple_type(results: &[TensorType]) -> TensorType {
+    let bytes = results
+        .iter()
+        .map(|t| t.elem_count().saturating_mul(t.dtype.size_in_bytes()))
+        .fold(0usize, usize::saturating_add);
+    TensorType::new(vec![bytes], candle_core::DType::U8)
+}
+
 /// `cond` (JAX's `cond_p`, which `lax.switch` binds too): operands
-/// `[index, operands..]`, `index` an integer scalar; the result is
+/// `[index, operands..]`, `index` an integer scalar; the results are
 /// `branches[index](operands..)`, the index clamped into the branches'
 /// range, and no other branch runs. Every branch takes every operand and
-/// gives one value of one type. The `cond` binder passes `pred != 0` as
+/// gives values of the same types. The `cond` binder passes `pred != 0` as
 /// the index of `[on_false, on_true]`; `switch` its own clamped index.
 #[derive(Clone, Debug)]
 pub(crate) struct Cond {
@@ -297,6 +356,12 @@ pub(crate) struct Cond {
 }
 
 impl Cond {
+    /// The first branch's outputs (every branch gives the same types).
+    pub(crate) fn results(&self) -> Vec<TensorType> {
+        let g = &self.branches[0];
+        g.outputs.iter().map(|&o| g.ty(o).clone()).collect()
+    }
+
     pub(crate) fn name(&self) -> String {
         let count = |g: &Arc<Graph>| g.nodes.iter().filter(|n| !n.prim.is_leaf()).count().to_string();
         let counts: Vec<String> = self.branches.iter().map(count).collect();
@@ -315,9 +380,10 @@ impl PartialEq for Cond {
     }
 }
 
-/// `while_loop`: operands `[carry, whole..]`; while `cond(carry, whole..)`
-/// (a scalar, nonzero: true) holds, `carry = body(carry, whole..)`. The
-/// result is the last carry.
+/// `while_loop`: operands `[carries.., whole..]` (the body's outputs say
+/// how many carries); while `cond(carries.., whole..)` (a scalar, nonzero:
+/// true) holds, `carries = body(carries.., whole..)`. The results are the
+/// last carries.
 #[derive(Clone, Debug)]
 pub(crate) struct While {
     pub(crate) cond: Arc<Graph>,
@@ -325,6 +391,17 @@ pub(crate) struct While {
 }
 
 impl While {
+    /// The number of carries.
+    pub(crate) fn carries(&self) -> usize {
+        self.body.outputs.len()
+    }
+
+    /// The carries' types.
+    pub(crate) fn results(&self) -> Vec<TensorType> {
+        let g = &self.body;
+        g.outputs.iter().map(|&o| g.ty(o).clone()).collect()
+    }
+
     pub(crate) fn name(&self) -> String {
         let steps = self.body.nodes.iter().filter(|n| !n.prim.is_leaf()).count();
         format!("while{{{steps} nodes}}")

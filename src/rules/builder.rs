@@ -180,11 +180,43 @@ impl Builder {
         self.push(Prim::Scalar(value), vec![], TensorType::new(vec![], dtype))
     }
 
-    /// Appends `prim(args)`, inferring and checking its type.
+    /// Appends `prim(args)`, inferring and checking its type. A primitive
+    /// with several results goes through [`Builder::emit_many`].
     pub(crate) fn emit(&mut self, prim: Prim, args: &[VarId]) -> Result<VarId> {
+        if prim.is_tuple() || matches!(prim, Prim::Get(_)) {
+            return Err(Error::internal(prim.name(), "emitted as one value"));
+        }
         let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
         let ty = super::infer(&prim, &tys)?;
         Ok(self.push(prim, args.to_vec(), ty))
+    }
+
+    /// Appends `prim(args)` for a primitive with several results, checked
+    /// against its operands: the tuple, which only [`Builder::get`] reads.
+    pub(crate) fn emit_tuple(&mut self, prim: Prim, args: &[VarId]) -> Result<VarId> {
+        if !prim.is_tuple() {
+            return Err(Error::internal(prim.name(), "emitted as a tuple"));
+        }
+        let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
+        let ty = super::infer(&prim, &tys)?;
+        Ok(self.push(prim, args.to_vec(), ty))
+    }
+
+    /// Result `k` of the tuple `t`.
+    pub(crate) fn get(&mut self, t: VarId, k: usize) -> Result<VarId> {
+        let ty = self.nodes[t]
+            .prim
+            .results()
+            .and_then(|rs| rs.into_iter().nth(k))
+            .ok_or_else(|| Error::internal(self.nodes[t].prim.name(), format!("no result {k}")))?;
+        Ok(self.push(Prim::Get(k), vec![t], ty))
+    }
+
+    /// [`Builder::emit_tuple`], then every result.
+    pub(crate) fn emit_many(&mut self, prim: Prim, args: &[VarId]) -> Result<Vec<VarId>> {
+        let n = prim.results().map_or(0, |r| r.len());
+        let t = self.emit_tuple(prim, args)?;
+        (0..n).map(|k| self.get(t, k)).collect()
     }
 
     /// The id of the value `v` in this builder, capturing it as an extra
@@ -274,14 +306,6 @@ impl Builder {
 impl Builder {
     pub(crate) fn un(&mut self, u: Unary, v: VarId) -> Result<VarId> {
         self.emit(Prim::Unary(u), &[v])
-    }
-
-    /// `v` in `dtype` (`v` itself where it is already).
-    pub(crate) fn cast(&mut self, v: VarId, dtype: DType) -> Result<VarId> {
-        match self.ty(v).dtype == dtype {
-            true => Ok(v),
-            false => self.un(Unary::Cast(dtype), v),
-        }
     }
 
     pub(crate) fn bin(&mut self, op: Binary, a: VarId, b: VarId) -> Result<VarId> {

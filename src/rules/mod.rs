@@ -170,6 +170,36 @@ pub(crate) trait Rule {
     fn jvp(&self, _b: &mut Builder, _args: &[VarId], _tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
         Ok(None)
     }
+    /// The rules of its several results, for a primitive that has them
+    /// (its `infer` gives the tuple's type, [`crate::ir::tuple_type`]; its
+    /// `run` and `batch` are never called: the interpreter and the walkers
+    /// take these).
+    fn many(&self) -> Option<&dyn Many> {
+        None
+    }
+}
+
+/// The rules of a primitive with several results (every primitive with a
+/// body, JAX's `multiple_results`): the same rules as [`Rule`]'s, each
+/// giving or taking one value per result, in the order of
+/// [`Prim::results`]. The walkers read results through `Prim::Get` nodes,
+/// which the rules emit with [`Builder::get`].
+pub(crate) trait Many {
+    /// Computes every result on candle tensors.
+    fn run_many(&self, args: &[&Tensor], cx: &RunCx) -> Result<Vec<Tensor>>;
+    /// Emits the batched computation: each result with its batch axis.
+    fn batch_many(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Vec<BVal>>;
+    /// Emits the cotangent of each operand from the cotangents of the
+    /// results (`None`: zero); `out` is the tuple, whose results the rule
+    /// may read. `Ok(None)`: no VJP rule.
+    fn vjp_many(&self, b: &mut Builder, args: &[VarId], out: VarId, cts: &[Option<VarId>]) -> Result<Option<Cts>>;
+    /// Emits the tangent of each result from the operands' tangents
+    /// (`None`: zero). `Ok(None)`: no JVP rule.
+    fn jvp_many(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Vec<Tan>>>;
+    /// The primitive without the results `used` does not flag (JAX's
+    /// per-primitive dead-code rule), and where each old result went;
+    /// `None` where none can go. The new primitive takes the same operands.
+    fn prune(&self, used: &[bool]) -> Option<(Prim, Vec<Option<usize>>)>;
 }
 
 /// Cotangents of a primitive's operands, in operand order.
@@ -220,6 +250,7 @@ pub(crate) fn rule(prim: &Prim) -> Result<&dyn Rule> {
         Prim::Conv(r) => r,
         Prim::Pool(r) => r,
         Prim::Attention(r) => r,
+        Prim::Get(_) => &control::Get,
         Prim::Map(r) => r.as_ref(),
         Prim::Scan(r) => r.as_ref(),
         Prim::Cond(r) => r.as_ref(),

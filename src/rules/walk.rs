@@ -2,10 +2,12 @@
 //! batching rule ([`batch_graph`]) or forward and then through each VJP
 //! rule in reverse ([`vjp_graph`]). The transforms call these; so do the
 //! rules of primitives that hold a sub-graph (`map`, `scan`, `cond`,
-//! `while`).
+//! `while`). A primitive with several results goes through its
+//! [`Many`](super::Many) rules, its values, tangents and cotangents one
+//! per result, which its `get` nodes read and feed.
 
 use super::control::map;
-use super::{rule, BVal, BatchCx, Builder, Tan};
+use super::{rule, BVal, BatchCx, Builder, Cts, Many, Tan};
 use crate::error::{Error, Result};
 use crate::ir::ops::Binary;
 use crate::ir::{Graph, Prim, TensorType, VarId};
@@ -36,9 +38,17 @@ pub(crate) fn batch_graph_shared(
     for (k, &v) in g.inputs.iter().enumerate() {
         env[v] = inputs[k];
     }
+    // each tuple's results, batched
+    let mut many: HashMap<usize, Vec<BVal>> = HashMap::new();
     for (v, node) in g.nodes.iter().enumerate() {
         env[v] = match &node.prim {
             Prim::Input(_) => env[v],
+            Prim::Get(k) => result(&many, node.args[0], *k)?,
+            prim if prim.is_tuple() => {
+                let args: Vec<BVal> = node.args.iter().map(|&a| env[a]).collect();
+                many.insert(v, batch_tuple(cx, prim, &args)?);
+                (usize::MAX, None)
+            }
             Prim::Const(k) => (cx.b.constant(&g.consts[*k]), None),
             Prim::Scalar(x) => (cx.b.scalar(*x, node.ty.dtype), None),
             prim if node.args.is_empty() => match shared.get(&v) {
@@ -66,6 +76,43 @@ pub(crate) fn batch_graph_shared(
         };
     }
     Ok(g.outputs.iter().map(|&o| env[o]).collect())
+}
+
+/// Result `k` of the tuple `t` among `many`.
+fn result<T: Copy>(many: &HashMap<usize, Vec<T>>, t: usize, k: usize) -> Result<T> {
+    many.get(&t)
+        .and_then(|rs| rs.get(k))
+        .copied()
+        .ok_or_else(|| Error::internal("get", format!("no result {k} of node {t}")))
+}
+
+/// The rules of a primitive with several results.
+fn many_of(prim: &Prim) -> Result<&dyn Many> {
+    rule(prim)?
+        .many()
+        .ok_or_else(|| Error::internal(prim.name(), "a tuple without rules for its results"))
+}
+
+/// A primitive with several results batched: the same primitive where no
+/// operand is batched, else its rule's results, each checked.
+fn batch_tuple(cx: &mut BatchCx, prim: &Prim, args: &[BVal]) -> Result<Vec<BVal>> {
+    let types = prim.results().unwrap_or_default();
+    if args.iter().all(|a| a.1.is_none()) {
+        let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
+        let outs = cx.b.emit_many(prim.clone(), &ids)?;
+        return Ok(outs.into_iter().map(|o| (o, None)).collect());
+    }
+    let outs = many_of(prim)?.batch_many(cx, args)?;
+    if outs.len() != types.len() {
+        return Err(Error::internal(
+            prim.name(),
+            "a batching rule gave another number of results",
+        ));
+    }
+    for (&o, ty) in outs.iter().zip(&types) {
+        check_batched(prim, cx, o, ty)?;
+    }
+    Ok(outs)
 }
 
 /// Batches `prim` with its own rule, or maps it over the examples when it
@@ -138,9 +185,17 @@ fn forward_with(
             Prim::Input(_) => env[v],
             Prim::Const(k) => b.constant(&g.consts[*k]),
             Prim::Scalar(x) => b.scalar(*x, node.ty.dtype),
+            Prim::Get(k) => {
+                let out = b.get(env[node.args[0]], *k)?;
+                each(b, v, &[env[node.args[0]]], out)?;
+                out
+            }
             prim => {
                 let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
-                let out = b.emit(prim.clone(), &args)?;
+                let out = match prim.is_tuple() {
+                    true => b.emit_tuple(prim.clone(), &args)?,
+                    false => b.emit(prim.clone(), &args)?,
+                };
                 each(b, v, &args, out)?;
                 out
             }
@@ -167,15 +222,38 @@ pub(crate) fn vjp_graph(
     for &(o, seed) in seeds {
         accumulate(b, &mut cts, g.outputs[o], seed)?;
     }
+    // each tuple's results' cotangents, gathered from its `get`s (which
+    // come after it, so are met first going back)
+    let mut result_cts: HashMap<usize, Vec<Option<VarId>>> = HashMap::new();
     for (v, node) in g.nodes.iter().enumerate().rev() {
-        let Some(ct) = cts[v] else { continue };
         if !needs[v] || node.prim.is_leaf() {
             continue;
         }
+        if let Prim::Get(k) = node.prim {
+            if let Some(ct) = cts[v] {
+                let t = node.args[0];
+                let n = g.nodes[t].prim.results().map_or(0, |r| r.len());
+                let slot = &mut result_cts.entry(t).or_insert_with(|| vec![None; n])[k];
+                *slot = Some(match *slot {
+                    None => ct,
+                    Some(prev) => b.bin(Binary::Add, prev, ct)?,
+                });
+            }
+            continue;
+        }
         let args: Vec<VarId> = node.args.iter().map(|&a| env[a]).collect();
-        let arg_cts = rule(&node.prim)?
-            .vjp(b, &args, env[v], ct)?
-            .ok_or_else(|| no_rule(&node.prim))?;
+        let arg_cts: Cts = match (node.prim.is_tuple(), cts[v]) {
+            (true, _) => match result_cts.remove(&v) {
+                Some(rcts) => many_of(&node.prim)?
+                    .vjp_many(b, &args, env[v], &rcts)?
+                    .ok_or_else(|| no_rule(&node.prim))?,
+                None => continue,
+            },
+            (false, Some(ct)) => rule(&node.prim)?
+                .vjp(b, &args, env[v], ct)?
+                .ok_or_else(|| no_rule(&node.prim))?,
+            (false, None) => continue,
+        };
         for (&a, g_a) in node.args.iter().zip(arg_cts) {
             if let (Some(g_a), true) = (g_a, needs[a]) {
                 accumulate(b, &mut cts, a, g_a)?;
@@ -197,13 +275,27 @@ pub(crate) fn jvp_graph(g: &Graph, b: &mut Builder, inputs: &[VarId], tans: &[Ta
     for (k, &v) in g.inputs.iter().enumerate() {
         tan[v] = tans[k];
     }
+    // each tuple's results' tangents, which its `get`s read
+    let mut many: HashMap<usize, Vec<Tan>> = HashMap::new();
     let env = forward_with(g, b, inputs, |b, v, args, out| {
         let node = &g.nodes[v];
+        let no_jvp = || Error::unsupported(node.prim.kind(), "jvp", format!("{} has no JVP rule", node.prim.name()));
+        if let Prim::Get(k) = node.prim {
+            tan[v] = many.get(&node.args[0]).and_then(|ts| ts.get(k).copied().flatten());
+            return Ok(());
+        }
         let arg_tans: Vec<Tan> = node.args.iter().map(|&a| tan[a]).collect();
-        if arg_tans.iter().any(Option::is_some) {
-            tan[v] = rule(&node.prim)?.jvp(b, args, &arg_tans, out)?.ok_or_else(|| {
-                Error::unsupported(node.prim.kind(), "jvp", format!("{} has no JVP rule", node.prim.name()))
-            })?;
+        if !arg_tans.iter().any(Option::is_some) {
+            return Ok(());
+        }
+        match node.prim.is_tuple() {
+            true => {
+                let ts = many_of(&node.prim)?
+                    .jvp_many(b, args, &arg_tans, out)?
+                    .ok_or_else(no_jvp)?;
+                many.insert(v, ts);
+            }
+            false => tan[v] = rule(&node.prim)?.jvp(b, args, &arg_tans, out)?.ok_or_else(no_jvp)?,
         }
         Ok(())
     })?;

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::{Opts, Schedule};
 use crate::ir::{Graph, TensorType, VarId};
-use crate::rules::control::map::emit_packed;
+use crate::rules::control::map::emit_maps;
 use crate::rules::plan::{Planner, RunAs};
 use crate::rules::walk::batch_graph_shared;
 use crate::rules::{facts, memory};
@@ -104,10 +104,9 @@ fn split(g: &Graph, vals: &[BVal]) -> Front {
     split_after_convs(g, &g.downstream_of(&batched_inputs(vals)))
 }
 
-/// The batch as maps of `g` (one per output dtype, see
-/// `rules::control::map::emit_packed`), every output batched on axis 0.
+/// The batch as one map of `g`, every output a result batched on axis 0.
 fn per_example(g: &Graph, b: &mut Builder, vals: &[BVal], size: usize, opts: &Opts) -> Result<Vec<BVal>> {
-    let outs = emit_packed(b, g, vals, size, *opts)?;
+    let outs = emit_maps(b, g.clone(), vals, size, *opts)?;
     Ok(outs.into_iter().map(|o| (o, Some(0))).collect())
 }
 

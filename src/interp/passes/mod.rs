@@ -4,8 +4,9 @@
 //! 1. [`simplify`]: local rewrites (reshapes of reshapes, identities,
 //!    transposed products, slices of one cotangent placed side by side),
 //!    common subexpressions merged, dead code removed;
-//! 2. `fuse`: a product's bias add and ReLU fused into it; `scan_rows`:
-//!    a scan whose carries nothing reads keeps its last only;
+//! 2. `results`: the results of a loop or a branch that nothing reads
+//!    dropped by its own rule (a scan run forward keeps its last carries
+//!    only); `fuse`: a product's bias add and ReLU fused into it;
 //! 3. `stream`: concatenations written in place as their pieces come;
 //! 4. `remat`: cheap values recomputed before late readers where that
 //!    lowers the planned peak;
@@ -19,8 +20,8 @@ mod fuse;
 mod layout;
 mod pair;
 mod remat;
+mod results;
 mod rewrite;
-mod scan_rows;
 mod simplify;
 mod slices;
 mod stream;
@@ -29,14 +30,12 @@ pub(crate) use simplify::simplify;
 
 use crate::ir::Graph;
 
-/// `g` prepared to run: simplified, its bodies prepared, fused, its
-/// scans keeping no carry nothing reads, rematerialised where that lowers
-/// its peak, and its independent loops paired.
+/// `g` prepared to run: simplified, its unread results dropped, its
+/// bodies prepared, fused, rematerialised where that lowers its peak, and
+/// its independent loops paired.
 pub(crate) fn prepare(g: &Graph) -> Graph {
-    let fused = fuse::fuse_epilogues(&prepare_bodies(simplify(g)));
-    pair::pair_loops(remat::rematerialise(stream::stream_concats(
-        &scan_rows::last_carry_only(&fused),
-    )))
+    let fused = fuse::fuse_epilogues(&prepare_bodies(results::prune_results(simplify(g))));
+    pair::pair_loops(remat::rematerialise(stream::stream_concats(&fused)))
 }
 
 /// `g` with the body of every primitive that holds one (`Prim::bodies`)

@@ -54,16 +54,6 @@ impl<'a> View<'a> {
         }
     }
 
-    /// The nodes that read `v` (a reader listed once per operand it reads).
-    pub(super) fn readers(&self, v: VarId) -> &[VarId] {
-        &self.readers[v]
-    }
-
-    /// Whether `v` is an output of the graph.
-    pub(super) fn is_output(&self, v: VarId) -> bool {
-        self.output[v]
-    }
-
     /// How many times `v` is read, as an operand or as an output.
     pub(super) fn uses(&self, v: VarId) -> usize {
         self.readers[v].len() + usize::from(self.output[v])

@@ -15,17 +15,18 @@
 //!   branches on every row, so a NaN of the branch not taken reaches the
 //!   gradient through its `select`).
 //! * VJP and JVP: a `cond` of the branches' VJPs (their operands'
-//!   cotangents packed into one vector) and JVPs, on the same predicate.
+//!   cotangents, each a result of its own type) and JVPs, on the same
+//!   index.
 
 use super::{
-    any_true, batched_graph, body_facts, body_peak, flat, from_taking, lanes_graph, piece, rows_mask, run_one,
-    scalar_value, shape_error,
+    any_true, batched_graph, batched_outputs, body_facts, body_peak, from_taking, graph_of, input_types, keep_outputs,
+    lanes_graph, renumber, rows_mask, run_graph, scalar_value, shape_error, tuple_rule,
 };
 use crate::error::Result;
 use crate::ir::ops::Compare;
 use crate::ir::{Cond, Graph, Prim, TensorType, VarId};
-use crate::rules::facts::{Arg, Facts, Workspace};
-use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::rules::facts::{Facts, Workspace};
+use crate::rules::{walk, BVal, BatchCx, Builder, Cts, Many, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -40,6 +41,43 @@ impl Cond {
         Ok(Cond {
             branches: branches.collect::<Result<_>>()?,
         })
+    }
+
+    /// An error unless the index is a scalar and every branch takes the
+    /// operands and gives the same types.
+    fn check(&self, args: &[&TensorType]) -> Result<()> {
+        let bad = |msg: String| shape_error("cond", args, msg);
+        let Some(index) = args.first() else {
+            return Err(bad("no index".into()));
+        };
+        if index.rank() != 0 {
+            return Err(bad(format!("the index must be a scalar, got {:?}", index.shape)));
+        }
+        if self.branches.is_empty() {
+            return Err(bad("no branch".into()));
+        }
+        let first = self.results();
+        for (k, g) in self.branches().into_iter().enumerate() {
+            let ins: Vec<&TensorType> = g.inputs.iter().map(|&i| g.ty(i)).collect();
+            if ins != args[1..] {
+                return Err(bad(format!("branch {k} does not take the operands {:?}", &args[1..])));
+            }
+            let outs: Vec<TensorType> = g.outputs.iter().map(|&o| g.ty(o).clone()).collect();
+            if outs != first {
+                return Err(bad(format!(
+                    "the branches give {first:?} and {outs:?}: every branch must give the same types"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn own_facts(&self) -> Facts {
+        body_facts(&self.branches())
+    }
+
+    fn own_workspace(&self) -> Workspace {
+        Workspace::scratch(body_peak(&self.branches()))
     }
 }
 
@@ -57,8 +95,8 @@ impl Cond {
     /// The batching rule for an index per example `p` `[B]` (see the
     /// module docs): each branch in a `cond` on whether any example takes
     /// it, fed the operands with the other examples' rows taken from one
-    /// that does; then each example's result.
-    fn per_example(&self, cx: &mut BatchCx, p: VarId, ops: &[BVal]) -> Result<BVal> {
+    /// that does; then each example's results.
+    fn per_example(&self, cx: &mut BatchCx, p: VarId, ops: &[BVal]) -> Result<Vec<BVal>> {
         let mut takes = Vec::with_capacity(self.branches.len());
         for k in 0..self.branches.len() {
             let k = cx.b.scalar_as(k as f64, p);
@@ -80,89 +118,54 @@ impl Cond {
                 None => v,
             });
         }
-        let mut outs = Vec::with_capacity(2);
+        let mut outs: Vec<Vec<VarId>> = Vec::with_capacity(self.branches.len());
         for (g, &taking) in self.branches().into_iter().zip(&takes) {
             let run = lanes_graph(cx, &types, |icx, ins| {
                 let fed = from_taking(icx.b, ins[0].0, icx.size, &ins[1..])?;
-                let out = walk::batch_graph(g, icx, &fed)?[0];
-                icx.materialize(out)
+                batched_outputs(g, icx, &fed)
             })?;
-            let ty = run.ty(run.outputs[0]).clone();
-            // taken by no example: skipped, its (discarded) result zeros
-            let skip = lanes_graph(cx, &types, |icx, _| icx.b.zeros(ty.shape, ty.dtype))?;
+            let tys: Vec<TensorType> = run.outputs.iter().map(|&o| run.ty(o).clone()).collect();
+            // taken by no example: skipped, its (discarded) results zeros
+            let skip = lanes_graph(cx, &types, |icx, _| {
+                tys.iter().map(|t| icx.b.zeros(t.shape.clone(), t.dtype)).collect()
+            })?;
             // index 1 (some example takes it): run; 0: skip
             let c = Cond {
                 branches: vec![Arc::new(skip), Arc::new(run)],
             };
             let mut args = vec![any_true(cx.b, taking)?, taking];
             args.extend_from_slice(&operands);
-            outs.push(cx.b.emit(Prim::Cond(Box::new(c)), &args)?);
+            outs.push(cx.b.emit_many(Prim::Cond(Box::new(c)), &args)?);
         }
-        // each example's own branch's result: B -> B 1..
-        let rank = cx.b.ty(outs[0]).rank();
-        let mut out = outs[0];
-        for (k, &o) in outs.iter().enumerate().skip(1) {
-            let mask = rows_mask(cx.b, takes[k], cx.size, rank)?;
-            out = cx.b.select(mask, o, out)?;
+        // each example's own branch's results: B -> B 1..
+        let mut results = outs[0].clone();
+        for (k, os) in outs.iter().enumerate().skip(1) {
+            for (r, &o) in results.iter_mut().zip(os) {
+                let rank = cx.b.ty(o).rank();
+                let mask = rows_mask(cx.b, takes[k], cx.size, rank)?;
+                *r = cx.b.select(mask, o, *r)?;
+            }
         }
-        Ok((out, Some(0)))
+        Ok(results.into_iter().map(|r| (r, Some(0))).collect())
     }
 }
 
-impl Rule for Cond {
-    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
-        let bad = |msg: String| shape_error("cond", args, msg);
-        let Some(index) = args.first() else {
-            return Err(bad("no index".into()));
-        };
-        if index.rank() != 0 {
-            return Err(bad(format!("the index must be a scalar, got {:?}", index.shape)));
-        }
-        let mut out: Option<&TensorType> = None;
-        for (k, g) in self.branches().into_iter().enumerate() {
-            let ins: Vec<&TensorType> = g.inputs.iter().map(|&i| g.ty(i)).collect();
-            if ins != args[1..] || g.outputs.len() != 1 {
-                return Err(bad(format!("branch {k} does not take the operands {:?}", &args[1..])));
-            }
-            let ty = g.ty(g.outputs[0]);
-            match out {
-                Some(o) if o != ty => {
-                    return Err(bad(format!(
-                        "the branches give {:?} {:?} and {:?} {:?}: both must give one type",
-                        o.dtype, o.shape, ty.dtype, ty.shape
-                    )))
-                }
-                _ => out = Some(ty),
-            }
-        }
-        out.cloned().ok_or_else(|| bad("no branch".into()))
-    }
+tuple_rule!(Cond, "cond");
 
-    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
-        body_facts(&self.branches())
-    }
-
-    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
-        Workspace::scratch(body_peak(&self.branches()))
-    }
-
+impl Many for Cond {
     /// The branch the index (the first operand) names, on the rest; the
     /// others are not run.
-    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+    fn run_many(&self, args: &[&Tensor], cx: &RunCx) -> Result<Vec<Tensor>> {
         let branch = &self.branches[branch_of(args[0], self.branches.len())?];
         let ops: Vec<Tensor> = args[1..].iter().map(|t| (*t).clone()).collect();
-        run_one(cx, branch, &ops, cx.seed, "cond")
+        run_graph(cx, branch, &ops, cx.seed)
     }
 
-    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
-        let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
-        if args.iter().all(|a| a.1.is_none()) {
-            return Ok(Some((cx.b.emit(Prim::Cond(Box::new(self.clone())), &ids)?, None)));
-        }
+    fn batch_many(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Vec<BVal>> {
         let ops = &args[1..];
         if let (p, Some(d)) = args[0] {
             let p = cx.front((p, Some(d)))?;
-            return self.per_example(cx, p, ops).map(Some);
+            return self.per_example(cx, p, ops);
         }
         // one index for all: the same choice between batched branches
         let mut operands = vec![args[0].0];
@@ -173,83 +176,82 @@ impl Rule for Cond {
             });
         }
         let batched_ops: Vec<bool> = ops.iter().map(|a| a.1.is_some()).collect();
-        let batched = self.map(|g| {
-            batched_graph(cx, g, &batched_ops, |icx, ins| {
-                let out = walk::batch_graph(g, icx, ins)?[0];
-                icx.materialize(out)
-            })
-        })?;
-        Ok(Some((cx.b.emit(Prim::Cond(Box::new(batched)), &operands)?, Some(0))))
+        let batched = self.map(|g| batched_graph(cx, g, &batched_ops, |icx, ins| batched_outputs(g, icx, ins)))?;
+        let outs = cx.b.emit_many(Prim::Cond(Box::new(batched)), &operands)?;
+        Ok(outs.into_iter().map(|o| (o, Some(0))).collect())
     }
 
-    /// A cond of the branches' VJPs, taking the operands and the result's
-    /// cotangent and giving the float operands' cotangents packed.
-    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
+    /// A cond of the branches' VJPs, taking the operands and the results'
+    /// cotangents (those that have one) and giving the float operands'
+    /// cotangents, each of its own type.
+    fn vjp_many(&self, b: &mut Builder, args: &[VarId], _out: VarId, cts: &[Option<VarId>]) -> Result<Option<Cts>> {
         super::deterministic("cond", "grad", &self.branches())?;
         let floats: Vec<usize> = (1..args.len()).filter(|&k| b.ty(args[k]).dtype.is_float()).collect();
-        // the float operands' cotangents go out packed in the result's
-        // dtype (a carrier that holds each exactly), converted back after
-        let dtype = b.ty(ct).dtype;
-        if floats.is_empty() {
+        let with: Vec<usize> = (0..cts.len()).filter(|&k| cts[k].is_some()).collect();
+        if floats.is_empty() || with.is_empty() {
             return Ok(Some(vec![None; args.len()]));
         }
-        let ct_ty = b.ty(ct).clone();
+        let results = self.results();
         let back = self.map(|g| {
-            let scratch = Builder::scratch(b.given, b.ctx.clone());
-            let mut sb = scratch.borrow_mut();
-            let ins: Vec<VarId> = g.inputs.iter().map(|&i| sb.input(g.ty(i).clone())).collect();
-            let c = sb.input(ct_ty.clone());
-            let wrt: Vec<bool> = (1..args.len()).map(|k| floats.contains(&k)).collect();
-            let (_, cts) = walk::vjp_graph(g, &mut sb, &ins, &wrt, &[(0, c)])?;
-            let mut parts = Vec::with_capacity(floats.len());
-            for &k in &floats {
-                let v = sb.or_zeros(cts[k - 1], ins[k - 1])?;
-                let v = flat(&mut sb, v)?;
-                parts.push(sb.cast(v, dtype)?);
-            }
-            let out = sb.concat(&parts, 0)?;
-            Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+            let mut types = input_types(g);
+            types.extend(with.iter().map(|&k| results[k].clone()));
+            let n = g.inputs.len();
+            graph_of(b, &types, |sb, ins| {
+                let seeds: Vec<(usize, VarId)> = with.iter().enumerate().map(|(j, &k)| (k, ins[n + j])).collect();
+                let wrt: Vec<bool> = (1..args.len()).map(|k| floats.contains(&k)).collect();
+                let (_, cts) = walk::vjp_graph(g, sb, &ins[..n], &wrt, &seeds)?;
+                floats.iter().map(|&k| sb.or_zeros(cts[k - 1], ins[k - 1])).collect()
+            })
         })?;
         let mut operands = args.to_vec();
-        operands.push(ct);
-        let packed = b.emit(Prim::Cond(Box::new(back)), &operands)?;
-        let mut cts: Cts = vec![None; args.len()];
-        let mut at = 0;
-        for &k in &floats {
-            let (shape, own) = (b.dims(args[k]), b.ty(args[k]).dtype);
-            let c = piece(b, packed, 0, at, &shape)?;
-            cts[k] = Some(b.cast(c, own)?);
-            at += shape.iter().product::<usize>();
+        operands.extend(with.iter().filter_map(|&k| cts[k]));
+        let got = b.emit_many(Prim::Cond(Box::new(back)), &operands)?;
+        let mut out: Cts = vec![None; args.len()];
+        for (&k, g) in floats.iter().zip(got) {
+            out[k] = Some(g);
         }
-        Ok(Some(cts))
+        Ok(Some(out))
     }
 
     /// A cond of the branches' JVPs: the operands, then the tangents of
-    /// those that have one.
-    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], out: VarId) -> Result<Option<Tan>> {
+    /// those that have one; the tangent of each float result out.
+    fn jvp_many(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Vec<Tan>>> {
+        let results = self.results();
         let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
-        if present.is_empty() {
-            return Ok(Some(None));
+        let floats: Vec<usize> = (0..results.len()).filter(|&k| results[k].dtype.is_float()).collect();
+        if present.is_empty() || floats.is_empty() {
+            return Ok(Some(vec![None; results.len()]));
         }
         super::deterministic("cond", "jvp", &self.branches())?;
-        let out_ty = b.ty(out).clone();
         let fwd = self.map(|g| {
-            let scratch = Builder::scratch(b.given, b.ctx.clone());
-            let mut sb = scratch.borrow_mut();
-            let ins: Vec<VarId> = g.inputs.iter().map(|&i| sb.input(g.ty(i).clone())).collect();
-            let mut ts: Vec<Tan> = vec![None; ins.len()];
-            for &k in &present {
-                ts[k - 1] = Some(sb.input(g.ty(g.inputs[k - 1]).clone()));
-            }
-            let (_, touts) = walk::jvp_graph(g, &mut sb, &ins, &ts)?;
-            let t = match touts[0] {
-                Some(t) => t,
-                None => sb.zeros(out_ty.shape.clone(), out_ty.dtype)?,
-            };
-            Ok(sb.finish(vec![t]).0.eliminate_dead_code())
+            let mut types = input_types(g);
+            types.extend(present.iter().map(|&k| g.ty(g.inputs[k - 1]).clone()));
+            let n = g.inputs.len();
+            graph_of(b, &types, |sb, ins| {
+                let mut ts: Vec<Tan> = vec![None; n];
+                for (j, &k) in present.iter().enumerate() {
+                    ts[k - 1] = Some(ins[n + j]);
+                }
+                let (outs, touts) = walk::jvp_graph(g, sb, &ins[..n], &ts)?;
+                floats.iter().map(|&k| sb.or_zeros(touts[k], outs[k])).collect()
+            })
         })?;
         let mut operands = args.to_vec();
         operands.extend(present.iter().filter_map(|&k| tans[k]));
-        Ok(Some(Some(b.emit(Prim::Cond(Box::new(fwd)), &operands)?)))
+        let got = b.emit_many(Prim::Cond(Box::new(fwd)), &operands)?;
+        let mut out: Vec<Tan> = vec![None; results.len()];
+        for (&k, t) in floats.iter().zip(got) {
+            out[k] = Some(t);
+        }
+        Ok(Some(out))
+    }
+
+    /// Every branch without the outputs nothing reads.
+    fn prune(&self, used: &[bool]) -> Option<(Prim, Vec<Option<usize>>)> {
+        if used.iter().all(|&u| u) {
+            return None;
+        }
+        let c = self.map(|g| Ok(keep_outputs(g, used))).ok()?;
+        Some((Prim::Cond(Box::new(c)), renumber(used)))
     }
 }

@@ -2,15 +2,19 @@
 //! stacked. It is the generic batching fallback (a primitive without a
 //! rule, JAX's and functorch's loop) and the conv `Loop` route, so `vmap`
 //! never gives a wrong answer for want of a rule. Its run rule runs the
-//! body through the interpreter's runner once per example; its batching rule batches the body; its VJP is a map of the
-//! body's per-example VJP.
+//! body through the interpreter's runner once per example; its batching
+//! rule batches the body; its VJP is a map of the body's per-example VJP.
+//! Each output of the body is a result of its own.
 
-use super::{body_facts, lanes_graph, run_one, Rows};
+use super::{
+    batched_outputs, body_facts, graph_of, input_types, keep_outputs, lanes_graph, renumber, run_graph, tuple_rule,
+    Rows,
+};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::options::Opts;
 use crate::ir::{Graph, Map, Prim, TensorType, VarId};
-use crate::rules::facts::{self, Arg, Facts, Workspace};
-use crate::rules::{memory, mix, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::rules::facts::{self, Facts, Workspace};
+use crate::rules::{memory, mix, walk, BVal, BatchCx, Builder, Cts, Many, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -37,69 +41,28 @@ pub(crate) fn emit_map(cx: &mut BatchCx, prim: &Prim, args: &[BVal]) -> Result<B
         let out = sb.emit(prim.clone(), &ids)?;
         sb.finish(vec![out]).0
     };
-    emit_body(cx.b, body, args, cx.size, *cx.opts)
+    let out = emit_maps(cx.b, body, args, cx.size, *cx.opts)?;
+    Ok((out[0], Some(0)))
 }
 
 /// Emits `body` (a per-example graph with any number of outputs) mapped
-/// over `operands`: one map per output dtype, whose body computes all of
-/// that dtype's outputs once and returns them flattened and concatenated
-/// (`B [n1 + n2 + ..]`), cut apart after the map (`B n1 -> B out1..`).
-/// Returns every output with its batch axis first.
-pub(crate) fn emit_packed(
+/// over `operands`: one map, each output a result of its own with the
+/// batch axis first (`B out..`).
+pub(crate) fn emit_maps(
     b: &mut Builder,
-    body: &Graph,
+    body: Graph,
     operands: &[BVal],
     size: usize,
     opts: Opts,
 ) -> Result<Vec<VarId>> {
-    let mut groups: Vec<(candle_core::DType, Vec<usize>)> = Vec::new();
-    for (i, &o) in body.outputs.iter().enumerate() {
-        let dt = body.ty(o).dtype;
-        match groups.iter_mut().find(|(d, _)| *d == dt) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((dt, vec![i])),
-        }
-    }
-    let mut outs: Vec<Option<VarId>> = vec![None; body.outputs.len()];
-    for (_, members) in &groups {
-        if let [i] = members[..] {
-            // One output of its dtype: no packing.
-            let single = Graph {
-                outputs: vec![body.outputs[i]],
-                ..body.clone()
-            }
-            .eliminate_dead_code();
-            outs[i] = Some(emit_body(b, single, operands, size, opts)?.0);
-            continue;
-        }
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let packed_body = {
-            let mut sb = scratch.borrow_mut();
-            let ins: Vec<VarId> = body.inputs.iter().map(|&i| sb.input(body.ty(i).clone())).collect();
-            let env = walk::forward(body, &mut sb, &ins)?;
-            let mut flat = Vec::with_capacity(members.len());
-            for &i in members {
-                let o = env[body.outputs[i]];
-                let n = sb.ty(o).elem_count();
-                flat.push(sb.reshape(o, vec![n])?);
-            }
-            let packed = sb.concat(&flat, 0)?;
-            sb.finish(vec![packed]).0.eliminate_dead_code()
-        };
-        let (packed, _) = emit_body(b, packed_body, operands, size, opts)?;
-        let mut offset = 0;
-        for &i in members {
-            let shape = body.ty(body.outputs[i]).shape.clone();
-            let n = body.ty(body.outputs[i]).elem_count();
-            // B total -> B n -> B out..
-            let piece = b.narrow(packed, 1, offset, n)?;
-            outs[i] = Some(b.reshape(piece, [&[size], &shape[..]].concat())?);
-            offset += n;
-        }
-    }
-    outs.into_iter()
-        .map(|o| o.ok_or_else(|| Error::internal("map", "an output without a map")))
-        .collect()
+    let m = Map {
+        body: Arc::new(body),
+        bdims: operands.iter().map(|a| a.1).collect(),
+        size,
+        opts,
+    };
+    let ids: Vec<VarId> = operands.iter().map(|a| a.0).collect();
+    b.emit_many(Prim::Map(Box::new(m)), &ids)
 }
 
 /// How many of a map's examples run at once: its options' width (at least
@@ -113,34 +76,11 @@ pub(crate) fn width(m: &Map) -> usize {
     }
 }
 
-/// Emits a map node of `body` over `args`.
-fn emit_body(b: &mut Builder, body: Graph, args: &[BVal], size: usize, opts: crate::ir::options::Opts) -> Result<BVal> {
-    let m = Map {
-        body: Arc::new(body),
-        bdims: args.iter().map(|a| a.1).collect(),
-        size,
-        opts,
-    };
-    let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
-    Ok((b.emit(Prim::Map(Box::new(m)), &ids)?, Some(0)))
-}
-
 impl Map {
-    /// Fresh inputs of the body's input types in `sb`, where a rule
-    /// re-traces the body's derivative.
-    fn body_inputs(&self, sb: &mut Builder) -> Vec<VarId> {
-        self.body
-            .inputs
-            .iter()
-            .map(|&i| sb.input(self.body.ty(i).clone()))
-            .collect()
-    }
-}
-
-impl Rule for Map {
-    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+    /// An error unless the operands fit the body along their batch axes.
+    fn check(&self, args: &[&TensorType]) -> Result<()> {
         let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
-        if args.len() != self.bdims.len() || self.body.inputs.len() != args.len() || self.body.outputs.len() != 1 {
+        if args.len() != self.bdims.len() || self.body.inputs.len() != args.len() {
             return Err(Error::shape(
                 "map",
                 &shapes,
@@ -168,16 +108,14 @@ impl Rule for Map {
                 ));
             }
         }
-        let mut out = self.body.ty(self.body.outputs[0]).clone();
-        out.shape.insert(0, self.size);
-        Ok(out)
+        Ok(())
     }
 
-    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+    fn own_facts(&self) -> Facts {
         body_facts(&[&self.body])
     }
 
-    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+    fn own_workspace(&self) -> Workspace {
         // `width` examples' bodies at their own peaks while the map runs
         // (each result is written into the map's and dropped); their inputs
         // are views of the map's operands, which the plan holds already
@@ -186,18 +124,27 @@ impl Rule for Map {
         Workspace::scratch(one.saturating_mul(width(self)))
     }
 
+    /// The operands with their batch axes.
+    fn operands(&self, args: &[VarId]) -> Vec<BVal> {
+        args.iter().copied().zip(self.bdims.iter().copied()).collect()
+    }
+}
+
+tuple_rule!(Map, "map");
+
+impl Many for Map {
     /// The body once per example (each with its own seed), each example's
-    /// result written into its row as it comes: the results are never held
-    /// all at once beside their stack. On the CPU the examples run in waves
-    /// of the map's width on rayon's pool (one example's kernels are too
-    /// small to fill the cores; the plan counts a wave's bodies); the rows
-    /// and seeds are those of one at a time.
-    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+    /// results written into their rows as they come: the results are never
+    /// held all at once beside their stacks. On the CPU the examples run in
+    /// waves of the map's width on rayon's pool (one example's kernels are
+    /// too small to fill the cores; the plan counts a wave's bodies); the
+    /// rows and seeds are those of one at a time.
+    fn run_many(&self, args: &[&Tensor], cx: &RunCx) -> Result<Vec<Tensor>> {
         use rayon::prelude::*;
         if self.size == 0 {
             return Err(Error::internal("map", "a map over zero examples"));
         }
-        let rows = Rows::new(out, cx, "map")?;
+        let rows = Rows::new(&self.results(), cx, "map")?;
         let example = |i: usize| -> Result<()> {
             let mut xs = Vec::with_capacity(args.len());
             for (a, bd) in args.iter().zip(&self.bdims) {
@@ -206,7 +153,7 @@ impl Rule for Map {
                     None => (*a).clone(),
                 });
             }
-            rows.write(i, &run_one(cx, &self.body, &xs, mix(cx.seed, i as u64), "map")?)
+            rows.write(i, &run_graph(cx, &self.body, &xs, mix(cx.seed, i as u64))?)
         };
         let width = match cx.device.is_cpu() {
             true => width(self),
@@ -226,14 +173,15 @@ impl Rule for Map {
                     .collect::<Result<()>>()?,
             }
         }
-        Ok(rows.into_tensor())
+        Ok(rows.into_tensors())
     }
 
     /// A map under another `vmap`: the same map over a body batched by the
     /// new axis. Every operand the new `vmap` batches gets that axis first
     /// (`.. B2 .. -> B2 ..`), so the map's own axis moves one place back and
-    /// each example of the map sees the new batch at axis 0.
-    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
+    /// each example of the map sees the new batch at axis 0; every result
+    /// is `size B2 ..`.
+    fn batch_many(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Vec<BVal>> {
         let mut operands = Vec::with_capacity(args.len());
         let mut bdims = Vec::with_capacity(args.len());
         let mut types = Vec::with_capacity(args.len());
@@ -265,43 +213,41 @@ impl Rule for Map {
             opts: &opts,
             plan: cx.plan,
         };
-        let body = lanes_graph(&inner, &types, |icx, ins| {
-            let out = walk::batch_graph(&self.body, icx, ins)?[0];
-            icx.materialize(out)
-        })?;
+        let body = lanes_graph(&inner, &types, |icx, ins| batched_outputs(&self.body, icx, ins))?;
         let m = Map {
             body: Arc::new(body),
             bdims,
             size: self.size,
             opts: self.opts,
         };
-        // size B2 .. : the new batch is axis 1 of the result.
-        Ok(Some((cx.b.emit(Prim::Map(Box::new(m)), &operands)?, Some(1))))
+        let outs = cx.b.emit_many(Prim::Map(Box::new(m)), &operands)?;
+        Ok(outs.into_iter().map(|o| (o, Some(1))).collect())
     }
 
-    /// A map of the body's per-example VJP: one map (per cotangent dtype)
-    /// computing every operand's cotangent from one forward and backward
-    /// pass per example, taking the primal operands and the result's
-    /// cotangent. A shared operand's cotangent is the sum over the
-    /// examples.
-    fn vjp(&self, b: &mut Builder, args: &[VarId], _out: VarId, ct: VarId) -> Result<Option<Cts>> {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let (graph, has) = {
-            let mut sb = scratch.borrow_mut();
-            let ids = self.body_inputs(&mut sb);
-            let c = sb.input(unbatched(b.ty(ct), Some(0)));
-            let wrt = vec![true; ids.len()];
-            let (_, cts) = walk::vjp_graph(&self.body, &mut sb, &ids, &wrt, &[(0, c)])?;
-            let has: Vec<bool> = cts.iter().map(Option::is_some).collect();
-            (sb.finish(cts.into_iter().flatten().collect()).0, has)
-        };
-        let mut operands: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
-        operands.push((ct, Some(0)));
-        let mut per = emit_packed(b, &graph, &operands, self.size, self.opts)?.into_iter();
-        let mut cts = Vec::with_capacity(args.len());
+    /// A map of the body's per-example VJP: one map computing every
+    /// operand's cotangent from one forward and backward pass per example,
+    /// taking the primal operands and the results' cotangents. A shared
+    /// operand's cotangent is the sum over the examples.
+    fn vjp_many(&self, b: &mut Builder, args: &[VarId], _out: VarId, cts: &[Option<VarId>]) -> Result<Option<Cts>> {
+        let with: Vec<usize> = (0..cts.len()).filter(|&k| cts[k].is_some()).collect();
+        let mut has = Vec::new();
+        let mut types = input_types(&self.body);
+        types.extend(with.iter().map(|&k| self.body.ty(self.body.outputs[k]).clone()));
+        let n = self.body.inputs.len();
+        let graph = graph_of(b, &types, |sb, ins| {
+            let seeds: Vec<(usize, VarId)> = with.iter().enumerate().map(|(j, &k)| (k, ins[n + j])).collect();
+            let wrt = vec![true; n];
+            let (_, cts) = walk::vjp_graph(&self.body, sb, &ins[..n], &wrt, &seeds)?;
+            has = cts.iter().map(Option::is_some).collect();
+            Ok(cts.into_iter().flatten().collect())
+        })?;
+        let mut operands = self.operands(args);
+        operands.extend(with.iter().filter_map(|&k| cts[k]).map(|c| (c, Some(0))));
+        let mut per = emit_maps(b, graph, &operands, self.size, self.opts)?.into_iter();
+        let mut out = Vec::with_capacity(args.len());
         for (k, &bd) in self.bdims.iter().enumerate() {
             if !has[k] {
-                cts.push(None);
+                out.push(None);
                 continue;
             }
             let g = per
@@ -309,43 +255,51 @@ impl Rule for Map {
                 .ok_or_else(|| Error::internal("map", "a cotangent without a map"))?;
             // size X.. -> the operand's layout: summed if shared, else the
             // batch axis back where the operand has it.
-            cts.push(Some(match bd {
+            out.push(Some(match bd {
                 None => b.sum_axes(g, vec![0], false)?,
                 Some(d) => b.move_axis(g, 0, d)?,
             }));
         }
-        Ok(Some(cts))
+        Ok(Some(out))
     }
 
     /// A map of the body's per-example JVP: the primal operands, then the
     /// tangent of each operand that has one (batched as its operand is),
-    /// in; the result's tangent out.
-    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let graph = {
-            let mut sb = scratch.borrow_mut();
-            let ids = self.body_inputs(&mut sb);
-            let mut body_tans = Vec::with_capacity(ids.len());
-            for (k, &i) in self.body.inputs.iter().enumerate() {
-                let ty = self.body.ty(i).clone();
-                body_tans.push(tans.get(k).copied().flatten().map(|_| sb.input(ty)));
+    /// in; the tangent of each result that has one out.
+    fn jvp_many(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Vec<Tan>>> {
+        let present: Vec<usize> = (0..args.len()).filter(|&k| tans[k].is_some()).collect();
+        let mut types = input_types(&self.body);
+        types.extend(present.iter().map(|&k| self.body.ty(self.body.inputs[k]).clone()));
+        let n = self.body.inputs.len();
+        let mut has = Vec::new();
+        let graph = graph_of(b, &types, |sb, ins| {
+            let mut body_tans: Vec<Tan> = vec![None; n];
+            for (j, &k) in present.iter().enumerate() {
+                body_tans[k] = Some(ins[n + j]);
             }
-            let (_, out_tans) = walk::jvp_graph(&self.body, &mut sb, &ids, &body_tans)?;
-            match out_tans.first().copied().flatten() {
-                Some(t) => sb.finish(vec![t]).0.eliminate_dead_code(),
-                None => return Ok(Some(None)),
-            }
-        };
-        let mut operands: Vec<BVal> = args.iter().copied().zip(self.bdims.iter().copied()).collect();
-        for (k, t) in tans.iter().enumerate() {
-            if let Some(t) = t {
-                operands.push((*t, self.bdims[k]));
-            }
+            let (_, out_tans) = walk::jvp_graph(&self.body, sb, &ins[..n], &body_tans)?;
+            has = out_tans.iter().map(Option::is_some).collect();
+            Ok(out_tans.into_iter().flatten().collect())
+        })?;
+        if !has.contains(&true) {
+            return Ok(Some(vec![None; has.len()]));
         }
-        let out = emit_packed(b, &graph, &operands, self.size, self.opts)?
-            .pop()
-            .ok_or_else(|| Error::internal("map", "a tangent without a map"))?;
-        Ok(Some(Some(out)))
+        let mut operands = self.operands(args);
+        operands.extend(present.iter().filter_map(|&k| tans[k].map(|t| (t, self.bdims[k]))));
+        let mut per = emit_maps(b, graph, &operands, self.size, self.opts)?.into_iter();
+        Ok(Some(has.iter().map(|&h| if h { per.next() } else { None }).collect()))
+    }
+
+    /// The map without the outputs nothing reads.
+    fn prune(&self, used: &[bool]) -> Option<(Prim, Vec<Option<usize>>)> {
+        if used.iter().all(|&u| u) {
+            return None;
+        }
+        let m = Map {
+            body: Arc::new(keep_outputs(&self.body, used)),
+            ..self.clone()
+        };
+        Some((Prim::Map(Box::new(m)), renumber(used)))
     }
 }
 
@@ -396,8 +350,8 @@ mod tests {
             opts: &outer,
             plan: &Fixed,
         };
-        let (v, bd) = m.batch(&mut cx, &[(x, Some(0))])?.unwrap();
-        let carried = match &b.nodes[v].prim {
+        let (v, bd) = m.batch_many(&mut cx, &[(x, Some(0))])?[0];
+        let carried = match &b.nodes[b.nodes[v].args[0]].prim {
             Prim::Map(m) => m.opts,
             p => panic!("expected a map, got {}", p.name()),
         };
@@ -444,9 +398,9 @@ mod tests {
             size: 4,
             opts,
         };
-        let out = b.emit(Prim::Map(Box::new(m.clone())), &[x]).unwrap();
+        let out = b.emit_tuple(Prim::Map(Box::new(m.clone())), &[x]).unwrap();
         let ct = b.input(TensorType::new(vec![4, 2], DType::F32));
-        let cts = m.vjp(&mut b, &[x], out, ct).unwrap().unwrap();
+        let cts = m.vjp_many(&mut b, &[x], out, &[Some(ct)]).unwrap().unwrap();
         let g = cts[0].unwrap();
         assert_eq!(b.dims(g), vec![4, 2]);
         let maps: Vec<Opts> = b.nodes[out + 1..]

@@ -2,7 +2,10 @@
 //! (`map`, `scan`, `cond`, `while_loop`), and all their rules: each runs
 //! its bodies through the runner the interpreter hands it in [`RunCx`],
 //! and its batching and derivative rules rewrite the bodies into new
-//! nodes of the same kinds.
+//! nodes of the same kinds. Each has several results, one per leaf of its
+//! carries and outputs, each of its own type (the [`Many`] rules), read
+//! by `get` nodes ([`Get`]); an unused result goes by the primitive's own
+//! `prune`.
 
 mod cond;
 pub(crate) mod map;
@@ -13,11 +16,95 @@ mod while_loop;
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::{Compare, IndexOp, Lookup, Reduce, Unary};
 use crate::ir::{Graph, Prim, TensorType, VarId};
-use crate::rules::facts::{self, Effect, Facts};
+use crate::rules::facts::{self, Arg, Effect, Facts, Storage, Workspace};
 use crate::rules::memory;
-use crate::rules::{BVal, BatchCx, Builder, RunCx};
+use crate::rules::{BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
 use candle_core::DType;
 use candle_core::Tensor;
+
+/// The rules of `get[k]`: result `k` of a primitive with several, a view
+/// of what that primitive wrote. The walkers and the interpreter read it
+/// themselves (its type is the tuple's `k`-th result's,
+/// `Builder::get`); here are its facts.
+pub(crate) struct Get;
+
+impl Rule for Get {
+    fn infer(&self, _args: &[&TensorType]) -> Result<TensorType> {
+        Err(Error::internal("get", "typed by its tuple (Builder::get)"))
+    }
+
+    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+        Facts {
+            storage: Storage::View { contiguous: true },
+            ..Facts::costly()
+        }
+    }
+
+    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+        Workspace::NONE
+    }
+
+    fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+        Err(through_results("get"))
+    }
+
+    fn batch(&self, _cx: &mut BatchCx, _args: &[BVal]) -> Result<Option<BVal>> {
+        Err(through_results("get"))
+    }
+
+    fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
+        Err(through_results("get"))
+    }
+
+    fn jvp(&self, _b: &mut Builder, _args: &[VarId], _tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+        Err(through_results("get"))
+    }
+}
+
+/// The error of a one-result rule called on a primitive with several (or
+/// on a `get`): the walkers and the interpreter take their `Many` rules.
+fn through_results(op: &'static str) -> Error {
+    Error::internal(op, "a primitive with several results runs through its Many rules")
+}
+
+/// The one-result rules of a primitive with several results: its check
+/// and type (the tuple's), facts and workspace; the rest through
+/// [`Many`](crate::rules::Many).
+macro_rules! tuple_rule {
+    ($t:ty, $op:literal) => {
+        impl crate::rules::Rule for $t {
+            fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+                self.check(args)?;
+                Ok(crate::ir::tuple_type(&self.results()))
+            }
+
+            fn facts(&self, _args: &[crate::rules::facts::Arg], _out: &TensorType) -> crate::rules::facts::Facts {
+                self.own_facts()
+            }
+
+            fn workspace(
+                &self,
+                _args: &[crate::rules::facts::Arg],
+                _out: &TensorType,
+            ) -> crate::rules::facts::Workspace {
+                self.own_workspace()
+            }
+
+            fn run(&self, _args: &[&Tensor], _out: &TensorType, _cx: &RunCx) -> Result<Tensor> {
+                Err(super::through_results($op))
+            }
+
+            fn batch(&self, _cx: &mut BatchCx, _args: &[BVal]) -> Result<Option<BVal>> {
+                Err(super::through_results($op))
+            }
+
+            fn many(&self) -> Option<&dyn crate::rules::Many> {
+                Some(self)
+            }
+        }
+    };
+}
+use tuple_rule;
 
 /// An error where a body of `op` draws random numbers: its derivative
 /// runs the body again, which would draw anew, so the derivative would be
@@ -74,13 +161,13 @@ fn shape_error(op: &'static str, args: &[&TensorType], msg: String) -> Error {
 
 /// `g` batched into a graph of its own, as a control-flow node's new body:
 /// input `k` batched at axis 0 where `batched[k]` (`X -> B X`), and the
-/// output `out` makes from the batching context and those inputs (say,
+/// outputs `out` makes from the batching context and those inputs (say,
 /// `g` batched and materialised, batch first).
 fn batched_graph(
     cx: &BatchCx,
     g: &Graph,
     batched: &[bool],
-    out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<VarId>,
+    out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<Vec<VarId>>,
 ) -> Result<Graph> {
     let types: Vec<(TensorType, bool)> = g
         .inputs
@@ -92,11 +179,11 @@ fn batched_graph(
 }
 
 /// A graph of inputs of the per-example types `types` (batched at axis 0
-/// where flagged: `X -> B X`) and the one output `out` makes of them.
+/// where flagged: `X -> B X`) and the outputs `out` makes of them.
 fn lanes_graph(
     cx: &BatchCx,
     types: &[(TensorType, bool)],
-    out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<VarId>,
+    out: impl FnOnce(&mut BatchCx, &[BVal]) -> Result<Vec<VarId>>,
 ) -> Result<Graph> {
     let scratch = Builder::scratch(cx.b.given, cx.b.ctx.clone());
     let mut sb = scratch.borrow_mut();
@@ -117,7 +204,64 @@ fn lanes_graph(
         plan: cx.plan,
     };
     let o = out(&mut icx, &ins)?;
-    Ok(sb.finish(vec![o]).0.eliminate_dead_code())
+    Ok(sb.finish(o).0.eliminate_dead_code())
+}
+
+/// `g` batched by `icx` on `ins`, every output materialised (batch first).
+fn batched_outputs(g: &Graph, icx: &mut BatchCx, ins: &[BVal]) -> Result<Vec<VarId>> {
+    let outs = crate::rules::walk::batch_graph(g, icx, ins)?;
+    outs.into_iter().map(|o| icx.materialize(o)).collect()
+}
+
+/// A fresh graph (in the context of `b`) made by `f` on inputs of
+/// `types`, its outputs what `f` returns (dead code removed).
+fn graph_of(
+    b: &Builder,
+    types: &[TensorType],
+    f: impl FnOnce(&mut Builder, &[VarId]) -> Result<Vec<VarId>>,
+) -> Result<Graph> {
+    let scratch = Builder::scratch(b.given, b.ctx.clone());
+    let mut sb = scratch.borrow_mut();
+    let ins: Vec<VarId> = types.iter().map(|t| sb.input(t.clone())).collect();
+    let outs = f(&mut sb, &ins)?;
+    Ok(sb.finish(outs).0.eliminate_dead_code())
+}
+
+/// The input types of `g`.
+fn input_types(g: &Graph) -> Vec<TensorType> {
+    g.inputs.iter().map(|&i| g.ty(i).clone()).collect()
+}
+
+/// The output types of `g`.
+fn output_types(g: &Graph) -> Vec<TensorType> {
+    g.outputs.iter().map(|&o| g.ty(o).clone()).collect()
+}
+
+/// `g` keeping only the outputs `keep` flags (dead code removed).
+fn keep_outputs(g: &Graph, keep: &[bool]) -> Graph {
+    Graph {
+        outputs: g
+            .outputs
+            .iter()
+            .zip(keep)
+            .filter(|(_, &k)| k)
+            .map(|(&o, _)| o)
+            .collect(),
+        ..g.clone()
+    }
+    .eliminate_dead_code()
+}
+
+/// Where each result goes when those `used` flags stay (`None`: dropped).
+fn renumber(used: &[bool]) -> Vec<Option<usize>> {
+    let mut at = 0;
+    used.iter()
+        .map(|&u| {
+            let to = u.then_some(at);
+            at += usize::from(u);
+            to
+        })
+        .collect()
 }
 
 /// Where each example's predicate `p` `[B]` holds (nonzero), shaped
@@ -192,26 +336,14 @@ fn from_taking(b: &mut Builder, taking: VarId, size: usize, ins: &[BVal]) -> Res
         .collect()
 }
 
-/// `v` as one vector (`.. -> (..)`).
-fn flat(b: &mut Builder, v: VarId) -> Result<VarId> {
-    let n = b.ty(v).elem_count();
-    b.reshape(v, vec![n])
+/// The outputs of `g` run on `inputs` by the context's runner.
+fn run_graph(cx: &RunCx, g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+    cx.graphs.run(g, inputs, seed)
 }
 
-/// Entries `[start, start + len)` of `v` along `axis`, shaped `shape` after
-/// the axes before it.
-fn piece(b: &mut Builder, v: VarId, axis: usize, start: usize, shape: &[usize]) -> Result<VarId> {
-    let len = shape.iter().product();
-    let mut want = b.dims(v)[..axis].to_vec();
-    want.extend_from_slice(shape);
-    let p = b.narrow(v, axis, start, len)?;
-    b.reshape(p, want)
-}
-
-/// The one output of `g` run on `inputs` by the context's runner.
+/// The one output of `g` (a condition) run on `inputs`.
 fn run_one(cx: &RunCx, g: &Graph, inputs: &[Tensor], seed: u64, op: &'static str) -> Result<Tensor> {
-    cx.graphs
-        .run(g, inputs, seed)?
+    run_graph(cx, g, inputs, seed)?
         .pop()
         .ok_or_else(|| Error::internal(op, "a graph without output"))
 }
@@ -226,37 +358,41 @@ fn holds(p: &Tensor, op: &'static str) -> Result<bool> {
     Ok(scalar_value(p, op)? != 0.0)
 }
 
-/// A loop's result being filled one row (axis 0) at a time, as each
+/// Stacked results being filled one row (axis 0) at a time, as each
 /// example or step comes: the rows are never held all at once beside
-/// their stack.
+/// their stacks.
 struct Rows {
-    stacked: Tensor,
+    stacked: Vec<Tensor>,
     op: &'static str,
 }
 
 impl Rows {
-    /// A fresh result of type `out` on the run's device.
-    fn new(out: &TensorType, cx: &RunCx, op: &'static str) -> Result<Rows> {
-        let stacked = Tensor::zeros(out.shape.as_slice(), out.dtype, cx.device).op(op)?;
+    /// Fresh results of the types `outs` on the run's device.
+    fn new(outs: &[TensorType], cx: &RunCx, op: &'static str) -> Result<Rows> {
+        let stacked = outs
+            .iter()
+            .map(|t| Tensor::zeros(t.shape.as_slice(), t.dtype, cx.device))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .op(op)?;
         Ok(Rows { stacked, op })
     }
 
-    /// Writes `y` (one row's shape) as row `i`. The buffer is this node's
-    /// own and read by nothing before the node returns; rows written from
-    /// several threads each write their own (candle locks the storage).
-    fn write(&self, i: usize, y: &Tensor) -> Result<()> {
-        let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op(self.op)?;
-        self.stacked.slice_set(&row, 0, i).op(self.op)
+    /// Writes each of `ys` (one row's shape of each result, in order) as
+    /// row `i`. The buffers are this node's own and read by nothing before
+    /// the node returns; rows written from several threads each write
+    /// their own (candle locks the storage).
+    fn write(&self, i: usize, ys: &[Tensor]) -> Result<()> {
+        if ys.len() != self.stacked.len() {
+            return Err(Error::internal(self.op, "a row of another number of results"));
+        }
+        for (s, y) in self.stacked.iter().zip(ys) {
+            let row = y.unsqueeze(0).and_then(|r| r.contiguous()).op(self.op)?;
+            s.slice_set(&row, 0, i).op(self.op)?;
+        }
+        Ok(())
     }
 
-    /// Writes `y`'s entries in row-major order at `offset` of a result
-    /// that is one vector.
-    fn write_flat(&self, offset: usize, y: &Tensor) -> Result<()> {
-        let flat = y.flatten_all().and_then(|f| f.contiguous()).op(self.op)?;
-        self.stacked.slice_set(&flat, 0, offset).op(self.op)
-    }
-
-    fn into_tensor(self) -> Tensor {
+    fn into_tensors(self) -> Vec<Tensor> {
         self.stacked
     }
 }

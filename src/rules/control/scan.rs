@@ -1,26 +1,30 @@
 //! The `scan` primitive: a loop over a sub-graph carrying a state, one
 //! node whatever the trip count (`crate::ir::Scan` says what its operands
-//! and result are). The interpreter runs the body step by step; the rules
+//! and results are). The interpreter runs the body step by step; the rules
 //! here only rewrite it:
 //!
-//! * batch: the same scan over the body batched, the carry batched
-//!   whatever the initial value (the steps make it so, as in JAX);
-//! * VJP: a scan the other way over the saved carries (the rows of the
-//!   result), whose body is the step's VJP: it recomputes the step's
-//!   insides from its saved carry (one step's activations live at a time)
-//!   and carries the carry's cotangent and the sums of the cotangents of
-//!   the operands every step reads;
-//! * JVP: a scan whose carry is the carry and its tangent side by side.
+//! * batch: the same scan over the body batched, every carry batched
+//!   whatever its initial value (the steps make it so, as in JAX);
+//! * VJP: a scan the other way over the carries each step read (a result
+//!   of the forward scan), whose body is the step's VJP
+//!   ([`super::scan_vjp`]);
+//! * JVP: a scan whose carries are the carries and the float carries'
+//!   tangents side by side;
+//! * prune: an output nothing reads leaves the body, and the carries read
+//!   leave the results where no VJP reads them (JAX's dead-code rule for
+//!   `scan`), so a loop run forward keeps its last carry only.
 //!
-//! The derived scans flatten their carry into one vector (no batch axes
-//! in front), so a rule never needs to know which axes of an operand the
-//! batching rule put there.
+//! Every carry, scanned operand and output is a value of its own type: a
+//! mix of dtypes (an f32 state beside an i64 counter) needs no packing.
 
-use super::{batched_graph, body_facts, flat, piece, run_one, shape_error, Rows};
+use super::{
+    batched_graph, batched_outputs, body_facts, graph_of, input_types, keep_outputs, output_types, run_graph,
+    shape_error, tuple_rule, Rows,
+};
 use crate::error::{CandleContext, Error, Result};
-use crate::ir::{Graph, Options, Prim, Scan, TensorType, VarId};
-use crate::rules::facts::{self, Arg, Facts, Workspace};
-use crate::rules::{memory, mix, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan, TraceCtx};
+use crate::ir::{Options, Prim, Scan, TensorType, VarId};
+use crate::rules::facts::{self, Facts, Workspace};
+use crate::rules::{memory, mix, walk, BVal, BatchCx, Builder, Cts, Many, RunCx, Tan, TraceCtx};
 use candle_core::Tensor;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -30,101 +34,28 @@ fn bad(args: &[&TensorType], msg: String) -> Error {
 }
 
 impl Scan {
-    /// Transforms see scans with every carry: the last-carry-only form is
-    /// made after them, when a graph is prepared to run.
-    fn transformable(&self, what: &str) -> Result<()> {
-        match self.every_carry {
-            true => Ok(()),
-            false => Err(Error::internal(
-                "scan",
-                format!("{what} of a scan prepared to keep its last carry only"),
-            )),
-        }
-    }
-
-    pub(super) fn emit(self, b: &mut Builder, operands: &[VarId]) -> Result<VarId> {
-        b.emit(Prim::Scan(Box::new(self)), operands)
-    }
-
-    /// The body's input types: the carry, one step of each scanned
+    /// The body's input types: the carries, one step of each scanned
     /// operand, the whole operands.
     pub(super) fn input_ty(&self, k: usize) -> &TensorType {
         self.body.ty(self.body.inputs[k])
     }
 
-    /// The carry each step read, stacked in row order (`T L.. nc`): the
-    /// initial carry, then every step's but the last, from the result.
-    pub(super) fn carries_in(&self, b: &mut Builder, init: VarId, out: VarId) -> Result<VarId> {
-        let rank = b.ty(out).rank();
-        let carries = b.narrow(out, rank - 1, 0, self.carry)?;
-        let mut first = b.dims(init);
-        first.insert(0, 1);
-        let init = b.reshape(init, first)?;
-        if self.length == 1 {
-            return Ok(init);
-        }
-        let parts = match self.reverse {
-            false => [init, b.narrow(carries, 0, 0, self.length - 1)?],
-            true => [b.narrow(carries, 0, 1, self.length - 1)?, init],
-        };
-        b.concat(&parts, 0)
+    /// Where the results start: the final carries at 0, the stacked
+    /// outputs, then the carries read.
+    pub(super) fn ys_at(&self) -> usize {
+        self.carries
     }
-}
 
-impl Scan {
-    /// This loop (carry a vector `[nc]`) as a loop over `segments`
-    /// segments of `k` steps each, whose body is this loop over one
-    /// segment (scanned operands `T .. -> S k ..`): row `s` of its result
-    /// is the carry after segment `s`, then the segment's `k` outputs
-    /// (`[nc + k ny]`). The same values; but its VJP saves one carry per
-    /// segment and recomputes a segment's others from it while going back
-    /// over it (checkpointing: `S + k` carries held instead of `T`, for
-    /// one more forward pass of the body).
-    pub(crate) fn segmented(&self, k: usize, segments: usize, given: Options, ctx: Rc<TraceCtx>) -> Result<Scan> {
-        if self.input_ty(0).rank() != 1 || k == 0 || segments == 0 {
-            return Err(Error::internal(
-                "scan",
-                "segments of a loop whose carry is not a vector",
-            ));
-        }
-        let scratch = Builder::scratch(given, ctx);
-        let mut sb = scratch.borrow_mut();
-        let mut ins = Vec::with_capacity(self.body.inputs.len());
-        for j in 0..self.body.inputs.len() {
-            let mut ty = self.input_ty(j).clone();
-            if j >= 1 && j <= self.scanned {
-                ty.shape.insert(0, k);
-            }
-            ins.push(sb.input(ty));
-        }
-        let inner = Scan {
-            length: k,
-            ..self.clone()
-        };
-        let rows = inner.emit(&mut sb, &ins)?; // k P
-        let p = sb.dims(rows)[1];
-        let last = if self.reverse { 0 } else { k - 1 };
-        let row = sb.narrow(rows, 0, last, 1)?;
-        let mut out = sb.narrow(row, 1, 0, self.carry)?;
-        out = flat(&mut sb, out)?;
-        if p > self.carry {
-            // k ny -> (k ny)
-            let ys = sb.narrow(rows, 1, self.carry, p - self.carry)?;
-            let ys = flat(&mut sb, ys)?;
-            out = sb.concat(&[out, ys], 0)?;
-        }
-        Ok(Scan {
-            body: Arc::new(sb.finish(vec![out]).0),
-            length: segments,
-            ..self.clone()
-        })
+    /// Where the carries read start among the results.
+    pub(super) fn reads_at(&self) -> usize {
+        self.carries + self.outputs()
     }
-}
 
-impl Rule for Scan {
-    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+    /// An error unless the operands and the body's outputs fit the body.
+    fn check(&self, args: &[&TensorType]) -> Result<()> {
         let body = &self.body;
-        if args.is_empty() || body.inputs.len() != args.len() || body.outputs.len() != 1 || self.scanned >= args.len() {
+        let nc = self.carries;
+        if body.inputs.len() != args.len() || nc + self.scanned > args.len() || body.outputs.len() < nc {
             return Err(bad(
                 args,
                 format!("the loop's body takes {} operands", body.inputs.len()),
@@ -133,20 +64,10 @@ impl Rule for Scan {
         if self.length == 0 {
             return Err(bad(args, "a loop of no steps".into()));
         }
-        let carry = args[0];
-        if carry != self.input_ty(0) || carry.shape.last() != Some(&self.carry) {
-            return Err(bad(
-                args,
-                format!(
-                    "the carry {:?} does not fit the body's {:?}",
-                    carry.shape,
-                    self.input_ty(0).shape
-                ),
-            ));
-        }
-        for (k, t) in args.iter().enumerate().skip(1) {
+        for (k, t) in args.iter().enumerate() {
             let mut step = (*t).clone();
-            if k <= self.scanned {
+            let scanned = k >= nc && k < nc + self.scanned;
+            if scanned {
                 if step.shape.first() != Some(&self.length) {
                     return Err(bad(
                         args,
@@ -162,218 +83,267 @@ impl Rule for Scan {
                 ));
             }
         }
-        let out = body.ty(body.outputs[0]);
-        let lead = &carry.shape[..carry.rank() - 1];
-        if out.dtype != carry.dtype
-            || out.rank() != carry.rank()
-            || out.shape[..out.rank() - 1] != *lead
-            || out.shape[out.rank() - 1] < self.carry
-        {
-            return Err(bad(
-                args,
-                format!(
-                    "the body gives {:?} {:?}, which does not start with the carry {:?}",
-                    out.dtype, out.shape, carry.shape
-                ),
-            ));
+        for k in 0..nc {
+            let next = body.ty(body.outputs[k]);
+            if next != self.input_ty(k) {
+                return Err(bad(
+                    args,
+                    format!(
+                        "the body gives carry {k} as {:?} {:?}, where it takes {:?} {:?}",
+                        next.dtype,
+                        next.shape,
+                        self.input_ty(k).dtype,
+                        self.input_ty(k).shape
+                    ),
+                ));
+            }
         }
-        let mut shape = vec![self.length];
-        shape.extend_from_slice(&out.shape);
-        if !self.every_carry {
-            // T L.. ny, then L.. nc, as one vector
-            let lead: usize = lead.iter().product();
-            let ny = out.shape[out.rank() - 1] - self.carry;
-            shape = vec![self.length * lead * ny + lead * self.carry];
-        }
-        Ok(TensorType::new(shape, out.dtype))
+        Ok(())
     }
 
-    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+    fn own_facts(&self) -> Facts {
         body_facts(&[&self.body])
     }
 
-    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
+    fn own_workspace(&self) -> Workspace {
         // one step's body at its own peak while the loop runs; its inputs
-        // are the carry (held beside the result) and views of the operands
+        // are the carries (held beside the results) and views of the
+        // operands
         let inputs: usize = self.body.inputs.iter().map(|&i| facts::bytes(self.body.ty(i))).sum();
-        let carry = facts::bytes(self.input_ty(0));
-        Workspace::scratch(memory::planned_peak(&self.body).saturating_sub(inputs) + carry)
+        let carries: usize = (0..self.carries).map(|k| facts::bytes(self.input_ty(k))).sum();
+        Workspace::scratch(memory::planned_peak(&self.body).saturating_sub(inputs) + carries)
     }
 
-    /// The body once per step, each step's value written into its row as
-    /// it comes and its carry (the first entries along the last axis)
-    /// passed to the next step.
-    fn run(&self, args: &[&Tensor], out: &TensorType, cx: &RunCx) -> Result<Tensor> {
-        let rows = Rows::new(out, cx, "scan")?;
-        let last = self.body.ty(self.body.outputs[0]).rank() - 1;
-        // where only the last carry is kept: each step's outputs at its
-        // row's offset (`L.. ny` entries a row), the carry at the end
-        let row_len = (out.elem_count() - args[0].elem_count()) / self.length;
-        let mut carry = args
-            .first()
-            .map(|c| (*c).clone())
-            .ok_or_else(|| Error::internal("scan", "no carry"))?;
+    /// This loop as a loop over `segments` segments of `k` steps each,
+    /// whose body is this loop over one segment (scanned operands
+    /// `T .. -> S k ..`): its results are the final carries, each output
+    /// stacked `S k ..`, and the carries at the segments' starts. The same
+    /// values; but its VJP saves one carry per segment and recomputes a
+    /// segment's others from it while going back over it (checkpointing:
+    /// `S + k` carries held instead of `T`, for one more forward pass of
+    /// the body).
+    pub(crate) fn segmented(&self, k: usize, segments: usize, given: Options, ctx: Rc<TraceCtx>) -> Result<Scan> {
+        if k == 0 || segments == 0 {
+            return Err(Error::internal("scan", "segments of no steps"));
+        }
+        let scratch = Builder::scratch(given, ctx);
+        let mut sb = scratch.borrow_mut();
+        let mut ins = Vec::with_capacity(self.body.inputs.len());
+        for j in 0..self.body.inputs.len() {
+            let mut ty = self.input_ty(j).clone();
+            if j >= self.carries && j < self.carries + self.scanned {
+                ty.shape.insert(0, k);
+            }
+            ins.push(sb.input(ty));
+        }
+        let inner = Scan {
+            length: k,
+            reads: true,
+            ..self.clone()
+        };
+        let outs = sb.emit_many(Prim::Scan(Box::new(inner)), &ins)?;
+        // the inner loop's final carries and its stacked outputs
+        let kept = outs[..self.carries + self.outputs()].to_vec();
+        Ok(Scan {
+            body: Arc::new(sb.finish(kept).0.eliminate_dead_code()),
+            length: segments,
+            reads: true,
+            ..self.clone()
+        })
+    }
+}
+
+tuple_rule!(Scan, "scan");
+
+impl Many for Scan {
+    /// The body once per step, each step's outputs (and, where kept, the
+    /// carries it read) written into their rows as they come, and its
+    /// carries passed to the next step.
+    fn run_many(&self, args: &[&Tensor], cx: &RunCx) -> Result<Vec<Tensor>> {
+        let nc = self.carries;
+        let results = self.results();
+        let ys = Rows::new(&results[self.ys_at()..self.reads_at()], cx, "scan")?;
+        let reads = match self.reads {
+            true => Some(Rows::new(&results[self.reads_at()..], cx, "scan")?),
+            false => None,
+        };
+        let mut carries: Vec<Tensor> = args[..nc].iter().map(|c| (*c).clone()).collect();
         for i in 0..self.length {
             let t = self.row(i);
-            let mut xs = Vec::with_capacity(args.len());
-            xs.push(carry);
-            for (k, a) in args[1..].iter().enumerate() {
+            let mut xs = carries.clone();
+            for (k, a) in args[nc..].iter().enumerate() {
                 xs.push(match k < self.scanned {
                     true => a.narrow(0, t, 1).and_then(|s| s.squeeze(0)).op("scan")?,
                     false => (*a).clone(),
                 });
             }
-            let y = run_one(cx, &self.body, &xs, mix(cx.seed, i as u64), "scan")?;
-            carry = y.narrow(last, 0, self.carry).op("scan")?;
-            match self.every_carry {
-                true => rows.write(t, &y)?,
-                false => {
-                    let ys = y
-                        .narrow(last, self.carry, y.dim(last).op("scan")? - self.carry)
-                        .op("scan")?;
-                    rows.write_flat(t * row_len, &ys)?;
-                }
+            if let Some(r) = &reads {
+                r.write(t, &carries)?;
             }
+            let mut outs = run_graph(cx, &self.body, &xs, mix(cx.seed, i as u64))?;
+            if outs.len() != nc + self.outputs() {
+                return Err(Error::internal("scan", "a step gave another number of values"));
+            }
+            let step = outs.split_off(nc);
+            ys.write(t, &step)?;
+            carries = outs;
         }
-        if !self.every_carry {
-            rows.write_flat(self.length * row_len, &carry)?;
+        carries.extend(ys.into_tensors());
+        if let Some(r) = reads {
+            carries.extend(r.into_tensors());
         }
-        Ok(rows.into_tensor())
+        Ok(carries)
     }
 
-    /// The same scan over the body batched (`B` first in the carry and in
-    /// every step; a scanned operand `T .. B .. -> T B ..`). The result is
-    /// `T B L.. P`: batched at axis 1.
-    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
-        self.transformable("vmap")?;
-        if args.iter().all(|a| a.1.is_none()) {
-            let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
-            return Ok(Some((self.clone().emit(cx.b, &ids)?, None)));
-        }
+    /// The same scan over the body batched (`B` first in the carries and in
+    /// every step; a scanned operand `T .. B .. -> T B ..`). The final
+    /// carries are `B ..`; the stacked results `T B ..`.
+    fn batch_many(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Vec<BVal>> {
+        let nc = self.carries;
         let mut operands = Vec::with_capacity(args.len());
         for (k, &(v, bd)) in args.iter().enumerate() {
-            operands.push(match (k, bd) {
-                (0, _) => cx.materialize((v, bd))?,
-                (_, Some(d)) if k <= self.scanned => cx.b.move_axis(v, d, 1)?,
-                (_, Some(_)) => cx.front((v, bd))?,
-                (_, None) => v,
+            operands.push(match (k < nc, k < nc + self.scanned, bd) {
+                (true, _, _) => cx.materialize((v, bd))?,
+                (false, true, Some(d)) => cx.b.move_axis(v, d, 1)?,
+                (false, false, Some(_)) => cx.front((v, bd))?,
+                (false, _, None) => v,
             });
         }
-        // the carry batched whatever its start (the steps make it so)
-        let batched: Vec<bool> = args.iter().enumerate().map(|(k, a)| k == 0 || a.1.is_some()).collect();
+        // the carries batched whatever their start (the steps make it so)
+        let batched: Vec<bool> = args.iter().enumerate().map(|(k, a)| k < nc || a.1.is_some()).collect();
         let body = batched_graph(cx, &self.body, &batched, |icx, ins| {
-            let out = walk::batch_graph(&self.body, icx, ins)?[0];
-            icx.materialize(out)
+            batched_outputs(&self.body, icx, ins)
         })?;
         let sc = Scan {
             body: Arc::new(body),
             ..self.clone()
         };
-        Ok(Some((sc.emit(cx.b, &operands)?, Some(1))))
+        let outs = cx.b.emit_many(Prim::Scan(Box::new(sc)), &operands)?;
+        Ok(outs
+            .into_iter()
+            .enumerate()
+            .map(|(k, o)| (o, Some(usize::from(k >= nc))))
+            .collect())
     }
 
-    fn vjp(&self, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Option<Cts>> {
-        self.transformable("grad")?;
+    fn vjp_many(&self, b: &mut Builder, args: &[VarId], out: VarId, cts: &[Option<VarId>]) -> Result<Option<Cts>> {
         super::deterministic("scan", "grad", &[&self.body])?;
-        super::scan_vjp::emit(self, b, args, out, ct).map(Some)
+        super::scan_vjp::emit(self, b, args, out, cts).map(Some)
     }
 
-    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
-        self.transformable("jvp")?;
+    /// A scan of the carries and the float carries' tangents: the body's
+    /// inputs the carries, their tangents, the steps, the tangents of the
+    /// scanned operands that have one, the whole operands and theirs; its
+    /// outputs the carries, their tangents, the outputs and the float
+    /// outputs' tangents.
+    fn jvp_many(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Vec<Tan>>> {
+        let results = self.results();
         if tans.iter().all(Option::is_none) {
-            return Ok(Some(None));
+            return Ok(Some(vec![None; results.len()]));
         }
         super::deterministic("scan", "jvp", &[&self.body])?;
-        let carry_ty = b.ty(args[0]).clone();
-        let ncf = carry_ty.elem_count();
-        let p = *self.body.ty(self.body.outputs[0]).shape.last().unwrap_or(&0);
-        let lead = carry_ty.shape[..carry_ty.rank() - 1].to_vec();
-        let nyf = lead.iter().product::<usize>() * (p - self.carry);
-        let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
-        let graph = self.jvp_body(b, &carry_ty, &present)?;
-        let init = flat(b, args[0])?;
-        let t_init = b.or_zeros(tans[0], args[0])?;
-        let t_init = flat(b, t_init)?;
-        let mut operands = vec![b.concat(&[init, t_init], 0)?];
-        let split = |ks: &[usize], scanned: bool| -> Vec<usize> {
-            ks.iter().copied().filter(|&k| (k <= self.scanned) == scanned).collect()
-        };
-        let all: Vec<usize> = (1..args.len()).collect();
-        for k in split(&all, true) {
-            operands.push(args[k]);
+        let (nc, ns) = (self.carries, self.scanned);
+        let floats: Vec<usize> = (0..nc).filter(|&k| self.input_ty(k).dtype.is_float()).collect();
+        let steps: Vec<usize> = (nc..nc + ns).filter(|&k| tans[k].is_some()).collect();
+        let wholes: Vec<usize> = (nc + ns..args.len()).filter(|&k| tans[k].is_some()).collect();
+        let outs_ty = output_types(&self.body);
+        let fys: Vec<usize> = (nc..outs_ty.len()).filter(|&j| outs_ty[j].dtype.is_float()).collect();
+        let all = input_types(&self.body);
+        let groups = [
+            (0..nc).collect::<Vec<_>>(),
+            floats.clone(),
+            (nc..nc + ns).collect(),
+            steps.clone(),
+            (nc + ns..args.len()).collect(),
+            wholes.clone(),
+        ];
+        let types: Vec<TensorType> = groups.iter().flatten().map(|&k| all[k].clone()).collect();
+        let graph = graph_of(b, &types, |sb, ins| {
+            // where each group's inputs start
+            let mut at = 0;
+            let mut starts = Vec::with_capacity(groups.len());
+            for g in &groups {
+                starts.push(at);
+                at += g.len();
+            }
+            let mut xs = vec![0; all.len()];
+            let mut ts: Vec<Tan> = vec![None; all.len()];
+            for (gi, tangents) in [(0, 1), (2, 3), (4, 5)] {
+                for (j, &k) in groups[gi].iter().enumerate() {
+                    xs[k] = ins[starts[gi] + j];
+                }
+                for (j, &k) in groups[tangents].iter().enumerate() {
+                    ts[k] = Some(ins[starts[tangents] + j]);
+                }
+            }
+            let (outs, touts) = walk::jvp_graph(&self.body, sb, &xs, &ts)?;
+            let mut next = outs[..nc].to_vec();
+            for &k in &floats {
+                next.push(sb.or_zeros(touts[k], outs[k])?);
+            }
+            next.extend_from_slice(&outs[nc..]);
+            for &j in &fys {
+                next.push(sb.or_zeros(touts[j], outs[j])?);
+            }
+            Ok(next)
+        })?;
+        let mut operands: Vec<VarId> = args[..nc].to_vec();
+        for &k in &floats {
+            operands.push(b.or_zeros(tans[k], args[k])?);
         }
-        for k in split(&present, true) {
-            operands.push(tans[k].unwrap_or(args[k]));
-        }
-        for k in split(&all, false) {
-            operands.push(args[k]);
-        }
-        for k in split(&present, false) {
-            operands.push(tans[k].unwrap_or(args[k]));
-        }
+        operands.extend_from_slice(&args[nc..nc + ns]);
+        operands.extend(steps.iter().filter_map(|&k| tans[k]));
+        operands.extend_from_slice(&args[nc + ns..]);
+        operands.extend(wholes.iter().filter_map(|&k| tans[k]));
         let fwd = Scan {
             body: Arc::new(graph),
-            carry: 2 * ncf,
-            scanned: self.scanned + split(&present, true).len(),
-            length: self.length,
-            reverse: self.reverse,
-            every_carry: true,
+            carries: nc + floats.len(),
+            scanned: ns + steps.len(),
+            ..self.clone()
         };
-        let rows = fwd.emit(b, &operands)?;
-        // rows: T (c, tc, y, ty) -> T L.. (tc, ty)
-        let mut c_shape = lead.clone();
-        c_shape.push(self.carry);
-        let mut y_shape = lead.clone();
-        y_shape.push(p - self.carry);
-        let tc = piece(b, rows, 1, ncf, &c_shape)?;
-        let ty = piece(b, rows, 1, 2 * ncf + nyf, &y_shape)?;
-        let axis = lead.len() + 1;
-        Ok(Some(Some(match p > self.carry {
-            true => b.concat(&[tc, ty], axis)?,
-            false => tc,
-        })))
+        let got = b.emit_many(Prim::Scan(Box::new(fwd)), &operands)?;
+        // the new results: carries and tangents, outputs and tangents,
+        // then (where kept) the carries and tangents read
+        let ny = self.outputs();
+        let mut out: Vec<Tan> = vec![None; results.len()];
+        for (j, &k) in floats.iter().enumerate() {
+            out[k] = Some(got[nc + j]);
+            if self.reads {
+                let reads = nc + floats.len() + ny + fys.len();
+                out[self.reads_at() + k] = Some(got[reads + nc + j]);
+            }
+        }
+        for (j, &y) in fys.iter().enumerate() {
+            out[y] = Some(got[nc + floats.len() + ny + j]);
+        }
+        Ok(Some(out))
     }
-}
 
-impl Scan {
-    /// One forward step with tangents: `(c and tc packed, steps.., step
-    /// tangents.., whole.., whole tangents..)` (tangents of the operands in
-    /// `present` only) to `(c', tc', y, ty)` flattened.
-    fn jvp_body(&self, b: &Builder, carry_ty: &TensorType, present: &[usize]) -> Result<Graph> {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let mut sb = scratch.borrow_mut();
-        let n = self.body.inputs.len();
-        let ncf = carry_ty.elem_count();
-        let state = sb.input(TensorType::new(vec![2 * ncf], carry_ty.dtype));
-        let mut ins = vec![piece(&mut sb, state, 0, 0, &carry_ty.shape)?];
-        let mut tans: Vec<Tan> = vec![Some(piece(&mut sb, state, 0, ncf, &carry_ty.shape)?)];
-        ins.resize(n, 0);
-        tans.resize(n, None);
-        let (steps, whole): (Vec<usize>, Vec<usize>) = (1..n).partition(|&k| k <= self.scanned);
-        for group in [steps, whole] {
-            for &k in &group {
-                ins[k] = sb.input(self.input_ty(k).clone());
-            }
-            for &k in group.iter().filter(|k| present.contains(k)) {
-                tans[k] = Some(sb.input(self.input_ty(k).clone()));
-            }
+    /// The scan without the outputs nothing reads, and without the carries
+    /// read where no VJP reads any of them.
+    fn prune(&self, used: &[bool]) -> Option<(Prim, Vec<Option<usize>>)> {
+        let nc = self.carries;
+        let ys = &used[self.ys_at()..self.reads_at()];
+        let reads = self.reads && used[self.reads_at()..].iter().any(|&u| u);
+        if ys.iter().all(|&u| u) && reads == self.reads {
+            return None;
         }
-        let (outs, touts) = walk::jvp_graph(&self.body, &mut sb, &ins, &tans)?;
-        let o = outs[0];
-        let to = sb.or_zeros(touts[0], o)?;
-        let last = sb.ty(o).rank() - 1;
-        let p = sb.dims(o)[last];
-        let mut parts = Vec::with_capacity(4);
-        for (start, len) in [(0, self.carry), (self.carry, p - self.carry)] {
-            if len == 0 {
-                continue;
-            }
-            for v in [o, to] {
-                let part = sb.narrow(v, last, start, len)?;
-                parts.push(flat(&mut sb, part)?);
-            }
+        let keep: Vec<bool> = std::iter::repeat_n(true, nc).chain(ys.iter().copied()).collect();
+        let sc = Scan {
+            body: Arc::new(keep_outputs(&self.body, &keep)),
+            reads,
+            ..self.clone()
+        };
+        let kept_ys = ys.iter().filter(|&&u| u).count();
+        let mut at = nc;
+        let mut to: Vec<Option<usize>> = (0..nc).map(Some).collect();
+        for &u in ys {
+            to.push(u.then_some(at));
+            at += usize::from(u);
         }
-        let out = sb.concat(&parts, 0)?;
-        Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+        for k in 0..nc {
+            to.push(reads.then_some(nc + kept_ys + k));
+        }
+        Some((Prim::Scan(Box::new(sc)), to))
     }
 }

@@ -1,123 +1,60 @@
-//! A scan's VJP: a scan the other way over the saved carries, whose body
-//! is one step's VJP (recomputing the step's insides from its carry).
+//! A scan's VJP: a scan the other way over the carries each step read (a
+//! result of the forward scan), whose body is one step's VJP (recomputing
+//! the step's insides from its carries).
 //!
-//! The backward loop carries the carry's cotangent and, for an operand
-//! every step reads whole, the sum of its cotangents so far. A sum of
-//! products is better left out of the loop: where a whole operand's
-//! cotangent in one step is a matrix product of that step's values, seen
-//! through reshapes and permutes (`h_{t-1}^T g_t` for a recurrent weight
-//! used as `h W^T`), the loop outputs the two factors of every step and
-//! one product after it contracts over the steps too:
-//! `sum_t A_t B_t = [A_1 .. A_T] [B_1; ..; B_T]` (`T m r -> m (T r)`).
+//! The backward loop carries each float carry's cotangent and, for a float
+//! operand every step reads whole, the sum of its cotangents so far, each
+//! in its own dtype. A sum of products is better left out of the loop:
+//! where a whole operand's cotangent in one step is a matrix product of
+//! that step's values, seen through reshapes and permutes (`h_{t-1}^T g_t`
+//! for a recurrent weight used as `h W^T`), the loop outputs the two
+//! factors of every step and one product after it contracts over the steps
+//! too: `sum_t A_t B_t = [A_1 .. A_T] [B_1; ..; B_T]` (`T m r -> m (T r)`).
 //! Per example under `vmap` that is one batched product instead of `T`
 //! rank-one updates of a `[B, m, n]` sum carried through the loop, and it
 //! is the product the ghost-norm rules recognise.
 
-use super::{flat, piece};
+use super::graph_of;
 use crate::error::{Error, Result};
 use crate::ir::ops::{Binary, ShapeOp};
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
 use crate::rules::{walk, Builder, Cts};
-use candle_core::DType;
 use std::sync::Arc;
 
 /// How an operand's cotangent leaves the backward loop.
 #[derive(Clone, Debug, PartialEq)]
 enum Route {
-    /// None: not a float operand.
+    /// None: a carry (its cotangent is carried), or not a float operand.
     None,
-    /// Per step, at this offset of the step's outputs (a scanned operand).
-    Step(usize),
-    /// Summed in the carry, at this offset of the accumulators.
-    Summed(usize),
-    /// As the two factors of a product per step, at this offset of the
-    /// step's outputs, then contracted over the steps and viewed through
-    /// `views` (the shape operations between the product and the
-    /// cotangent).
+    /// Per step, as a stacked output (a scanned operand).
+    Step,
+    /// Summed in a carry of the backward loop (a whole operand).
+    Summed,
+    /// As the two factors of a product per step, stacked, then contracted
+    /// over the steps and viewed through `views` (the shape operations
+    /// between the product and the cotangent).
     Factors {
-        at: usize,
         a: Vec<usize>,
         b: Vec<usize>,
         views: Vec<ShapeOp>,
     },
 }
 
-/// The layout of the backward loop: the carry's cotangent (`ncf`
-/// entries, batch axes flattened too), then the accumulators (`nacc`);
-/// per step, the scanned operands' cotangents, then the factors.
+/// The layout of the backward loop. Its carries: the float carries'
+/// cotangents, then the sums. Its scanned operands: the carries read, the
+/// forward scanned operands, the cotangents of the outputs that have one,
+/// those of the carries read that have one. Its whole operands: the
+/// forward ones. Its outputs besides its carries: the scanned operands'
+/// cotangents, then the factors.
 struct Layout {
-    dtype: DType,
-    ncf: usize,
-    nacc: usize,
+    /// The float carries.
+    floats: Vec<usize>,
+    /// Each operand's route.
     routes: Vec<Route>,
-}
-
-/// Emits the VJP of the scan `sc` (operands `args`, result `out`, its
-/// cotangent `ct`): the cotangent of each operand.
-pub(super) fn emit(sc: &Scan, b: &mut Builder, args: &[VarId], out: VarId, ct: VarId) -> Result<Cts> {
-    // a first trace of the step's VJP finds the products to take out
-    let probe = Layout::new(sc, b, args, &[])?;
-    let (_, factors) = probe.body(sc, b)?;
-    let layout = Layout::new(sc, b, args, &factors)?;
-    let (graph, _) = layout.body(sc, b)?;
-    let cin = sc.carries_in(b, args[0], out)?;
-    let mut operands = vec![b.zeros(vec![layout.ncf + layout.nacc], layout.dtype)?, cin];
-    operands.extend_from_slice(&args[1..=sc.scanned]);
-    operands.push(ct);
-    operands.extend_from_slice(&args[1 + sc.scanned..]);
-    let back = Scan {
-        body: Arc::new(graph),
-        carry: layout.ncf + layout.nacc,
-        scanned: sc.scanned + 2,
-        length: sc.length,
-        reverse: !sc.reverse,
-        every_carry: true,
-    };
-    let rows = back.emit(b, &operands)?;
-    // the backward loop ends at the forward loop's first step
-    let first = if sc.reverse { sc.length - 1 } else { 0 };
-    let last = b.narrow(rows, 0, first, 1)?;
-    let last = flat(b, last)?;
-    let carry_shape = b.dims(args[0]);
-    let mut cts: Cts = vec![Some(piece(b, last, 0, 0, &carry_shape)?)];
-    let steps = layout.ncf + layout.nacc;
-    for k in 1..args.len() {
-        let shape = sc.input_ty(k).shape.clone();
-        cts.push(match &layout.routes[k] {
-            Route::None => None,
-            Route::Step(at) => Some(piece(b, rows, 1, steps + at, &shape)?),
-            Route::Summed(at) => Some(piece(b, last, 0, layout.ncf + at, &shape)?),
-            Route::Factors { at, a, b: bs, views } => Some(contract(b, rows, steps + at, (a, bs), sc.length, views)?),
-        });
-        if let Some(c) = cts[k] {
-            cts[k] = Some(b.cast(c, sc.input_ty(k).dtype)?);
-        }
-    }
-    Ok(cts)
-}
-
-/// `sum_t A_t B_t` from the stacked factors in `rows` (`A_t` `[m, r]` at
-/// `at`, then `B_t` `[r, n]`), viewed through `views`.
-fn contract(
-    b: &mut Builder,
-    rows: VarId,
-    at: usize,
-    (a, bs): (&[usize], &[usize]),
-    steps: usize,
-    views: &[ShapeOp],
-) -> Result<VarId> {
-    let (m, r, n) = (a[0], a[1], bs[1]);
-    let fa = piece(b, rows, 1, at, a)?; // T m r
-    let fb = piece(b, rows, 1, at + m * r, bs)?; // T r n
-                                                 // T m r -> m T r -> m (T r); T r n -> (T r) n
-    let fa = b.permute(fa, vec![1, 0, 2])?;
-    let fa = b.reshape(fa, vec![m, steps * r])?;
-    let fb = b.reshape(fb, vec![steps * r, n])?;
-    let mut v = b.emit(Prim::Matmul, &[fa, fb])?;
-    for op in views {
-        v = b.emit(Prim::Shape(op.clone()), &[v])?;
-    }
-    Ok(v)
+    /// The outputs (by output index after the carries) with a cotangent.
+    ys: Vec<usize>,
+    /// The carries whose reads have a cotangent.
+    reads: Vec<usize>,
 }
 
 /// The factors of a cotangent that is one product of two matrices seen
@@ -127,6 +64,86 @@ type Factors = (VarId, VarId, Vec<ShapeOp>);
 /// A whole operand whose cotangent is one product per step: its index,
 /// the factors' shapes, the views.
 type Factored = (usize, Vec<usize>, Vec<usize>, Vec<ShapeOp>);
+
+/// Emits the VJP of the scan `sc` (operands `args`, the tuple `out`, its
+/// results' cotangents `cts`): the cotangent of each operand.
+pub(super) fn emit(sc: &Scan, b: &mut Builder, args: &[VarId], out: VarId, cts: &[Option<VarId>]) -> Result<Cts> {
+    if !sc.reads {
+        return Err(Error::internal(
+            "scan",
+            "grad of a scan prepared to keep its last carry only",
+        ));
+    }
+    // a first trace of the step's VJP finds the products to take out
+    let probe = Layout::new(sc, cts, &[]);
+    let (_, factors) = probe.body(sc, b)?;
+    let layout = Layout::new(sc, cts, &factors);
+    if layout.floats.is_empty() && layout.routes.iter().all(|r| *r == Route::None) {
+        return Ok(vec![None; args.len()]);
+    }
+    let (graph, _) = layout.body(sc, b)?;
+    let (nc, ns) = (sc.carries, sc.scanned);
+    let mut operands = Vec::new();
+    for &k in &layout.floats {
+        operands.push(b.or_zeros(cts[k], args[k])?);
+    }
+    for k in layout.of(Route::Summed) {
+        operands.push(b.zeros(sc.input_ty(k).shape.clone(), sc.input_ty(k).dtype)?);
+    }
+    for k in 0..nc {
+        operands.push(b.get(out, sc.reads_at() + k)?);
+    }
+    operands.extend_from_slice(&args[nc..nc + ns]);
+    operands.extend(layout.ys.iter().filter_map(|&y| cts[sc.ys_at() + y]));
+    operands.extend(layout.reads.iter().filter_map(|&k| cts[sc.reads_at() + k]));
+    operands.extend_from_slice(&args[nc + ns..]);
+    let carries = layout.floats.len() + layout.of(Route::Summed).len();
+    let back = Scan {
+        body: Arc::new(graph),
+        carries,
+        scanned: nc + ns + layout.ys.len() + layout.reads.len(),
+        length: sc.length,
+        reverse: !sc.reverse,
+        reads: true,
+    };
+    let got = b.emit_many(Prim::Scan(Box::new(back)), &operands)?;
+    // the backward loop ends at the forward loop's first step
+    let mut out: Cts = vec![None; args.len()];
+    for (j, &k) in layout.floats.iter().enumerate() {
+        out[k] = Some(got[j]);
+    }
+    for (j, k) in layout.of(Route::Summed).into_iter().enumerate() {
+        out[k] = Some(got[layout.floats.len() + j]);
+    }
+    let mut at = carries;
+    for k in layout.of(Route::Step) {
+        out[k] = Some(got[at]);
+        at += 1;
+    }
+    for (k, route) in layout.routes.iter().enumerate() {
+        if let Route::Factors { views, .. } = route {
+            out[k] = Some(contract(b, (got[at], got[at + 1]), sc.length, views)?);
+            at += 2;
+        }
+    }
+    Ok(out)
+}
+
+/// `sum_t A_t B_t` from the stacked factors (`A` `T m r`, `B` `T r n`),
+/// viewed through `views`.
+fn contract(b: &mut Builder, (fa, fb): (VarId, VarId), steps: usize, views: &[ShapeOp]) -> Result<VarId> {
+    let (a, bs) = (b.dims(fa), b.dims(fb));
+    let (m, r, n) = (a[1], a[2], bs[2]);
+    // T m r -> m T r -> m (T r); T r n -> (T r) n
+    let fa = b.permute(fa, vec![1, 0, 2])?;
+    let fa = b.reshape(fa, vec![m, steps * r])?;
+    let fb = b.reshape(fb, vec![steps * r, n])?;
+    let mut v = b.emit(Prim::Matmul, &[fa, fb])?;
+    for op in views {
+        v = b.emit(Prim::Shape(op.clone()), &[v])?;
+    }
+    Ok(v)
+}
 
 /// Walks back from `v` through reshapes and permutes to a product of two
 /// matrices.
@@ -150,120 +167,120 @@ fn factors_of(g: &Builder, v: VarId) -> Option<Factors> {
 }
 
 impl Layout {
-    /// The layout for `sc`'s operands, taking the cotangents out as
-    /// factors for the operands `factors` names (by operand index, with
-    /// the factors' shapes and the views).
-    fn new(sc: &Scan, b: &Builder, args: &[VarId], factors: &[Factored]) -> Result<Layout> {
-        let dtype = b.ty(args[0]).dtype;
-        if !dtype.is_float() {
-            return Err(Error::unsupported("scan", "grad", format!("a loop carrying {dtype:?}")));
-        }
-        let ncf = b.ty(args[0]).elem_count();
-        let (mut nacc, mut nys) = (0, 0);
-        let mut routes = vec![Route::None; args.len()];
-        for (k, route) in routes.iter_mut().enumerate().skip(1) {
-            let ty = sc.input_ty(k);
-            if !ty.dtype.is_float() {
-                continue;
-            }
-            // a float operand of another dtype than the carry (f32 weights
-            // beside a carry widened to f64) has its cotangent carried in
-            // the carry's dtype and converted back after the loop
-            *route = if k <= sc.scanned {
-                nys += ty.elem_count();
-                Route::Step(nys - ty.elem_count())
-            } else if factors.iter().any(|f| f.0 == k) {
-                Route::None // placed below, after the scanned cotangents
-            } else {
-                nacc += ty.elem_count();
-                Route::Summed(nacc - ty.elem_count())
-            };
-        }
-        for (k, a, bs, views) in factors {
-            routes[*k] = Route::Factors {
-                at: nys,
-                a: a.clone(),
-                b: bs.clone(),
-                views: views.clone(),
-            };
-            nys += a.iter().product::<usize>() + bs.iter().product::<usize>();
-        }
-        Ok(Layout {
-            dtype,
-            ncf,
-            nacc,
-            routes,
-        })
-    }
-
-    /// One backward step: `(packed, carry read, steps.., ct, whole..)` to
-    /// the carry-read's cotangent, the accumulators plus this step's
-    /// summed cotangents, this step's scanned cotangents and the factors.
-    /// Also says which whole operands' cotangents are one product (for the
-    /// layout's second pass).
-    fn body(&self, sc: &Scan, b: &Builder) -> Result<(Graph, Vec<Factored>)> {
-        let scratch = Builder::scratch(b.given, b.ctx.clone());
-        let mut sb = scratch.borrow_mut();
+    /// The layout for `sc` with its results' cotangents `cts`, taking the
+    /// cotangents out as factors for the operands `factors` names (by
+    /// operand index, with the factors' shapes and the views).
+    fn new(sc: &Scan, cts: &[Option<VarId>], factors: &[Factored]) -> Layout {
+        let (nc, ns) = (sc.carries, sc.scanned);
         let n = sc.body.inputs.len();
-        let packed = sb.input(TensorType::new(vec![self.ncf + self.nacc], self.dtype));
-        let mut ins = vec![sb.input(sc.input_ty(0).clone())];
-        for k in 1..=sc.scanned {
-            ins.push(sb.input(sc.input_ty(k).clone()));
-        }
-        let out_ty = sc.body.ty(sc.body.outputs[0]).clone();
-        let ct = sb.input(out_ty.clone());
-        for k in sc.scanned + 1..n {
-            ins.push(sb.input(sc.input_ty(k).clone()));
-        }
-        // this step's value's cotangent: its own, plus the next step's
-        // carry cotangent on the carry's entries
-        let g = piece(&mut sb, packed, 0, 0, &sc.input_ty(0).shape)?;
-        let last = out_ty.rank() - 1;
-        let g = match out_ty.shape[last] > sc.carry {
-            true => {
-                let mut rest = out_ty.shape.clone();
-                rest[last] -= sc.carry;
-                let z = sb.zeros(rest, self.dtype)?;
-                sb.concat(&[g, z], last)?
-            }
-            false => g,
-        };
-        let seed = sb.bin(Binary::Add, ct, g)?;
-        let wrt: Vec<bool> = (0..n).map(|k| k == 0 || self.routes[k] != Route::None).collect();
-        let (_, cts) = walk::vjp_graph(&sc.body, &mut sb, &ins, &wrt, &[(0, seed)])?;
-        let ct_of = |sb: &mut Builder, k: usize| -> Result<VarId> {
-            let c = sb.or_zeros(cts[k], ins[k])?;
-            let c = flat(sb, c)?;
-            sb.cast(c, self.dtype)
-        };
-        let mut parts = vec![ct_of(&mut sb, 0)?];
-        let summed: Vec<usize> = (1..n).filter(|&k| matches!(self.routes[k], Route::Summed(_))).collect();
-        if !summed.is_empty() {
-            let acc = sb.narrow(packed, 0, self.ncf, self.nacc)?;
-            let step = summed.iter().map(|&k| ct_of(&mut sb, k)).collect::<Result<Vec<_>>>()?;
-            let step = sb.concat(&step, 0)?;
-            parts.push(sb.bin(Binary::Add, acc, step)?);
-        }
-        for k in (1..n).filter(|&k| matches!(self.routes[k], Route::Step(_))) {
-            parts.push(ct_of(&mut sb, k)?);
-        }
-        // in operand order, as the layout placed them
-        for k in (1..n).filter(|&k| matches!(self.routes[k], Route::Factors { .. })) {
-            let (fa, fb, _) = cts[k]
-                .and_then(|c| factors_of(&sb, c))
-                .ok_or_else(|| Error::internal("scan", "a factored cotangent is no longer a product"))?;
-            parts.push(flat(&mut sb, fa)?);
-            parts.push(flat(&mut sb, fb)?);
-        }
-        // whole float operands whose cotangent is one product
-        let found = (sc.scanned + 1..n)
-            .filter(|&k| sc.input_ty(k).dtype == self.dtype)
-            .filter_map(|k| {
-                let (fa, fb, views) = factors_of(&sb, cts[k]?)?;
-                Some((k, sb.dims(fa), sb.dims(fb), views))
+        let float = |k: usize| sc.input_ty(k).dtype.is_float();
+        let routes = (0..n)
+            .map(|k| match factors.iter().find(|f| f.0 == k) {
+                _ if k < nc || !float(k) => Route::None,
+                Some((_, a, b, views)) => Route::Factors {
+                    a: a.clone(),
+                    b: b.clone(),
+                    views: views.clone(),
+                },
+                None if k < nc + ns => Route::Step,
+                None => Route::Summed,
             })
             .collect();
-        let out = sb.concat(&parts, 0)?;
-        Ok((sb.finish(vec![out]).0.eliminate_dead_code(), found))
+        Layout {
+            floats: (0..nc).filter(|&k| float(k)).collect(),
+            routes,
+            ys: (0..sc.outputs()).filter(|&y| cts[sc.ys_at() + y].is_some()).collect(),
+            reads: (0..nc)
+                .filter(|&k| float(k) && cts.get(sc.reads_at() + k).is_some_and(Option::is_some))
+                .collect(),
+        }
+    }
+
+    /// The operands of one route, in order.
+    fn of(&self, route: Route) -> Vec<usize> {
+        let same = |r: &Route| std::mem::discriminant(r) == std::mem::discriminant(&route);
+        (0..self.routes.len()).filter(|&k| same(&self.routes[k])).collect()
+    }
+
+    /// One backward step (its inputs as [`Layout`] lists them): the
+    /// previous step's carries' cotangents (plus those of the carries read
+    /// there), the sums plus this step's cotangents, this step's scanned
+    /// cotangents and the factors. Also says which whole operands'
+    /// cotangents are one product (for the layout's second pass).
+    fn body(&self, sc: &Scan, b: &Builder) -> Result<(Graph, Vec<Factored>)> {
+        let (nc, ns) = (sc.carries, sc.scanned);
+        let n = sc.body.inputs.len();
+        let summed = self.of(Route::Summed);
+        let outs = super::output_types(&sc.body);
+        let groups: [Vec<TensorType>; 7] = [
+            self.floats.iter().map(|&k| sc.input_ty(k).clone()).collect(),
+            summed.iter().map(|&k| sc.input_ty(k).clone()).collect(),
+            (0..nc + ns).map(|k| sc.input_ty(k).clone()).collect(),
+            self.ys.iter().map(|&y| outs[nc + y].clone()).collect(),
+            self.reads.iter().map(|&k| sc.input_ty(k).clone()).collect(),
+            (nc + ns..n).map(|k| sc.input_ty(k).clone()).collect(),
+            Vec::new(),
+        ];
+        let types: Vec<TensorType> = groups.iter().flatten().cloned().collect();
+        let mut found = Vec::new();
+        let graph = graph_of(b, &types, |sb, ins| {
+            let mut rest = ins;
+            let mut take = |n: usize| {
+                let (head, tail) = rest.split_at(n);
+                rest = tail;
+                head.to_vec()
+            };
+            let (gc, acc, xs, cty, ctr) = (
+                take(groups[0].len()),
+                take(groups[1].len()),
+                take(groups[2].len()),
+                take(groups[3].len()),
+                take(groups[4].len()),
+            );
+            let body_ins: Vec<VarId> = xs.iter().copied().chain(take(groups[5].len())).collect();
+            // the seeds: the next carries' cotangents and this step's outputs'
+            let mut seeds: Vec<(usize, VarId)> = self.floats.iter().copied().zip(gc.iter().copied()).collect();
+            seeds.extend(self.ys.iter().map(|&y| nc + y).zip(cty.iter().copied()));
+            let wrt: Vec<bool> = (0..n)
+                .map(|k| self.floats.contains(&k) || self.routes[k] != Route::None)
+                .collect();
+            let (_, cts) = walk::vjp_graph(&sc.body, sb, &body_ins, &wrt, &seeds)?;
+            let mut next = Vec::new();
+            for &k in &self.floats {
+                let mut g = sb.or_zeros(cts[k], body_ins[k])?;
+                if let Some(j) = self.reads.iter().position(|&r| r == k) {
+                    g = sb.bin(Binary::Add, g, ctr[j])?;
+                }
+                next.push(g);
+            }
+            for (j, &k) in summed.iter().enumerate() {
+                let g = sb.or_zeros(cts[k], body_ins[k])?;
+                next.push(sb.bin(Binary::Add, acc[j], g)?);
+            }
+            for k in self.of(Route::Step) {
+                next.push(sb.or_zeros(cts[k], body_ins[k])?);
+            }
+            // in operand order, as the layout placed them
+            for k in self.of(Route::Factors {
+                a: vec![],
+                b: vec![],
+                views: vec![],
+            }) {
+                let (fa, fb, _) = cts[k]
+                    .and_then(|c| factors_of(sb, c))
+                    .ok_or_else(|| Error::internal("scan", "a factored cotangent is no longer a product"))?;
+                next.extend([fa, fb]);
+            }
+            // whole float operands whose cotangent is one product
+            found = (nc + ns..n)
+                .filter(|&k| sc.input_ty(k).dtype.is_float())
+                .filter_map(|k| {
+                    let (fa, fb, views) = factors_of(sb, cts[k]?)?;
+                    Some((k, sb.dims(fa), sb.dims(fb), views))
+                })
+                .collect();
+            Ok(next)
+        })?;
+        Ok((graph, found))
     }
 }

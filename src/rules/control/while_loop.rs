@@ -10,117 +10,132 @@
 //!   steps with (a finished example's `table[i]` with `i` past the table
 //!   is never read), as under `Schedule::PerExample`, where each example
 //!   runs its own number of steps.
-//! * JVP: a loop carrying the carry and its tangent side by side.
+//! * JVP: a loop carrying the carries and their tangents side by side.
 //! * VJP: none, as in JAX: the trip count is data, so the carries to run
 //!   back over are not known in advance. `fori_loop` (a `scan` of a fixed
 //!   length) is the reverse-differentiable loop.
 
 use super::{
-    any_true, batched_graph, body_facts, body_peak, example_mask, flat, from_taking, holds, piece, run_one, shape_error,
+    any_true, batched_graph, batched_outputs, body_facts, body_peak, example_mask, from_taking, graph_of, holds,
+    input_types, run_graph, run_one, shape_error, tuple_rule,
 };
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Prim, TensorType, VarId, While};
-use crate::rules::facts::{self, Arg, Facts, Workspace};
-use crate::rules::{mix, walk, BVal, BatchCx, Builder, Cts, Rule, RunCx, Tan};
+use crate::rules::facts::{self, Facts, Workspace};
+use crate::rules::{mix, walk, BVal, BatchCx, Builder, Cts, Many, RunCx, Tan};
 use candle_core::Tensor;
 use std::sync::Arc;
 
-impl Rule for While {
-    fn infer(&self, args: &[&TensorType]) -> Result<TensorType> {
+impl While {
+    /// An error unless both graphs take the operands, the condition gives
+    /// a scalar and the body gives the carries back, each of its type.
+    fn check(&self, args: &[&TensorType]) -> Result<()> {
         let bad = |msg: String| shape_error("while_loop", args, msg);
-        let Some(carry) = args.first() else {
+        let nc = self.carries();
+        if nc == 0 || args.len() < nc {
             return Err(bad("no carry".into()));
-        };
+        }
         for (name, g) in [("cond_fun", &self.cond), ("body_fun", &self.body)] {
             let ins: Vec<&TensorType> = g.inputs.iter().map(|&i| g.ty(i)).collect();
-            if ins != args || g.outputs.len() != 1 {
+            if ins != args {
                 return Err(bad(format!("{name} does not take the operands")));
             }
         }
-        if self.cond.ty(self.cond.outputs[0]).rank() != 0 {
+        if self.cond.outputs.len() != 1 || self.cond.ty(self.cond.outputs[0]).rank() != 0 {
             return Err(bad("cond_fun must give a scalar".into()));
         }
-        let next = self.body.ty(self.body.outputs[0]);
-        if next != *carry {
-            return Err(bad(format!(
-                "the body changed the carry from {:?} {:?} to {:?} {:?}: a loop's carry keeps its shape and dtype",
-                carry.dtype, carry.shape, next.dtype, next.shape
-            )));
+        for (k, next) in self.results().iter().enumerate() {
+            if next != args[k] {
+                return Err(bad(format!(
+                    "the body changed carry {k} from {:?} {:?} to {:?} {:?}: a loop's carry keeps its shape and dtype",
+                    args[k].dtype, args[k].shape, next.dtype, next.shape
+                )));
+            }
         }
-        Ok((*carry).clone())
+        Ok(())
     }
 
-    fn facts(&self, _args: &[Arg], _out: &TensorType) -> Facts {
+    fn own_facts(&self) -> Facts {
         body_facts(&[&self.cond, &self.body])
     }
 
-    fn workspace(&self, _args: &[Arg], _out: &TensorType) -> Workspace {
-        let carry = facts::bytes(self.body.ty(self.body.outputs[0]));
-        Workspace::scratch(body_peak(&[&self.cond, &self.body]) + carry)
+    fn own_workspace(&self) -> Workspace {
+        let carries: usize = self.results().iter().map(facts::bytes).sum();
+        Workspace::scratch(body_peak(&[&self.cond, &self.body]) + carries)
     }
+}
 
-    /// The body while the condition holds, from the first operand.
-    fn run(&self, args: &[&Tensor], _out: &TensorType, cx: &RunCx) -> Result<Tensor> {
+tuple_rule!(While, "while_loop");
+
+impl Many for While {
+    /// The body while the condition holds, from the first operands.
+    fn run_many(&self, args: &[&Tensor], cx: &RunCx) -> Result<Vec<Tensor>> {
+        let nc = self.carries();
         let mut ops: Vec<Tensor> = args.iter().map(|t| (*t).clone()).collect();
         for i in 0u64.. {
             let p = run_one(cx, &self.cond, &ops, mix(cx.seed, 2 * i), "while_loop")?;
             if !holds(&p, "while_loop")? {
                 break;
             }
-            ops[0] = run_one(cx, &self.body, &ops, mix(cx.seed, 2 * i + 1), "while_loop")?;
+            let next = run_graph(cx, &self.body, &ops, mix(cx.seed, 2 * i + 1))?;
+            for (o, n) in ops.iter_mut().zip(next) {
+                *o = n;
+            }
         }
-        Ok(ops.swap_remove(0))
+        ops.truncate(nc);
+        Ok(ops)
     }
 
-    fn batch(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Option<BVal>> {
-        let ids: Vec<VarId> = args.iter().map(|a| a.0).collect();
-        if args.iter().all(|a| a.1.is_none()) {
-            return Ok(Some((cx.b.emit(Prim::While(Box::new(self.clone())), &ids)?, None)));
-        }
-        // the carry batched whatever its start (the steps make it so)
-        let mut operands = vec![cx.materialize(args[0])?];
-        for &(v, bd) in &args[1..] {
-            operands.push(match bd {
-                Some(_) => cx.front((v, bd))?,
-                None => v,
+    fn batch_many(&self, cx: &mut BatchCx, args: &[BVal]) -> Result<Vec<BVal>> {
+        let nc = self.carries();
+        // the carries batched whatever their start (the steps make it so)
+        let mut operands = Vec::with_capacity(args.len());
+        for (k, &a) in args.iter().enumerate() {
+            operands.push(match (k < nc, a.1) {
+                (true, _) => cx.materialize(a)?,
+                (false, Some(_)) => cx.front(a)?,
+                (false, None) => a.0,
             });
         }
         // the graphs' inputs batched as the operands now are
-        let batched: Vec<bool> = args.iter().enumerate().map(|(k, a)| k == 0 || a.1.is_some()).collect();
+        let batched: Vec<bool> = args.iter().enumerate().map(|(k, a)| k < nc || a.1.is_some()).collect();
         // the condition, batched: one for all, or one per example
         let mut per_example = false;
         let cond = batched_graph(cx, &self.cond, &batched, |icx, ins| {
             let (p, bd) = walk::batch_graph(&self.cond, icx, ins)?[0];
             per_example = bd.is_some();
-            match bd {
-                None => Ok(p),
-                Some(_) => any_true(icx.b, p),
-            }
+            Ok(vec![match bd {
+                None => p,
+                Some(_) => any_true(icx.b, p)?,
+            }])
         })?;
         let body = batched_graph(cx, &self.body, &batched, |icx, ins| {
             if !per_example {
-                let next = walk::batch_graph(&self.body, icx, ins)?[0];
-                return icx.materialize(next);
+                return batched_outputs(&self.body, icx, ins);
             }
             let p = walk::batch_graph(&self.cond, icx, ins)?[0];
             let p = icx.materialize(p)?;
             // a finished example's rows: a running example's values
             let fed = from_taking(icx.b, p, icx.size, ins)?;
-            let next = walk::batch_graph(&self.body, icx, &fed)?[0];
-            let next = icx.materialize(next)?;
-            // and keeps its own carry
-            let rank = icx.b.ty(next).rank();
-            let go = example_mask(icx.b, p, icx.size, rank)?;
-            icx.b.select(go, next, ins[0].0)
+            let next = batched_outputs(&self.body, icx, &fed)?;
+            // and keeps its own carries
+            let mut kept = Vec::with_capacity(next.len());
+            for (k, n) in next.into_iter().enumerate() {
+                let rank = icx.b.ty(n).rank();
+                let go = example_mask(icx.b, p, icx.size, rank)?;
+                kept.push(icx.b.select(go, n, ins[k].0)?);
+            }
+            Ok(kept)
         })?;
         let w = While {
             cond: Arc::new(cond),
             body: Arc::new(body),
         };
-        Ok(Some((cx.b.emit(Prim::While(Box::new(w)), &operands)?, Some(0))))
+        let outs = cx.b.emit_many(Prim::While(Box::new(w)), &operands)?;
+        Ok(outs.into_iter().map(|o| (o, Some(0))).collect())
     }
 
-    fn vjp(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _ct: VarId) -> Result<Option<Cts>> {
+    fn vjp_many(&self, _b: &mut Builder, _args: &[VarId], _out: VarId, _cts: &[Option<VarId>]) -> Result<Option<Cts>> {
         Err(Error::unsupported(
             "while_loop",
             "grad",
@@ -129,52 +144,66 @@ impl Rule for While {
         ))
     }
 
-    /// A loop of `(c, tc)` flattened side by side: the condition reads `c`,
-    /// the body is the step's JVP. The operands' tangents, where they have
-    /// one, follow the operands.
-    fn jvp(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Tan>> {
+    /// A loop carrying the carries and the float carries' tangents: the
+    /// condition reads the carries, the body is the step's JVP. The
+    /// operands' tangents, where they have one, follow the operands.
+    fn jvp_many(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Vec<Tan>>> {
+        let nc = self.carries();
         if tans.iter().all(Option::is_none) {
-            return Ok(Some(None));
+            return Ok(Some(vec![None; nc]));
         }
         super::deterministic("while_loop", "jvp", &[&self.cond, &self.body])?;
-        let carry_ty = b.ty(args[0]).clone();
-        let ncf = carry_ty.elem_count();
-        let present: Vec<usize> = (1..args.len()).filter(|&k| tans[k].is_some()).collect();
+        let floats: Vec<usize> = (0..nc).filter(|&k| b.ty(args[k]).dtype.is_float()).collect();
+        let present: Vec<usize> = (nc..args.len()).filter(|&k| tans[k].is_some()).collect();
+        // inputs: carries, float carries' tangents, the rest, their tangents
         let graph = |g: &Graph, body: bool| -> Result<Graph> {
-            let s = Builder::scratch(b.given, b.ctx.clone());
-            let mut sb = s.borrow_mut();
-            let state = sb.input(TensorType::new(vec![2 * ncf], carry_ty.dtype));
-            let mut ins = vec![piece(&mut sb, state, 0, 0, &carry_ty.shape)?];
-            let mut all_ts: Vec<Tan> = vec![Some(piece(&mut sb, state, 0, ncf, &carry_ty.shape)?)];
-            for k in 1..args.len() {
-                ins.push(sb.input(g.ty(g.inputs[k]).clone()));
-                all_ts.push(None);
-            }
-            for &k in &present {
-                all_ts[k] = Some(sb.input(g.ty(g.inputs[k]).clone()));
-            }
-            let out = match body {
-                false => walk::forward(g, &mut sb, &ins)?[g.outputs[0]],
-                true => {
-                    let (outs, touts) = walk::jvp_graph(g, &mut sb, &ins, &all_ts)?;
-                    let t = sb.or_zeros(touts[0], outs[0])?;
-                    let (c, t) = (flat(&mut sb, outs[0])?, flat(&mut sb, t)?);
-                    sb.concat(&[c, t], 0)?
+            let all = input_types(g);
+            let mut types = all[..nc].to_vec();
+            types.extend(floats.iter().map(|&k| all[k].clone()));
+            types.extend_from_slice(&all[nc..]);
+            types.extend(present.iter().map(|&k| all[k].clone()));
+            let nf = floats.len();
+            graph_of(b, &types, |sb, ins| {
+                let mut xs: Vec<VarId> = ins[..nc].to_vec();
+                xs.extend_from_slice(&ins[nc + nf..nc + nf + all.len() - nc]);
+                if !body {
+                    return Ok(vec![walk::forward(g, sb, &xs)?[g.outputs[0]]]);
                 }
-            };
-            Ok(sb.finish(vec![out]).0.eliminate_dead_code())
+                let mut ts: Vec<Tan> = vec![None; all.len()];
+                for (j, &k) in floats.iter().enumerate() {
+                    ts[k] = Some(ins[nc + j]);
+                }
+                for (j, &k) in present.iter().enumerate() {
+                    ts[k] = Some(ins[nc + nf + all.len() - nc + j]);
+                }
+                let (outs, touts) = walk::jvp_graph(g, sb, &xs, &ts)?;
+                let mut next = outs.clone();
+                for &k in &floats {
+                    next.push(sb.or_zeros(touts[k], outs[k])?);
+                }
+                Ok(next)
+            })
         };
         let w = While {
             cond: Arc::new(graph(&self.cond, false)?),
             body: Arc::new(graph(&self.body, true)?),
         };
-        let c = flat(b, args[0])?;
-        let tc = b.or_zeros(tans[0], args[0])?;
-        let tc = flat(b, tc)?;
-        let mut operands = vec![b.concat(&[c, tc], 0)?];
-        operands.extend_from_slice(&args[1..]);
+        let mut operands = args[..nc].to_vec();
+        for &k in &floats {
+            operands.push(b.or_zeros(tans[k], args[k])?);
+        }
+        operands.extend_from_slice(&args[nc..]);
         operands.extend(present.iter().filter_map(|&k| tans[k]));
-        let state = b.emit(Prim::While(Box::new(w)), &operands)?;
-        Ok(Some(Some(piece(b, state, 0, ncf, &carry_ty.shape)?)))
+        let outs = b.emit_many(Prim::While(Box::new(w)), &operands)?;
+        let mut out: Vec<Tan> = vec![None; nc];
+        for (j, &k) in floats.iter().enumerate() {
+            out[k] = Some(outs[nc + j]);
+        }
+        Ok(Some(out))
+    }
+
+    /// A carry feeds the next step, so none goes.
+    fn prune(&self, _used: &[bool]) -> Option<(Prim, Vec<Option<usize>>)> {
+        None
     }
 }
