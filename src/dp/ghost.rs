@@ -30,6 +30,7 @@
 use crate::error::Result;
 use crate::ir::conv::ConvOp;
 use crate::ir::ops::{Binary, IndexOp, Reduce, ShapeOp, Unary};
+use crate::ir::views::{self, Step};
 use crate::ir::{ConvGeom, Prim, VarId};
 use crate::rules::Builder;
 use candle_core::DType;
@@ -145,26 +146,28 @@ impl Product {
 
 /// The view chain from `v` back to the node it views, while each step keeps
 /// axis 0 (of size `batch`) as the batch: `(source, views outermost first)`.
-fn strip_views(b: &Builder, mut v: VarId, batch: usize) -> (VarId, Vec<View>) {
-    let mut views = Vec::new();
-    loop {
-        let n = &b.nodes[v];
-        let src = match n.args.first() {
-            Some(&s) => s,
-            None => break,
-        };
-        let keeps = b.dims(src).first() == Some(&batch) && n.ty.shape.first() == Some(&batch);
-        let view = match &n.prim {
-            Prim::Shape(ShapeOp::Reshape(s)) if keeps => View::Reshape(s.clone()),
-            Prim::Shape(ShapeOp::Permute(p)) if keeps && p[0] == 0 => View::Permute(p.clone()),
-            Prim::Unary(Unary::Cast(dt)) if keeps && is_float(b.ty(src).dtype) => View::Cast(*dt),
-            _ => break,
-        };
-        views.push(view);
-        v = src;
-    }
-    views.reverse();
-    (v, views)
+fn strip_views(b: &Builder, v: VarId, batch: usize) -> (VarId, Vec<View>) {
+    let chain = views::follow_views(&b.nodes, v, usize::MAX, |link, step, _| {
+        let src = b.nodes[link].args[0];
+        let keeps = b.dims(src).first() == Some(&batch) && b.dims(link).first() == Some(&batch);
+        keeps
+            && match step {
+                Step::Reshape(_) => true,
+                Step::Permute(p) => p[0] == 0,
+                Step::Cast(_) => is_float(b.ty(src).dtype),
+                Step::Broadcast(_) => false,
+            }
+    });
+    // the links followed: reshapes, permutes and casts only
+    let found = views::steps(&b.nodes, &chain)
+        .filter_map(|s| match s {
+            Step::Reshape(s) => Some(View::Reshape(s.to_vec())),
+            Step::Permute(p) => Some(View::Permute(p.to_vec())),
+            Step::Cast(dt) => Some(View::Cast(dt)),
+            Step::Broadcast(_) => None,
+        })
+        .collect();
+    (chain.source, found)
 }
 
 /// A per-example gradient (batch axis 0, `viewed` from [`Viewed::of`]) as
@@ -439,14 +442,6 @@ pub(crate) fn no_rule(b: &Builder, viewed: &Viewed) -> Option<String> {
 /// Whether `v` is zero by construction: a zero literal through shape
 /// changes and casts, what a gradient is for an input the loss never
 /// reaches (and no data can make anything else).
-pub(crate) fn structural_zero(b: &Builder, mut v: VarId) -> bool {
-    loop {
-        let n = &b.nodes[v];
-        match (&n.prim, n.args.as_slice()) {
-            (Prim::Scalar(x), []) => return *x == 0.0,
-            (Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Permute(_) | ShapeOp::Broadcast(_)), [s])
-            | (Prim::Unary(Unary::Cast(_)), [s]) => v = *s,
-            _ => return false,
-        }
-    }
+pub(crate) fn structural_zero(b: &Builder, v: VarId) -> bool {
+    views::is_literal(&b.nodes, v, 0.0, |_| true)
 }

@@ -37,6 +37,9 @@ pub(crate) struct Executable {
     /// The kernel path and the memory limit it runs under, resolved from
     /// the caller's options.
     machine: Machine,
+    /// The loops that run side by side (`rules::memory::partners`), found
+    /// once: the plan counts them so, and every run runs them so.
+    partners: Vec<Option<usize>>,
 }
 
 impl Executable {
@@ -48,9 +51,11 @@ impl Executable {
 
     /// A graph the passes have already prepared, as it is.
     pub(crate) fn prepared(graph: Graph, machine: Machine) -> Executable {
+        let partners = memory::partners(&graph);
         Executable {
             op: "call",
-            peak: memory::planned_peak(&graph),
+            peak: memory::planned_peak_with(&graph, &partners).0,
+            partners,
             floor: memory::floor(&graph),
             random: facts::draws_random(&graph),
             graph,
@@ -125,7 +130,7 @@ impl Executable {
         self.check()?;
         env::keep_freed(self.peak);
         run_inner(
-            &self.graph,
+            (&self.graph, &self.partners),
             inputs,
             self.next_seed(),
             None,
@@ -140,7 +145,7 @@ impl Executable {
         let mut times = Vec::new();
         let seed = self.next_seed();
         let (outs, _) = run_inner(
-            &self.graph,
+            (&self.graph, &self.partners),
             inputs,
             seed,
             Some(&mut times),

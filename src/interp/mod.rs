@@ -49,7 +49,15 @@ pub type NodeTimes = Vec<(usize, f64)>;
 #[cfg(test)]
 fn run(g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
     let copies = crate::kernels::copies::Copies::default();
-    run_inner(g, inputs, seed, None, (&copies, crate::kernels::Path::Fast)).map(|(outs, _)| outs)
+    let partners = crate::rules::memory::partners(g);
+    run_inner(
+        (g, &partners),
+        inputs,
+        seed,
+        None,
+        (&copies, crate::kernels::Path::Fast),
+    )
+    .map(|(outs, _)| outs)
 }
 
 /// A literal of `dtype`, filled on `device` itself (`Tensor::new` would
@@ -65,7 +73,7 @@ fn scalar(x: f64, dtype: candle_core::DType, device: &Device) -> candle_core::Re
 /// Runs `g`, also reporting what it held at its peak and, when `times`
 /// is given, the time each node took.
 fn run_inner(
-    g: &Graph,
+    (g, paired): (&Graph, &[Option<usize>]),
     inputs: &[Tensor],
     seed: u64,
     mut times: Option<&mut NodeTimes>,
@@ -77,12 +85,11 @@ fn run_inner(
     let mut vals: Vec<Option<Value>> = vec![None; g.nodes.len()];
     let (mut live, mut held, mut stats) = (0usize, Held::default(), RunStats::default());
     let copied_before = copies.bytes();
-    // Pairs of independent loops run at once on the CPU's pool (not while
-    // profiling: each node's time is its own); see `Graph::partners`.
-    let partners = match device.is_cpu() && times.is_none() && rayon::current_num_threads() > 1 {
-        true => crate::rules::memory::partners(g),
-        false => vec![None; g.nodes.len()],
-    };
+    // Pairs of independent loops (`paired`, found once when the graph was
+    // prepared) run at once on the CPU's pool (not while profiling: each
+    // node's time is its own).
+    let together = device.is_cpu() && times.is_none() && rayon::current_num_threads() > 1;
+    let partner = |v: usize| paired.get(v).copied().flatten().filter(|_| together);
     let mut early: Vec<Option<Value>> = vec![None; g.nodes.len()];
     let nested = Nested { copies, path };
     for (v, node) in g.nodes.iter().enumerate() {
@@ -129,7 +136,7 @@ fn run_inner(
                     path,
                     graphs: &nested,
                 };
-                let t = match partners[v] {
+                let t = match partner(v) {
                     Some(u) => {
                         let uargs = operands(g, &vals, u)?;
                         let (t, w) = rayon::join(|| compute(g, v, &args, &cx(v)), || compute(g, u, &uargs, &cx(u)));
@@ -307,8 +314,16 @@ struct Nested<'a> {
 }
 
 impl Graphs for Nested<'_> {
+    /// A body's run. Its loops pair where it has two or more (a body
+    /// runs once per step or example, so the search is skipped where it
+    /// cannot find a pair).
     fn run(&self, g: &Graph, inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
-        run_inner(g, inputs, seed, None, (self.copies, self.path)).map(|(outs, _)| outs)
+        let loops = g.nodes.iter().filter(|n| n.prim.is_loop()).count();
+        let paired = match loops >= 2 {
+            true => crate::rules::memory::partners(g),
+            false => Vec::new(),
+        };
+        run_inner((g, &paired), inputs, seed, None, (self.copies, self.path)).map(|(outs, _)| outs)
     }
 }
 

@@ -17,6 +17,7 @@ pub(crate) mod ops;
 pub(crate) mod options;
 mod prim;
 mod print;
+pub(crate) mod views;
 
 pub use geom::ConvGeom;
 pub use options::{ConvRoute, Options, Randomness, Schedule};

@@ -22,6 +22,12 @@ pub(crate) fn planned_peak(g: &Graph) -> usize {
 
 /// [`planned_peak`] and the first node at which it is reached.
 pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
+    planned_peak_with(g, &partners(g))
+}
+
+/// [`planned_peak_at`] with the loops that run side by side already
+/// known ([`partners`] of `g`, as an executable keeps them).
+pub(crate) fn planned_peak_with(g: &Graph, partners: &[Option<usize>]) -> (usize, usize) {
     let last = g.last_uses();
     let n = g.nodes.len();
     // The buffer each value lives in, how many live values view it, and
@@ -32,7 +38,6 @@ pub(crate) fn planned_peak_at(g: &Graph) -> (usize, usize) {
     let mut contiguous = vec![true; n];
     // A loop that runs beside an earlier one is counted from that one's
     // start: its workspace while they run, its result from then on.
-    let partners = partners(g);
     let mut early = vec![false; n];
     let (mut live, mut peak, mut at) = (0usize, 0usize, 0usize);
     for (v, node) in g.nodes.iter().enumerate() {

@@ -5,7 +5,6 @@ use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
 use super::{next_builder_id, settings, tracing, CacheKey, Function, GraphCache, Traced};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
-use crate::interp::passes;
 use crate::ir::options::Options;
 use crate::ir::{Graph, TensorType};
 use crate::rules::{Builder, BuilderRef, Outer, TraceCtx};
@@ -107,7 +106,7 @@ pub(crate) fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     }
     let mode_deps = ctx.mode_deps.borrow().clone();
     Ok(Traced {
-        graph: passes::simplify(&graph),
+        graph,
         out_def,
         mode_deps,
         seed: ctx.seed.get(),

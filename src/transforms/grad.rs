@@ -9,7 +9,6 @@ use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
 use super::{flatten_call, innermost, trace_inner, trace_top, Function};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
-use crate::interp::passes;
 use crate::ir::options::Options;
 use crate::ir::{Graph, Node, Prim, TensorType, VarId};
 use crate::rules::walk::vjp_graph;
@@ -432,7 +431,7 @@ where
         for (&p, ct) in primals.iter().zip(cts) {
             results.push(bb.or_zeros(ct, p)?);
         }
-        passes::simplify(&bb.finish(results).0)
+        bb.finish(results).0
     };
     let (fwd, backward) = partition(&joint, leaves.iter().map(Vec::len).sum(), n_out);
     // Each half through the executable (fused only now, after

@@ -7,7 +7,6 @@ use super::tree::{ArgList, CallArgs, SymTree};
 use super::{flatten_call, trace_top, Function};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
-use crate::interp::passes;
 use crate::ir::options::Options;
 use crate::ir::TensorType;
 use crate::rules::walk::jvp_graph;
@@ -303,7 +302,7 @@ where
     let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
     let n_out = traced.graph.outputs.len();
     let in_types = traced.graph.input_types();
-    let joint = passes::simplify(&joint_graph(&traced.graph, device)?);
+    let joint = joint_graph(&traced.graph, device)?;
     let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
     // each half checked against the limit before it runs: the forward
     // now, the tangent map at every call

@@ -61,7 +61,9 @@ pub(crate) fn split_after_convs(g: &Graph, batched: &[bool]) -> Front {
             .fold(0, usize::saturating_add)
     };
     // Fewest bytes; among equals the later cut, which leaves less to the head.
+    // Never between a tuple and its results: only a `get` reads a tuple.
     let cut = (last_conv + 1..=first_product)
+        .filter(|&c| crossing(c).iter().all(|&v| !g.nodes[v].prim.is_tuple()))
         .min_by_key(|&c| (bytes(&crossing(c)), std::cmp::Reverse(c)))
         .unwrap_or(n);
     if !(cut..n).any(computed) {

@@ -8,9 +8,10 @@
 //! run the fused node as the ops it replaced. Which primitives take an
 //! epilogue is each one's fact (`rules::facts`).
 
-use super::rewrite::{rewrite, Arg, Rewrite, View};
-use crate::ir::ops::{Binary, ShapeOp, Unary};
-use crate::ir::{Fused, Graph, Prim, TensorType, VarId};
+use super::rewrite::{Arg, Rewrite, Rule, View};
+use crate::ir::ops::{Binary, Unary};
+use crate::ir::views::{self, Step};
+use crate::ir::{Fused, Prim, TensorType, VarId};
 use crate::rules::facts;
 
 /// Whether adding a value of shape `b` to one of shape `y` keeps `y`'s
@@ -32,24 +33,31 @@ fn chain(g: &View, end: VarId, reader: VarId) -> Option<Chain> {
     if g.sole(end) != Some(reader) {
         return None;
     }
-    let (mut v, mut perm, mut view) = (end, None, None);
-    if let Prim::Shape(ShapeOp::Permute(p)) = g.prim(v) {
-        let a = g.args(v)[0];
-        (perm, v) = (Some(p.clone()), a);
-        if g.sole(v) != Some(end) {
-            return None;
+    // a permute first (outermost) only, then a reshape; each link's
+    // operand read by that link alone
+    let mut permuted = false;
+    let c = views::follow_views(&g.g.nodes, end, 2, |link, step, i| {
+        let ok = match step {
+            Step::Permute(_) if i == 0 => {
+                permuted = true;
+                true
+            }
+            Step::Reshape(_) => i == 0 || permuted,
+            _ => false,
+        };
+        ok && g.sole(g.args(link)[0]) == Some(link)
+    });
+    let (mut view, mut perm) = (None, None);
+    for step in views::steps(&g.g.nodes, &c) {
+        match step {
+            Step::Reshape(s) => view = Some(s.to_vec()),
+            Step::Permute(p) => perm = Some(p.to_vec()),
+            Step::Broadcast(_) | Step::Cast(_) => return None,
         }
     }
-    if let Prim::Shape(ShapeOp::Reshape(shape)) = g.prim(v) {
-        let (a, r) = (g.args(v)[0], v);
-        (view, v) = (Some(shape.clone()), a);
-        if g.sole(v) != Some(r) {
-            return None;
-        }
-    }
-    facts::of_node(g.g, v)
+    facts::of_node(g.g, c.source)
         .is_some_and(|f| f.epilogue)
-        .then_some((v, view, perm))
+        .then_some((c.source, view, perm))
 }
 
 /// The fused node of `chain` with a bias and/or a ReLU, of type `ty`.
@@ -108,11 +116,8 @@ fn relu_epilogue(g: &View, v: VarId) -> Option<Rewrite> {
     Some(fused(g, chain(g, x, v)?, None, true, g.ty(v)))
 }
 
-/// The same computation with every
-/// `relu?(permute?(reshape?(product)) + bias?)` chain (with a bias or a
-/// ReLU) as one `fused` node (bodies are reached by `prepare`'s one
+/// Every `relu?(permute?(reshape?(product)) + bias?)` chain (with a bias
+/// or a ReLU) as one `fused` node (bodies are reached by `prepare`'s one
 /// recursion). A chain is fused only where each intermediate has that
 /// one reader and is not an output.
-pub(crate) fn fuse_epilogues(old: &Graph) -> Graph {
-    rewrite(old, &[bias_epilogue, relu_epilogue])
-}
+pub(super) const RULES: &[Rule] = &[bias_epilogue, relu_epilogue];

@@ -6,9 +6,10 @@
 //! computed as the transpose of the reversed product, reading both in the
 //! layout they are stored in (`untranspose_product`).
 
-use super::rewrite::{rewrite, Arg, Rewrite, View};
+use super::rewrite::{Arg, Rewrite, Rule, View};
 use crate::ir::ops::ShapeOp;
-use crate::ir::{Graph, Prim, TensorType, VarId};
+use crate::ir::views::{self, Step};
+use crate::ir::{Prim, TensorType, VarId};
 
 /// Inner dimensions up to this make a product bound by writing its output
 /// (about `k / 2` flops per byte written, where this machine's balance is
@@ -56,17 +57,17 @@ fn transposed_product(g: &View, v: VarId) -> Option<(VarId, Option<VarId>)> {
     if !is_transpose(g, v) {
         return None;
     }
-    let (mut m, mut split) = (g.args(v)[0], None);
-    if let Prim::Shape(ShapeOp::Reshape(_)) = g.prim(m) {
-        // `[M, N] -> [*lead, M2, N]`: a batching rule's folded rows split
-        // back out, the columns kept
-        let src = g.args(m)[0];
-        let (from, to) = (&g.ty(src).shape, &g.ty(m).shape);
-        if g.uses(m) != 1 || from.len() != 2 || to.len() < 3 || to.last() != from.last() {
-            return None;
-        }
-        (m, split) = (src, Some(m));
-    }
+    // `[M, N] -> [*lead, M2, N]`: a batching rule's folded rows split
+    // back out, the columns kept
+    let c = views::follow_views(&g.g.nodes, g.args(v)[0], 1, |r, step, _| {
+        let (from, to) = (&g.ty(g.args(r)[0]).shape, &g.ty(r).shape);
+        matches!(step, Step::Reshape(_))
+            && g.uses(r) == 1
+            && from.len() == 2
+            && to.len() >= 3
+            && to.last() == from.last()
+    });
+    let (m, split) = (c.source, c.links.first().copied());
     if *g.prim(m) != Prim::Matmul || g.uses(m) != 1 {
         return None;
     }
@@ -108,7 +109,7 @@ fn transpose_product(g: &View, v: VarId) -> Option<Rewrite> {
     nodes.push(transpose(Arg::Old(b), g.ty(b)));
     nodes.push(transpose(a_arg, &a_ty));
     nodes.push((Prim::Matmul, vec![Arg::New(k), Arg::New(k + 1)], g.ty(v).clone()));
-    Some(Rewrite::Emit(nodes))
+    Some(Rewrite::emit(nodes))
 }
 
 /// Whether node `v` is an elementwise map a transpose can move across:
@@ -154,7 +155,7 @@ fn sink_permute(g: &View, v: VarId) -> Option<Rewrite> {
     }
     nodes.push((g.prim(v).clone(), args, swapped(ty)));
     nodes.push(transpose(Arg::New(nodes.len() - 1), &swapped(ty)));
-    Some(Rewrite::Emit(nodes))
+    Some(Rewrite::emit(nodes))
 }
 
 /// Every product of two transposed operands, `a^T @ b^T`, as `(b @ a)^T`:
@@ -176,19 +177,23 @@ fn untranspose_product(g: &View, v: VarId) -> Option<Rewrite> {
     let (a, b) = (source(g.args(v)[0])?, source(g.args(v)[1])?);
     // (b @ a) [.., n, m], then its last two axes swapped
     let y = swapped(g.ty(v));
-    Some(Rewrite::Emit(vec![
+    Some(Rewrite::emit(vec![
         (Prim::Matmul, vec![Arg::Old(b), Arg::Old(a)], y.clone()),
         transpose(Arg::New(0), &y),
     ]))
 }
 
-/// The three layout passes, in order, each to its fixed point: products
-/// transposed to their readers' layout, transposes sunk past elementwise
-/// maps, and products of two transposes computed untransposed. They run
-/// one after another, not as one table: the first and the last undo each
-/// other on a product of plain operands.
-pub(super) fn products_in_place(old: &Graph) -> Graph {
-    let g = rewrite(old, &[transpose_product]);
-    let g = rewrite(&g, &[sink_permute]);
-    rewrite(&g, &[untranspose_product])
-}
+// The three layout passes, run in this order by the pipeline, each to its
+// fixed point: products transposed to their readers' layout, transposes
+// sunk past elementwise maps, and products of two transposes computed
+// untransposed. They are three tables, not one: the first and the last
+// undo each other on a product of plain operands.
+
+/// Products transposed to their readers' layout.
+pub(super) const TRANSPOSE: &[Rule] = &[transpose_product];
+
+/// Transposes sunk past elementwise maps.
+pub(super) const SINK: &[Rule] = &[sink_permute];
+
+/// Products of two transposes computed untransposed.
+pub(super) const UNTRANSPOSE: &[Rule] = &[untranspose_product];

@@ -12,6 +12,7 @@
 //! this is for. A graph that draws random numbers is left as it is (a
 //! draw's seed is its node's index), and so is a loop with effects.
 
+use super::rewrite::{rebuild, Plan};
 use crate::ir::Graph;
 use crate::rules::facts::draws_random;
 use crate::rules::memory::{pairable, partners, planned_peak};
@@ -100,23 +101,6 @@ fn hoist(g: &Graph, v: usize, u: usize) -> (Graph, usize) {
         .chain(std::iter::once(v))
         .chain((v + 1..n).filter(|&x| !need[x]))
         .collect();
-    let mut at = vec![0usize; n];
-    for (new, &old) in order.iter().enumerate() {
-        at[old] = new;
-    }
-    let nodes = order
-        .iter()
-        .map(|&old| {
-            let mut node = g.nodes[old].clone();
-            node.args = node.args.iter().map(|&a| at[a]).collect();
-            node
-        })
-        .collect();
-    let moved = Graph {
-        nodes,
-        inputs: g.inputs.iter().map(|&a| at[a]).collect(),
-        outputs: g.outputs.iter().map(|&a| at[a]).collect(),
-        ..g.clone()
-    };
-    (moved, at[v])
+    let at = order.iter().position(|&x| x == v).unwrap_or(v);
+    (rebuild(g, Plan::new(n).reorder(order)), at)
 }

@@ -17,7 +17,8 @@
 //! step is), and the time it costs is one pass over a tensor the peak
 //! already holds.
 
-use crate::ir::{Graph, Node};
+use super::rewrite::{rebuild, Arg, Emitted, Plan, Rewrite};
+use crate::ir::Graph;
 use crate::rules::facts::{self, Effect};
 use crate::rules::memory::{planned_peak, planned_peak_at};
 
@@ -85,34 +86,37 @@ fn candidates(g: &Graph, at: usize) -> Vec<(usize, usize)> {
 /// `g` with a copy of node `v` inserted just before node `from`; `from`
 /// and every later reader of `v` read the copy.
 fn recompute_before(g: &Graph, v: usize, from: usize) -> Graph {
-    let shift = |a: usize| if a >= from { a + 1 } else { a };
-    let mut nodes: Vec<Node> = Vec::with_capacity(g.nodes.len() + 1);
-    for (i, n) in g.nodes.iter().enumerate() {
-        if i == from {
-            nodes.push(g.nodes[v].clone()); // its operands all precede v
-        }
-        let mut n = n.clone();
-        let copy = from; // the copy's index in the new graph
-        n.args = n
-            .args
-            .iter()
-            .map(|&a| if i >= from && a == v { copy } else { shift(a) })
+    let mut plan = Plan::new(g.nodes.len());
+    let read_copy = |r: usize, copy: Arg| -> Emitted {
+        let (prim, args, ty) = Rewrite::same(g, r);
+        let args = args
+            .into_iter()
+            .zip(&g.nodes[r].args)
+            .map(|(a, &old)| if old == v { copy } else { a })
             .collect();
-        nodes.push(n);
+        (prim, args, ty)
+    };
+    // the copy (its operands all precede v), then `from` reading it
+    plan.set(
+        from,
+        Rewrite {
+            nodes: vec![Rewrite::same(g, v), read_copy(from, Arg::New(0))],
+            place: Arg::New(1),
+        },
+    );
+    for r in from + 1..g.nodes.len() {
+        if g.nodes[r].args.contains(&v) {
+            plan.set(r, Rewrite::emit(vec![read_copy(r, Arg::At(from, 0))]));
+        }
     }
-    Graph {
-        nodes,
-        inputs: g.inputs.iter().map(|&a| shift(a)).collect(),
-        outputs: g.outputs.iter().map(|&a| shift(a)).collect(),
-        ..g.clone()
-    }
+    rebuild(g, plan)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::interp::exec::Executable;
-    use crate::interp::passes::simplify;
+    use crate::interp::passes::prepare_through;
     use crate::ir::ops::{Binary, PoolOp, Unary};
     use crate::ir::{Options, Prim, TensorType};
     use crate::rules::{Builder, TraceCtx};
@@ -125,7 +129,7 @@ mod tests {
         let mut b = b.borrow_mut();
         let x = b.input(TensorType::new(vec![4, 8, 32, 32], DType::F32));
         let y = f(&mut b, x).unwrap();
-        simplify(&b.finish(vec![y]).0)
+        prepare_through(&b.finish(vec![y]).0, "merge common")
     }
 
     fn pool(b: &mut Builder, x: usize, k: usize) -> crate::Result<usize> {

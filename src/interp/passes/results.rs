@@ -5,17 +5,19 @@
 //! branch drops an output nothing reads from its body. The node keeps its
 //! place (a random draw's seed is its index); its `get`s are renumbered.
 
+use super::rewrite::{rebuild, Arg, Plan, Rewrite};
 use crate::ir::{tuple_type, Graph, Prim};
 use crate::rules::rule;
 
 /// `g` with every tuple's unread results dropped.
-pub(super) fn prune_results(mut g: Graph) -> Graph {
+pub(super) fn prune_results(g: Graph) -> Graph {
     let mut gets: Vec<Vec<usize>> = vec![Vec::new(); g.nodes.len()];
     for (v, n) in g.nodes.iter().enumerate() {
         if let Prim::Get(_) = n.prim {
             gets[n.args[0]].push(v);
         }
     }
+    let mut plan = Plan::new(g.nodes.len());
     for (t, readers) in gets.iter().enumerate() {
         let Some(results) = g.nodes[t].prim.results() else {
             continue;
@@ -33,15 +35,22 @@ pub(super) fn prune_results(mut g: Graph) -> Graph {
         else {
             continue;
         };
-        g.nodes[t].ty = tuple_type(&prim.results().unwrap_or_default());
-        g.nodes[t].prim = prim;
+        let results = prim.results().unwrap_or_default();
+        let args = g.nodes[t].args.iter().map(|&a| Arg::Old(a)).collect();
+        plan.set(t, Rewrite::node(prim, args, tuple_type(&results)));
         for &v in readers {
             if let Prim::Get(k) = g.nodes[v].prim {
                 if let Some(new) = to[k] {
-                    g.nodes[v].prim = Prim::Get(new);
+                    plan.set(
+                        v,
+                        Rewrite::node(Prim::Get(new), vec![Arg::Old(t)], g.nodes[v].ty.clone()),
+                    );
                 }
             }
         }
     }
-    g
+    match plan.is_empty() {
+        true => g,
+        false => rebuild(&g, plan),
+    }
 }

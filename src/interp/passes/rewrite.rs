@@ -1,12 +1,16 @@
-//! The one driver of the pattern passes (as tinygrad's `PatternMatcher`):
-//! a pass is a table of rules, each a few lines matching one pattern of
-//! primitives at a node and saying what takes its place. The driver
-//! sweeps the graph in order, rebuilding it with the first rule that
-//! matches each node, and sweeps again until no rule matches (a rewrite
-//! may make its readers match: a transpose sunk past one map meets the
-//! next), then drops what nothing reads. Rules see the graph as it was at
-//! the start of their sweep, with its readers counted; bodies are reached
-//! by `prepare`'s one recursion, which runs the passes on each body.
+//! The one driver of every pass: a plan, then one rebuild. A pass says
+//! what takes the place of some nodes ([`Plan`] of [`Rewrite`]s, and the
+//! order to visit the nodes in) and [`rebuild`] makes the new graph; no
+//! pass builds a graph of its own. Local rewrites are tables of rules (as
+//! tinygrad's `PatternMatcher`), each a few lines matching one pattern of
+//! primitives at a node: [`rewrite`] sweeps the graph in order, planning
+//! the first rule that matches each node, rebuilds, and sweeps again until
+//! no rule matches (a rewrite may make its readers match: a transpose sunk
+//! past one map meets the next), then drops what nothing reads. Rules see
+//! the graph as it was at the start of their sweep, with its readers
+//! counted. Whole-graph analyses (placed slices, streamed concatenations,
+//! recomputation, pairing, dead results) hand the rebuild a plan of their
+//! own. Bodies are reached by `prepare`'s one recursion.
 
 use crate::ir::{Graph, Node, Prim, TensorType, VarId};
 
@@ -67,27 +71,142 @@ impl<'a> View<'a> {
     }
 }
 
-/// An operand of a node a rule emits: a node of the swept graph, or one
-/// the rule emitted before it.
+/// An operand of a node a rewrite emits: a node of the old graph (as
+/// rebuilt), one this rewrite emitted before it, or one the rewrite of an
+/// earlier node emitted.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Arg {
+    /// The old graph's node, as the rebuild placed it.
     Old(VarId),
+    /// The `k`-th node this rewrite emits.
     New(usize),
+    /// The `k`-th node emitted by the rewrite of the earlier old node `v`.
+    At(VarId, usize),
 }
 
-/// What a rule puts in a node's place.
+/// A node emitted by a rewrite: its primitive, operands and type.
+pub(super) type Emitted = (Prim, Vec<Arg>, TensorType);
+
+/// What takes an old node's place: the nodes emitted there, and which
+/// value the node's readers read from then on.
 #[derive(Debug)]
-pub(super) enum Rewrite {
-    /// An earlier value of the swept graph, as it is.
-    Alias(VarId),
-    /// New nodes, the last of which takes the node's place.
-    Emit(Vec<(Prim, Vec<Arg>, TensorType)>),
+pub(super) struct Rewrite {
+    pub(super) nodes: Vec<Emitted>,
+    pub(super) place: Arg,
 }
 
 impl Rewrite {
+    /// An earlier value of the old graph, as it is.
+    pub(super) fn alias(v: VarId) -> Rewrite {
+        Rewrite {
+            nodes: Vec::new(),
+            place: Arg::Old(v),
+        }
+    }
+
+    /// New nodes, the last of which takes the node's place.
+    pub(super) fn emit(nodes: Vec<Emitted>) -> Rewrite {
+        let place = Arg::New(nodes.len().saturating_sub(1));
+        Rewrite { nodes, place }
+    }
+
     /// One new node in the matched node's place.
     pub(super) fn node(prim: Prim, args: Vec<Arg>, ty: TensorType) -> Rewrite {
-        Rewrite::Emit(vec![(prim, args, ty)])
+        Rewrite::emit(vec![(prim, args, ty)])
+    }
+
+    /// The old node `v` of `g` as it is, its operands remapped: what a
+    /// rewrite that adds nodes after a node emits first.
+    pub(super) fn same(g: &Graph, v: VarId) -> Emitted {
+        let n = &g.nodes[v];
+        (
+            n.prim.clone(),
+            n.args.iter().map(|&a| Arg::Old(a)).collect(),
+            n.ty.clone(),
+        )
+    }
+}
+
+/// A pass's plan for a graph: a rewrite for some of its nodes, and the
+/// order the rebuild visits them in (a topological order of the old
+/// nodes; their own where none is given). Whole-graph analyses (placed
+/// slices, streamed concatenations, recomputation, pairing, dead results,
+/// merged subexpressions) make one; the rule tables make one a sweep.
+#[derive(Debug)]
+pub(super) struct Plan {
+    at: Vec<Option<Rewrite>>,
+    order: Option<Vec<VarId>>,
+}
+
+impl Plan {
+    /// No rewrite for a graph of `n` nodes.
+    pub(super) fn new(n: usize) -> Plan {
+        Plan {
+            at: (0..n).map(|_| None).collect(),
+            order: None,
+        }
+    }
+
+    /// Puts `r` in node `v`'s place.
+    pub(super) fn set(&mut self, v: VarId, r: Rewrite) {
+        self.at[v] = Some(r);
+    }
+
+    /// Visits the old nodes in `order` (each once, operands first).
+    pub(super) fn reorder(mut self, order: Vec<VarId>) -> Plan {
+        self.order = Some(order);
+        self
+    }
+
+    /// Whether it changes nothing.
+    pub(super) fn is_empty(&self) -> bool {
+        self.order.is_none() && self.at.iter().all(Option::is_none)
+    }
+}
+
+/// `old` rebuilt by `plan`: every node visited in the plan's order,
+/// rewritten where the plan says and copied with its operands remapped
+/// elsewhere. The one place a pass builds a graph; it drops nothing (a
+/// random draw's seed is its node's index), so a pass that leaves dead
+/// nodes removes them itself.
+pub(super) fn rebuild(old: &Graph, plan: Plan) -> Graph {
+    let mut g = Graph {
+        consts: old.consts.clone(),
+        ..Graph::default()
+    };
+    let n = old.nodes.len();
+    let mut remap = vec![usize::MAX; n];
+    // the new indices of the nodes each old node's rewrite emitted
+    let mut emitted: Vec<Vec<VarId>> = vec![Vec::new(); n];
+    let Plan { mut at, order } = plan;
+    let order = order.unwrap_or_else(|| (0..n).collect());
+    for &v in &order {
+        let Some(r) = at[v].take() else {
+            let node = &old.nodes[v];
+            let args = node.args.iter().map(|&a| remap[a]).collect();
+            g.nodes.push(Node { args, ..node.clone() });
+            remap[v] = g.nodes.len() - 1;
+            continue;
+        };
+        let mut here = Vec::with_capacity(r.nodes.len());
+        for (prim, args, ty) in r.nodes {
+            let args = args.iter().map(|a| resolve(*a, &remap, &here, &emitted)).collect();
+            here.push(g.add_node(prim, args, ty));
+        }
+        remap[v] = resolve(r.place, &remap, &here, &emitted);
+        emitted[v] = here;
+    }
+    g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
+    g.outputs = old.outputs.iter().map(|&v| remap[v]).collect();
+    g
+}
+
+/// Where `a` is in the graph being rebuilt.
+fn resolve(a: Arg, remap: &[VarId], here: &[VarId], emitted: &[Vec<VarId>]) -> VarId {
+    match a {
+        Arg::Old(u) => remap[u],
+        Arg::New(k) => here[k],
+        Arg::At(u, k) => emitted[u][k],
     }
 }
 
@@ -105,10 +224,12 @@ const MAX_SWEEPS: usize = 64;
 pub(super) fn rewrite(g: &Graph, rules: &[Rule]) -> Graph {
     let mut done: Option<Graph> = None;
     for _ in 0..MAX_SWEEPS {
-        match sweep(done.as_ref().unwrap_or(g), rules) {
-            Some(next) => done = Some(next),
-            None => break,
+        let now = done.as_ref().unwrap_or(g);
+        let plan = sweep(now, rules);
+        if plan.is_empty() {
+            break;
         }
+        done = Some(rebuild(now, plan));
     }
     match done {
         Some(g) => g.eliminate_dead_code(),
@@ -116,52 +237,20 @@ pub(super) fn rewrite(g: &Graph, rules: &[Rule]) -> Graph {
     }
 }
 
-/// One sweep of `rules` over `old`, or `None` where no rule matched (the
-/// matches are found first, so a sweep that finds none builds nothing).
-fn sweep(old: &Graph, rules: &[Rule]) -> Option<Graph> {
+/// The plan of one sweep of `rules` over `old`: the first rule that
+/// matches each computed node, on the graph as the sweep found it.
+fn sweep(old: &Graph, rules: &[Rule]) -> Plan {
     let view = View::new(old);
-    let found: Vec<Option<Rewrite>> = (0..old.nodes.len())
-        .map(|v| match old.nodes[v].prim.is_leaf() {
-            true => None,
-            false => rules.iter().find_map(|rule| rule(&view, v)),
-        })
-        .collect();
-    if found.iter().all(Option::is_none) {
-        return None;
+    let mut plan = Plan::new(old.nodes.len());
+    for v in 0..old.nodes.len() {
+        if old.nodes[v].prim.is_leaf() {
+            continue;
+        }
+        if let Some(r) = rules.iter().find_map(|rule| rule(&view, v)) {
+            plan.set(v, r);
+        }
     }
-    let mut g = Graph {
-        consts: old.consts.clone(),
-        ..Graph::default()
-    };
-    let mut remap: Vec<VarId> = Vec::with_capacity(old.nodes.len());
-    for (n, found) in old.nodes.iter().zip(found) {
-        let to = match found {
-            Some(Rewrite::Alias(u)) => remap[u],
-            Some(Rewrite::Emit(nodes)) => {
-                let first = g.nodes.len();
-                for (prim, args, ty) in nodes {
-                    let args = args
-                        .iter()
-                        .map(|a| match *a {
-                            Arg::Old(u) => remap[u],
-                            Arg::New(k) => first + k,
-                        })
-                        .collect();
-                    g.add_node(prim, args, ty);
-                }
-                g.nodes.len() - 1
-            }
-            None => {
-                let args = n.args.iter().map(|&a| remap[a]).collect();
-                g.nodes.push(Node { args, ..n.clone() });
-                g.nodes.len() - 1
-            }
-        };
-        remap.push(to);
-    }
-    g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
-    g.outputs = old.outputs.iter().map(|&v| remap[v]).collect();
-    Some(g)
+    plan
 }
 
 #[cfg(test)]
@@ -187,14 +276,14 @@ mod tests {
     /// `neg(neg(x))` is `x`.
     fn double_negation(g: &View, v: VarId) -> Option<Rewrite> {
         let neg = |v: VarId| *g.prim(v) == Prim::Unary(Unary::Neg);
-        (neg(v) && neg(g.args(v)[0])).then(|| Rewrite::Alias(g.args(g.args(v)[0])[0]))
+        (neg(v) && neg(g.args(v)[0])).then(|| Rewrite::alias(g.args(g.args(v)[0])[0]))
     }
 
     /// `neg(x)` as `x * -1` (emitted as a literal and a product).
     fn neg_as_affine(g: &View, v: VarId) -> Option<Rewrite> {
         (*g.prim(v) == Prim::Unary(Unary::Neg)).then(|| {
             let ty = g.ty(v).clone();
-            Rewrite::Emit(vec![(
+            Rewrite::emit(vec![(
                 Prim::Unary(Unary::Affine(-1.0, 0.0)),
                 vec![Arg::Old(g.args(v)[0])],
                 ty,

@@ -9,21 +9,18 @@
 //! Which nodes may never be merged (inputs, random draws, user code) is
 //! each primitive's fact (`rules::facts`).
 
-use super::layout;
-use super::rewrite::{rewrite, Arg, Rewrite, Rule, View};
-use super::slices::place_slices;
+use super::rewrite::{rebuild, Arg, Plan, Rewrite, Rule, View};
 use crate::ir::ops::{Binary, ShapeOp, Unary};
+use crate::ir::views::{self, Step};
 use crate::ir::{Graph, Prim, VarId};
 use crate::rules::facts;
 use std::collections::HashMap;
 
 /// Whether `v` is the scalar `value`, possibly reshaped or broadcast.
 fn is_literal(g: &View, v: VarId, value: f64) -> bool {
-    match g.prim(v) {
-        Prim::Scalar(x) => *x == value,
-        Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Broadcast(_)) => is_literal(g, g.args(v)[0], value),
-        _ => false,
-    }
+    views::is_literal(&g.g.nodes, v, value, |s| {
+        matches!(s, Step::Reshape(_) | Step::Broadcast(_))
+    })
 }
 
 /// `reshape(x)` to `x`'s own type is `x`; `reshape(reshape(x))` is
@@ -34,14 +31,14 @@ fn reshape(g: &View, v: VarId) -> Option<Rewrite> {
     };
     let a = g.args(v)[0];
     if g.ty(a) == g.ty(v) {
-        return Some(Rewrite::Alias(a));
+        return Some(Rewrite::alias(a));
     }
     let Prim::Shape(ShapeOp::Reshape(_)) = g.prim(a) else {
         return None;
     };
     let x = g.args(a)[0];
     Some(match g.ty(x) == g.ty(v) {
-        true => Rewrite::Alias(x),
+        true => Rewrite::alias(x),
         false => Rewrite::node(g.prim(v).clone(), vec![Arg::Old(x)], g.ty(v).clone()),
     })
 }
@@ -58,7 +55,7 @@ fn permute(g: &View, v: VarId) -> Option<Rewrite> {
     let r: Vec<usize> = p.iter().map(|&i| q[i]).collect();
     let x = g.args(a)[0];
     Some(match r.iter().enumerate().all(|(i, &j)| i == j) {
-        true => Rewrite::Alias(x),
+        true => Rewrite::alias(x),
         false => Rewrite::node(Prim::Shape(ShapeOp::Permute(r)), vec![Arg::Old(x)], g.ty(v).clone()),
     })
 }
@@ -74,9 +71,9 @@ fn unit_operand(g: &View, v: VarId) -> Option<Rewrite> {
     let &[a, b] = g.args(v) else { return None };
     let keeps = |o: VarId| g.ty(o) == g.ty(v);
     if is_literal(g, a, unit) && keeps(b) {
-        Some(Rewrite::Alias(b))
+        Some(Rewrite::alias(b))
     } else if is_literal(g, b, unit) && keeps(a) {
-        Some(Rewrite::Alias(a))
+        Some(Rewrite::alias(a))
     } else {
         None
     }
@@ -85,11 +82,11 @@ fn unit_operand(g: &View, v: VarId) -> Option<Rewrite> {
 /// `1 * x + 0` is `x`.
 fn identity_affine(g: &View, v: VarId) -> Option<Rewrite> {
     matches!(g.prim(v), Prim::Unary(Unary::Affine(m, a)) if *m == 1.0 && *a == 0.0)
-        .then(|| Rewrite::Alias(g.args(v)[0]))
+        .then(|| Rewrite::alias(g.args(v)[0]))
 }
 
 /// The local simplifications, as rules.
-const RULES: &[Rule] = &[reshape, permute, unit_operand, identity_affine];
+pub(super) const RULES: &[Rule] = &[reshape, permute, unit_operand, identity_affine];
 
 /// The nodes met so far, by primitive name and arguments: where an equal
 /// node (same primitive, arguments and type) was computed before.
@@ -99,15 +96,16 @@ struct Seen {
 }
 
 impl Seen {
-    /// An earlier node equal to `v`, else `None` (and `v` is remembered).
-    /// Inputs, random draws (each is a fresh sample) and user kernels
-    /// (which may not be pure) are never merged.
-    fn first_equal(&mut self, g: &Graph, v: usize) -> Option<usize> {
+    /// An earlier node equal to `v` whose operands are `args` (its own,
+    /// merged), else `None` (and `v` is remembered). Inputs, random draws
+    /// (each is a fresh sample) and user kernels (which may not be pure)
+    /// are never merged.
+    fn first_equal(&mut self, g: &Graph, v: usize, args: Vec<usize>) -> Option<usize> {
         let n = &g.nodes[v];
         if facts::unmergeable(g, v) {
             return None;
         }
-        let same = self.by_key.entry((n.prim.name(), n.args.clone())).or_default();
+        let same = self.by_key.entry((n.prim.name(), args)).or_default();
         let found = same
             .iter()
             .copied()
@@ -121,22 +119,21 @@ impl Seen {
 
 /// `g` with every node computed twice computed once (common
 /// subexpressions), in one forward sweep: a node's operands are merged
-/// before it is looked up.
-fn merge_common(mut g: Graph) -> Graph {
+/// before it is looked up, and a merged node reads as the first. Dead
+/// code goes after it (so the passes after see only what is read).
+pub(super) fn merge_common(g: Graph) -> Graph {
     let mut same: Vec<usize> = (0..g.nodes.len()).collect();
     let mut seen = Seen::default();
+    let mut plan = Plan::new(g.nodes.len());
     for v in 0..g.nodes.len() {
         let args: Vec<usize> = g.nodes[v].args.iter().map(|&a| same[a]).collect();
-        g.nodes[v].args = args;
-        if let Some(u) = seen.first_equal(&g, v) {
+        if let Some(u) = seen.first_equal(&g, v, args) {
             same[v] = u;
+            plan.set(v, Rewrite::alias(u));
         }
     }
-    g.outputs = g.outputs.iter().map(|&o| same[o]).collect();
-    g.eliminate_dead_code()
-}
-
-/// The same computation with local redundancies removed (then dead code).
-pub(crate) fn simplify(old: &Graph) -> Graph {
-    merge_common(rewrite(&layout::products_in_place(&place_slices(old)), RULES))
+    match plan.is_empty() {
+        true => g.eliminate_dead_code(),
+        false => rebuild(&g, plan).eliminate_dead_code(),
+    }
 }

@@ -11,7 +11,9 @@
 //! along one axis, disjoint, are merged into one concatenation, and the
 //! other terms are added to it.
 
+use super::rewrite::{rebuild, Arg, Emitted, Plan, Rewrite};
 use crate::ir::ops::{Binary, ShapeOp};
+use crate::ir::views::{self, Step};
 use crate::ir::{Graph, Prim, TensorType, VarId};
 
 /// A padded slice: `(start, len, piece)` for each non-zero operand of a
@@ -23,11 +25,7 @@ struct Padded {
 
 /// Whether `v` is the scalar 0, possibly reshaped or broadcast.
 fn is_zero(g: &Graph, v: VarId) -> bool {
-    match &g.nodes[v].prim {
-        Prim::Scalar(x) => *x == 0.0,
-        Prim::Shape(ShapeOp::Reshape(_) | ShapeOp::Broadcast(_)) => is_zero(g, g.nodes[v].args[0]),
-        _ => false,
-    }
+    views::is_literal(&g.nodes, v, 0.0, |s| matches!(s, Step::Reshape(_) | Step::Broadcast(_)))
 }
 
 /// `v` as a padded slice, where it is a concatenation with a zero block.
@@ -97,7 +95,8 @@ fn disjoint(a: &[(usize, usize, VarId)], b: &[(usize, usize, VarId)]) -> bool {
 }
 
 /// `g` with every sum of disjoint padded slices as one concatenation.
-pub(crate) fn place_slices(old: &Graph) -> Graph {
+pub(super) fn place_slices(g: Graph) -> Graph {
+    let old = &g;
     let (mut readers, mut reader) = (vec![0usize; old.nodes.len()], vec![usize::MAX; old.nodes.len()]);
     for (v, n) in old.nodes.iter().enumerate() {
         for &a in &n.args {
@@ -120,55 +119,46 @@ pub(crate) fn place_slices(old: &Graph) -> Graph {
         .filter_map(|v| mergeable(old, v, &readers).map(|(p, rest)| (v, p, rest)))
         .collect();
     if rewrites.is_empty() {
-        return old.clone();
+        return g;
     }
-    let mut g = Graph {
-        consts: old.consts.clone(),
-        ..Graph::default()
-    };
-    let mut remap = vec![usize::MAX; old.nodes.len()];
-    let mut next = rewrites.into_iter().peekable();
-    for (v, n) in old.nodes.iter().enumerate() {
-        remap[v] = match next.next_if(|r| r.0 == v) {
-            Some((_, p, rest)) => {
-                let sum = concat(&mut g, &n.ty, &p, &remap);
-                rest.iter().fold(sum, |acc, &t| {
-                    g.add_node(Prim::Binary(Binary::Add), vec![acc, remap[t]], n.ty.clone())
-                })
-            }
-            None => {
-                let args = n.args.iter().map(|&a| remap[a]).collect();
-                g.add_node(n.prim.clone(), args, n.ty.clone())
-            }
-        };
+    let mut plan = Plan::new(old.nodes.len());
+    for (v, p, rest) in rewrites {
+        let ty = &old.nodes[v].ty;
+        let mut nodes = concat(ty, &p);
+        for t in rest {
+            let acc = Arg::New(nodes.len() - 1);
+            nodes.push((Prim::Binary(Binary::Add), vec![acc, Arg::Old(t)], ty.clone()));
+        }
+        plan.set(v, Rewrite::emit(nodes));
     }
-    g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
-    g.outputs = old.outputs.iter().map(|&v| remap[v]).collect();
-    g.eliminate_dead_code()
+    rebuild(old, plan).eliminate_dead_code()
 }
 
 /// One concatenation of `p`'s pieces along its axis, zeros in the gaps.
-fn concat(g: &mut Graph, ty: &TensorType, p: &Padded, remap: &[VarId]) -> VarId {
-    let zero = g.add_node(Prim::Scalar(0.0), vec![], ty.with_shape(vec![]));
-    let gap = |g: &mut Graph, len: usize| {
+fn concat(ty: &TensorType, p: &Padded) -> Vec<Emitted> {
+    // the zero, then a broadcast of it per gap, then the concatenation
+    let mut nodes: Vec<Emitted> = vec![(Prim::Scalar(0.0), vec![], ty.with_shape(vec![]))];
+    let gap = |nodes: &mut Vec<Emitted>, len: usize| {
         let mut shape = ty.shape.clone();
         shape[p.axis] = len;
-        g.add_node(
+        nodes.push((
             Prim::Shape(ShapeOp::Broadcast(shape.clone())),
-            vec![zero],
+            vec![Arg::New(0)],
             ty.with_shape(shape),
-        )
+        ));
+        Arg::New(nodes.len() - 1)
     };
     let (mut parts, mut at) = (Vec::new(), 0);
     for &(start, len, piece) in &p.pieces {
         if start > at {
-            parts.push(gap(g, start - at));
+            parts.push(gap(&mut nodes, start - at));
         }
-        parts.push(remap[piece]);
+        parts.push(Arg::Old(piece));
         at = start + len;
     }
     if ty.shape[p.axis] > at {
-        parts.push(gap(g, ty.shape[p.axis] - at));
+        parts.push(gap(&mut nodes, ty.shape[p.axis] - at));
     }
-    g.add_node(Prim::Shape(ShapeOp::Concat(p.axis)), parts, ty.clone())
+    nodes.push((Prim::Shape(ShapeOp::Concat(p.axis)), parts, ty.clone()));
+    nodes
 }

@@ -6,6 +6,7 @@
 //! its result and one write per piece, placed right after the piece is
 //! made, so each piece is dropped as soon as it is written.
 
+use super::rewrite::{rebuild, Arg, Plan, Rewrite};
 use crate::ir::ops::{PlaceOp, ShapeOp};
 use crate::ir::{Graph, Prim, VarId};
 use crate::rules::facts::bytes;
@@ -61,42 +62,48 @@ fn pieces(g: &Graph) -> Vec<Option<Piece>> {
 }
 
 /// `g` with its concatenations of pieces it reads once written in place.
-pub(super) fn stream_concats(old: &Graph) -> Graph {
+pub(super) fn stream_concats(g: Graph) -> Graph {
+    let old = &g;
     let pieces = pieces(old);
     if pieces.iter().all(Option::is_none) {
-        return old.clone();
+        return g;
     }
-    let mut g = Graph {
-        consts: old.consts.clone(),
-        ..Graph::default()
-    };
-    let mut remap = vec![usize::MAX; old.nodes.len()];
-    // each streamed concatenation's buffer so far
-    let mut filled = vec![usize::MAX; old.nodes.len()];
-    for (v, node) in old.nodes.iter().enumerate() {
-        if pieces.iter().any(|p| p.is_some_and(|p| p.concat == v)) {
-            // its buffer, complete now: maybe a piece of another
-            // concatenation itself
-            remap[v] = filled[v];
-        } else {
-            let args = node.args.iter().map(|&a| remap[a]).collect();
-            remap[v] = g.add_node(node.prim.clone(), args, node.ty.clone());
-        }
-        if let Some(p) = pieces[v] {
-            let ty = old.ty(p.concat).clone();
-            if p.first {
-                filled[p.concat] = g.add_node(Prim::Place(PlaceOp::Empty(ty.clone())), vec![], ty.clone());
+    let streamed: Vec<bool> = (0..old.nodes.len())
+        .map(|v| pieces.iter().any(|p| p.is_some_and(|p| p.concat == v)))
+        .collect();
+    let mut plan = Plan::new(old.nodes.len());
+    // each streamed concatenation's buffer so far: the node that wrote it
+    // last, and where among that node's rewrite
+    let mut filled: Vec<Option<Arg>> = vec![None; old.nodes.len()];
+    for v in 0..old.nodes.len() {
+        // a streamed concatenation is its buffer, complete now (maybe a
+        // piece of another concatenation itself)
+        let (mut nodes, place) = match streamed[v] {
+            true => (Vec::new(), filled[v].unwrap_or(Arg::Old(v))),
+            false => (vec![Rewrite::same(old, v)], Arg::New(0)),
+        };
+        let Some(p) = pieces[v] else {
+            if streamed[v] {
+                plan.set(v, Rewrite { nodes, place });
             }
-            let write = Prim::Place(PlaceOp::Write {
-                axis: p.axis,
-                offset: p.offset,
-            });
-            filled[p.concat] = g.add_node(write, vec![filled[p.concat], remap[v]], ty);
+            continue;
+        };
+        let ty = old.ty(p.concat).clone();
+        let mut buffer = filled[p.concat];
+        if p.first {
+            nodes.push((Prim::Place(PlaceOp::Empty(ty.clone())), vec![], ty.clone()));
+            buffer = Some(Arg::New(nodes.len() - 1));
         }
+        let write = Prim::Place(PlaceOp::Write {
+            axis: p.axis,
+            offset: p.offset,
+        });
+        let buffer = buffer.unwrap_or(Arg::Old(p.concat));
+        nodes.push((write, vec![buffer, place], ty));
+        filled[p.concat] = Some(Arg::At(v, nodes.len() - 1));
+        plan.set(v, Rewrite { nodes, place });
     }
-    g.inputs = old.inputs.iter().map(|&v| remap[v]).collect();
-    g.outputs = old.outputs.iter().map(|&v| remap[v]).collect();
-    g
+    rebuild(old, plan)
 }
 
 #[cfg(test)]
@@ -122,7 +129,7 @@ mod tests {
         let z2 = b.zeros(vec![64, 1024], DType::F32).unwrap();
         let outer = b.concat(&[inner, z2], 1).unwrap();
         let g = b.finish(vec![outer]).0;
-        let s = stream_concats(&g);
+        let s = stream_concats(g.clone());
         for (v, n) in s.nodes.iter().enumerate() {
             assert!(
                 n.args.iter().all(|&a| a < v),

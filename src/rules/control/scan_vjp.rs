@@ -17,6 +17,7 @@
 use super::graph_of;
 use crate::error::{Error, Result};
 use crate::ir::ops::{Binary, ShapeOp};
+use crate::ir::views::{self, Step};
 use crate::ir::{Graph, Prim, Scan, TensorType, VarId};
 use crate::rules::{walk, Builder, Cts};
 use std::sync::Arc;
@@ -148,22 +149,22 @@ fn contract(b: &mut Builder, (fa, fb): (VarId, VarId), steps: usize, views: &[Sh
 /// Walks back from `v` through reshapes and permutes to a product of two
 /// matrices.
 fn factors_of(g: &Builder, v: VarId) -> Option<Factors> {
-    let mut views = Vec::new();
-    let mut at = v;
-    loop {
-        let node = &g.nodes[at];
-        match &node.prim {
-            Prim::Shape(op @ (ShapeOp::Reshape(_) | ShapeOp::Permute(_))) => {
-                views.push(op.clone());
-                at = node.args[0];
-            }
-            Prim::Matmul if node.args.iter().all(|&a| g.ty(a).rank() == 2) => {
-                views.reverse();
-                return Some((node.args[0], node.args[1], views));
-            }
-            _ => return None,
-        }
+    let chain = views::follow_views(&g.nodes, v, usize::MAX, |_, s, _| {
+        matches!(s, Step::Reshape(_) | Step::Permute(_))
+    });
+    let node = &g.nodes[chain.source];
+    if node.prim != Prim::Matmul || node.args.iter().any(|&a| g.ty(a).rank() != 2) {
+        return None;
     }
+    // the links followed: reshapes and permutes only
+    let ops = views::steps(&g.nodes, &chain)
+        .filter_map(|s| match s {
+            Step::Permute(p) => Some(ShapeOp::Permute(p.to_vec())),
+            Step::Reshape(s) => Some(ShapeOp::Reshape(s.to_vec())),
+            Step::Broadcast(_) | Step::Cast(_) => None,
+        })
+        .collect();
+    Some((node.args[0], node.args[1], ops))
 }
 
 impl Layout {
