@@ -170,13 +170,7 @@ fn run_inner(
         live += 1;
         stats.peak_values = stats.peak_values.max(live);
         stats.peak_bytes = stats.peak_bytes.max(held.bytes);
-        let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
-        if last[v] == 0 {
-            dead.push(v); // never read (an unused input)
-        }
-        dead.sort_unstable();
-        dead.dedup();
-        for a in dead {
+        for a in g.dead_at(v, &last) {
             if let Some(t) = vals[a].take() {
                 live -= 1;
                 // the caller holds its arguments, the graph its captured

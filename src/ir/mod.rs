@@ -265,6 +265,20 @@ impl Graph {
         partner
     }
 
+    /// The values that die at node `v` (`last` is [`Graph::last_uses`]):
+    /// its operands read there for the last time, and `v` itself where
+    /// nothing reads it (an unused input), each once. What the interpreter
+    /// frees after `v` and the memory plan stops counting.
+    pub(crate) fn dead_at(&self, v: VarId, last: &[usize]) -> Vec<VarId> {
+        let mut dead: Vec<VarId> = self.nodes[v].args.iter().copied().filter(|&a| last[a] == v).collect();
+        if last[v] == 0 {
+            dead.push(v);
+        }
+        dead.sort_unstable();
+        dead.dedup();
+        dead
+    }
+
     /// For each value, the index of the last node that reads it (outputs
     /// count as read at the very end): the interpreter frees a value there.
     pub(crate) fn last_uses(&self) -> Vec<usize> {

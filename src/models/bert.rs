@@ -5,7 +5,7 @@
 //! positions differently.
 
 use super::loader::recording;
-use super::{activation, as_batch, first_token, unsupported, Batch, Checkpoint, ID_DTYPE};
+use super::{activation, as_batch, first_token, unsupported, Batch, ID_DTYPE};
 use crate::error::Result;
 use crate::nn::{
     embedding, layer_norm, linear, Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params,
@@ -336,11 +336,10 @@ pub struct BertModel {
 }
 
 impl BertModel {
-    /// The encoder of a BERT checkpoint, with its pooler when the
-    /// checkpoint has one (a task model's under `bert.`, or a bare one).
-    pub fn load(ck: &Checkpoint) -> Result<BertModel> {
-        Self::load_vb(ck.var_builder(), &ck.parse_config("bert")?)
-    }
+    load_checkpoint!(
+        "bert",
+        "The encoder of a BERT checkpoint, with its pooler when the checkpoint has one (a task model's under `bert.`, or a bare one)."
+    );
 
     /// The encoder from `vb` (under `bert.` when `vb` holds it there) and
     /// its configuration, as candle-transformers' models load; with its
@@ -402,10 +401,7 @@ pub struct BertForSequenceClassification {
 }
 
 impl BertForSequenceClassification {
-    /// A BERT classifier checkpoint (`bert.*` and `classifier.*`).
-    pub fn load(ck: &Checkpoint) -> Result<BertForSequenceClassification> {
-        Self::load_vb(ck.var_builder(), &ck.parse_config("bert")?)
-    }
+    load_checkpoint!("bert", "A BERT classifier checkpoint (`bert.*` and `classifier.*`).");
 
     /// The classifier from `vb` (`bert.*` with its pooler, and
     /// `classifier`) and its configuration.

@@ -4,7 +4,7 @@
 //! output head tied to `wte`.
 
 use super::loader::recording;
-use super::{activation, as_batch, unsupported, Checkpoint};
+use super::{activation, as_batch, lm_logits, unsupported};
 use crate::error::Result;
 use crate::nn::{
     embedding, layer_norm, linear_in_out, Activation, AttentionMask, Embedding, LayerNorm, Linear, Module, Params,
@@ -174,17 +174,15 @@ pub struct Gpt2LmHeadModel {
 }
 
 impl Gpt2LmHeadModel {
-    /// A GPT-2 checkpoint (`transformer.*`, or bare as `GPT2Model` saves
-    /// it); the head is `wte`.
-    pub fn load(ck: &Checkpoint) -> Result<Gpt2LmHeadModel> {
-        let c: Gpt2Config = ck.parse_config("gpt2")?;
-        Self::load_vb(ck.var_builder(), &c)
-    }
+    load_checkpoint!(
+        "gpt2",
+        "A GPT-2 checkpoint (`transformer.*`, or bare as `GPT2Model` saves it); the head is `wte`."
+    );
 
     /// The model from `vb` and its configuration, as candle-transformers'
     /// models load: the blocks under `transformer.` unless `vb` holds a
     /// bare `wte.weight` (a `GPT2Model` checkpoint). `vb` is a checkpoint's
-    /// [`Checkpoint::var_builder`], or a `VarMap`'s for a new model
+    /// [`Checkpoint::var_builder`](crate::models::Checkpoint::var_builder), or a `VarMap`'s for a new model
     /// initialised as `nn`'s layers are. Its parameters are the weights it
     /// read.
     pub fn load_vb(vb: VarBuilder, c: &Gpt2Config) -> Result<Gpt2LmHeadModel> {
@@ -249,9 +247,7 @@ impl Gpt2LmHeadModel {
             h = blk.forward(p, &h, &attn_mask, scale)?;
         }
         let h = m.ln_f.forward_with(p, &h)?;
-        // the head tied to wte: N T D @ D V
-        let logits = h.matmul(&m.wte.table(p, &h)?.t()?)?;
-        b.finish(logits)
+        b.finish(lm_logits(p, &h, None, &m.wte)?)
     }
 }
 

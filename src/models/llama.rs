@@ -5,7 +5,7 @@
 //! or `attention_bias`), and a tied or untied head.
 
 use super::loader::recording;
-use super::{activation, as_batch, unsupported, Checkpoint};
+use super::{activation, as_batch, lm_logits, unsupported};
 use crate::error::Result;
 use crate::nn::{
     embedding, linear_b, linear_no_bias, rms_norm, Activation, AttentionMask, Embedding, Linear, Module, Params,
@@ -392,14 +392,12 @@ pub struct LlamaForCausalLM {
 }
 
 impl LlamaForCausalLM {
-    /// A Llama, Mistral or Qwen2 checkpoint (`model.*`, `lm_head` unless
-    /// tied).
-    pub fn load(ck: &Checkpoint) -> Result<LlamaForCausalLM> {
-        let c: LlamaConfig = ck.parse_config("llama")?;
-        Self::load_vb(ck.var_builder(), &c)
-    }
+    load_checkpoint!(
+        "llama",
+        "A Llama, Mistral or Qwen2 checkpoint (`model.*`, `lm_head` unless tied)."
+    );
 
-    /// The model from `vb` (a checkpoint's [`Checkpoint::var_builder`], or
+    /// The model from `vb` (a checkpoint's [`Checkpoint::var_builder`](crate::models::Checkpoint::var_builder), or
     /// any `VarBuilder` holding these names) and its configuration, as
     /// candle-transformers' models load. Its parameters are the weights
     /// it read from `vb`.
@@ -452,11 +450,7 @@ impl LlamaForCausalLM {
             h = layer.forward(p, &h, &mask, scale, (&cos, &sin))?;
         }
         let h = m.norm.forward_with(p, &h)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward_with(p, &h)?,
-            None => h.matmul(&m.embed_tokens.table(p, &h)?.t()?)?,
-        };
-        b.finish(logits)
+        b.finish(lm_logits(p, &h, self.lm_head.as_ref(), &m.embed_tokens)?)
     }
 }
 

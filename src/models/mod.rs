@@ -39,6 +39,19 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
+/// A family's `load(ck)`: the model from a checkpoint folder, its
+/// `config.json` parsed as that family's and its weights read through
+/// `load_vb` (what every model type of the crate offers), documented by
+/// `$doc`.
+macro_rules! load_checkpoint {
+    ($family:literal, $doc:literal) => {
+        #[doc = $doc]
+        pub fn load(ck: &crate::models::Checkpoint) -> crate::error::Result<Self> {
+            Self::load_vb(ck.var_builder(), &ck.parse_config($family)?)
+        }
+    };
+}
+
 mod checkpoint;
 mod loader;
 mod weights;
@@ -51,7 +64,7 @@ pub mod roberta;
 pub use checkpoint::Checkpoint;
 
 use crate::error::{Error, Result};
-use crate::nn::{cross_entropy, Activation, Reduction};
+use crate::nn::{cross_entropy, Activation, Embedding, Linear, Module, Params, Reduction};
 use crate::trace::Tracer;
 use candle_core::DType;
 
@@ -211,3 +224,13 @@ pub fn causal_lm_loss(logits: &Tracer, ids: &Tracer, mask: Option<&Tracer>) -> R
 /// The integer dtype ids are converted to for a lookup where they are
 /// computed (RoBERTa's positions).
 pub(crate) const ID_DTYPE: DType = DType::U32;
+
+/// A causal language model's logits from its last hidden states `h`
+/// (`N T D`): its own head where it has one, else the head tied to its
+/// token embedding (`N T D @ D V`, as GPT-2 and a tied Llama have it).
+pub(crate) fn lm_logits(p: &Params, h: &Tracer, head: Option<&Linear>, embedding: &Embedding) -> Result<Tracer> {
+    match head {
+        Some(head) => head.forward_with(p, h),
+        None => h.matmul(&embedding.table(p, h)?.t()?),
+    }
+}

@@ -6,7 +6,7 @@
 
 use super::bert::{encoder_root, BertConfig, Encoder, Pooler, Positions};
 use super::loader::recording;
-use super::{first_token, unsupported, Checkpoint};
+use super::{first_token, unsupported};
 use crate::error::Result;
 use crate::nn::{linear, Linear, Module, Params};
 use crate::trace::Tracer;
@@ -25,11 +25,10 @@ pub struct RobertaModel {
 }
 
 impl RobertaModel {
-    /// The encoder of a RoBERTa checkpoint (under `roberta.`, or bare),
-    /// with its pooler when the checkpoint has one.
-    pub fn load(ck: &Checkpoint) -> Result<RobertaModel> {
-        Self::load_vb(ck.var_builder(), &ck.parse_config("roberta")?)
-    }
+    load_checkpoint!(
+        "roberta",
+        "The encoder of a RoBERTa checkpoint (under `roberta.`, or bare), with its pooler when the checkpoint has one."
+    );
 
     /// The encoder from `vb` (under `roberta.` when `vb` holds it there)
     /// and its configuration; with its pooler when `vb` holds one.
@@ -94,11 +93,10 @@ impl RobertaClassificationHead {
 }
 
 impl RobertaForSequenceClassification {
-    /// A RoBERTa classifier checkpoint (`roberta.*`, `classifier.dense`,
-    /// `classifier.out_proj`; the encoder has no pooler here).
-    pub fn load(ck: &Checkpoint) -> Result<RobertaForSequenceClassification> {
-        Self::load_vb(ck.var_builder(), &ck.parse_config("roberta")?)
-    }
+    load_checkpoint!(
+        "roberta",
+        "A RoBERTa classifier checkpoint (`roberta.*`, `classifier.dense`, `classifier.out_proj`; the encoder has no pooler here)."
+    );
 
     /// The classifier from `vb` and its configuration.
     pub fn load_vb(vb: VarBuilder, c: &BertConfig) -> Result<RobertaForSequenceClassification> {

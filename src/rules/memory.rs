@@ -73,13 +73,7 @@ pub(crate) fn planned_peak_with(g: &Graph, partners: &[Option<usize>]) -> (usize
         if live.saturating_add(held) > peak {
             (peak, at) = (live.saturating_add(held), v);
         }
-        let mut dead: Vec<usize> = node.args.iter().copied().filter(|&a| last[a] == v).collect();
-        if last[v] == 0 {
-            dead.push(v); // never read (an unused input)
-        }
-        dead.sort_unstable();
-        dead.dedup();
-        for a in dead {
+        for a in g.dead_at(v, &last) {
             let b = buffer[a];
             views[b] -= 1;
             if views[b] == 0 && !g.nodes[b].prim.is_leaf() {

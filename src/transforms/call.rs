@@ -123,28 +123,58 @@ where
     F: Function<S> + ?Sized,
     C: CallArgs<S>,
 {
-    let given = f.own_options();
-    let (leaves, defs, device) = flatten_call(args)?;
+    let call = Call::of(f, args)?;
     let key = CacheKey {
-        types: leaves.iter().flatten().map(TensorType::of).collect(),
-        defs,
-        device: device.location(),
-        given,
+        types: call.leaves.iter().flatten().map(TensorType::of).collect(),
+        defs: call.defs.clone(),
+        device: call.device.location(),
+        given: call.given,
         route: settings::conv_route().ok(),
         strict: settings::strict(),
     };
     let compiled = match cache.get(&key) {
         Some(c) if c.current() => c,
         _ => {
-            let traced = trace_top(f, (given, false), &key.defs, &leaves, &device)?;
-            let c = Arc::new(traced.compile(&given, cache.calls.clone()));
+            let c = Arc::new(call.trace(f)?.compile(&call.given, cache.calls.clone()));
             cache.insert(key, c.clone());
             c
         }
     };
-    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
+    let flat: Vec<Tensor> = call.leaves.into_iter().flatten().collect();
     let outs = compiled.exe.run(&flat)?;
     F::Output::concrete_from(&compiled.out_def, &mut outs.into_iter())
+}
+
+/// What every call on tensors starts from: the function's own options and
+/// its arguments flattened (leaves, tree structures, device).
+pub(crate) struct Call {
+    pub(crate) given: Options,
+    pub(crate) leaves: Vec<Vec<Tensor>>,
+    pub(crate) defs: Vec<TreeDef>,
+    pub(crate) device: Device,
+}
+
+impl Call {
+    pub(crate) fn of<S: ArgList, F: Function<S> + ?Sized, C: CallArgs<S>>(f: &F, args: &C) -> Result<Call> {
+        let (leaves, defs, device) = flatten_call(args)?;
+        Ok(Call {
+            given: f.own_options(),
+            leaves,
+            defs,
+            device,
+        })
+    }
+
+    /// `f` traced on these arguments at the top (not differentiated).
+    fn trace<S: ArgList, F: Function<S> + ?Sized>(&self, f: &F) -> Result<Traced> {
+        self.trace_as(f, false)
+    }
+
+    /// `f` traced on these arguments at the top, for a derivative taken
+    /// of it where `differentiated` (`vjp`, `jvp`, `linearize`).
+    pub(crate) fn trace_as<S: ArgList, F: Function<S> + ?Sized>(&self, f: &F, differentiated: bool) -> Result<Traced> {
+        trace_top(f, (self.given, differentiated), &self.defs, &self.leaves, &self.device)
+    }
 }
 
 /// The planned peak of calling `f` on `args`, as [`call_concrete`] would
@@ -155,14 +185,14 @@ where
     F: Function<S> + ?Sized,
     C: CallArgs<S>,
 {
-    let given = f.own_options();
-    let (leaves, defs, device) = flatten_call(args)?;
-    let traced = trace_top(f, (given, false), &defs, &leaves, &device)?;
-    Ok(traced.compile(&given, Arc::default()).exe.peak())
+    let call = Call::of(f, args)?;
+    Ok(call.trace(f)?.compile(&call.given, Arc::default()).exe.peak())
 }
 
-/// The graph that calling `f` on `args` runs (traced and transformed, dead
-/// code removed), for inspection; it prints like a jaxpr.
+/// The graph that calling `f` on `args` runs (traced, transformed and
+/// prepared), for inspection; it prints like a jaxpr. It runs as the call
+/// would: on the kernel path and under the memory limit of `f`'s options,
+/// its draws from `f`'s seed where it has one.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -178,9 +208,8 @@ where
     F: Function<S>,
     C: CallArgs<S>,
 {
-    let (leaves, defs, device) = flatten_call(&args)?;
-    let given = f.own_options();
-    let traced = trace_top(f, (given, false), &defs, &leaves, &device)?;
-    let exe = Executable::new(&traced.graph, given.machine()).named("Graph::run");
+    let call = Call::of(f, &args)?;
+    let traced = call.trace(f)?;
+    let exe = Executable::new(&traced.graph, call.given.machine()).named("Graph::run");
     Ok(exe.seeded(traced.seed, Arc::default()).into_prepared())
 }

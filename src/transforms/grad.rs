@@ -6,7 +6,7 @@
 
 use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{flatten_call, innermost, trace_inner, trace_top, Function};
+use super::{innermost, trace_inner, Call, Function, Traced};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::Options;
@@ -409,10 +409,12 @@ where
     F: Function<S>,
     C: CallArgs<S>,
 {
-    let (leaves, defs, device) = flatten_call(&args)?;
-    let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
+    let call = Call::of(f, &args)?;
+    let traced = call.trace_as(f, true)?;
+    let Call {
+        leaves, defs, device, ..
+    } = call;
     let fwd_graph = &traced.graph;
-    let n_out = fwd_graph.outputs.len();
     let out_types = fwd_graph.output_types();
     // The joint graph: primals and output cotangents in, outputs and
     // argument cotangents out.
@@ -433,20 +435,10 @@ where
         }
         bb.finish(results).0
     };
-    let (fwd, backward) = partition(&joint, leaves.iter().map(Vec::len).sum(), n_out);
-    // Each half through the executable (fused only now, after
-    // differentiation: fused nodes have no VJP rule; a pre-activation the
-    // backward pass reads is an output of `fwd` and so stays unfused),
-    // each checked against the limit before it runs: the forward now, the
-    // backward at every pullback.
-    let machine = f.own_options().machine();
-    let fwd = Executable::new(&fwd, machine)
-        .named("vjp")
-        .seeded(traced.seed, Default::default());
-    let backward = Executable::new(&backward, machine).named("vjp pullback");
-    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    let mut outs = fwd.run(&flat)?;
-    let residuals = outs.split_off(n_out);
+    // fused only now, after differentiation: fused nodes have no VJP rule;
+    // a pre-activation the backward pass reads is an output of the forward
+    // half and so stays unfused
+    let (outs, residuals, backward) = forward_now(&joint, &traced, f.own_options(), leaves, ("vjp", "vjp pullback"))?;
     let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
     let pullback = Pullback {
         residuals,
@@ -485,6 +477,33 @@ impl<S: ArgList> Pullback<S> {
             .collect();
         S::concrete_from(&self.in_defs, per_arg)
     }
+}
+
+/// The two halves of `joint` (`partition`; its primals are `leaves`,
+/// `traced`'s inputs, its first outputs `traced`'s), each an executable on
+/// the machine `options` resolve to and checked against its limit before
+/// it runs: the forward one (named `names.0`, seeded as the trace) run now,
+/// its outputs and the residuals it leaves, and the other (named
+/// `names.1`) to run later on those residuals. What `vjp` and
+/// `linearize` share.
+pub(super) fn forward_now(
+    joint: &Graph,
+    traced: &Traced,
+    options: Options,
+    leaves: Vec<Vec<Tensor>>,
+    names: (&'static str, &'static str),
+) -> Result<(Vec<Tensor>, Vec<Tensor>, Executable)> {
+    let n_out = traced.graph.outputs.len();
+    let (fwd, rest) = partition(joint, traced.graph.inputs.len(), n_out);
+    let machine = options.machine();
+    let fwd = Executable::new(&fwd, machine)
+        .named(names.0)
+        .seeded(traced.seed, Default::default());
+    let rest = Executable::new(&rest, machine).named(names.1);
+    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
+    let mut outs = fwd.run(&flat)?;
+    let residuals = outs.split_off(n_out);
+    Ok((outs, residuals, rest))
 }
 
 /// Splits a joint graph (primals, then cotangents, in; `n_out` outputs, then

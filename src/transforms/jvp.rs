@@ -4,7 +4,7 @@
 
 use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, CallArgs, SymTree};
-use super::{flatten_call, trace_top, Function};
+use super::{flatten_call, trace_top, Call, Function};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::Options;
@@ -292,28 +292,22 @@ pub type ValueAndLinear<S, O> = (<O as SymTree>::Concrete, Linearized<S, O>);
 /// assert_eq!(du.to_vec1::<f32>()?, vec![2., 4.]);
 /// # Ok::<(), candle_func::Error>(())
 /// ```
-pub fn linearize<S, F, C>(f: &F, primals: C) -> Result<ValueAndLinear<S, F::Output>>
-where
-    S: ArgList,
-    F: Function<S>,
-    C: CallArgs<S>,
-{
-    let (leaves, defs, device) = flatten_call(&primals)?;
-    let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
-    let n_out = traced.graph.outputs.len();
+pub fn linearize<S: ArgList, F: Function<S>, C: CallArgs<S>>(
+    f: &F,
+    primals: C,
+) -> Result<ValueAndLinear<S, F::Output>> {
+    let call = Call::of(f, &primals)?;
+    let (
+        traced,
+        Call {
+            leaves, defs, device, ..
+        },
+    ) = (call.trace_as(f, true)?, call);
     let in_types = traced.graph.input_types();
     let joint = joint_graph(&traced.graph, device)?;
-    let (fwd, tangent) = super::grad::partition(&joint, in_types.len(), n_out);
-    // each half checked against the limit before it runs: the forward
-    // now, the tangent map at every call
-    let machine = f.own_options().machine();
-    let fwd = Executable::new(&fwd, machine)
-        .named("linearize")
-        .seeded(traced.seed, Default::default());
-    let tangent = Executable::new(&tangent, machine).named("linearized map");
-    let flat: Vec<Tensor> = leaves.into_iter().flatten().collect();
-    let mut outs = fwd.run(&flat)?;
-    let residuals = outs.split_off(n_out);
+    // the forward now, the tangent map at every call
+    let names = ("linearize", "linearized map");
+    let (outs, residuals, tangent) = super::grad::forward_now(&joint, &traced, f.own_options(), leaves, names)?;
     let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
     let lin = Linearized {
         residuals,
