@@ -650,7 +650,8 @@ fn dp_step<M: Module>(
     (p, xs, ys): (Params, Tensor, Tensor),
     loss: impl Fn(&Tracer, &Tracer) -> candle_func::Result<Tracer> + Copy,
 ) -> Res<()> {
-    use candle_func::dp::{self, clipped_grad_sum, DpConfig, Optimizer, PrivacyEngine};
+    use candle_func::dp::{clipped_grad_sum, DpConfig, PrivacyEngine};
+    use candle_func::optim::Optimizer;
     let step = grad(|p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| loss(&functional_call(m, &p, &x)?, &y));
     let one = |p: BTreeMap<String, Tracer>, x: Tracer, y: Tracer| {
         loss(&functional_call(m, &p, &x.unsqueeze(0)?)?, &y.unsqueeze(0)?)
@@ -659,14 +660,14 @@ fn dp_step<M: Module>(
     let b = xs.dims()[0];
     let trainer = |on: bool, physical: usize, secure: bool| {
         PrivacyEngine::new()
-            .rng(dp::rng::Rng::seeded(0))
+            .rng(candle_func::rng::Rng::seeded(0))
             .secure_mode(secure)
             .ghost(on)
             .physical_batch(physical)
             .make_private(
                 one,
                 vm,
-                dp::Sgd::new(vm, 1e-3, 0.0)?,
+                candle_func::optim::Sgd::new(vm, 1e-3, 0.0)?,
                 (&xs, &ys),
                 DpConfig::new(b, 1.0, 1.0),
             )
@@ -674,7 +675,7 @@ fn dp_step<M: Module>(
     let (mut dp_ghost, mut dp_full) = (trainer(true, b, true)?, trainer(false, b, true)?);
     let mut dp_halves = trainer(true, b.div_ceil(2), true)?;
     let mut dp_single = trainer(true, b, false)?;
-    let mut sgd = dp::Sgd::new(vm, 1e-3, 0.0)?;
+    let mut sgd = candle_func::optim::Sgd::new(vm, 1e-3, 0.0)?;
     let mut jobs: Vec<Job> = vec![
         Box::new(|| Ok(step.call((&p, &xs, &ys)).map(|_| ())?)),
         Box::new(|| Ok(sgd.step(&step.call((&p, &xs, &ys))?)?)),
@@ -747,7 +748,7 @@ fn dp_step<M: Module>(
 /// clipping, one noise draw; every scheme's passes have the same shape, so
 /// one trace and one planned peak serve them all.
 fn dp_sampling(o: &Opts) -> Res<()> {
-    use candle_func::dp::{self, DpConfig, PrivacyEngine, Sampling};
+    use candle_func::dp::{DpConfig, PrivacyEngine, Sampling};
     let dev = common::device();
     let (vm, cnn) = build_on(&dev, cnn_o)?;
     let n = 1024;
@@ -776,13 +777,13 @@ fn dp_sampling(o: &Opts) -> Res<()> {
         .iter()
         .map(|&(_, s)| {
             PrivacyEngine::new()
-                .rng(dp::rng::Rng::seeded(0))
+                .rng(candle_func::rng::Rng::seeded(0))
                 .sampling(s)
                 .physical_batch(64)
                 .make_private(
                     one,
                     &vm,
-                    dp::Sgd::new(&vm, 1e-3, 0.0)?,
+                    candle_func::optim::Sgd::new(&vm, 1e-3, 0.0)?,
                     (&xs, &ys),
                     DpConfig::new(256, 1.0, 1.0),
                 )

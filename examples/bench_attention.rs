@@ -190,12 +190,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let step = grad(batch_loss);
     let psg = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
     let mut trainer = PrivacyEngine::new()
-        .rng(dp::rng::Rng::seeded(0))
+        .rng(candle_func::rng::Rng::seeded(0))
         .physical_batch(b)
         .make_private(
             one,
             &varmap,
-            dp::Sgd::new(&varmap, 1e-4, 0.0)?,
+            candle_func::optim::Sgd::new(&varmap, 1e-4, 0.0)?,
             (&xs, &ys),
             DpConfig::new(b, 1.0, 1.0),
         )?;

@@ -43,11 +43,12 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, DpConfig, Optimizer, Precision, PrivacyEngine, Trainable};
+use candle_func::dp::{self, DpConfig, Precision, PrivacyEngine, Trainable};
 use candle_func::models::gpt2::Gpt2LmHeadModel;
 use candle_func::models::llama::LlamaForCausalLM;
 use candle_func::models::{causal_lm_loss, Checkpoint};
 use candle_func::nn::{self, cross_entropy, Lora, LoraConfig, Module, Params, Reduction};
+use candle_func::optim::Optimizer;
 use candle_func::{grad, jit, make_graph, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
@@ -189,11 +190,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let forward = jit(|p: Map, ids: Tracer, mask: Tracer| model.logits(&params(&p, &lora), &ids, &mask));
     let step = grad(batch_loss);
-    let mut sgd = dp::Sgd::new(&varmap, 1e-4, 0.0)?;
+    let mut sgd = candle_func::optim::Sgd::new(&varmap, 1e-4, 0.0)?;
     let limit_gib: f64 = arg("--memory-limit-gib", 0.0);
     let optimizer: Box<dyn Optimizer> = match arg("--optimizer", "sgd".to_string()).as_str() {
-        "sgd" => Box::new(dp::Sgd::new(&varmap, 1e-4, 0.0)?),
-        "adamw" => Box::new(dp::AdamW::new(&varmap, 1e-4, 0.01)?),
+        "sgd" => Box::new(candle_func::optim::Sgd::new(&varmap, 1e-4, 0.0)?),
+        "adamw" => Box::new(candle_func::optim::AdamW::new(&varmap, 1e-4, 0.01)?),
         other => return Err(format!("--optimizer {other}: sgd or adamw").into()),
     };
     let mut trainer = match variant.as_str() {
@@ -203,7 +204,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 None => Trainable::all(),
             });
             if arg("--losses", 0usize) > 0 {
-                engine = engine.rng(dp::rng::Rng::seeded(0));
+                engine = engine.rng(candle_func::rng::Rng::seeded(0));
             }
             engine = match limit_gib > 0.0 {
                 true => {

@@ -30,10 +30,11 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, DpConfig, Optimizer, PrivacyEngine, Trainable};
+use candle_func::dp::{self, DpConfig, PrivacyEngine, Trainable};
 use candle_func::models::bert::BertModel;
 use candle_func::models::Checkpoint;
 use candle_func::nn::{self, cross_entropy, Lora, LoraConfig, Module, Params, Reduction};
+use candle_func::optim::Optimizer;
 use candle_func::{grad, jit, make_graph, vmap, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
@@ -122,19 +123,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let forward = jit(|p: BTreeMap<String, Tracer>, x: Tracer| logits(&p, &x));
     let step = grad(batch_loss);
     let psg = vmap(grad(one)).in_dims([None, Some(0), Some(0)]);
-    let mut sgd = dp::Sgd::new(&varmap, 1e-3, 0.0)?;
+    let mut sgd = candle_func::optim::Sgd::new(&varmap, 1e-3, 0.0)?;
     let trainable = match &lora {
         Some(l) => Trainable::prefixes(&l.trainable_prefixes()),
         None => Trainable::all(),
     };
     let mut trainer = PrivacyEngine::new()
-        .rng(dp::rng::Rng::seeded(0))
+        .rng(candle_func::rng::Rng::seeded(0))
         .physical_batch(B)
         .trainable(trainable)
         .make_private(
             one,
             &varmap,
-            dp::Sgd::new(&varmap, 1e-3, 0.0)?,
+            candle_func::optim::Sgd::new(&varmap, 1e-3, 0.0)?,
             (&xs, &ys),
             DpConfig::new(B, 1.0, 1.0),
         )?;

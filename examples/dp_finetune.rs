@@ -29,10 +29,12 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine, Trainable};
+use candle_func::dp::{DpConfig, PrivacyEngine, Trainable};
 use candle_func::models::bert::BertModel;
 use candle_func::models::{mean_pool, Checkpoint};
 use candle_func::nn::{self, Lora, LoraConfig, Params, Reduction};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{jit, Tracer};
 use common::arg;
 use std::collections::BTreeMap;
@@ -188,10 +190,10 @@ impl Task {
             let config = LoraConfig::new(8, 16.0, &["query", "value"]).modules_to_save(&["classifier"]);
             let lora = Lora::add(&self.bert, &varmap, config)?;
             let trainable = Trainable::prefixes(&lora.trainable_prefixes());
-            let opt = dp::AdamW::new(&varmap, 2e-3, 0.0)?.group("classifier", 2e-2, 0.0)?;
+            let opt = candle_func::optim::AdamW::new(&varmap, 2e-3, 0.0)?.group("classifier", 2e-2, 0.0)?;
             (Some(lora), trainable, opt)
         } else {
-            let opt = dp::AdamW::new(&varmap, 5e-5, 0.01)?.group("classifier", 2e-2, 0.0)?;
+            let opt = candle_func::optim::AdamW::new(&varmap, 5e-5, 0.01)?.group("classifier", 2e-2, 0.0)?;
             // BERT's pooler is not on the path of a mean-pooled head: left
             // trainable, the trainer refuses it as never reached
             (None, Trainable::except(&["pooler"]), opt)
@@ -289,7 +291,7 @@ impl Task {
             Some(params["classifier.bias"].copy()?),
             "classifier",
         ))?;
-        let mut opt = dp::Adam::new(&head, 1e-2)?;
+        let mut opt = candle_func::optim::Adam::new(&head, 1e-2)?;
         let step = candle_func::grad(|p: Map, x: Tracer, y: Tracer| {
             let logits = x
                 .matmul(&p["classifier.weight"].t()?)?

@@ -22,8 +22,10 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::dp::accountant::Mechanism;
-use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{DpConfig, PrivacyEngine};
 use candle_func::nn::{self, Embedding, Linear, Module, Params, Recurrent, RecurrentConfig, Reduction};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{grad, jit, Tracer};
 use common::arg;
 use common::fortunes;
@@ -168,7 +170,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .make_private_examples_with_epsilon(
             one,
             &vm_dp,
-            dp::Adam::new(&vm_dp, lr)?,
+            candle_func::optim::Adam::new(&vm_dp, lr)?,
             &data,
             DpConfig::new(batch, 0.0, clip),
             (target_eps, delta, epochs as f64),
@@ -183,7 +185,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => "noise keyed from the OS".into(),
         }
     );
-    let mut opt_plain = dp::Adam::new(&vm_plain, lr)?;
+    let mut opt_plain = candle_func::optim::Adam::new(&vm_plain, lr)?;
     let mut batches = Rng::seeded(seed.unwrap_or(0).wrapping_add(1));
     let start = Instant::now();
     for epoch in 1..=epochs {

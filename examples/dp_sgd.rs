@@ -18,8 +18,10 @@ mod common;
 
 use candle_core::{DType, Device};
 use candle_func::dp::accountant::Mechanism;
-use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
 use candle_func::nn::{self, functional_call, Module, Reduction};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{ConvRoute, Options, Tracer};
 use common::{arg, digits, digits_cnn};
 use std::collections::BTreeMap;
@@ -65,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .rng(rng)
         .physical_batch(physical)
         .options(Options::new().conv_route(route));
-    let sgd = dp::Sgd::new(&varmap, lr, momentum)?;
+    let sgd = candle_func::optim::Sgd::new(&varmap, lr, momentum)?;
     let data = (&train.images, &train.labels);
     let config = DpConfig::new(batch, noise, clip);
     let mut trainer = if target > 0.0 {

@@ -17,8 +17,10 @@ use candle_core::{DType, Device};
 use candle_func::dp::accountant::Mechanism;
 use candle_func::dp::collective::Collective;
 use candle_func::dp::mpi::MpiCollective;
-use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
 use candle_func::nn::{self, functional_call, Module, Reduction};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{Options, Tracer};
 use common::{arg, digits, digits_cnn};
 use std::collections::BTreeMap;
@@ -73,7 +75,7 @@ fn run(comm: MpiCollective) -> Result<(), Box<dyn std::error::Error>> {
         .rng(rng)
         .physical_batch(physical)
         .options(Options::new());
-    let sgd = dp::Sgd::new(&varmap, lr, momentum)?;
+    let sgd = candle_func::optim::Sgd::new(&varmap, lr, momentum)?;
     let config = DpConfig::new(batch, noise, clip);
     let mut trainer = engine
         .make_private(loss, &varmap, sgd, (&train.images, &train.labels), config)?

@@ -30,8 +30,10 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::dp::accountant::Mechanism;
-use candle_func::dp::{self, rng::Rng, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
 use candle_func::nn::{self, functional_call, BlockConfig, CrossEntropy, Module, NormKind, Reduction};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{grad, vmap, Function, Tracer};
 use common::arg;
 use common::fortunes::{self, PAD, VOCAB};
@@ -140,7 +142,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             count.iter().max().unwrap_or(&0)
         );
     }
-    let adam = dp::Adam::new(&vm_dp, lr)?;
+    let adam = candle_func::optim::Adam::new(&vm_dp, lr)?;
     let mut trainer = match sigma {
         Some(s) => engine.make_private(one, &vm_dp, adam, (&xs, &ys), DpConfig::new(batch, s, clip))?,
         None => engine.make_private_with_epsilon(
@@ -169,7 +171,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => "noise keyed from the OS".into(),
         }
     );
-    let mut opt_plain = dp::Adam::new(&vm_plain, lr_plain)?;
+    let mut opt_plain = candle_func::optim::Adam::new(&vm_plain, lr_plain)?;
     // The non-private run's batches: Poisson at the same rate.
     let mut batches = Rng::seeded(seed.unwrap_or(0).wrapping_add(1));
     let start = Instant::now();

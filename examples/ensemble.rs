@@ -10,10 +10,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{Optimizer, Sgd};
 use candle_func::nn::{
     self, functional_call, load_params, stack_params, stack_vars, unstack_params, Module, Reduction,
 };
+use candle_func::optim::{Optimizer, Sgd};
 use candle_func::{grad, vmap, Tracer};
 use common::{arg, digits, digits_cnn};
 use std::collections::BTreeMap;
@@ -53,7 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let step_grads = vmap(grad(loss)); // every argument batched over the models
     let one_grad = grad(loss);
-    let mut rng = candle_func::dp::rng::Rng::seeded(7);
+    let mut rng = candle_func::rng::Rng::seeded(7);
     let steps = train.len() / batch;
     let (mut t_vmap, mut t_loop, mut timed) = (0f64, 0f64, 0usize);
     for epoch in 1..=epochs {

@@ -51,9 +51,12 @@
 //!   function without transforming it. Each returns a
 //!   [`transform::Transformed`] function with `.call` on tensors and the
 //!   option setters (`conv_route`, `strict`, `seed`, `memory_limit`,
-//!   `options`), except [`vjp`] and [`linearize`], which run at once and
-//!   return the value with its pullback or its linear map; [`make_graph`]
-//!   shows the graph a call runs.
+//!   `options`), except those that run at once on the tensors they are
+//!   given, as JAX's do: [`vjp`] (the value and its pullback),
+//!   [`linearize`] (the value and its linear map), [`jvp`] (the value and
+//!   its tangent), [`hvp`] and [`vhp`] (the product); their composable
+//!   forms are in [`jacobian`] (`jvp_fn`, `vjp_fn`, `hvp_fn`, `vhp_fn`).
+//!   [`make_graph`] shows the graph a call runs.
 //! * [`Options`]: a transform's settings as one value; [`Schedule`] (how
 //!   a `vmap` runs its batch), [`ConvRoute`] (how a convolution with
 //!   batched input and weight is lowered) and [`Randomness`] are its
@@ -61,7 +64,8 @@
 //! * [`custom_op`] and [`custom_op_with_rules`]: a candle function inside
 //!   a trace, with the user's own derivative and batching rules.
 //! * Modules: [`nn`] (layers, losses, `functional_call`), [`optim`]
-//!   (SGD, Adam, AdamW over a `VarMap`, and any `candle_nn` optimiser), [`dp`]
+//!   (SGD, Adam, AdamW over a `VarMap`, and any `candle_nn` optimiser),
+//!   [`rng`] (the seeded and secure generator), [`dp`]
 //!   (differentially private training), [`models`] (pretrained Hugging
 //!   Face checkpoints: BERT, RoBERTa, GPT-2, the Llama family), [`transform`] (the transformed
 //!   functions' types), [`jacobian`] (forward mode and the Jacobian
@@ -104,9 +108,9 @@
 #![warn(missing_docs)]
 #![warn(unnameable_types)]
 
-// The layers, bottom to top: error (shared by all) <- ir <- kernels <-
-// rules <- interp <- trace <- ops <- transforms <- control <- nn <- optim
-// <- dp <- models <- this root.
+// The layers, bottom to top: error (shared by all) <- env <- ir <- kernels
+// <- rng <- rules <- interp <- trace <- ops <- transforms <- control <- optim
+// <- nn <- dp <- models <- this root.
 // Each imports only from those below it (tests/layering.rs keeps it so;
 // rustfmt lists the declarations alphabetically). The public modules
 // after the re-exports only re-export.
@@ -121,6 +125,7 @@ pub mod models;
 pub mod nn;
 mod ops;
 pub mod optim;
+pub mod rng;
 mod rules;
 mod trace;
 mod transforms;
@@ -197,13 +202,6 @@ pub mod jacobian {
 pub mod tree {
     pub use crate::transforms::dims::{DimTree, Dims};
     pub use crate::transforms::tree::{ArgList, CallArgs, SymTree, TensorTree, TreeDef};
-}
-
-/// The seeded random source ([`rng::Rng`], ChaCha12): what [`dp`] draws its
-/// noise and batches from and [`nn`] its LoRA initialisations, and what a
-/// user seeds for a reproducible run. `dp::rng` names the same type.
-pub mod rng {
-    pub use crate::kernels::rng::Rng;
 }
 
 /// Process-wide defaults: what a transform uses for an option neither it

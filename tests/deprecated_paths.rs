@@ -135,3 +135,28 @@ fn the_key_padding_attention_keeps_its_inverted_mask() {
     // bad heads are the same error as the new constructor's
     assert!(nn::multi_head_attention_key_padding(8, 3, false, vb.pp("bad")).is_err());
 }
+
+/// The names that had two paths (issue 48): the optimisers at `dp::`, the
+/// generator at `dp::rng::`, the losses at `nn::loss::`; each old path is
+/// a deprecated alias of the one path kept, and computes what it does.
+#[test]
+fn second_paths_are_deprecated_aliases_of_the_first() {
+    let varmap = candle_nn::VarMap::new();
+    let w = varmap
+        .get((2,), "w", candle_nn::Init::Const(1.0), DType::F32, &Device::Cpu)
+        .unwrap();
+    let g = BTreeMap::from([("w".to_string(), Tensor::new(&[1f32, -1.0], &Device::Cpu).unwrap())]);
+    let mut old: dp::Sgd = dp::Sgd::new(&varmap, 0.5, 0.0).unwrap();
+    candle_func::optim::Optimizer::step(&mut old, &g).unwrap();
+    same(&w, &Tensor::new(&[0.5f32, 1.5], &Device::Cpu).unwrap());
+    let _: dp::AdamW = candle_func::optim::AdamW::new(&varmap, 1e-3, 0.0).unwrap();
+    let (mut a, mut b) = (dp::rng::Rng::seeded(3), candle_func::rng::Rng::seeded(3));
+    assert_eq!(a.next_u64(), b.next_u64());
+    let (p, t) = (rand(&[4], 5), rand(&[4], 6));
+    let old = |p: Tracer, t: Tracer| candle_func::nn::loss::mse(&p, &t, candle_func::nn::loss::Reduction::Sum);
+    let new = |p: Tracer, t: Tracer| candle_func::nn::mse(&p, &t, candle_func::nn::Reduction::Sum);
+    same(
+        &candle_func::jit(old).call((&p, &t)).unwrap(),
+        &candle_func::jit(new).call((&p, &t)).unwrap(),
+    );
+}

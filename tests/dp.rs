@@ -9,8 +9,10 @@ mod common;
 mod digits;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, accountant::Accountant, rng::Rng, Optimizer};
+use candle_func::dp::{self, accountant::Accountant};
 use candle_func::nn::{self, functional_call, Module, Reduction};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{grad, vmap, Tracer};
 use common::rand;
 use std::collections::BTreeMap;
@@ -93,7 +95,7 @@ fn sgd_with_momentum_follows_pytorch() {
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
     let w = vb.get_with_hints(3, "w", candle_nn::Init::Const(1.0)).unwrap();
-    let mut opt = dp::Sgd::new(&vm, 0.1, 0.9).unwrap();
+    let mut opt = candle_func::optim::Sgd::new(&vm, 0.1, 0.9).unwrap();
     let mut g = BTreeMap::new();
     g.insert("w".to_string(), Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap());
     opt.step(&g).unwrap(); // v = g; w = 1 - 0.1 g
@@ -116,7 +118,7 @@ fn adam_follows_pytorch() {
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
     let w = vb.get_with_hints(2, "w", candle_nn::Init::Const(0.5)).unwrap();
-    let mut opt = dp::Adam::new(&vm, 0.01).unwrap();
+    let mut opt = candle_func::optim::Adam::new(&vm, 0.01).unwrap();
     let (mut m, mut v, mut want) = ([0f64; 2], [0f64; 2], [0.5f64; 2]);
     for (t, g) in [[1.0f64, -2.0], [0.5, 3.0], [-1.0, 0.1]].iter().enumerate() {
         let mut grads = BTreeMap::new();
@@ -171,7 +173,7 @@ fn a_short_dp_sgd_run_lowers_the_loss() {
     let before = mean_loss();
     let (n, q, sigma, c) = (train.len(), 64.0 / train.len() as f64, 1.0, 1.0);
     let mut rng = Rng::seeded(1);
-    let mut opt = dp::Sgd::new(&vm, 1.0, 0.5).unwrap();
+    let mut opt = candle_func::optim::Sgd::new(&vm, 1.0, 0.5).unwrap();
     let mut acct = Accountant::default();
     for _ in 0..60 {
         let idx = rng.poisson_sample(n, q);

@@ -3,7 +3,8 @@
 //! target quantile, its noise split and its accounting.
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, rng::Rng, AdaptiveClipping, DpConfig, PrivacyEngine};
+use candle_func::dp::{self, AdaptiveClipping, DpConfig, PrivacyEngine};
+use candle_func::rng::Rng;
 use candle_func::{nn, Error, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -76,7 +77,7 @@ fn without_noise_a_step_is_the_flat_step_at_the_bound_and_the_bound_moves_geomet
         .make_private(
             loss as fn(_, _, _) -> _,
             &adaptive,
-            dp::Sgd::new(&adaptive, 0.5, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&adaptive, 0.5, 0.0).unwrap(),
             (&xs, &ys),
             DpConfig::adaptive(20, 0.0, spec.clone()),
         )
@@ -90,7 +91,7 @@ fn without_noise_a_step_is_the_flat_step_at_the_bound_and_the_bound_moves_geomet
             .make_private(
                 loss as fn(_, _, _) -> _,
                 &flat,
-                dp::Sgd::new(&flat, 0.5, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&flat, 0.5, 0.0).unwrap(),
                 (&xs, &ys),
                 DpConfig::new(20, 0.0, c),
             )
@@ -137,7 +138,7 @@ fn the_bound_settles_at_the_target_quantile_of_the_norms() {
             .make_private(
                 loss as fn(_, _, _) -> _,
                 &vm,
-                dp::Sgd::new(&vm, 0.0, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.0, 0.0).unwrap(),
                 (&xs, &ys),
                 DpConfig::adaptive(40, 0.0, spec),
             )
@@ -164,7 +165,7 @@ fn the_count_takes_its_share_of_the_noise_and_the_accountant_records_sigma() {
             .make_private(
                 loss as fn(_, _, _) -> _,
                 &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
                 (&xs, &ys),
                 config,
             )
@@ -182,7 +183,7 @@ fn the_count_takes_its_share_of_the_noise_and_the_accountant_records_sigma() {
     spec.count_noise_std = Some(0.4);
     let vm = model(3);
     let refusal = |spec: AdaptiveClipping, why: &str| {
-        let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+        let sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
         let config = DpConfig::adaptive(10, 1.0, spec);
         let made = PrivacyEngine::new().make_private(loss as fn(_, _, _) -> _, &vm, sgd, (&xs, &ys), config);
         made.err().expect(why)

@@ -7,7 +7,8 @@
 
 use candle_func::dp::accountant::{noise_multiplier, Accountant, Mechanism};
 use candle_func::dp::audit::{self, Canaries};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
+use candle_func::rng::Rng;
 use candle_func::Tracer;
 use std::collections::BTreeMap;
 
@@ -41,7 +42,7 @@ fn audited_run(seed: u64, sigma: f64, scale: f64) -> f64 {
         .make_private(
             loss,
             &vm,
-            dp::Sgd::new(&vm, 0.05, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm, 0.05, 0.0).unwrap(),
             (&xs, &ys),
             DpConfig::new(BATCH, sigma, 1.0),
         )
@@ -118,7 +119,7 @@ fn the_bound_follows_the_theorem() {
     let vm = common::zeros_varmap("w", 10);
     let (xs, ys) = (common::hashed_values(1, &[20, 10]), common::hashed_values(2, &[20]));
     let make = |engine: PrivacyEngine| {
-        let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+        let sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
         engine
             .make_private(loss, &vm, sgd, (&xs, &ys), DpConfig::new(5, 1.0, 1.0))
             .unwrap()

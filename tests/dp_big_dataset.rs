@@ -4,7 +4,8 @@
 //! that the peak is this test's.
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, rng::Rng, Dataset, DpConfig, PrivacyEngine};
+use candle_func::dp::{Dataset, DpConfig, PrivacyEngine};
+use candle_func::rng::Rng;
 use candle_func::tree::TreeDef;
 use candle_func::Tracer;
 use std::collections::BTreeMap;
@@ -74,7 +75,7 @@ fn ten_million_examples_train_without_being_held() {
         .make_private_dataset(
             loss,
             &vm,
-            dp::Sgd::new(&vm, 0.5, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm, 0.5, 0.0).unwrap(),
             data,
             DpConfig::new(40, 0.5, 1.0),
         )

@@ -1,10 +1,12 @@
 //! Any `candle_nn::Optimizer` steps the trainer: `candle_nn::AdamW` and
-//! `candle_nn::SGD` through `dp::CandleOptimizer` train exactly as the
-//! crate's `dp::AdamW` and `dp::Sgd` do, and what they cannot do (save
+//! `candle_nn::SGD` through `candle_func::optim::CandleOptimizer` train exactly as the
+//! crate's `candle_func::optim::AdamW` and `candle_func::optim::Sgd` do, and what they cannot do (save
 //! their state, step an unknown name) is an error.
 
 use candle_core::Tensor;
-use candle_func::dp::{self, rng::Rng, CandleOptimizer, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
+use candle_func::optim::{CandleOptimizer, Optimizer};
+use candle_func::rng::Rng;
 use candle_func::Tracer;
 use candle_nn::{Optimizer as _, VarMap};
 use std::collections::BTreeMap;
@@ -42,7 +44,7 @@ fn train<O: Optimizer>(vm: &VarMap, opt: O, steps: usize) -> dp::PrivateTrainer<
 #[test]
 fn candle_adamw_trains_as_dp_adamw() {
     let (ours, theirs) = (model(), model());
-    train(&ours, dp::AdamW::new(&ours, 0.01, 0.05).unwrap(), 6);
+    train(&ours, candle_func::optim::AdamW::new(&ours, 0.01, 0.05).unwrap(), 6);
     let config = candle_nn::ParamsAdamW {
         lr: 0.01,
         weight_decay: 0.05,
@@ -65,7 +67,7 @@ fn candle_adamw_trains_as_dp_adamw() {
 #[test]
 fn candle_sgd_trains_as_dp_sgd_and_follows_the_schedule() {
     let (ours, theirs, built) = (model(), model(), model());
-    let mut a = dp::Sgd::new(&ours, 0.2, 0.0).unwrap();
+    let mut a = candle_func::optim::Sgd::new(&ours, 0.2, 0.0).unwrap();
     a.set_lr(0.1).unwrap();
     train(&ours, a, 4);
     // wrapped after building it over the variables by hand

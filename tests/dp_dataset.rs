@@ -3,7 +3,8 @@
 //! examples, and bad shards or indices are refused by name.
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, rng::Rng, Dataset, DpConfig, PrivacyEngine, SafetensorsDataset, TensorDataset};
+use candle_func::dp::{Dataset, DpConfig, PrivacyEngine, SafetensorsDataset, TensorDataset};
+use candle_func::rng::Rng;
 use candle_func::Tracer;
 use candle_nn::VarMap;
 use std::collections::{BTreeMap, HashMap};
@@ -86,7 +87,7 @@ fn a_trainer_on_shards_equals_one_on_tensors() {
         .make_private_dataset(
             loss,
             &on_disk,
-            dp::Sgd::new(&on_disk, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&on_disk, 0.1, 0.0).unwrap(),
             disk,
             config.clone(),
         )
@@ -98,7 +99,7 @@ fn a_trainer_on_shards_equals_one_on_tensors() {
         .make_private(
             plain,
             &in_memory,
-            dp::Sgd::new(&in_memory, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&in_memory, 0.1, 0.0).unwrap(),
             (&xs, &ys),
             config,
         )
@@ -222,7 +223,7 @@ fn a_data_set_that_misdescribes_itself_is_refused() {
     let vm = model();
     let loss = |p: BTreeMap<String, Tracer>, ex: BTreeMap<String, Tracer>| example_loss(&p, &ex["xs"], &ex["ys"]);
     for len in [0, 10] {
-        let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+        let sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
         let e = PrivacyEngine::new()
             .make_private_dataset(loss, &vm, sgd, Broken { len }, DpConfig::new(2, 1.0, 1.0))
             .map(|_| ())

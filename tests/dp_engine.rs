@@ -6,7 +6,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::dp::accountant::{noise_multiplier, Accountant, Mechanism};
-use candle_func::dp::{self, rng::Rng, Clipping, DpConfig, Optimizer, PrivacyEngine};
+use candle_func::dp::{self, Clipping, DpConfig, PrivacyEngine};
+use candle_func::optim::Optimizer;
+use candle_func::rng::Rng;
 use candle_func::{grad, vmap, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -86,14 +88,14 @@ fn trainer(
     physical: usize,
     config: DpConfig,
     seed: u64,
-) -> dp::PrivateTrainer<Loss, dp::Sgd> {
+) -> dp::PrivateTrainer<Loss, candle_func::optim::Sgd> {
     PrivacyEngine::new()
         .rng(Rng::seeded(seed))
         .physical_batch(physical)
         .make_private(
             loss as fn(_, _, _) -> _,
             vm,
-            dp::Sgd::new(vm, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(vm, 0.1, 0.0).unwrap(),
             d,
             config,
         )
@@ -107,8 +109,8 @@ fn with_epsilon(
     d: (&Tensor, &Tensor),
     batch: usize,
     target: (f64, f64, f64),
-) -> candle_func::Result<dp::PrivateTrainer<Loss, dp::Sgd>> {
-    let sgd = dp::Sgd::new(vm, 0.1, 0.0)?;
+) -> candle_func::Result<dp::PrivateTrainer<Loss, candle_func::optim::Sgd>> {
+    let sgd = candle_func::optim::Sgd::new(vm, 0.1, 0.0)?;
     engine.make_private_with_epsilon(loss as Loss, vm, sgd, d, DpConfig::new(batch, 0.0, 1.0), target)
 }
 
@@ -167,7 +169,7 @@ fn overlapping_or_repeated_clipping_groups_are_refused_naming_both() {
             .make_private(
                 loss as fn(_, _, _) -> _,
                 &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
                 (&xs, &ys),
                 DpConfig::per_layer(10, 1.0, groups),
             )
@@ -182,7 +184,7 @@ fn overlapping_or_repeated_clipping_groups_are_refused_naming_both() {
     let ok = PrivacyEngine::new().make_private(
         loss as fn(_, _, _) -> _,
         &vm,
-        dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+        candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
         (&xs, &ys),
         DpConfig::per_layer(10, 1.0, &[("l.weight", 0.3), ("l.bias", 0.2), ("m", 0.7)]),
     );
@@ -211,7 +213,13 @@ fn noise_has_the_promised_scale_and_new_sizes_never_trace() {
     let mut t = PrivacyEngine::new()
         .rng(Rng::seeded(3))
         .physical_batch(4)
-        .make_private(zero, &vm, dp::Sgd::new(&vm, lr, 0.0).unwrap(), (&xs, &ys), config)
+        .make_private(
+            zero,
+            &vm,
+            candle_func::optim::Sgd::new(&vm, lr, 0.0).unwrap(),
+            (&xs, &ys),
+            config,
+        )
         .unwrap();
     let mut sizes = std::collections::BTreeSet::new();
     for _ in 0..6 {
@@ -289,7 +297,7 @@ fn optimisers_follow_pytorch() {
     let g = values(5, &[5]);
     let grads = BTreeMap::from([("w".to_string(), g.clone())]);
     let (lr, wd) = (0.1, 0.05);
-    let mut opt = dp::AdamW::new(&vm, lr, wd).unwrap();
+    let mut opt = candle_func::optim::AdamW::new(&vm, lr, wd).unwrap();
     opt.step(&grads).unwrap();
     // First step: m^ = g, v^ = g², so the update is lr g / (|g| + eps).
     let want = ((&w0 * (1.0 - lr * wd)).unwrap() - (g.sign().unwrap() * lr).unwrap()).unwrap();
@@ -299,11 +307,14 @@ fn optimisers_follow_pytorch() {
     assert!(opt.set_lr(f64::NAN).is_err() && opt.set_lr(-1.0).is_err());
     assert_eq!(opt.lr(), 0.5);
     for bad in [-1.0, f64::NAN, f64::INFINITY] {
-        assert!(dp::AdamW::new(&vm, 0.1, bad).is_err());
-        assert!(dp::Adam::new(&vm, bad).is_err());
-        assert!(dp::Sgd::new(&vm, bad, 0.0).is_err());
+        assert!(candle_func::optim::AdamW::new(&vm, 0.1, bad).is_err());
+        assert!(candle_func::optim::Adam::new(&vm, bad).is_err());
+        assert!(candle_func::optim::Sgd::new(&vm, bad, 0.0).is_err());
     }
-    assert!(dp::Adam::new(&vm, 0.1).unwrap().with((1.0, 0.9), 1e-8).is_err());
+    assert!(candle_func::optim::Adam::new(&vm, 0.1)
+        .unwrap()
+        .with((1.0, 0.9), 1e-8)
+        .is_err());
     // A gradient for a variable that does not exist, or of the wrong shape.
     let stray = BTreeMap::from([("v".to_string(), g.clone())]);
     assert!(opt.step(&stray).unwrap_err().to_string().contains("\"v\""));
@@ -318,7 +329,13 @@ fn bad_input_is_refused() {
     let make = |d: (&Tensor, &Tensor), config: DpConfig| {
         PrivacyEngine::new()
             .rng(Rng::seeded(0))
-            .make_private(loss, &vm, dp::Sgd::new(&vm, 0.1, 0.0).unwrap(), d, config)
+            .make_private(
+                loss,
+                &vm,
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                d,
+                config,
+            )
             .map(|_| ())
             .unwrap_err()
             .to_string()
@@ -353,7 +370,7 @@ fn bad_input_is_refused() {
         .make_private(
             loss,
             &empty,
-            dp::Sgd::new(&empty, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&empty, 0.1, 0.0).unwrap(),
             (&xs, &ys),
             DpConfig::new(5, 1.0, 1.0),
         )
@@ -375,7 +392,7 @@ fn bad_input_is_refused() {
             .make_private(
                 loss as fn(_, _, _) -> _,
                 &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
                 (&xs, &ys),
                 DpConfig::new(5, 1.0, 1.0),
             )
@@ -506,7 +523,13 @@ fn dp_failures_are_variants_a_caller_can_match() {
     let make = |config: DpConfig, engine: PrivacyEngine| {
         engine
             .rng(Rng::seeded(0))
-            .make_private(loss, &vm, dp::Sgd::new(&vm, 0.1, 0.0).unwrap(), (&xs, &ys), config)
+            .make_private(
+                loss,
+                &vm,
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                (&xs, &ys),
+                config,
+            )
             .map(|_| ())
             .unwrap_err()
     };
@@ -616,9 +639,14 @@ fn adam_in_place_follows_pytorch_and_leaves_handed_out_state_alone() {
     let w0 = values(4, &[300]);
     let vm = one_var(&w0);
     let (lr, wd, (b1, b2), eps) = (0.01, 0.1, (0.9f64, 0.999f64), 1e-8);
-    let mut opt = dp::AdamW::new(&vm, lr, wd).unwrap();
+    let mut opt = candle_func::optim::AdamW::new(&vm, lr, wd).unwrap();
     let (mut w, mut m, mut v) = (common::values(&w0), vec![0.0; 300], vec![0.0; 300]);
-    let mut handed: Option<(dp::OptimizerState, Vec<Vec<f64>>, VarMap, dp::AdamW)> = None;
+    let mut handed: Option<(
+        candle_func::optim::OptimizerState,
+        Vec<Vec<f64>>,
+        VarMap,
+        candle_func::optim::AdamW,
+    )> = None;
     for step in 1..=3 {
         let g = values(10 + step as u64, &[300]);
         let grads = BTreeMap::from([("w".to_string(), g.clone())]);
@@ -639,7 +667,7 @@ fn adam_in_place_follows_pytorch_and_leaves_handed_out_state_alone() {
                 let s = opt.state().unwrap();
                 let copies = s.tensors.values().map(common::values).collect();
                 let vm2 = one_var(&current(&vm)["w"]);
-                let mut other = dp::AdamW::new(&vm2, lr, wd).unwrap();
+                let mut other = candle_func::optim::AdamW::new(&vm2, lr, wd).unwrap();
                 other.load_state(&s).unwrap();
                 handed = Some((s, copies, vm2, other));
             }
@@ -685,7 +713,7 @@ fn automatic_clipping_step_equals_the_materialised_step() {
     let bad = PrivacyEngine::new().make_private(
         loss as fn(_, _, _) -> _,
         &vm,
-        dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+        candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
         (&xs, &ys),
         DpConfig::automatic(10, 1.0, 0.0),
     );

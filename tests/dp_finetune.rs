@@ -5,8 +5,9 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine, Trainable};
+use candle_func::dp::{DpConfig, PrivacyEngine, Trainable};
 use candle_func::nn::{self, Module, Params};
+use candle_func::rng::Rng;
 use candle_func::{Error, Options, Schedule, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -93,7 +94,7 @@ fn a_tree_of_examples_trains_as_the_same_data_packed_into_xs_and_ys() {
         .make_private_examples(
             tree_loss,
             &vm_tree,
-            dp::Sgd::new(&vm_tree, 0.5, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm_tree, 0.5, 0.0).unwrap(),
             &data,
             DpConfig::new(8, 0.7, 0.3),
         )
@@ -111,7 +112,7 @@ fn a_tree_of_examples_trains_as_the_same_data_packed_into_xs_and_ys() {
         .make_private(
             packed_loss,
             &vm_packed,
-            dp::Sgd::new(&vm_packed, 0.5, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm_packed, 0.5, 0.0).unwrap(),
             (&xs, &ys),
             DpConfig::new(8, 0.7, 0.3),
         )
@@ -148,7 +149,7 @@ fn a_map_of_named_examples_is_a_tree_too() {
         .make_private_examples(
             loss,
             &vm,
-            dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
             &data,
             DpConfig::new(4, 1.0, 1.0),
         )
@@ -163,7 +164,7 @@ fn examples_of_different_counts_are_an_error_naming_them() {
     let (vm, m) = text_model();
     let short = ys.narrow(0, 0, 9).unwrap();
     let loss = |p: Map, (ids, mask, y): (Tracer, Tracer, Tracer)| m.loss(&p, &ids, &mask, &y);
-    let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+    let sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
     let err = PrivacyEngine::new()
         .make_private_examples(loss, &vm, sgd, &(&ids, &mask, &short), DpConfig::new(4, 1.0, 1.0))
         .err()
@@ -187,7 +188,7 @@ fn frozen_parameters_stay_put_and_only_the_trainable_ones_are_noised() {
         .make_private_examples(
             loss,
             &vm,
-            dp::Adam::new(&vm, 0.05).unwrap(),
+            candle_func::optim::Adam::new(&vm, 0.05).unwrap(),
             &(&ids, &mask, &ys),
             DpConfig::new(6, 1.0, 1.0),
         )
@@ -225,12 +226,24 @@ fn freezing_equals_training_a_map_of_the_trainable_parameters_alone() {
     let mut frozen = PrivacyEngine::new()
         .rng(Rng::seeded(9))
         .trainable(Trainable::except(&["emb", "hidden"]))
-        .make_private_examples(loss, &vm, dp::Sgd::new(&vm, 0.3, 0.9).unwrap(), &data, config.clone())
+        .make_private_examples(
+            loss,
+            &vm,
+            candle_func::optim::Sgd::new(&vm, 0.3, 0.9).unwrap(),
+            &data,
+            config.clone(),
+        )
         .unwrap();
     // the model's own tensors are the frozen values: Params falls back to them
     let mut alone = PrivacyEngine::new()
         .rng(Rng::seeded(9))
-        .make_private_examples(loss, &trained, dp::Sgd::new(&trained, 0.3, 0.9).unwrap(), &data, config)
+        .make_private_examples(
+            loss,
+            &trained,
+            candle_func::optim::Sgd::new(&trained, 0.3, 0.9).unwrap(),
+            &data,
+            config,
+        )
         .unwrap();
     for _ in 0..3 {
         frozen.step().unwrap();
@@ -249,7 +262,7 @@ fn a_prefix_that_matches_nothing_or_a_parameter_never_reached_is_an_error_naming
     let loss = |p: Map, (ids, mask, y): (Tracer, Tracer, Tracer)| m.loss(&p, &ids, &mask, &y);
     let data = (&ids, &mask, &ys);
     let engine = |t: Trainable| PrivacyEngine::new().rng(Rng::seeded(0)).trainable(t);
-    let sgd = || dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+    let sgd = || candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
     let err = engine(Trainable::prefixes(&["head", "clasifier"]))
         .make_private_examples(loss, &vm, sgd(), &data, DpConfig::new(4, 1.0, 1.0))
         .err()
@@ -336,10 +349,25 @@ fn parameter_groups_step_with_their_own_rate_and_decay() {
         let grads: BTreeMap<String, Tensor> =
             [("body.w".to_string(), g.clone()), ("head.w".to_string(), g.clone())].into();
         let (lr, glr, gwd) = (0.1, 0.3, 0.2);
-        let mut opt: Box<dyn dp::Optimizer> = match kind {
-            "sgd" => Box::new(dp::Sgd::new(&vm, lr, 0.0).unwrap().group("head", glr, gwd).unwrap()),
-            "adam" => Box::new(dp::Adam::new(&vm, lr).unwrap().group("head", glr, gwd).unwrap()),
-            _ => Box::new(dp::AdamW::new(&vm, lr, 0.0).unwrap().group("head", glr, gwd).unwrap()),
+        let mut opt: Box<dyn candle_func::optim::Optimizer> = match kind {
+            "sgd" => Box::new(
+                candle_func::optim::Sgd::new(&vm, lr, 0.0)
+                    .unwrap()
+                    .group("head", glr, gwd)
+                    .unwrap(),
+            ),
+            "adam" => Box::new(
+                candle_func::optim::Adam::new(&vm, lr)
+                    .unwrap()
+                    .group("head", glr, gwd)
+                    .unwrap(),
+            ),
+            _ => Box::new(
+                candle_func::optim::AdamW::new(&vm, lr, 0.0)
+                    .unwrap()
+                    .group("head", glr, gwd)
+                    .unwrap(),
+            ),
         };
         opt.step(&grads).unwrap();
         let v = values(&vm);
@@ -369,12 +397,12 @@ fn parameter_groups_step_with_their_own_rate_and_decay() {
         .lock()
         .unwrap()
         .insert("a.w".into(), candle_core::Var::zeros(2, DType::F32, &dev).unwrap());
-    let err = dp::AdamW::new(&vm, 0.1, 0.0)
+    let err = candle_func::optim::AdamW::new(&vm, 0.1, 0.0)
         .unwrap()
         .group("b", 0.1, 0.0)
         .expect_err("no such prefix");
     assert!(err.to_string().contains("\"b\""), "{err}");
-    let err = dp::Sgd::new(&vm, 0.1, 0.0)
+    let err = candle_func::optim::Sgd::new(&vm, 0.1, 0.0)
         .unwrap()
         .group("a", f64::NAN, 0.0)
         .expect_err("a NaN rate");
@@ -396,7 +424,7 @@ fn the_engine_passes_schedule_chunk_size_and_randomness_to_its_vmap() {
             .make_private_examples(
                 loss,
                 &vm,
-                dp::Sgd::new(&vm, 0.5, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.5, 0.0).unwrap(),
                 &data,
                 DpConfig::new(6, 0.5, 0.2),
             )

@@ -6,7 +6,8 @@
 //! the process's resident memory (part of the plan) is this test's alone.
 
 use candle_core::{Device, Tensor};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine};
+use candle_func::dp::{self, DpConfig, PrivacyEngine};
+use candle_func::rng::Rng;
 use candle_func::{Error, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -51,7 +52,7 @@ fn build(
     (xs, ys): (&Tensor, &Tensor),
     limit: usize,
     physical: Option<usize>,
-) -> candle_func::Result<dp::PrivateTrainer<Loss, dp::Adam>> {
+) -> candle_func::Result<dp::PrivateTrainer<Loss, candle_func::optim::Adam>> {
     let mut engine = PrivacyEngine::new()
         .rng(Rng::seeded(7))
         .ghost(false)
@@ -63,7 +64,7 @@ fn build(
     engine.make_private(
         loss as Loss,
         vm,
-        dp::Adam::new(vm, 1e-3)?,
+        candle_func::optim::Adam::new(vm, 1e-3)?,
         (xs, ys),
         DpConfig::new(256, 1.0, 1.0),
     )
@@ -162,7 +163,7 @@ fn the_trainer_plans_the_process_and_chooses_its_physical_batch() {
         .make_private(
             loss as Loss,
             &vm3,
-            dp::Sgd::new(&vm3, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm3, 0.1, 0.0).unwrap(),
             (&xs, &ys),
             DpConfig::new(256, 1.0, 1.0),
         )

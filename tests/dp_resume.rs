@@ -3,7 +3,8 @@
 //! loads nothing.
 
 use candle_core::{Device, Tensor};
-use candle_func::dp::{self, rng::Rng, AdaptiveClipping, DpConfig, PrivacyEngine, Trainable};
+use candle_func::dp::{self, AdaptiveClipping, DpConfig, PrivacyEngine, Trainable};
+use candle_func::rng::Rng;
 use candle_func::{nn, Error, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -64,11 +65,16 @@ fn trainer(
     config: &DpConfig,
     seed: u64,
     adamw: bool,
-) -> dp::PrivateTrainer<Loss, Box<dyn dp::Optimizer>, (Tracer, Tracer)> {
-    let opt: Box<dyn dp::Optimizer> = if adamw {
-        Box::new(dp::AdamW::new(vm, 0.05, 0.01).unwrap().group("head", 0.1, 0.0).unwrap())
+) -> dp::PrivateTrainer<Loss, Box<dyn candle_func::optim::Optimizer>, (Tracer, Tracer)> {
+    let opt: Box<dyn candle_func::optim::Optimizer> = if adamw {
+        Box::new(
+            candle_func::optim::AdamW::new(vm, 0.05, 0.01)
+                .unwrap()
+                .group("head", 0.1, 0.0)
+                .unwrap(),
+        )
     } else {
-        Box::new(dp::Sgd::new(vm, 0.2, 0.9).unwrap())
+        Box::new(candle_func::optim::Sgd::new(vm, 0.2, 0.9).unwrap())
     };
     PrivacyEngine::new()
         .rng(Rng::seeded(seed))
@@ -169,7 +175,7 @@ fn a_folder_that_does_not_fit_is_an_error_and_loads_nothing() {
 fn an_os_keyed_generator_is_never_written_down() {
     let d = data();
     let vm = model();
-    let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+    let sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
     let mut t = PrivacyEngine::new()
         .make_private_examples(loss as Loss, &vm, sgd, &(&d.0, &d.1), DpConfig::new(12, 1.0, 1.0))
         .unwrap();
@@ -181,7 +187,7 @@ fn an_os_keyed_generator_is_never_written_down() {
     assert!(state["rng"].is_null(), "{}", state["rng"]);
     assert_eq!(state["steps"], 1);
     let vm2 = model();
-    let sgd = dp::Sgd::new(&vm2, 0.1, 0.0).unwrap();
+    let sgd = candle_func::optim::Sgd::new(&vm2, 0.1, 0.0).unwrap();
     let mut u = PrivacyEngine::new()
         .make_private_examples(loss as Loss, &vm2, sgd, &(&d.0, &d.1), DpConfig::new(12, 1.0, 1.0))
         .unwrap();
@@ -193,7 +199,7 @@ fn an_os_keyed_generator_is_never_written_down() {
 
 #[test]
 fn an_optimiser_state_that_does_not_fit_is_an_error_and_loads_nothing() {
-    use candle_func::dp::Optimizer;
+    use candle_func::optim::Optimizer;
     let vm = model();
     let grads: BTreeMap<String, Tensor> = vm
         .data()
@@ -202,18 +208,18 @@ fn an_optimiser_state_that_does_not_fit_is_an_error_and_loads_nothing() {
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().ones_like().unwrap()))
         .collect();
-    let mut sgd = dp::Sgd::new(&vm, 0.1, 0.9).unwrap();
+    let mut sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.9).unwrap();
     sgd.step(&grads).unwrap();
     let saved = sgd.state().unwrap();
     // another optimiser's state
-    let mut adam = dp::Adam::new(&vm, 0.1).unwrap();
+    let mut adam = candle_func::optim::Adam::new(&vm, 0.1).unwrap();
     let err = adam.load_state(&saved).expect_err("sgd's state into adam");
     assert!(
         matches!(err, Error::Checkpoint { .. }) && err.to_string().contains("sgd"),
         "{err}"
     );
     // other hyper-parameters
-    let mut other = dp::Sgd::new(&vm, 0.1, 0.5).unwrap();
+    let mut other = candle_func::optim::Sgd::new(&vm, 0.1, 0.5).unwrap();
     let err = other.load_state(&saved).expect_err("another momentum");
     assert!(err.to_string().contains("momentum"), "{err}");
     // a moment of another shape, named; nothing taken
@@ -223,7 +229,7 @@ fn an_optimiser_state_that_does_not_fit_is_an_error_and_loads_nothing() {
         Tensor::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap(),
     );
     bad.scalars.insert("lr".into(), 7.0);
-    let mut fresh = dp::Sgd::new(&vm, 0.1, 0.9).unwrap();
+    let mut fresh = candle_func::optim::Sgd::new(&vm, 0.1, 0.9).unwrap();
     let err = fresh.load_state(&bad).expect_err("a misshapen moment");
     assert!(err.to_string().contains("velocity/head.weight"), "{err}");
     assert_eq!(fresh.lr(), 0.1, "a failed load changed the rate");
@@ -234,8 +240,8 @@ fn os_keyed(
     vm: &VarMap,
     d: &(Tensor, Tensor),
     engine: PrivacyEngine,
-) -> dp::PrivateTrainer<Loss, dp::Sgd, (Tracer, Tracer)> {
-    let sgd = dp::Sgd::new(vm, 0.1, 0.0).unwrap();
+) -> dp::PrivateTrainer<Loss, candle_func::optim::Sgd, (Tracer, Tracer)> {
+    let sgd = candle_func::optim::Sgd::new(vm, 0.1, 0.0).unwrap();
     engine
         .physical_batch(5)
         .trainable(Trainable::prefixes(&["head"]))
@@ -243,7 +249,11 @@ fn os_keyed(
         .unwrap()
 }
 
-fn seeded(vm: &VarMap, d: &(Tensor, Tensor), seed: u64) -> dp::PrivateTrainer<Loss, dp::Sgd, (Tracer, Tracer)> {
+fn seeded(
+    vm: &VarMap,
+    d: &(Tensor, Tensor),
+    seed: u64,
+) -> dp::PrivateTrainer<Loss, candle_func::optim::Sgd, (Tracer, Tracer)> {
     os_keyed(vm, d, PrivacyEngine::new().rng(Rng::seeded(seed)))
 }
 

@@ -6,7 +6,8 @@
 
 use candle_core::Tensor;
 use candle_func::dp::accountant::{Accountant, Mechanism};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine, Sampling};
+use candle_func::dp::{self, DpConfig, PrivacyEngine, Sampling};
+use candle_func::rng::Rng;
 use candle_func::Tracer;
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -38,8 +39,8 @@ fn trainer(
     vm: &VarMap,
     d: (&Tensor, &Tensor),
     config: DpConfig,
-) -> candle_func::Result<dp::PrivateTrainer<Loss, dp::Sgd>> {
-    let sgd = dp::Sgd::new(vm, 0.1, 0.0)?;
+) -> candle_func::Result<dp::PrivateTrainer<Loss, candle_func::optim::Sgd>> {
+    let sgd = candle_func::optim::Sgd::new(vm, 0.1, 0.0)?;
     engine
         .rng(Rng::seeded(7))
         .physical_batch(4)
@@ -138,7 +139,7 @@ fn schemes_are_refused_where_unsound_or_misconfigured() {
 fn noise_for_a_target_epsilon_follows_the_scheme() {
     let (xs, ys) = data(100);
     let vm = model();
-    let sgd = dp::Sgd::new(&vm, 0.1, 0.0).unwrap();
+    let sgd = candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap();
     let mut t = PrivacyEngine::new()
         .sampling(Sampling::WithoutReplacement)
         .rng(Rng::seeded(1))

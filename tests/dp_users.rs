@@ -6,7 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_func::dp::accountant::{Accountant, Mechanism};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine, Sampling, UserGradient};
+use candle_func::dp::{DpConfig, PrivacyEngine, Sampling, UserGradient};
+use candle_func::rng::Rng;
 use candle_func::{grad, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -48,7 +49,7 @@ fn one_example_a_user_is_example_level_dp_bit_for_bit() {
                 .make_private(
                     two_layer_loss,
                     &vm,
-                    dp::Sgd::new(&vm, 0.1, 0.5).unwrap(),
+                    candle_func::optim::Sgd::new(&vm, 0.1, 0.5).unwrap(),
                     (&xs, &ys),
                     DpConfig::new(8, 0.9, 0.5),
                 )
@@ -156,7 +157,7 @@ fn a_users_combined_gradient_is_clipped_whole_ghost_or_not() {
                 .make_private(
                     seq_loss,
                     &vm,
-                    dp::Sgd::new(&vm, 1.0, 0.0).unwrap(),
+                    candle_func::optim::Sgd::new(&vm, 1.0, 0.0).unwrap(),
                     (&ids, &y),
                     DpConfig::new(7, 0.0, 2.0),
                 )
@@ -185,7 +186,7 @@ fn the_cap_takes_at_most_k_examples_of_a_user() {
         .make_private(
             seq_loss,
             &vm,
-            dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
             (&ids, &y),
             DpConfig::new(7, 1.0, 1.0),
         )
@@ -224,7 +225,7 @@ fn the_noise_and_epsilon_are_the_user_level_analysis() {
             .make_private(
                 loss,
                 &vm,
-                dp::Sgd::new(&vm, 1.0, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 1.0, 0.0).unwrap(),
                 (&xs, &ys),
                 DpConfig::new(batch, sigma, c),
             )
@@ -272,7 +273,7 @@ fn ghost_norms_keep_a_users_gradient_unmaterialised() {
             .make_private(
                 loss,
                 &vm,
-                dp::Sgd::new(&vm, 1.0, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 1.0, 0.0).unwrap(),
                 (&xs, &ys),
                 DpConfig::new(4, 1.0, 1.0),
             )
@@ -294,7 +295,7 @@ fn make_private_with_epsilon_counts_users() {
         .make_private_with_epsilon(
             seq_loss,
             &vm,
-            dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
             (&ids, &y),
             DpConfig::new(2, 0.0, 1.0),
             (4.0, 1e-5, 3.0),
@@ -319,7 +320,7 @@ fn a_checkpoint_refuses_another_grouping_of_users() {
             .make_private(
                 seq_loss,
                 &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
                 (&ids, &y),
                 DpConfig::new(3, 1.0, 1.0),
             )
@@ -345,7 +346,7 @@ fn bad_user_input_is_refused() {
             .make_private(
                 seq_loss,
                 &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
                 (&ids, &y),
                 DpConfig::new(batch, 1.0, 1.0),
             )
@@ -396,7 +397,7 @@ fn distributed_users_are_the_single_process_step() {
             .make_private(
                 seq_loss,
                 &vm,
-                dp::Sgd::new(&vm, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&vm, 0.1, 0.0).unwrap(),
                 (&ids, &y),
                 DpConfig::new(3, 0.8, 1.0),
             )

@@ -126,7 +126,8 @@ fn products_and_gradient_sums_over_long_axes_accumulate_in_f32() {
 
 #[test]
 fn a_private_sum_of_half_precision_gradients_accumulates_in_f32() {
-    use candle_func::dp::{privatize, rng::Rng};
+    use candle_func::dp::privatize;
+    use candle_func::rng::Rng;
     use std::collections::BTreeMap;
     // WIDE examples' gradients of 1 each (norms under the clip): summed
     // in bf16 they stop at 256
@@ -153,7 +154,7 @@ fn a_private_sum_of_half_precision_gradients_accumulates_in_f32() {
 /// to the half dtype after every step.
 #[test]
 fn optimiser_moments_of_half_precision_weights_are_kept_in_f32() {
-    use candle_func::dp::{Adam, AdamW, Optimizer, Sgd};
+    use candle_func::optim::{Adam, AdamW, Optimizer, Sgd};
     use std::collections::BTreeMap;
     let init: Vec<f32> = (0..64).map(|i| 1.0 + i as f32 / 64.0).collect();
     // (the weight's dtype, the dtype an f32 weight is rounded to per step)

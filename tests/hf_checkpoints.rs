@@ -376,7 +376,7 @@ fn forward_mode_through_a_pretrained_model_agrees_with_finite_differences() {
 
 #[test]
 fn the_dp_trainer_fine_tunes_a_pretrained_classifier() {
-    use candle_func::dp::{self, DpConfig, PrivacyEngine};
+    use candle_func::dp::{DpConfig, PrivacyEngine};
     use candle_func::nn::{cross_entropy, Params, Reduction};
     let m = load_bert(&fixture("bert_cls")).unwrap();
     // every weight a variable the optimiser updates, under its checkpoint name
@@ -408,12 +408,12 @@ fn the_dp_trainer_fine_tunes_a_pretrained_classifier() {
         cross_entropy(&logits.unsqueeze(0)?, &y.unsqueeze(0)?, Reduction::Mean)
     };
     let mut trainer = PrivacyEngine::new()
-        .rng(dp::rng::Rng::seeded(1))
+        .rng(candle_func::rng::Rng::seeded(1))
         .physical_batch(4)
         .make_private(
             loss,
             &varmap,
-            dp::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
             (&xs, &ys),
             DpConfig::new(6, 1.0, 1.0),
         )

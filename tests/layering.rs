@@ -6,7 +6,7 @@
 //!
 //! Bottom to top (`error` is shared by all, `env` beside it is the machine
 //! and the process), one module per layer:
-//! `error` ← `env` ← `ir` ← `kernels` ← `rules` ← `interp` ← `trace` ← `ops` ←
+//! `error` ← `env` ← `ir` ← `kernels` ← `rng` ← `rules` ← `interp` ← `trace` ← `ops` ←
 //! `transforms` ← `control` ← `optim` ← `nn` ← `dp` ← `models` ← `lib.rs` (with
 //! the root's re-exporting modules and the deprecated names). The layers
 //! built on the transforms (`control`, `optim`, `nn`, `dp`, `models`) do not
@@ -25,17 +25,18 @@ fn rank(module: &str) -> Option<usize> {
         "env" => 1,
         "ir" => 2,
         "kernels" => 3,
-        "rules" => 4,
-        "interp" => 5,
-        "trace" => 6,
-        "ops" => 7,
-        "transforms" => 8,
-        "control" => 9,
-        "optim" => 10,
-        "nn" => 11,
-        "dp" => 12,
-        "models" => 13,
-        "lib" | "deprecated" => 14,
+        "rng" => 4,
+        "rules" => 5,
+        "interp" => 6,
+        "trace" => 7,
+        "ops" => 8,
+        "transforms" => 9,
+        "control" => 10,
+        "optim" => 11,
+        "nn" => 12,
+        "dp" => 13,
+        "models" => 14,
+        "lib" | "deprecated" => 15,
         _ => return None,
     })
 }
@@ -219,7 +220,7 @@ fn upward_imports(path: &[&str], src: &str, roots: &HashMap<String, String>) -> 
                 Some(_) if target == "interp" && above_the_engine(module) => {
                     Some("interp, which the layers built on the transforms never see".to_string())
                 }
-                None if own < 12 && !target.is_empty() => {
+                None if own < 13 && !target.is_empty() => {
                     Some(format!("{target}, a crate-root name the checker cannot place"))
                 }
                 _ => None,
@@ -338,7 +339,7 @@ fn layers_point_down() {
         }
         let mut checks: Vec<String> = match path.first() {
             Some(&"rules") => impure(&text),
-            Some(&"kernels") => mutable_globals(&text),
+            Some(&"kernels" | &"rng") => mutable_globals(&text),
             _ => Vec::new(),
         };
         if path.first() != Some(&"env") {
@@ -413,6 +414,9 @@ fn the_checker_places_root_names_globs_and_same_rank_modules() {
     assert_eq!(up(&["env"], "use crate::ir::Options;").len(), 1);
     assert_eq!(up(&["optim"], "use crate::nn::Params;").len(), 1);
     assert!(up(&["nn", "lora"], "use crate::optim::Sgd;").is_empty());
+    // the generator: on the kernels, under the random primitives' rules
+    assert!(up(&["rules", "random"], "use crate::rng::Rng;").is_empty());
+    assert_eq!(up(&["kernels", "attention"], "use crate::rng::Rng;").len(), 1);
     assert_eq!(
         up(&["dp", "budget"], "let m = crate::interp::exec::resident();").len(),
         1

@@ -6,13 +6,14 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine, Trainable};
+use candle_func::dp::{self, DpConfig, PrivacyEngine, Trainable};
 use candle_func::models::bert::BertForSequenceClassification;
 use candle_func::models::gpt2::Gpt2LmHeadModel;
 use candle_func::models::llama::LlamaForCausalLM;
 use candle_func::models::roberta::RobertaForSequenceClassification;
 use candle_func::models::Checkpoint;
 use candle_func::nn::{self, Lora, LoraConfig, Module, Params};
+use candle_func::rng::Rng;
 use candle_func::{jit, Error, Tracer};
 use common::max_diff;
 use std::collections::BTreeMap;
@@ -173,7 +174,7 @@ fn the_dp_trainer_trains_the_adapters_and_the_head_alone() {
         .make_private_examples(
             loss,
             &varmap,
-            dp::Adam::new(&varmap, 0.01).unwrap(),
+            candle_func::optim::Adam::new(&varmap, 0.01).unwrap(),
             &(&xs, &ys),
             DpConfig::new(6, 1.0, 1.0),
         )
@@ -209,7 +210,7 @@ fn an_adapter_the_loss_never_applies_is_an_error_naming_it() {
         .make_private_examples(
             loss,
             &varmap,
-            dp::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
+            candle_func::optim::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
             &(&xs, &ys),
             DpConfig::new(6, 1.0, 1.0),
         )
@@ -286,7 +287,7 @@ fn adapter_dropout_runs_in_training_mode_under_the_engines_randomness() {
             .make_private_examples(
                 loss,
                 &varmap,
-                dp::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
+                candle_func::optim::Sgd::new(&varmap, 0.1, 0.0).unwrap(),
                 &(&xs, &ys),
                 DpConfig::new(8, 1.0, 1.0),
             )
@@ -385,7 +386,7 @@ fn merging_into_a_map_without_the_base_weights_is_an_error_naming_one() {
 /// leaves the base, and a map without the adapters is refused by name.
 #[test]
 fn a_lora_step_differentiates_the_adapters_alone() {
-    use candle_func::dp::Optimizer;
+    use candle_func::optim::Optimizer;
     for (name, targets) in FAMILIES {
         let m = load(name, &fixture(name));
         let varmap = nn::varmap_of(m.as_ref()).unwrap();
@@ -411,7 +412,7 @@ fn a_lora_step_differentiates_the_adapters_alone() {
         let base = m.params()[&base_name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let a_name = trainable.keys().find(|k| k.contains("lora_A")).unwrap().clone();
         let a = trainable[&a_name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let mut sgd = dp::Sgd::new(&varmap, 0.5, 0.0).unwrap();
+        let mut sgd = candle_func::optim::Sgd::new(&varmap, 0.5, 0.0).unwrap();
         sgd.step(&g).unwrap();
         let moved = trainable[&a_name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_ne!(moved, a, "{name}: the map sees the stepped adapter");

@@ -5,7 +5,8 @@
 //! and the optimiser's state.
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_func::dp::{self, rng::Rng, DpConfig, Precision, PrivacyEngine, Trainable};
+use candle_func::dp::{self, DpConfig, Precision, PrivacyEngine, Trainable};
+use candle_func::rng::Rng;
 use candle_func::{make_graph, nn, Error, Tracer};
 use candle_nn::VarMap;
 use std::collections::BTreeMap;
@@ -47,7 +48,7 @@ fn trainer(
     vm: &VarMap,
     precision: Precision,
     trainable: &[&str],
-) -> candle_func::Result<dp::PrivateTrainer<Loss, dp::Sgd>> {
+) -> candle_func::Result<dp::PrivateTrainer<Loss, candle_func::optim::Sgd>> {
     let (xs, ys) = data();
     PrivacyEngine::new()
         .rng(Rng::seeded(3))
@@ -57,7 +58,7 @@ fn trainer(
         .make_private(
             loss as Loss,
             vm,
-            dp::Sgd::new(vm, 0.5, 0.0)?,
+            candle_func::optim::Sgd::new(vm, 0.5, 0.0)?,
             (&xs, &ys),
             DpConfig::new(32, 0.0, 0.05),
         )
@@ -189,7 +190,7 @@ fn resumes(precision: Precision) {
             .make_private(
                 loss as Loss,
                 vm,
-                dp::AdamW::new(vm, 1e-3, 0.01).unwrap(),
+                candle_func::optim::AdamW::new(vm, 1e-3, 0.01).unwrap(),
                 (&xs, &ys),
                 DpConfig::new(32, 1.0, 0.05),
             )

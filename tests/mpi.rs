@@ -13,7 +13,9 @@
 use candle_core::Tensor;
 use candle_func::dp::collective::{Collective, CollectiveFailure};
 use candle_func::dp::mpi::MpiCollective;
-use candle_func::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
+use candle_func::dp::{DpConfig, PrivacyEngine, PrivateTrainer};
+use candle_func::optim::Sgd;
+use candle_func::rng::Rng;
 use candle_func::Tracer;
 use candle_nn::VarMap;
 use std::collections::BTreeMap;

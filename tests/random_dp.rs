@@ -11,7 +11,8 @@
 
 use candle_core::{Device, Tensor};
 use candle_func::dp::accountant::{compute_rdp, eps_from_rdp, noise_multiplier, Accountant, Mechanism};
-use candle_func::dp::{self, rng::Rng, DpConfig, PrivacyEngine};
+use candle_func::dp::{DpConfig, PrivacyEngine};
+use candle_func::rng::Rng;
 use candle_func::{Error, Tracer};
 use candle_nn::VarMap;
 use proptest::prelude::*;
@@ -136,7 +137,7 @@ fn run(c: &Case) -> candle_func::Result<std::result::Result<&'static str, String
     if let Some(n) = c.physical {
         engine = engine.physical_batch(n);
     }
-    let opt = dp::Sgd::new(&vm, c.lr, 0.0)?;
+    let opt = candle_func::optim::Sgd::new(&vm, c.lr, 0.0)?;
     let config = DpConfig::new(c.batch, c.noise, c.clip);
     let mut t = match c.target {
         Some(target) => engine.make_private_with_epsilon(loss as Loss, &vm, opt, (&xs, &ys), config, target)?,

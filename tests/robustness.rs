@@ -246,7 +246,7 @@ fn dp_settings_that_would_corrupt_gradients_are_errors() {
             "max_norm {bad}"
         );
     }
-    let mut rng = dp::rng::Rng::seeded(7);
+    let mut rng = candle_func::rng::Rng::seeded(7);
     for (noise, batch) in [(-1.0, 4.0), (f64::NAN, 4.0), (1.0, 0.0), (1.0, -2.0), (1.0, f64::NAN)] {
         let r = dp::privatize(&g, 1.0, noise, batch, &mut rng);
         assert!(

@@ -1,4 +1,4 @@
-//! Optimisers over stacked parameters: `dp::Sgd`, `Adam` and `AdamW` built
+//! Optimisers over stacked parameters: `candle_func::optim::Sgd`, `Adam` and `AdamW` built
 //! over `nn::stack_vars` train an ensemble of `M` models at once, and after
 //! some steps each model's slice equals what `M` separate optimisers over
 //! the models' own variables give.
@@ -6,8 +6,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_func::dp::{self, Optimizer};
 use candle_func::nn::{self, stack_vars, unstack_params};
+use candle_func::optim::Optimizer;
 use common::{max_diff, rand};
 use std::collections::BTreeMap;
 
@@ -42,9 +42,13 @@ type Make = fn(&candle_nn::VarMap) -> Box<dyn Optimizer>;
 #[test]
 fn a_stacked_optimiser_equals_one_per_model() {
     let makers: [(&str, Make); 3] = [
-        ("sgd", |vm| Box::new(dp::Sgd::new(vm, 0.1, 0.9).unwrap())),
-        ("adam", |vm| Box::new(dp::Adam::new(vm, 0.01).unwrap())),
-        ("adamw", |vm| Box::new(dp::AdamW::new(vm, 0.01, 0.1).unwrap())),
+        ("sgd", |vm| {
+            Box::new(candle_func::optim::Sgd::new(vm, 0.1, 0.9).unwrap())
+        }),
+        ("adam", |vm| Box::new(candle_func::optim::Adam::new(vm, 0.01).unwrap())),
+        ("adamw", |vm| {
+            Box::new(candle_func::optim::AdamW::new(vm, 0.01, 0.1).unwrap())
+        }),
     ];
     for (name, make) in makers {
         let (varmaps, ms) = models();

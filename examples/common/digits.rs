@@ -59,7 +59,7 @@ pub fn load(device: &Device) -> Result<Digits, Box<dyn std::error::Error>> {
 /// The fixed train/test split: a seeded shuffle, then the first 80 % for
 /// training (1,437 examples) and the rest for testing (360).
 pub fn split(all: &Digits) -> candle_core::Result<(Digits, Digits)> {
-    let order = candle_func::dp::rng::Rng::seeded(2024).permutation(all.len());
+    let order = candle_func::rng::Rng::seeded(2024).permutation(all.len());
     let n_train = all.len() * 4 / 5;
     Ok((all.select(&order[..n_train])?, all.select(&order[n_train..])?))
 }

@@ -13,8 +13,8 @@
 //! Theorem 1): the count and the gradient together cost what one Gaussian
 //! query of multiplier `σ` costs, and the accountant records `σ`.
 
-use super::rng::Rng;
 use crate::error::{Error, Result};
+use crate::rng::Rng;
 
 /// The settings of adaptive clipping (see the module docs and
 /// [`DpConfig::adaptive`](super::DpConfig::adaptive)).

@@ -25,7 +25,7 @@
 
 use super::accountant::binomial_log_pmf;
 use crate::error::{Error, Result};
-use crate::kernels::rng::Rng;
+use crate::rng::Rng;
 
 /// The outcome of a one-run audit.
 #[derive(Clone, Debug, PartialEq)]

@@ -47,7 +47,7 @@
 //!     .make_private_with_epsilon(
 //!         loss,
 //!         &varmap,
-//!         dp::AdamW::new(&varmap, 1e-3, 0.01)?,
+//!         candle_func::optim::AdamW::new(&varmap, 1e-3, 0.01)?,
 //!         (&xs, &ys),
 //!         DpConfig::new(10, 0.0, 1.0), // expected batch 10, σ chosen below, C = 1
 //!         (3.0, 1e-5, 2.0),           // ε = 3 at δ = 1e-5 over 2 epochs
@@ -71,7 +71,6 @@ pub use super::config::{Clipping, DpConfig};
 use super::dataset::{Dataset, TensorDataset};
 use super::loss::Masked;
 use super::precision::Precision;
-use super::rng::Rng;
 use super::trainable::Trainable;
 pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
 use super::trainer::{Examples, Setup};
@@ -79,6 +78,7 @@ use super::users::{UserGradient, Users};
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
 use crate::optim::Optimizer;
+use crate::rng::Rng;
 use crate::trace::Tracer;
 use crate::transforms::tree::{SymTree, TensorTree, TreeDef};
 use crate::transforms::Function;
@@ -274,7 +274,7 @@ impl PrivacyEngine {
     /// let mut trainer = PrivacyEngine::new()
     ///     .users(&users, 2) // at most 2 of a user's 3 examples a step
     ///     .user_gradient(UserGradient::Sum)
-    ///     .make_private(loss, &varmap, dp::Sgd::new(&varmap, 0.1, 0.0)?, (&xs, &ys), DpConfig::new(5, 1.0, 1.0))?;
+    ///     .make_private(loss, &varmap, candle_func::optim::Sgd::new(&varmap, 0.1, 0.0)?, (&xs, &ys), DpConfig::new(5, 1.0, 1.0))?;
     /// let info = trainer.step()?;
     /// assert_eq!(trainer.sample_rate(), 5.0 / 20.0); // users sampled, not examples
     /// assert!(info.examples <= 2 * info.batch_size);
@@ -351,12 +351,12 @@ impl PrivacyEngine {
     ///     nn::cross_entropy(&logits, &y.unsqueeze(0)?, nn::Reduction::Mean)
     /// };
     /// let mut trainer = PrivacyEngine::new()
-    ///     .rng(dp::rng::Rng::seeded(0))
+    ///     .rng(candle_func::rng::Rng::seeded(0))
     ///     .trainable(Trainable::prefixes(&["head"])) // the embedding stays as it is
     ///     .make_private_examples(
     ///         loss,
     ///         &varmap,
-    ///         dp::Sgd::new(&varmap, 0.1, 0.0)?,
+    ///         candle_func::optim::Sgd::new(&varmap, 0.1, 0.0)?,
     ///         &(&ids, &mask, &labels),
     ///         DpConfig::new(5, 1.0, 1.0),
     ///     )?;

@@ -15,7 +15,8 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use candle_func::dp::{self, rng::Rng};
+//! use candle_func::dp;
+//! use candle_func::rng::Rng;
 //! use std::collections::BTreeMap;
 //! let mut per_sample = BTreeMap::new();
 //! per_sample.insert("w".to_string(), Tensor::new(&[[3f32, 4.], [0.3, 0.4]], &Device::Cpu)?);
@@ -41,6 +42,7 @@ mod config;
 mod dataset;
 mod engine;
 mod epsilon;
+mod fit;
 mod ghost;
 mod loss;
 #[cfg(feature = "mpi")]
@@ -57,21 +59,46 @@ pub use clip::{
 };
 pub use dataset::{Dataset, SafetensorsDataset, TensorDataset};
 pub use engine::{Clipping, DpConfig, ExampleLoss, PrivacyEngine, PrivateTrainer, StepInfo, XsYs};
-// the optimisers live in `crate::optim`; DP code names them here too
-pub use crate::optim::{Adam, AdamW, CandleOptimizer, Optimizer, OptimizerState, Sgd};
+// The optimisers live in `crate::optim`. Their old names here are kept,
+// deprecated, for one release; the trait's re-export cannot be deprecated
+// (Rust ignores it on a `use`), so it stays, hidden.
+#[doc(hidden)]
+pub use crate::optim::Optimizer;
+/// Moved to `candle_func::optim::Sgd`.
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved to candle_func::optim::Sgd")]
+pub type Sgd = crate::optim::Sgd;
+/// Moved to `candle_func::optim::Adam`.
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved to candle_func::optim::Adam")]
+pub type Adam = crate::optim::Adam;
+/// Moved to `candle_func::optim::AdamW`.
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved to candle_func::optim::AdamW")]
+pub type AdamW = crate::optim::AdamW;
+/// Moved to `candle_func::optim::CandleOptimizer`.
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved to candle_func::optim::CandleOptimizer")]
+pub type CandleOptimizer<O> = crate::optim::CandleOptimizer<O>;
+/// Moved to `candle_func::optim::OptimizerState`.
+#[doc(hidden)]
+#[deprecated(since = "0.2.0", note = "moved to candle_func::optim::OptimizerState")]
+pub type OptimizerState = crate::optim::OptimizerState;
 pub use precision::Precision;
 pub use trainable::Trainable;
 pub use users::UserGradient;
-/// The seeded random source of DP-SGD (Gaussian noise, Poisson sampling,
-/// permutations): [`crate::rng`], named here too.
+/// Moved to [`crate::rng`].
+#[doc(hidden)]
 pub mod rng {
-    pub use crate::kernels::rng::Rng;
+    /// Moved to `candle_func::rng::Rng`.
+    #[deprecated(since = "0.2.0", note = "moved to candle_func::rng::Rng")]
+    pub type Rng = crate::rng::Rng;
 }
 
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
+use crate::rng::Rng;
 use candle_core::{DType, Tensor};
-use rng::Rng;
 use std::collections::BTreeMap;
 
 /// The L2 norm of each example's gradient across all parameters: `[B]` for

@@ -23,8 +23,8 @@
 //! example and the step is example-level DP's, bit for bit.
 
 use super::accountant::Sampling;
-use super::rng::Rng;
 use crate::error::{Error, Result};
+use crate::rng::Rng;
 use candle_core::{DType, Tensor};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;

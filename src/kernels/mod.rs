@@ -25,9 +25,7 @@
 //!   [`softmax`]: the last-axis softmax; [`scale`]: one factor per row (DP's
 //!   clip factors).
 //! * [`compare`]: a tensor against a scalar (ReLU's gradient mask).
-//! * `rng` and `ziggurat`: the seeded and the OS-keyed ChaCha12 streams and
-//!   the Gaussian samplers DP's noise draws from; `copies`: the count of
-//!   bytes a run copied to change a layout.
+//! * `copies`: the count of bytes a run copied to change a layout.
 //!
 //! Each is a multi-threaded CPU kernel for f32/f64 with a generic
 //! candle-op fallback on every other device and dtype.
@@ -41,7 +39,6 @@ pub mod epilogue;
 pub mod fastmath;
 pub mod outer;
 pub mod pool;
-pub(crate) mod rng;
 pub mod rows;
 pub mod scale;
 pub(crate) mod scatter;
@@ -51,7 +48,6 @@ pub mod softmax;
 pub mod transpose;
 pub mod unfold;
 pub(crate) mod widen;
-pub(crate) mod ziggurat;
 pub(crate) mod zip;
 
 use candle_core::{bail, DType, Layout, Result, Tensor};

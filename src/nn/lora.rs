@@ -14,7 +14,7 @@
 
 use super::{Dropout, Module, Params};
 use crate::error::{Error, Result};
-use crate::kernels::rng::Rng;
+use crate::rng::Rng;
 use crate::trace::Tracer;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
@@ -265,7 +265,7 @@ impl Lora {
     /// use candle_core::{DType, Device, Tensor};
     /// use candle_func::nn::{self, Lora, LoraConfig, Module, Params};
     /// use candle_func::{grad, Tracer};
-    /// use candle_func::dp::{Optimizer, Sgd};
+    /// use candle_func::optim::{Optimizer, Sgd};
     /// use candle_nn::{VarBuilder, VarMap};
     /// use std::collections::BTreeMap;
     /// let base = VarMap::new();

@@ -34,7 +34,7 @@ mod attention;
 mod convert;
 mod layers;
 mod lora;
-pub mod loss;
+mod losses;
 mod norm;
 mod recurrent;
 mod transformer;
@@ -47,7 +47,42 @@ pub use layers::{
     linear_no_bias, seq, Activation, AvgPool2d, Conv, ConvConfig, Dropout, Flatten, Linear, MaxPool2d, Sequential,
 };
 pub use lora::{Lora, LoraConfig};
-pub use loss::{bce_with_logits, cross_entropy, cross_entropy_with, huber, l1, mse, nll, CrossEntropy, Reduction};
+pub use losses::{bce_with_logits, cross_entropy, cross_entropy_with, huber, l1, mse, nll, CrossEntropy, Reduction};
+
+/// The losses' old path (`nn::loss::mse`): each is at `nn::` (`nn::mse`),
+/// its one path; these are deprecated, for one release.
+#[doc(hidden)]
+pub mod loss {
+    use crate::error::Result;
+    use crate::trace::Tracer;
+
+    /// A deprecated name of the loss at `nn::`.
+    macro_rules! moved {
+        ($name:ident, $note:literal, ($($a:ident: $t:ty),*)) => {
+            #[doc = $note]
+            #[deprecated(since = "0.2.0", note = $note)]
+            pub fn $name($($a: $t),*) -> Result<Tracer> {
+                super::$name($($a),*)
+            }
+        };
+    }
+    type R = super::Reduction;
+    moved!(nll, "moved to candle_func::nn::nll", (a: &Tracer, b: &Tracer, r: R));
+    moved!(cross_entropy, "moved to candle_func::nn::cross_entropy", (a: &Tracer, b: &Tracer, r: R));
+    moved!(mse, "moved to candle_func::nn::mse", (a: &Tracer, b: &Tracer, r: R));
+    moved!(l1, "moved to candle_func::nn::l1", (a: &Tracer, b: &Tracer, r: R));
+    moved!(bce_with_logits, "moved to candle_func::nn::bce_with_logits", (a: &Tracer, b: &Tracer, r: R));
+    moved!(huber, "moved to candle_func::nn::huber", (a: &Tracer, b: &Tracer, delta: f64, r: R));
+    moved!(cross_entropy_with, "moved to candle_func::nn::cross_entropy_with", (a: &Tracer, b: &Tracer, o: super::CrossEntropy));
+
+    /// Moved to `candle_func::nn::Reduction`.
+    #[deprecated(since = "0.2.0", note = "moved to candle_func::nn::Reduction")]
+    pub type Reduction = super::Reduction;
+
+    /// Moved to `candle_func::nn::CrossEntropy`.
+    #[deprecated(since = "0.2.0", note = "moved to candle_func::nn::CrossEntropy")]
+    pub type CrossEntropy = super::CrossEntropy;
+}
 pub use norm::{
     batch_norm, group_norm, layer_norm, layer_norm_no_bias, rms_norm, BatchNorm, GroupNorm, LayerNorm, RmsNorm,
 };

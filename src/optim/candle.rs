@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 ///
 /// ```
 /// use candle_core::{DType, Device};
-/// use candle_func::dp::{CandleOptimizer, Optimizer};
+/// use candle_func::optim::{CandleOptimizer, Optimizer};
 /// use candle_nn::{AdamW, ParamsAdamW};
 /// let varmap = candle_nn::VarMap::new();
 /// let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);

@@ -11,7 +11,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::ir::ops::Uniform;
 use crate::ir::options::Randomness;
 use crate::ir::{Prim, TensorType, VarId};
-use crate::kernels::rng::Rng;
+use crate::rng::Rng;
 use candle_core::{DType, Tensor};
 
 impl Rule for Uniform {

@@ -9,7 +9,7 @@
 use super::pld::Pld;
 use super::Mechanism;
 use crate::error::{Error, Result};
-use crate::kernels::rng::Rng;
+use crate::rng::Rng;
 
 /// How each step's batch is drawn; the accountant analyses the run under it
 /// (see [`Mechanism`] for which analyses apply to which scheme).

@@ -50,10 +50,10 @@ mod folder;
 mod tests;
 
 use super::accountant::Accountant;
-use super::rng::Rng;
 use super::trainer::PrivateTrainer;
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, OptimizerState};
+use crate::rng::Rng;
 use crate::transforms::settings::warn_once;
 use candle_core::{Device, Tensor};
 use folder::{hex, io};

@@ -2,8 +2,10 @@
 //! resuming it gives the run it saved, bit for bit.
 
 use super::folder::{DIGEST, FAIL_AT};
-use crate::dp::{rng::Rng, DpConfig, PrivacyEngine, PrivateTrainer, Sgd};
+use crate::dp::{DpConfig, PrivacyEngine, PrivateTrainer};
 use crate::nn;
+use crate::optim::Sgd;
+use crate::rng::Rng;
 use crate::trace::Tracer;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;

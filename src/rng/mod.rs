@@ -34,7 +34,7 @@
 //! threads, and no two blocks or calls share a stream.
 //!
 //! ```
-//! use candle_func::dp::rng::Rng;
+//! use candle_func::rng::Rng;
 //! let mut a = Rng::seeded(42); // reproducible, not secure
 //! let mut b = Rng::seeded(42);
 //! assert_eq!(a.next_u64(), b.next_u64());
@@ -45,13 +45,16 @@
 //! # Ok::<(), candle_func::Error>(())
 //! ```
 
-use super::ziggurat::fill_normal_f32;
-use super::{by_blocks, contiguous_slice, has_cpu_kernel, output, Elem, BLOCK};
+mod ziggurat;
+
+use crate::env::Path;
 use crate::error::{Error, Result};
+use crate::kernels::{by_blocks, contiguous_slice, has_cpu_kernel, output, Elem, BLOCK};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor, WithDType};
 use rand::{Rng as _, RngCore, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 use rand_distr::StandardNormal;
+use ziggurat::fill_normal_f32;
 
 /// A ChaCha12 generator with the draws DP-SGD needs. It is not `Clone`: a
 /// copy would repeat the original's noise, which privacy forbids.
@@ -201,19 +204,12 @@ impl Rng {
     /// passes and two parameter-sized temporaries; the noise is the same.
     /// Elsewhere (or on the portable `path`) the noise is drawn on the host
     /// and copied to the sum's device, where it is added.
-    pub(crate) fn add_noise(
-        &mut self,
-        sum: &Tensor,
-        std: f64,
-        scale: f64,
-        secure: bool,
-        path: super::Path,
-    ) -> Result<Tensor> {
+    pub(crate) fn add_noise(&mut self, sum: &Tensor, std: f64, scale: f64, secure: bool, path: Path) -> Result<Tensor> {
         let draws = if secure { SECURE_DRAWS } else { 1 };
         // half precision noised and scaled in f32 and rounded once (in
         // bf16 the sum plus its noise, then the scale, round twice, and
         // the scale itself: 1/300 is 0.4% off)
-        if super::is_half(sum.dtype()) {
+        if crate::kernels::is_half(sum.dtype()) {
             let wide = sum.to_dtype(DType::F32)?;
             return Ok(self.add_noise(&wide, std, scale, secure, path)?.to_dtype(sum.dtype())?);
         }
@@ -458,7 +454,7 @@ mod tests {
         for dt in [DType::BF16, DType::F16] {
             let half = sum.to_dtype(dt).unwrap();
             let got = Rng::seeded(1)
-                .add_noise(&half, 0.0, 1.0 / 300.0, false, crate::kernels::Path::Fast)
+                .add_noise(&half, 0.0, 1.0 / 300.0, false, Path::Fast)
                 .unwrap();
             let want = (half.to_dtype(DType::F32).unwrap() * (1.0 / 300.0))
                 .unwrap()
@@ -482,9 +478,7 @@ mod tests {
                     .unwrap();
                 let sum = sum.to_dtype(dt).unwrap();
                 // The same key: the separate ops draw the same noise.
-                let fused = Rng::seeded(9)
-                    .add_noise(&sum, std, scale, secure, crate::kernels::Path::Fast)
-                    .unwrap();
+                let fused = Rng::seeded(9).add_noise(&sum, std, scale, secure, Path::Fast).unwrap();
                 let draws = if secure { SECURE_DRAWS } else { 1 };
                 // bf16 is noised and scaled in f32, rounded once
                 let work = if dt == DType::BF16 { DType::F32 } else { dt };
@@ -493,7 +487,7 @@ mod tests {
                 let apart = ((&wide + noise).unwrap() * scale).unwrap().to_dtype(dt).unwrap();
                 // the portable path is the separate ops themselves
                 let portable = Rng::seeded(9)
-                    .add_noise(&sum, std, scale, secure, crate::kernels::Path::Portable)
+                    .add_noise(&sum, std, scale, secure, Path::Portable)
                     .unwrap();
                 let same = portable.eq(&apart).unwrap().to_dtype(DType::F64).unwrap();
                 assert_eq!(
@@ -514,7 +508,7 @@ mod tests {
                 assert!(diff <= tol * 40_000.0 * scale, "{dt:?} secure {secure}: {diff}");
                 // A transposed sum (not contiguous) takes the separate ops.
                 let t = Rng::seeded(9)
-                    .add_noise(&sum.t().unwrap(), std, scale, secure, crate::kernels::Path::Fast)
+                    .add_noise(&sum.t().unwrap(), std, scale, secure, Path::Fast)
                     .unwrap();
                 let sep = Rng::seeded(9).noise(std, &[200, 200], dt, &dev, draws).unwrap();
                 let want = ((sum.t().unwrap() + sep).unwrap() * scale).unwrap();
@@ -526,14 +520,14 @@ mod tests {
         // NaN in the sum stays NaN; a bad deviation is an error naming the op.
         let sum = Tensor::new(&[1f32, f32::NAN, 3.0], &dev).unwrap();
         let out = Rng::seeded(1)
-            .add_noise(&sum, 1.0, 0.5, true, crate::kernels::Path::Fast)
+            .add_noise(&sum, 1.0, 0.5, true, Path::Fast)
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
         assert!(out[1].is_nan() && out[0].is_finite() && out[2].is_finite());
         for std in [-1.0, f64::NAN] {
             let msg = Rng::seeded(1)
-                .add_noise(&sum, std, 1.0, true, crate::kernels::Path::Fast)
+                .add_noise(&sum, std, 1.0, true, Path::Fast)
                 .unwrap_err()
                 .to_string();
             assert!(msg.contains("normal_tensor"), "{msg}");
