@@ -2,6 +2,7 @@
 //! list of examples by index. Each step fetches only the examples it
 //! sampled, so a data set need not fit in memory.
 
+use super::users::Users;
 use crate::error::{Error, Result};
 use crate::transforms::tree::{TensorTree, TreeDef};
 use candle_core::{DType, Device, Tensor};
@@ -367,5 +368,66 @@ impl Dataset for SafetensorsDataset {
                 Ok(Tensor::from_raw_buffer(&b, *dtype, &dims, &self.device)?)
             })
             .collect()
+    }
+}
+
+/// The data set the trainer samples from, with its size and leaf paths.
+pub(super) struct Examples {
+    pub(super) source: Box<dyn Dataset>,
+    pub(super) n: usize,
+    pub(super) paths: Vec<String>,
+    /// The examples' users, under user-level DP.
+    pub(super) users: Option<Users>,
+}
+
+impl Examples {
+    /// `source`, checked to hold examples and to describe as many leaves as
+    /// its tree has.
+    pub(super) fn new(source: Box<dyn Dataset>) -> Result<Examples> {
+        let (n, def, shapes) = (source.len(), source.tree(), source.shapes());
+        if n == 0 || shapes.len() != def.leaf_count() {
+            return Err(Error::data(
+                "make_private",
+                format!(
+                    "the data set has {n} examples and {} leaf shapes for a tree of {} leaves",
+                    shapes.len(),
+                    def.leaf_count()
+                ),
+            ));
+        }
+        let paths = leaf_names(&def);
+        Ok(Examples {
+            source,
+            n,
+            paths,
+            users: None,
+        })
+    }
+
+    /// What is sampled: the users, or the examples.
+    pub(super) fn units(&self) -> usize {
+        self.users.as_ref().map_or(self.n, Users::len)
+    }
+
+    /// Each leaf's path and `[N, ..shape]`.
+    pub(super) fn dims(&self) -> Vec<(String, Vec<usize>)> {
+        let shapes = self.source.shapes();
+        self.paths
+            .iter()
+            .zip(shapes)
+            .map(|(p, (s, _))| (p.clone(), std::iter::once(self.n).chain(s).collect()))
+            .collect()
+    }
+
+    /// What ranks compare to agree on the data ([`Dataset::fingerprint`]),
+    /// under the leaves' paths and the count.
+    pub(super) fn probe(&self) -> Result<Vec<(String, Tensor)>> {
+        let prints = self.source.fingerprint()?;
+        Ok(self
+            .paths
+            .iter()
+            .map(|p| format!("{p} of {}", self.n))
+            .zip(prints)
+            .collect())
     }
 }

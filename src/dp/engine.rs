@@ -68,12 +68,13 @@ use super::adaptive::Adaptive;
 use super::clip::clipped_grad_sum;
 use super::config::groups;
 pub use super::config::{Clipping, DpConfig};
+use super::dataset::Examples;
 use super::dataset::{Dataset, TensorDataset};
 use super::loss::Masked;
 use super::precision::Precision;
 use super::trainable::Trainable;
+use super::trainer::Setup;
 pub use super::trainer::{ExampleLoss, PrivateTrainer, StepInfo, XsYs};
-use super::trainer::{Examples, Setup};
 use super::users::{UserGradient, Users};
 use crate::error::{Error, Result};
 use crate::ir::options::Options;
@@ -426,24 +427,7 @@ impl PrivacyEngine {
         let n = data.units();
         let q = sample_rate(config.batch_size, n)?;
         super::positive("make_private", "noise_multiplier", config.noise_multiplier, true)?;
-        if let Sampling::TruncatedPoisson { dataset_size, .. } = self.sampling {
-            if dataset_size != n {
-                let expected = format!("{n} (the number of {})", units(data.users.is_some()));
-                return Err(Error::privacy(
-                    "make_private",
-                    "Sampling::TruncatedPoisson dataset_size",
-                    expected,
-                    dataset_size,
-                ));
-            }
-        }
-        let names = crate::optim::var_names(varmap)?;
-        if names.is_empty() {
-            return Err(Error::data("make_private", "the VarMap has no variables to train"));
-        }
-        if self.physical_batch == Some(0) {
-            return Err(Error::privacy("make_private", "physical_batch", ">= 1", 0));
-        }
+        let names = self.checked_names(varmap, n, data.users.is_some())?;
         let (trainable, frozen_names) = self.trainable.split(&names)?;
         let (of_leaf, bounds) = groups(&trainable, &config.clipping)?;
         let sensitivity = bounds.iter().map(|c| c * c).sum::<f64>().sqrt();
@@ -476,18 +460,7 @@ impl PrivacyEngine {
         }
         let clip = clip.ghost(self.ghost).options(self.options);
         let accountant = self.accountant_new()?;
-        let rng = match self.rng {
-            Some(r) => r,
-            None => Rng::from_os()?,
-        };
-        if rng.is_seeded() {
-            crate::transforms::settings::warn_once(
-                "dp-seeded-rng".into(),
-                "make_private: a seeded generator makes the noise predictable from its seed: \
-                 reproducible, but not private"
-                    .into(),
-            );
-        }
+        let rng = Self::generator(self.rng)?;
         let setup = Setup {
             trainable,
             accountant,
@@ -518,6 +491,49 @@ impl PrivacyEngine {
 }
 
 impl PrivacyEngine {
+    /// The names of `varmap`'s variables, checked with the engine's
+    /// settings against a data set of `n` units (users, where `by_user`).
+    fn checked_names(&self, varmap: &VarMap, n: usize, by_user: bool) -> Result<Vec<String>> {
+        if let Sampling::TruncatedPoisson { dataset_size, .. } = self.sampling {
+            if dataset_size != n {
+                let expected = format!("{n} (the number of {})", units(by_user));
+                return Err(Error::privacy(
+                    "make_private",
+                    "Sampling::TruncatedPoisson dataset_size",
+                    expected,
+                    dataset_size,
+                ));
+            }
+        }
+        let names = crate::optim::var_names(varmap)?;
+        if names.is_empty() {
+            return Err(Error::data("make_private", "the VarMap has no variables to train"));
+        }
+        if self.physical_batch == Some(0) {
+            return Err(Error::privacy("make_private", "physical_batch", ">= 1", 0));
+        }
+        Ok(names)
+    }
+
+    /// The generator `given` to the engine, else one keyed by the
+    /// operating system; a seeded one is warned about (its noise is
+    /// predictable).
+    fn generator(given: Option<Rng>) -> Result<Rng> {
+        let rng = match given {
+            Some(r) => r,
+            None => Rng::from_os()?,
+        };
+        if rng.is_seeded() {
+            crate::transforms::settings::warn_once(
+                "dp-seeded-rng".into(),
+                "make_private: a seeded generator makes the noise predictable from its seed: \
+                 reproducible, but not private"
+                    .into(),
+            );
+        }
+        Ok(rng)
+    }
+
     /// The users of `n` examples, under user-level DP.
     pub(super) fn users_of(&self, n: usize) -> Result<Option<Users>> {
         match (&self.users, self.user_gradient) {

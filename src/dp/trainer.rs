@@ -7,7 +7,7 @@ use super::accountant::Accountant;
 use super::adaptive::Adaptive;
 use super::clip::ClippedGradSum;
 use super::collective::{self, Collective};
-use super::dataset::Dataset;
+use super::dataset::Examples;
 use super::loss::Masked;
 pub use super::loss::{ExampleLoss, XsYs};
 use super::users::{self, Share, UserGradient, Users};
@@ -40,67 +40,6 @@ pub struct StepInfo {
     /// The flat bound this step clipped to (adaptive clipping moves it
     /// after every step; NaN per layer and under automatic clipping).
     pub clip_bound: f64,
-}
-
-/// The data set the trainer samples from, with its size and leaf paths.
-pub(super) struct Examples {
-    pub(super) source: Box<dyn Dataset>,
-    pub(super) n: usize,
-    pub(super) paths: Vec<String>,
-    /// The examples' users, under user-level DP.
-    pub(super) users: Option<Users>,
-}
-
-impl Examples {
-    /// `source`, checked to hold examples and to describe as many leaves as
-    /// its tree has.
-    pub(super) fn new(source: Box<dyn Dataset>) -> Result<Examples> {
-        let (n, def, shapes) = (source.len(), source.tree(), source.shapes());
-        if n == 0 || shapes.len() != def.leaf_count() {
-            return Err(Error::data(
-                "make_private",
-                format!(
-                    "the data set has {n} examples and {} leaf shapes for a tree of {} leaves",
-                    shapes.len(),
-                    def.leaf_count()
-                ),
-            ));
-        }
-        let paths = super::dataset::leaf_names(&def);
-        Ok(Examples {
-            source,
-            n,
-            paths,
-            users: None,
-        })
-    }
-
-    /// What is sampled: the users, or the examples.
-    pub(super) fn units(&self) -> usize {
-        self.users.as_ref().map_or(self.n, Users::len)
-    }
-
-    /// Each leaf's path and `[N, ..shape]`.
-    pub(super) fn dims(&self) -> Vec<(String, Vec<usize>)> {
-        let shapes = self.source.shapes();
-        self.paths
-            .iter()
-            .zip(shapes)
-            .map(|(p, (s, _))| (p.clone(), std::iter::once(self.n).chain(s).collect()))
-            .collect()
-    }
-
-    /// What ranks compare to agree on the data ([`Dataset::fingerprint`]),
-    /// under the leaves' paths and the count.
-    pub(super) fn probe(&self) -> Result<Vec<(String, Tensor)>> {
-        let prints = self.source.fingerprint()?;
-        Ok(self
-            .paths
-            .iter()
-            .map(|p| format!("{p} of {}", self.n))
-            .zip(prints)
-            .collect())
-    }
 }
 
 /// A DP-SGD training loop's state: the clipping transform, the optimiser,
@@ -191,22 +130,7 @@ where
     /// rank's parameters checked equal.
     pub fn step(&mut self) -> Result<StepInfo> {
         let n = self.setup.data.units();
-        let (q, rng, users) = (
-            self.setup.sample_rate,
-            &mut self.setup.rng,
-            self.setup.data.users.as_ref(),
-        );
-        // drawn by the scheme the accountant analyses, so the two agree
-        let sampling = self.setup.accountant.sampling();
-        let batch = (q * n as f64).round() as usize;
-        let mut draw = || users::draw(users, sampling, rng, (n, q, batch));
-        let (idx, mine) = match &self.comm {
-            Some(c) => {
-                let flat = collective::broadcast_batch(c.as_ref(), draw)?;
-                users::share(users, flat, (c.rank(), c.size()))?
-            }
-            None => users::share(users, draw(), (0, 1))?,
-        };
+        let (idx, mine) = self.sample()?;
         let params = self.params_now()?;
         // Distributed, a local failure must not leave the other ranks in a
         // collective: it is carried into the all-reduce as a flag, and
@@ -272,6 +196,28 @@ where
             },
             clip_bound,
         })
+    }
+
+    /// This step's logical batch, drawn by the scheme the accountant
+    /// analyses (so the two agree; rank 0's, broadcast, where distributed),
+    /// and this rank's share of it.
+    fn sample(&mut self) -> Result<(users::Share, users::Share)> {
+        let n = self.setup.data.units();
+        let (q, rng, users) = (
+            self.setup.sample_rate,
+            &mut self.setup.rng,
+            self.setup.data.users.as_ref(),
+        );
+        let sampling = self.setup.accountant.sampling();
+        let batch = (q * n as f64).round() as usize;
+        let mut draw = || users::draw(users, sampling, rng, (n, q, batch));
+        match &self.comm {
+            Some(c) => {
+                let flat = collective::broadcast_batch(c.as_ref(), draw)?;
+                users::share(users, flat, (c.rank(), c.size()))
+            }
+            None => users::share(users, draw(), (0, 1)),
+        }
     }
 
     /// This rank's clipped sum over `mine` in passes of the physical size,

@@ -95,61 +95,24 @@ fn run_inner(
     for (v, node) in g.nodes.iter().enumerate() {
         let ran_early = early[v].is_some();
         let t = match &node.prim {
-            // Detached: candle's autograd does not run through a graph (the
-            // crate's transforms differentiate), and a value that kept its
-            // candle history would keep every earlier step's tensors alive
-            // through the outputs (a training loop over parameters made from
-            // `Var`s grew by 13 MB a step).
-            Prim::Input(k) => Value::One(
-                inputs
-                    .get(*k)
-                    .map(Tensor::detach)
-                    .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
-            ),
-            Prim::Const(k) => Value::One(constant(g, *k, &device)?),
-            Prim::Scalar(x) => Value::One(scalar(*x, node.ty.dtype, &device).op("scalar")?),
-            // a result of a tuple: the tensor it holds (the same buffer)
-            Prim::Get(k) => match vals.get(node.args[0]).and_then(Option::as_ref) {
-                Some(Value::Many(ts)) if *k < ts.len() => Value::One(ts[*k].clone()),
-                _ => {
-                    return Err(Error::internal(
-                        "get",
-                        format!("no result {k} of node {}", node.args[0]),
-                    ))
-                }
-            },
+            _ if node.prim.is_leaf() || matches!(node.prim, Prim::Get(_)) => read(g, v, inputs, &vals, &device)?,
             _ if ran_early => early[v]
                 .take()
                 .ok_or_else(|| Error::internal("run", "an early result"))?,
-            prim => {
-                let args = operands(g, &vals, v)?;
-                // a GPU's kernels run after the call that queues them
-                // returns: a profile drains the queue around each node
-                if times.is_some() {
-                    device.synchronize().op(&prim.name())?;
-                }
-                let start = std::time::Instant::now();
-                let cx = |v: usize| RunCx {
+            _ => {
+                let at = Step {
+                    g,
+                    v,
+                    vals: &vals,
                     device: &device,
-                    seed: mix(seed, v as u64),
-                    copies,
-                    path,
-                    graphs: &nested,
+                    seed,
+                    kx: (copies, path),
+                    nested: &nested,
                 };
-                let t = match partner(v) {
-                    Some(u) => {
-                        let uargs = operands(g, &vals, u)?;
-                        let (t, w) = rayon::join(|| compute(g, v, &args, &cx(v)), || compute(g, u, &uargs, &cx(u)));
-                        let (t, w) = (t?, w?);
-                        w.each(|x| held.take(x));
-                        early[u] = Some(w);
-                        t
-                    }
-                    None => compute(g, v, &args, &cx(v))?,
-                };
-                if let Some(times) = times.as_mut() {
-                    device.synchronize().op(&prim.name())?;
-                    times.push((v, start.elapsed().as_secs_f64()));
+                let (t, partner) = at.compute(partner(v), times.as_deref_mut())?;
+                if let Some((u, w)) = partner {
+                    w.each(|x| held.take(x));
+                    early[u] = Some(w);
                 }
                 t
             }
@@ -157,15 +120,7 @@ fn run_inner(
         if !ran_early {
             t.each(|x| held.take(x));
         }
-        if log::log_enabled!(log::Level::Trace) {
-            log::trace!(
-                "run: node {v} {} {:?}: {:.1} MiB held, {:.1} MiB resident",
-                node.prim.name(),
-                node.ty.shape,
-                held.bytes as f64 / (1u64 << 20) as f64,
-                resident_mib()
-            );
-        }
+        trace_node(g, v, held.bytes);
         vals[v] = Some(t);
         live += 1;
         stats.peak_values = stats.peak_values.max(live);
@@ -193,6 +148,99 @@ fn run_inner(
         .ok_or_else(|| Error::internal("run", "an output was not computed, or is a tuple"))?;
     stats.copied_bytes = copies.bytes() - copied_before;
     Ok((outs, stats))
+}
+
+/// What computing one node needs of its run.
+struct Step<'a> {
+    g: &'a Graph,
+    v: usize,
+    vals: &'a [Option<Value>],
+    device: &'a Device,
+    seed: u64,
+    kx: Kx<'a>,
+    nested: &'a Nested<'a>,
+}
+
+impl Step<'_> {
+    /// Node `v` computed by its rule, and beside it on the pool its
+    /// partner `u` where it has one (its value, kept for when the run gets
+    /// to it); timed where `times` is given.
+    #[allow(clippy::type_complexity)]
+    fn compute(&self, u: Option<usize>, times: Option<&mut NodeTimes>) -> Result<(Value, Option<(usize, Value)>)> {
+        let (g, v) = (self.g, self.v);
+        let prim = &g.nodes[v].prim;
+        let args = operands(g, self.vals, v)?;
+        // a GPU's kernels run after the call that queues them returns: a
+        // profile drains the queue around each node
+        if times.is_some() {
+            self.device.synchronize().op(&prim.name())?;
+        }
+        let start = std::time::Instant::now();
+        let cx = |v: usize| RunCx {
+            device: self.device,
+            seed: mix(self.seed, v as u64),
+            copies: self.kx.0,
+            path: self.kx.1,
+            graphs: self.nested,
+        };
+        let out = match u {
+            Some(u) => {
+                let uargs = operands(g, self.vals, u)?;
+                let (t, w) = rayon::join(|| compute(g, v, &args, &cx(v)), || compute(g, u, &uargs, &cx(u)));
+                (t?, Some((u, w?)))
+            }
+            None => (compute(g, v, &args, &cx(v))?, None),
+        };
+        if let Some(times) = times {
+            self.device.synchronize().op(&prim.name())?;
+            times.push((v, start.elapsed().as_secs_f64()));
+        }
+        Ok(out)
+    }
+}
+
+/// The value of node `v` where no rule computes it: an input, a captured
+/// tensor, a literal, or a result of a tuple (the tensor the tuple holds,
+/// the same buffer).
+fn read(g: &Graph, v: usize, inputs: &[Tensor], vals: &[Option<Value>], device: &Device) -> Result<Value> {
+    let node = &g.nodes[v];
+    Ok(Value::One(match &node.prim {
+        // Detached: candle's autograd does not run through a graph (the
+        // crate's transforms differentiate), and a value that kept its
+        // candle history would keep every earlier step's tensors alive
+        // through the outputs (a training loop over parameters made from
+        // `Var`s grew by 13 MB a step).
+        Prim::Input(k) => inputs
+            .get(*k)
+            .map(Tensor::detach)
+            .ok_or_else(|| Error::internal("run", format!("input {k} of {}", inputs.len())))?,
+        Prim::Const(k) => constant(g, *k, device)?,
+        Prim::Scalar(x) => scalar(*x, node.ty.dtype, device).op("scalar")?,
+        Prim::Get(k) => match vals.get(node.args[0]).and_then(Option::as_ref) {
+            Some(Value::Many(ts)) if *k < ts.len() => ts[*k].clone(),
+            _ => {
+                return Err(Error::internal(
+                    "get",
+                    format!("no result {k} of node {}", node.args[0]),
+                ))
+            }
+        },
+        prim => return Err(Error::internal(prim.name(), "computed by its rule")),
+    }))
+}
+
+/// The trace-level log of a run, a line a node: what it held then.
+fn trace_node(g: &Graph, v: usize, held: usize) {
+    if log::log_enabled!(log::Level::Trace) {
+        let node = &g.nodes[v];
+        log::trace!(
+            "run: node {v} {} {:?}: {:.1} MiB held, {:.1} MiB resident",
+            node.prim.name(),
+            node.ty.shape,
+            held as f64 / (1u64 << 20) as f64,
+            resident_mib()
+        );
+    }
 }
 
 /// The process's resident memory in MiB (Linux; 0 elsewhere), for the

@@ -439,6 +439,14 @@ mod tests {
                 assert!(diff < 1e-4, "{:?} {:?}", x.layout(), y.layout());
             }
         }
+        Ok(())
+    }
+
+    /// The products split between the threads: a tall one in bands of
+    /// rows, a small one along a long inner dimension; and an empty one.
+    #[test]
+    fn split_products_match_candle() -> Result<()> {
+        let d = Device::Cpu;
         // one tall product in bands of rows (where there are several
         // threads), the last band shorter, with a row- or column-major
         // right operand and a batch of two taken one product at a time

@@ -255,6 +255,45 @@ struct Differentiated<O, G> {
     grads: G,
 }
 
+/// The loss's type, where `g` returns a floating-point scalar and the
+/// arguments `sel` are floating-point tensors (as JAX and torch.func:
+/// real-valued outputs and inputs only, an integer gradient would be zeros
+/// or ones with no meaning), else an error naming `op`.
+fn differentiable(op: &'static str, g: &Graph, leaves: &[Vec<Tracer>], sel: &[usize]) -> Result<TensorType> {
+    let loss = g
+        .outputs
+        .first()
+        .map(|&o| g.ty(o).clone())
+        .unwrap_or(TensorType::new(vec![0], candle_core::DType::F32));
+    if loss.rank() != 0 {
+        return Err(Error::shape(
+            op,
+            &[&loss.shape],
+            "the differentiated function must return a scalar (shape [])",
+        ));
+    }
+    if !loss.dtype.is_float() {
+        return Err(Error::DType {
+            op,
+            dtypes: vec![loss.dtype],
+            msg: "the differentiated function must return a floating-point scalar".into(),
+        });
+    }
+    for &arg in sel {
+        if let Some(t) = leaves[arg].iter().find(|t| !t.ty.dtype.is_float()) {
+            return Err(Error::DType {
+                op,
+                dtypes: vec![t.ty.dtype],
+                msg: format!(
+                    "argument {arg} is differentiated but holds a {:?} tensor: gradients are taken with respect to floating-point tensors only (choose others with argnums)",
+                    t.ty.dtype
+                ),
+            });
+        }
+    }
+    Ok(loss)
+}
+
 fn differentiate<S, F, W>(
     f: &F,
     op: &'static str,
@@ -277,40 +316,8 @@ where
     let given = options.inherit(&outer.borrow().given);
     outer.borrow().ctx.offer_seed(options.seed);
     let (g, captures, out_def) = trace_inner(f, &outer, (given, true, false), &defs, &types)?;
-    let loss = g
-        .outputs
-        .first()
-        .map(|&o| g.ty(o).clone())
-        .unwrap_or(TensorType::new(vec![0], candle_core::DType::F32));
-    if loss.rank() != 0 {
-        return Err(Error::shape(
-            op,
-            &[&loss.shape],
-            "the differentiated function must return a scalar (shape [])",
-        ));
-    }
     let sel = W::indices();
-    // As JAX and torch.func: real-valued outputs and inputs only (an
-    // integer gradient would be zeros or ones with no meaning).
-    if !loss.dtype.is_float() {
-        return Err(Error::DType {
-            op,
-            dtypes: vec![loss.dtype],
-            msg: "the differentiated function must return a floating-point scalar".into(),
-        });
-    }
-    for &arg in &sel {
-        if let Some(t) = leaves[arg].iter().find(|t| !t.ty.dtype.is_float()) {
-            return Err(Error::DType {
-                op,
-                dtypes: vec![t.ty.dtype],
-                msg: format!(
-                    "argument {arg} is differentiated but holds a {:?} tensor: gradients are taken with respect to floating-point tensors only (choose others with argnums)",
-                    t.ty.dtype
-                ),
-            });
-        }
-    }
+    let loss = differentiable(op, &g, &leaves, &sel)?;
     let (outs, grads) = {
         let mut ob = outer.borrow_mut();
         let (mut inputs, mut wrt) = (Vec::new(), Vec::new());

@@ -286,7 +286,14 @@ fn out_of_range_inputs_are_errors_naming_the_value() {
     let e = compute_rdp(0.1, 1.0, 1, &[1e18]).unwrap_err();
     assert!(matches!(e, Error::Accounting { op: "compute_rdp", .. }), "{e:?}");
     assert!(e.to_string().contains("1000000000000000000"), "{e}");
+}
 
+/// No noise, NaN values, bad `δ`, extreme parameters and the
+/// accountant's own refusals.
+#[test]
+fn degenerate_inputs_give_no_privacy_or_errors_and_extremes_stay_finite() {
+    use crate::Error;
+    let d = default_orders();
     // No noise: no privacy.
     let (eps, order) = efr(&d, &crdp(0.1, 0.0, 10, &d), 1e-5);
     assert_eq!((eps, order), (f64::INFINITY, 1.1));

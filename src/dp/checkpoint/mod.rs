@@ -224,103 +224,16 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
 
     /// Reads and checks a saved folder against this trainer.
     fn read(&self, dir: &Path) -> Result<Restored> {
-        // the digest first, so a file cut short is named as such rather
-        // than failing to parse
-        let digested = dir.join(folder::DIGEST).exists();
-        if digested {
-            folder::verify(dir, &FILES, "PrivateTrainer::resume")?;
-        }
-        let path = dir.join("state.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| match folder::moved_aside(dir) {
-            Some(aside) if !dir.exists() => bad(format!(
-                "{} is missing; a save interrupted between its two renames left the previous checkpoint at {}: \
-                 rename that folder to {} to resume it",
-                dir.display(),
-                aside.display(),
-                dir.display()
-            )),
-            _ => io("PrivateTrainer::resume", &path, e),
-        })?;
-        let state: Value = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
-        match state["format"].as_u64() {
-            Some(FORMAT) if digested => {}
-            Some(FORMAT) => return Err(bad(format!("{} is missing", dir.join(folder::DIGEST).display()))),
-            // the first format had no digest: its history is still checked
-            Some(1) => {
-                warn_once(
-                    "dp-resume-no-digest".into(),
-                    format!(
-                        "PrivateTrainer::resume: {} was saved without a digest (format 1): \
-                         a truncated or edited file is caught only where it fails to parse",
-                        dir.display()
-                    ),
-                );
-            }
-            _ => {
-                return Err(bad(format!(
-                    "state.json has format {}, expected {FORMAT}",
-                    state["format"]
-                )))
-            }
-        }
+        let state = read_state(dir)?;
         let current = self.params_now()?;
-        let now = identity(self, &current);
-        let physical = state["run"]["physical_batch"].as_u64().unwrap_or(0) as usize;
-        for field in [
-            "trainable",
-            "examples",
-            "sample_rate",
-            "noise_multiplier",
-            "physical_batch",
-            "users",
-        ] {
-            // a batch the trainer chose under its memory limit gives way to
-            // a smaller saved one, which fits too and continues the run's
-            // sums bit for bit
-            let smaller = (1..=self.setup.physical).contains(&physical);
-            if field == "physical_batch" && smaller && self.memory.as_ref().is_some_and(|m| m.chosen) {
-                continue;
-            }
-            if state["run"][field] != now[field] {
-                let msg = format!("{field} was {} when saved, is {} now", state["run"][field], now[field]);
-                return Err(bad(msg));
-            }
-        }
+        let physical = self.same_run(&state, &current)?;
         // onto the parameters' device (the data may live elsewhere)
         let device = match current.values().next() {
             Some(t) => t.device().clone(),
             None => self.setup.data.source.device(),
         };
-        let params = load_tensors(&dir.join("params.safetensors"), &device)?;
-        for (k, t) in &current {
-            match params.get(k) {
-                Some(p) if p.dims() == t.dims() && p.dtype() == t.dtype() => {}
-                _ => {
-                    return Err(bad(format!(
-                        "params.safetensors lacks {k:?} as {:?} {:?}",
-                        t.dims(),
-                        t.dtype()
-                    )))
-                }
-            }
-        }
-        let opt = &state["optimizer"];
-        let scalars = opt["scalars"]
-            .as_object()
-            .ok_or_else(|| bad("state.json: optimizer.scalars is not an object"))?
-            .iter()
-            .map(|(k, v)| {
-                Ok((
-                    k.clone(),
-                    v.as_f64().ok_or_else(|| bad(format!("optimizer scalar {k:?}")))?,
-                ))
-            })
-            .collect::<Result<BTreeMap<_, _>>>()?;
-        let optimizer = OptimizerState {
-            kind: opt["kind"].as_str().unwrap_or_default().to_string(),
-            tensors: load_tensors(&dir.join("optimizer.safetensors"), &device)?,
-            scalars,
-        };
+        let params = load_params(dir, &current, &device)?;
+        let optimizer = optimizer_state(&state["optimizer"], dir, &device)?;
         let steps = state["steps"]
             .as_u64()
             .ok_or_else(|| bad("state.json: steps is not a count"))?;
@@ -343,6 +256,36 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             bound,
             physical,
         })
+    }
+
+    /// The saved run's physical batch, where the state saved describes this
+    /// trainer's run (what it trains, on which examples, at which sample
+    /// rate and noise, in which batches, for which users), else an error
+    /// naming the field.
+    fn same_run(&self, state: &Value, current: &BTreeMap<String, Tensor>) -> Result<usize> {
+        let now = identity(self, current);
+        let physical = state["run"]["physical_batch"].as_u64().unwrap_or(0) as usize;
+        for field in [
+            "trainable",
+            "examples",
+            "sample_rate",
+            "noise_multiplier",
+            "physical_batch",
+            "users",
+        ] {
+            // a batch the trainer chose under its memory limit gives way to
+            // a smaller saved one, which fits too and continues the run's
+            // sums bit for bit
+            let smaller = (1..=self.setup.physical).contains(&physical);
+            if field == "physical_batch" && smaller && self.memory.as_ref().is_some_and(|m| m.chosen) {
+                continue;
+            }
+            if state["run"][field] != now[field] {
+                let msg = format!("{field} was {} when saved, is {} now", state["run"][field], now[field]);
+                return Err(bad(msg));
+            }
+        }
+        Ok(physical)
     }
 
     /// The saved history checked step by step against this trainer (every
@@ -438,6 +381,91 @@ impl<F, O: Optimizer, S> PrivateTrainer<F, O, S> {
             }
         }
     }
+}
+
+/// A saved folder's `state.json`, its digest checked first (so a file cut
+/// short is named as such rather than failing to parse) and its format
+/// one this crate reads.
+fn read_state(dir: &Path) -> Result<Value> {
+    // the digest first, so a file cut short is named as such rather
+    // than failing to parse
+    let digested = dir.join(folder::DIGEST).exists();
+    if digested {
+        folder::verify(dir, &FILES, "PrivateTrainer::resume")?;
+    }
+    let path = dir.join("state.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| match folder::moved_aside(dir) {
+        Some(aside) if !dir.exists() => bad(format!(
+            "{} is missing; a save interrupted between its two renames left the previous checkpoint at {}: \
+             rename that folder to {} to resume it",
+            dir.display(),
+            aside.display(),
+            dir.display()
+        )),
+        _ => io("PrivateTrainer::resume", &path, e),
+    })?;
+    let state: Value = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
+    match state["format"].as_u64() {
+        Some(FORMAT) if digested => {}
+        Some(FORMAT) => return Err(bad(format!("{} is missing", dir.join(folder::DIGEST).display()))),
+        // the first format had no digest: its history is still checked
+        Some(1) => {
+            warn_once(
+                "dp-resume-no-digest".into(),
+                format!(
+                    "PrivateTrainer::resume: {} was saved without a digest (format 1): \
+                     a truncated or edited file is caught only where it fails to parse",
+                    dir.display()
+                ),
+            );
+        }
+        _ => {
+            return Err(bad(format!(
+                "state.json has format {}, expected {FORMAT}",
+                state["format"]
+            )))
+        }
+    }
+    Ok(state)
+}
+
+/// The saved parameters, each of this trainer's as it is now (name, shape,
+/// dtype), on `device`.
+fn load_params(dir: &Path, current: &BTreeMap<String, Tensor>, device: &Device) -> Result<BTreeMap<String, Tensor>> {
+    let params = load_tensors(&dir.join("params.safetensors"), device)?;
+    for (k, t) in current {
+        match params.get(k) {
+            Some(p) if p.dims() == t.dims() && p.dtype() == t.dtype() => {}
+            _ => {
+                return Err(bad(format!(
+                    "params.safetensors lacks {k:?} as {:?} {:?}",
+                    t.dims(),
+                    t.dtype()
+                )))
+            }
+        }
+    }
+    Ok(params)
+}
+
+/// The optimiser's saved state (`opt`, its tensors from the folder).
+fn optimizer_state(opt: &Value, dir: &Path, device: &Device) -> Result<OptimizerState> {
+    let scalars = opt["scalars"]
+        .as_object()
+        .ok_or_else(|| bad("state.json: optimizer.scalars is not an object"))?
+        .iter()
+        .map(|(k, v)| {
+            Ok((
+                k.clone(),
+                v.as_f64().ok_or_else(|| bad(format!("optimizer scalar {k:?}")))?,
+            ))
+        })
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    Ok(OptimizerState {
+        kind: opt["kind"].as_str().unwrap_or_default().to_string(),
+        tensors: load_tensors(&dir.join("optimizer.safetensors"), device)?,
+        scalars,
+    })
 }
 
 fn save_tensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {

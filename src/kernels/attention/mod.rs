@@ -31,6 +31,19 @@ use candle_core::{bail, DType, Result, Storage, Tensor};
 pub(crate) use rows::Real;
 use rows::{dot, row_max};
 
+/// `dst (+)= lhs rhs` on the calling thread (each head is a job of its
+/// own already): [`product`] at these strides and sizes.
+fn mul_into<T: Real>(
+    dst: &mut [T],
+    ds: (usize, usize),
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    mnk: (usize, usize, usize),
+    add: bool,
+) {
+    product(dst, ds, lhs, rhs, mnk, add, T::ONE, gemm::Parallelism::None);
+}
+
 /// Query rows per block.
 const BQ: usize = 64;
 
@@ -109,16 +122,7 @@ impl<'a> Geometry<'a> {
             cs: 1,
         };
         let rhs = Mat { data: k, rs: 1, cs: d };
-        product(
-            s,
-            (kend, 1),
-            lhs,
-            rhs,
-            (rows, kend, d),
-            false,
-            T::ONE,
-            gemm::Parallelism::None,
-        );
+        mul_into(s, (kend, 1), lhs, rhs, (rows, kend, d), false);
         let scale = T::of(self.scale);
         for (i, row) in s.chunks_exact_mut(kend).enumerate() {
             let (lim, keep) = self.visible(head, r0 + i, kend);
@@ -162,16 +166,7 @@ impl<'a> Geometry<'a> {
             };
             let vm = Mat { data: v, rs: d, cs: 1 };
             let dst = &mut out[r0 * d..(r0 + rows) * d];
-            product(
-                dst,
-                (d, 1),
-                p,
-                vm,
-                (rows, d, kend),
-                false,
-                T::ONE,
-                gemm::Parallelism::None,
-            );
+            mul_into(dst, (d, 1), p, vm, (rows, d, kend), false);
         }
     }
 
@@ -202,29 +197,11 @@ impl<'a> Geometry<'a> {
                 rs: 1,
                 cs: kend,
             };
-            product(
-                &mut dst[2 * d..],
-                (3 * d, 1),
-                pt,
-                do_b,
-                (kend, d, rows),
-                true,
-                T::ONE,
-                gemm::Parallelism::None,
-            );
+            mul_into(&mut dst[2 * d..], (3 * d, 1), pt, do_b, (kend, d, rows), true);
             // dp = dout_b v[..kend]^T
             let vt = Mat { data: v, rs: 1, cs: d };
             let dpb = &mut dp[..rows * kend];
-            product(
-                dpb,
-                (kend, 1),
-                do_b,
-                vt,
-                (rows, kend, d),
-                false,
-                T::ONE,
-                gemm::Parallelism::None,
-            );
+            mul_into(dpb, (kend, 1), do_b, vt, (rows, kend, d), false);
             // ds = p (dp - D) * scale with D_i = sum_j p_ij dp_ij (which is
             // sum_c dout_ic o_ic: the output is not needed), none where
             // the score was hidden
@@ -249,16 +226,7 @@ impl<'a> Geometry<'a> {
             // dq_b = ds k[..kend]
             let km = Mat { data: k, rs: d, cs: 1 };
             let dq = &mut dst[r0 * 3 * d..];
-            product(
-                dq,
-                (3 * d, 1),
-                ds,
-                km,
-                (rows, d, kend),
-                false,
-                T::ONE,
-                gemm::Parallelism::None,
-            );
+            mul_into(dq, (3 * d, 1), ds, km, (rows, d, kend), false);
             // dk[..kend] += ds^T q_b
             let dst_t = Mat {
                 data: &dp[..rows * kend],
@@ -270,16 +238,7 @@ impl<'a> Geometry<'a> {
                 rs: d,
                 cs: 1,
             };
-            product(
-                &mut dst[d..],
-                (3 * d, 1),
-                dst_t,
-                qb,
-                (kend, d, rows),
-                true,
-                T::ONE,
-                gemm::Parallelism::None,
-            );
+            mul_into(&mut dst[d..], (3 * d, 1), dst_t, qb, (kend, d, rows), true);
         }
     }
 

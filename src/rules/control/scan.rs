@@ -248,7 +248,6 @@ impl Many for Scan {
         let wholes: Vec<usize> = (nc + ns..args.len()).filter(|&k| tans[k].is_some()).collect();
         let outs_ty = output_types(&self.body);
         let fys: Vec<usize> = (nc..outs_ty.len()).filter(|&j| outs_ty[j].dtype.is_float()).collect();
-        let all = input_types(&self.body);
         let groups = [
             (0..nc).collect::<Vec<_>>(),
             floats.clone(),
@@ -257,36 +256,7 @@ impl Many for Scan {
             (nc + ns..args.len()).collect(),
             wholes.clone(),
         ];
-        let types: Vec<TensorType> = groups.iter().flatten().map(|&k| all[k].clone()).collect();
-        let graph = graph_of(b, &types, |sb, ins| {
-            // where each group's inputs start
-            let mut at = 0;
-            let mut starts = Vec::with_capacity(groups.len());
-            for g in &groups {
-                starts.push(at);
-                at += g.len();
-            }
-            let mut xs = vec![0; all.len()];
-            let mut ts: Vec<Tan> = vec![None; all.len()];
-            for (gi, tangents) in [(0, 1), (2, 3), (4, 5)] {
-                for (j, &k) in groups[gi].iter().enumerate() {
-                    xs[k] = ins[starts[gi] + j];
-                }
-                for (j, &k) in groups[tangents].iter().enumerate() {
-                    ts[k] = Some(ins[starts[tangents] + j]);
-                }
-            }
-            let (outs, touts) = walk::jvp_graph(&self.body, sb, &xs, &ts)?;
-            let mut next = outs[..nc].to_vec();
-            for &k in &floats {
-                next.push(sb.or_zeros(touts[k], outs[k])?);
-            }
-            next.extend_from_slice(&outs[nc..]);
-            for &j in &fys {
-                next.push(sb.or_zeros(touts[j], outs[j])?);
-            }
-            Ok(next)
-        })?;
+        let graph = self.jvp_body(b, &groups, &fys)?;
         let mut operands: Vec<VarId> = args[..nc].to_vec();
         for &k in &floats {
             operands.push(b.or_zeros(tans[k], args[k])?);
@@ -345,5 +315,48 @@ impl Many for Scan {
             to.push(reads.then_some(nc + kept_ys + k));
         }
         Some((Prim::Scan(Box::new(sc)), to))
+    }
+}
+
+impl Scan {
+    /// The body of a scan's JVP: its inputs the groups of the body's
+    /// inputs `groups` lists (carries, float carries' tangents, steps,
+    /// their tangents, whole operands, theirs), its outputs the carries,
+    /// the float carries' tangents, the outputs and the tangents of the
+    /// float outputs `fys`.
+    fn jvp_body(&self, b: &Builder, groups: &[Vec<usize>; 6], fys: &[usize]) -> Result<crate::ir::Graph> {
+        let nc = self.carries;
+        let floats = &groups[1];
+        let all = input_types(&self.body);
+        let types: Vec<TensorType> = groups.iter().flatten().map(|&k| all[k].clone()).collect();
+        graph_of(b, &types, |sb, ins| {
+            // where each group's inputs start
+            let mut at = 0;
+            let mut starts = Vec::with_capacity(groups.len());
+            for g in groups {
+                starts.push(at);
+                at += g.len();
+            }
+            let mut xs = vec![0; all.len()];
+            let mut ts: Vec<Tan> = vec![None; all.len()];
+            for (gi, tangents) in [(0, 1), (2, 3), (4, 5)] {
+                for (j, &k) in groups[gi].iter().enumerate() {
+                    xs[k] = ins[starts[gi] + j];
+                }
+                for (j, &k) in groups[tangents].iter().enumerate() {
+                    ts[k] = Some(ins[starts[tangents] + j]);
+                }
+            }
+            let (outs, touts) = walk::jvp_graph(&self.body, sb, &xs, &ts)?;
+            let mut next = outs[..nc].to_vec();
+            for &k in floats {
+                next.push(sb.or_zeros(touts[k], outs[k])?);
+            }
+            next.extend_from_slice(&outs[nc..]);
+            for &j in fys {
+                next.push(sb.or_zeros(touts[j], outs[j])?);
+            }
+            Ok(next)
+        })
     }
 }
