@@ -109,7 +109,7 @@
 #![warn(unnameable_types)]
 
 // The layers, bottom to top: error (shared by all) <- env <- ir <- kernels
-// <- rng <- rules <- interp <- trace <- ops <- transforms <- control <- optim
+// <- rng <- trace <- rules <- interp <- ops <- transforms <- control <- optim
 // <- nn <- dp <- models <- this root.
 // Each imports only from those below it (tests/layering.rs keeps it so;
 // rustfmt lists the declarations alphabetically). The public modules

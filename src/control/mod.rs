@@ -23,10 +23,8 @@ pub use while_loop::while_loop;
 
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, Prim, TensorType};
-use crate::rules::{Builder, BuilderRef, Outer};
-use crate::trace::Tracer;
+use crate::trace::{innermost, innermost_active, nested_builder, trace_in, BuilderRef, Outer, Tracer};
 use crate::transforms::tree::{leaves_of, SymTree, TreeDef};
-use crate::transforms::{innermost, innermost_active, next_builder_id, tracing};
 
 /// The tree of structure `def` over `leaves`.
 fn rebuild<T: SymTree>(def: &TreeDef, leaves: Vec<Tracer>) -> Result<T> {
@@ -104,26 +102,18 @@ fn check_carry(op: &'static str, init: &[Tracer], next: &[Tracer]) -> Result<()>
     Ok(())
 }
 
-/// Traces `f` on fresh inputs of `types` in a trace nested in `outer`:
-/// its graph (an output per value `f` gives) and the outer values it read.
+/// Traces `f` on fresh inputs of `types` in a trace nested in `outer`
+/// (with its options and flags): its graph (an output per value `f`
+/// gives) and the outer values it read.
 fn trace_nested(
     outer: &BuilderRef,
     types: &[TensorType],
     f: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
 ) -> Result<(Graph, Vec<Outer>)> {
     let given = outer.borrow().given;
-    let inner = Builder::child(outer, next_builder_id(), given);
-    let ins: Vec<Tracer> = types
-        .iter()
-        .map(|t| {
-            let id = inner.borrow_mut().input(t.clone());
-            Tracer::new(&inner, id)
-        })
-        .collect();
-    let outs = tracing(&inner, || f(&ins))?;
-    let mut bb = inner.borrow_mut();
-    let ids = outs.iter().map(|o| bb.lift(&o.outer())).collect::<Result<Vec<_>>>()?;
-    Ok(bb.finish(ids))
+    let inner = nested_builder(outer, given, (false, false));
+    let (g, caps, ()) = trace_in(&inner, types, |ins| Ok((f(&ins)?, ())))?;
+    Ok((g, caps))
 }
 
 /// A graph traced with its own captures after its first `lead` inputs,

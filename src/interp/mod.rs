@@ -462,7 +462,7 @@ mod tests {
     /// `w` the sum over the examples of `ct_i * x_i`.
     #[test]
     fn a_maps_vjp_sums_a_shared_operands_cotangent() {
-        let ctx = TraceCtx::new(Device::Cpu);
+        let ctx = TraceCtx::new(Device::Cpu, crate::rules::infer);
         let body = {
             let sb = Builder::scratch(Options::new(), ctx.clone());
             let mut sb = sb.borrow_mut();

@@ -70,7 +70,10 @@ fn trace_rule(
     f: impl FnOnce(&[Tracer]) -> Result<Vec<Tracer>>,
 ) -> Result<crate::ir::Graph> {
     use crate::rules::{Builder, TraceCtx};
-    let b = Builder::scratch(crate::ir::Options::new(), TraceCtx::new(device.clone()));
+    let b = Builder::scratch(
+        crate::ir::Options::new(),
+        TraceCtx::new(device.clone(), crate::rules::infer),
+    );
     let ins: Vec<Tracer> = types
         .iter()
         .map(|t| {

@@ -171,7 +171,7 @@ mod tests {
         assert!(f.infer(&[&x, &w]).is_err());
         let b = crate::rules::Builder::scratch(
             crate::ir::Options::new(),
-            crate::rules::TraceCtx::new(candle_core::Device::Cpu),
+            crate::rules::TraceCtx::new(candle_core::Device::Cpu, crate::rules::infer),
         );
         let mut b = b.borrow_mut();
         let v = b.input(x.clone());

@@ -16,7 +16,6 @@
 //! [`plan::Planner`] in its context, which the transforms supply.
 
 pub(crate) mod attention;
-pub(crate) mod builder;
 pub(crate) mod control;
 pub(crate) mod conv;
 pub(crate) mod custom;
@@ -34,7 +33,8 @@ pub(crate) mod reduce;
 pub(crate) mod shape;
 pub(crate) mod walk;
 
-pub(crate) use builder::{Builder, BuilderRef, Outer, TraceCtx};
+// the builder the rules emit into: the trace room's
+pub(crate) use crate::trace::{Builder, BuilderRef, Outer, TraceCtx};
 
 use crate::error::{Error, Result};
 use crate::ir::options::{ConvRoute, Opts};

@@ -94,7 +94,10 @@ impl Planner for Fixed {
 /// of the choice's types, pruned: what a planner times.
 pub(crate) fn lower(choice: &Choice, route: ConvRoute) -> Result<Graph> {
     let opts = Opts { route, ..*choice.opts };
-    let scratch = Builder::scratch(Options::new(), TraceCtx::new(choice.device.clone()));
+    let scratch = Builder::scratch(
+        Options::new(),
+        TraceCtx::new(choice.device.clone(), crate::rules::infer),
+    );
     let mut b = scratch.borrow_mut();
     let vals: Vec<BVal> = choice.args.iter().map(|(t, bd)| (b.input(t.clone()), *bd)).collect();
     let mut cx = BatchCx {
@@ -135,7 +138,7 @@ mod tests {
     /// Batches a convolution with both operands batched (5 examples) under
     /// `route`; returns the primitives emitted.
     fn emitted(route: ConvRoute, plan: &dyn Planner) -> Result<Vec<String>> {
-        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut b = root.borrow_mut();
         let x = b.input(TensorType::new(vec![5, 1, 2, 6, 6], DType::F32));
         let w = b.input(TensorType::new(vec![5, 4, 2, 3, 3], DType::F32));

@@ -2,13 +2,12 @@
 //! call's signature, the cached run, the planned peak, [`make_graph`].
 
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{next_builder_id, settings, tracing, CacheKey, Function, GraphCache, Traced};
+use super::{next_builder_id, settings, CacheKey, Function, GraphCache, Traced};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::Options;
 use crate::ir::{Graph, TensorType};
-use crate::rules::{Builder, BuilderRef, Outer, TraceCtx};
-use crate::trace::Tracer;
+use crate::trace::{nested_builder, trace_in, Builder, BuilderRef, Outer, TraceCtx};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
@@ -25,24 +24,16 @@ where
     S: ArgList,
     F: Function<S> + ?Sized,
 {
-    let tracers = types
-        .iter()
-        .map(|arg| {
-            arg.iter()
-                .map(|ty| {
-                    let id = b.borrow_mut().input(ty.clone());
-                    Tracer::new(b, id)
-                })
-                .collect()
-        })
-        .collect();
-    let out = tracing(b, || f.apply(S::unflatten_args(defs, tracers)?))?;
-    let mut leaves = Vec::new();
-    let out_def = out.flatten_into(&mut leaves);
-    let mut bb = b.borrow_mut();
-    let ids = leaves.iter().map(|t| bb.lift(&t.outer())).collect::<Result<Vec<_>>>()?;
-    let (g, captures) = bb.finish(ids);
-    Ok((g, captures, out_def))
+    let flat: Vec<TensorType> = types.iter().flatten().cloned().collect();
+    trace_in(b, &flat, |ins| {
+        // the flat inputs regrouped by argument
+        let mut ins = ins.into_iter();
+        let tracers = types.iter().map(|arg| (&mut ins).take(arg.len()).collect()).collect();
+        let out = f.apply(S::unflatten_args(defs, tracers)?)?;
+        let mut leaves = Vec::new();
+        let out_def = out.flatten_into(&mut leaves);
+        Ok((leaves, out_def))
+    })
 }
 
 /// Traces `f` on symbolic inputs of the given types in a trace nested in
@@ -60,9 +51,7 @@ where
     S: ArgList,
     F: Function<S>,
 {
-    let b = Builder::child(outer, next_builder_id(), given);
-    b.borrow_mut().differentiated |= differentiated;
-    b.borrow_mut().batched |= batched;
+    let b = nested_builder(outer, given, (differentiated, batched));
     trace_into(f, &b, defs, types)
 }
 
@@ -92,7 +81,7 @@ pub(crate) fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     device: &Device,
 ) -> Result<Traced> {
     let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
-    let ctx = TraceCtx::new(device.clone());
+    let ctx = TraceCtx::new(device.clone(), crate::rules::infer);
     ctx.offer_seed(given.seed);
     // A top-level trace has no enclosing one, so nothing can be captured.
     let root = Builder::root(next_builder_id(), given, ctx.clone());

@@ -425,7 +425,11 @@ where
     let out_types = fwd_graph.output_types();
     // The joint graph: primals and output cotangents in, outputs and
     // argument cotangents out.
-    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
+    let b = Builder::root(
+        super::next_builder_id(),
+        Options::new(),
+        TraceCtx::new(device, crate::rules::infer),
+    );
     let joint = {
         let mut bb = b.borrow_mut();
         let primals: Vec<VarId> = fwd_graph.input_types().into_iter().map(|t| bb.input(t)).collect();

@@ -18,7 +18,11 @@ use candle_core::Tensor;
 /// (ignored for integer ones), in; `g`'s outputs, then their tangents
 /// (zeros where none), out.
 fn joint_graph(g: &crate::ir::Graph, device: candle_core::Device) -> Result<crate::ir::Graph> {
-    let b = Builder::root(super::next_builder_id(), Options::new(), TraceCtx::new(device));
+    let b = Builder::root(
+        super::next_builder_id(),
+        Options::new(),
+        TraceCtx::new(device, crate::rules::infer),
+    );
     let mut bb = b.borrow_mut();
     let types = g.input_types();
     let ins: Vec<_> = types.iter().map(|t| bb.input(t.clone())).collect();

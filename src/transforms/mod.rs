@@ -1,6 +1,6 @@
 //! Transforms and what they share, a file each: the [`Function`] trait (a
 //! traceable function: a closure or another transform, `function.rs`), the
-//! per-signature graph cache (`cache.rs`), the trace stack (`stack.rs`),
+//! per-signature graph cache (`cache.rs`),
 //! tracing and calling a traced function on concrete tensors (`call.rs`)
 //! and [`jit`] (`jit.rs`); one file per transform beside them. A graph
 //! `make_graph` returns runs by the interpreter's own type
@@ -18,15 +18,14 @@ pub(crate) mod planner;
 pub(crate) mod schedule;
 mod segments;
 pub(crate) mod settings;
-mod stack;
 pub(crate) mod transformed;
 pub(crate) mod tree;
 pub(crate) mod vmap;
 
+pub(crate) use crate::trace::{innermost, next_builder_id};
 pub(crate) use cache::{CacheKey, GraphCache, Traced};
 pub use call::make_graph;
 pub(crate) use call::{call_concrete, flatten_call, planned_peak_of, trace_inner, trace_top, Call};
 pub(crate) use function::ByRef;
 pub use function::Function;
 pub use jit::{jit, Jit, JitOf};
-pub(crate) use stack::{innermost, innermost_active, next_builder_id, tracing};

@@ -217,7 +217,7 @@ fn lower_as(
     opts: &Opts,
     run_as: RunAs,
 ) -> Result<Graph> {
-    let scratch = Builder::scratch(b.given, TraceCtx::new(b.ctx.device.clone()));
+    let scratch = Builder::scratch(b.given, TraceCtx::new(b.ctx.device.clone(), crate::rules::infer));
     let mut sb = scratch.borrow_mut();
     let ins: Vec<BVal> = types
         .iter()

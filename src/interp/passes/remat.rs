@@ -125,7 +125,7 @@ mod tests {
     /// A graph of one input `[4, 8, 32, 32]` built by `f` (simplified, as a
     /// traced graph is before the passes that prepare it to run).
     fn graph(f: impl Fn(&mut Builder, usize) -> crate::Result<usize>) -> Graph {
-        let b = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let b = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut b = b.borrow_mut();
         let x = b.input(TensorType::new(vec![4, 8, 32, 32], DType::F32));
         let y = f(&mut b, x).unwrap();

@@ -263,7 +263,7 @@ mod tests {
 
     /// `exp(x)` then `n` negations, as built (no pass run on it).
     fn negations(n: usize) -> Graph {
-        let b = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let b = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut b = b.borrow_mut();
         let x = b.input(TensorType::new(vec![3], DType::F32));
         let mut y = b.un(Unary::Exp, x).unwrap();

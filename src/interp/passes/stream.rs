@@ -120,7 +120,7 @@ mod tests {
     /// of the graph as it was.
     #[test]
     fn a_concatenation_of_a_concatenation_streams_both() {
-        let b = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let b = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut b = b.borrow_mut();
         let x = b.input(TensorType::new(vec![64, 128], DType::F32));
         let y = b.un(crate::ir::ops::Unary::Exp, x).unwrap();

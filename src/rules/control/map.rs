@@ -314,7 +314,7 @@ mod tests {
     use candle_core::{DType, Device};
 
     fn body(prim: Prim) -> Graph {
-        let sb = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let sb = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut sb = sb.borrow_mut();
         let x = sb.input(TensorType::new(vec![2], DType::F32));
         let y = sb.emit(prim, &[x]).unwrap();
@@ -334,7 +334,7 @@ mod tests {
     /// A map over 4 examples of `prim`, carrying `opts`, batched again by a
     /// vmap of 3 with other options (not strict).
     fn batch_again(prim: Prim, opts: Opts) -> Result<(Vec<usize>, Option<usize>, Opts)> {
-        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut b = root.borrow_mut();
         let x = b.input(TensorType::new(vec![3, 4, 2], DType::F32));
         let m = Map {
@@ -389,7 +389,7 @@ mod tests {
             strict: true,
             ..Opts::default()
         };
-        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu));
+        let root = Builder::scratch(Options::new(), TraceCtx::new(Device::Cpu, crate::rules::infer));
         let mut b = root.borrow_mut();
         let x = b.input(TensorType::new(vec![4, 2], DType::F32));
         let m = Map {

@@ -1,8 +1,7 @@
 //! The trace stack: builder ids, the traces active on this thread
 //! (innermost last), and finding the innermost among some tracers.
 
-use crate::rules::BuilderRef;
-use crate::trace::Tracer;
+use super::{BuilderRef, Tracer};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A process-unique id for a new trace's builder (0 is left to the

@@ -1,4 +1,5 @@
-//! A graph under construction, and the helpers rules use to emit into it.
+//! A graph under construction, and the helpers rules use to emit into it
+//! (the rules write their batched and derivative computations with them).
 //! A builder made for a nested transform remembers its enclosing builders,
 //! so a traced closure may read a value of an outer trace: the outer value
 //! is *captured* as an extra, unbatched input of the inner graph, as JAX does
@@ -50,14 +51,21 @@ pub(crate) struct Outer {
     pub(crate) ty: TensorType,
 }
 
+/// The rules' type inference (`rules::infer`): what a node's type is, given
+/// its primitive and operands' types, checked. The trace room sits below
+/// the rules, so the rules hand it to each top-level trace, as the
+/// interpreter hands the rules a runner of sub-graphs.
+pub(crate) type Infer = fn(&Prim, &[&TensorType]) -> Result<TensorType>;
+
 /// What the builders of one top-level trace share: the device the call
-/// will run on (where the planner measures), the train/eval flags read
-/// while tracing (with the values read, so a cached graph is used only
-/// while they hold), the notes of loop fallbacks to warn about once the
-/// trace ends, and the seed the run draws from.
-#[derive(Debug)]
+/// will run on (where the planner measures), the rules' type inference,
+/// the train/eval flags read while tracing (with the values read, so a
+/// cached graph is used only while they hold), the notes of loop
+/// fallbacks to warn about once the trace ends, and the seed the run
+/// draws from.
 pub(crate) struct TraceCtx {
     pub(crate) device: Device,
+    pub(crate) infer: Infer,
     pub(crate) mode_deps: RefCell<Vec<(Arc<AtomicBool>, bool)>>,
     pub(crate) fallbacks: RefCell<Vec<String>>,
     /// The seed of the outermost transform in the trace that has one: it
@@ -65,10 +73,20 @@ pub(crate) struct TraceCtx {
     pub(crate) seed: Cell<Option<u64>>,
 }
 
+impl std::fmt::Debug for TraceCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceCtx")
+            .field("device", &self.device)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
+}
+
 impl TraceCtx {
-    pub(crate) fn new(device: Device) -> Rc<TraceCtx> {
+    pub(crate) fn new(device: Device, infer: Infer) -> Rc<TraceCtx> {
         Rc::new(TraceCtx {
             device,
+            infer,
             mode_deps: RefCell::new(Vec::new()),
             fallbacks: RefCell::new(Vec::new()),
             seed: Cell::new(None),
@@ -187,7 +205,7 @@ impl Builder {
             return Err(Error::internal(prim.name(), "emitted as one value"));
         }
         let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
-        let ty = super::infer(&prim, &tys)?;
+        let ty = (self.ctx.infer)(&prim, &tys)?;
         Ok(self.push(prim, args.to_vec(), ty))
     }
 
@@ -198,7 +216,7 @@ impl Builder {
             return Err(Error::internal(prim.name(), "emitted as a tuple"));
         }
         let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
-        let ty = super::infer(&prim, &tys)?;
+        let ty = (self.ctx.infer)(&prim, &tys)?;
         Ok(self.push(prim, args.to_vec(), ty))
     }
 

@@ -1,14 +1,33 @@
-//! Symbolic tensors: what a traced closure receives.
+//! Tracing: the room where a function becomes a graph.
 //!
-//! A [`Tracer`] stands for a tensor while a function is traced: it carries a
-//! shape and dtype and appends one node per operation to its builder
-//! (`crate::rules::Builder`). A closure may read a tracer of an outer trace
-//! (`vmap(|y| x.add(&y))` inside another transform): the builder captures it
-//! as an extra, unbatched input of the inner graph.
+//! * [`Tracer`] (here): the symbolic tensor a traced closure receives. It
+//!   carries a shape and dtype and appends one node per operation to its
+//!   builder. A closure may read a tracer of an outer trace
+//!   (`vmap(|y| x.add(&y))` inside another transform): the builder
+//!   captures it as an extra, unbatched input of the inner graph.
+//! * `builder`: the graph under construction (`Builder`), what the
+//!   builders of one top-level trace share (`TraceCtx`, with the rules'
+//!   type inference handed down), and the emitting helpers the rules
+//!   write their batched and derivative computations with.
+//! * `stack`: the traces active on this thread and their ids.
+//! * `nested`: the entry of a top-level trace and the one routine that
+//!   traces a function in a trace nested in another, which the
+//!   transforms and the control-flow binders both call.
+//!
+//! The room sits below the rules (which emit into its builders) and above
+//! the IR; the transforms' signature-keyed entry (`transforms::call`)
+//! drives it.
+
+mod builder;
+mod nested;
+mod stack;
+
+pub(crate) use builder::{Builder, BuilderRef, Outer, TraceCtx};
+pub(crate) use nested::{nested_builder, trace_in};
+pub(crate) use stack::{innermost, innermost_active, next_builder_id, tracing};
 
 use crate::error::Result;
 use crate::ir::{Prim, TensorType, VarId};
-use crate::rules::{BuilderRef, Outer};
 use candle_core::{DType, Tensor};
 use std::fmt;
 use std::sync::atomic::AtomicBool;
