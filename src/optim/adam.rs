@@ -136,20 +136,7 @@ impl Adam {
 }
 
 impl Optimizer for Adam {
-    lr_field!();
-
-    #[allow(deprecated)]
-    fn set_portable(&mut self, portable: bool) {
-        self.path = Path::resolve(Some(portable));
-    }
-
-    fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
-        self.step_path(grads, self.path)
-    }
-
-    fn step_on(&mut self, grads: &BTreeMap<String, Tensor>, portable: bool) -> Result<()> {
-        self.step_path(grads, Path::resolve(Some(portable)))
-    }
+    own_fields!();
 
     fn memory_bytes(&self, params: &BTreeMap<String, Tensor>) -> Option<(usize, usize)> {
         // two moments. The step in place holds at most copies of one

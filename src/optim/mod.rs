@@ -20,8 +20,10 @@ use crate::transforms::tree::{overlap, under};
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 
-/// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field.
-macro_rules! lr_field {
+/// `Optimizer::lr` and `set_lr` for an optimiser with an `lr` field and
+/// parameter groups, and its steps on its own path (a `path` field) or the
+/// one given, through its `step_path`.
+macro_rules! own_fields {
     () => {
         fn lr(&self) -> f64 {
             self.lr
@@ -32,6 +34,19 @@ macro_rules! lr_field {
             self.groups.rescale(self.lr, lr);
             self.lr = lr;
             Ok(())
+        }
+
+        fn step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
+            self.step_path(grads, self.path)
+        }
+
+        fn step_on(&mut self, grads: &BTreeMap<String, Tensor>, portable: bool) -> Result<()> {
+            self.step_path(grads, Path::resolve(Some(portable)))
+        }
+
+        #[allow(deprecated)]
+        fn set_portable(&mut self, portable: bool) {
+            self.path = Path::resolve(Some(portable));
         }
     };
 }

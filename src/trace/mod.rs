@@ -23,7 +23,7 @@ mod nested;
 mod stack;
 
 pub(crate) use builder::{Builder, BuilderRef, Outer, TraceCtx};
-pub(crate) use nested::{nested_builder, trace_in};
+pub(crate) use nested::{nested_builder, top_builder, trace_in};
 pub(crate) use stack::{innermost, innermost_active, next_builder_id, tracing};
 
 use crate::error::Result;

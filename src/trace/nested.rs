@@ -1,11 +1,31 @@
-//! The one routine that traces a function into a builder: a top-level
-//! trace's (a transform called on tensors) or a nested one's (a transform
-//! inside a trace, a loop's body, a branch).
+//! The entry of a trace and the one routine that traces a function into a
+//! builder: a top-level trace's (a transform called on tensors) or a
+//! nested one's (a transform inside a trace, a loop's body, a branch).
 
-use super::{tracing, Builder, BuilderRef, Outer, Tracer};
+use super::builder::Infer;
+use super::{tracing, Builder, BuilderRef, Outer, TraceCtx, Tracer};
 use crate::error::Result;
 use crate::ir::options::Options;
 use crate::ir::{Graph, TensorType};
+use candle_core::Device;
+use std::rc::Rc;
+
+/// The root builder of a top-level trace on `device` (a transform called
+/// on tensors), with the outermost transform's options `given` (its seed
+/// offered to the run), and what its builders share. A top-level trace
+/// has no enclosing one, so nothing can be captured.
+pub(crate) fn top_builder(
+    device: &Device,
+    given: Options,
+    differentiated: bool,
+    infer: Infer,
+) -> (BuilderRef, Rc<TraceCtx>) {
+    let ctx = TraceCtx::new(device.clone(), infer);
+    ctx.offer_seed(given.seed);
+    let root = Builder::root(super::next_builder_id(), given, ctx.clone());
+    root.borrow_mut().differentiated = differentiated;
+    (root, ctx)
+}
 
 /// A builder for a trace nested in `outer`'s, by a transform (or a loop's
 /// body) with the options `given`, differentiating or batching what it

@@ -2,12 +2,12 @@
 //! call's signature, the cached run, the planned peak, [`make_graph`].
 
 use super::tree::{ArgList, CallArgs, SymTree, TreeDef};
-use super::{next_builder_id, settings, CacheKey, Function, GraphCache, Traced};
+use super::{settings, CacheKey, Function, GraphCache, Traced};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::Options;
 use crate::ir::{Graph, TensorType};
-use crate::trace::{nested_builder, trace_in, Builder, BuilderRef, Outer, TraceCtx};
+use crate::trace::{nested_builder, top_builder, trace_in, BuilderRef, Outer};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
@@ -81,11 +81,7 @@ pub(crate) fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     device: &Device,
 ) -> Result<Traced> {
     let types: Vec<Vec<TensorType>> = leaves.iter().map(|a| a.iter().map(TensorType::of).collect()).collect();
-    let ctx = TraceCtx::new(device.clone(), crate::rules::infer);
-    ctx.offer_seed(given.seed);
-    // A top-level trace has no enclosing one, so nothing can be captured.
-    let root = Builder::root(next_builder_id(), given, ctx.clone());
-    root.borrow_mut().differentiated = differentiated;
+    let (root, ctx) = top_builder(device, given, differentiated, crate::rules::infer);
     let (graph, _, out_def) = trace_into(f, &root, defs, &types)?;
     for kind in ctx.fallbacks.borrow().iter() {
         settings::warn_once(
