@@ -18,7 +18,7 @@
 use candle_core::Tensor;
 
 /// What a private step holds at its peak, part by part, in bytes
-/// ([`PrivateTrainer::memory_plan`]). Its [`MemoryPlan::total`] is what
+/// ([`PrivateTrainer::memory_plan`](crate::dp::PrivateTrainer::memory_plan)). Its [`MemoryPlan::total`] is what
 /// the engine's memory limit bounds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -26,7 +26,7 @@ pub enum Clipping {
     Automatic(f64),
 }
 
-/// The privacy parameters of [`PrivacyEngine::make_private`].
+/// The privacy parameters of [`PrivacyEngine::make_private`](crate::dp::PrivacyEngine::make_private).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DpConfig {
     /// The expected logical batch size: the sample rate is `batch_size / N`.

@@ -242,7 +242,7 @@ impl PrivacyEngine {
         self
     }
 
-    /// User-level DP (see [`super::users`]): `users` holds each example's
+    /// User-level DP: `users` holds each example's
     /// user id (`[N]`, any integer dtype), and the guarantee protects a
     /// user with all their examples. Each step samples users by the
     /// engine's [`Sampling`] at the rate `config.batch_size / users` (the

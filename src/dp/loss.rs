@@ -72,7 +72,7 @@ fn weighted(l: Tracer, w: &Tracer) -> Result<Tracer> {
     l.mul(&w.to_dtype(l.dtype())?)
 }
 
-/// A per-example loss a [`PrivateTrainer`] takes, for the example form `S`:
+/// A per-example loss a [`PrivateTrainer`](crate::dp::PrivateTrainer) takes, for the example form `S`:
 /// implemented for every [`Function`] of `(params, example tree)` (with `S`
 /// the tree) and of `(params, x, y)` (with `S` = [`XsYs`]), which is all
 /// it is for.

@@ -103,7 +103,7 @@ pub(crate) struct Graph {
     pub(crate) consts: Vec<Tensor>,
 }
 
-/// A read-only view of one node of a [`Graph`].
+/// A read-only view of one node of a graph ([`crate::graph::Graph`]).
 #[derive(Clone, Copy, Debug)]
 pub struct NodeView<'a> {
     index: usize,

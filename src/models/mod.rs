@@ -12,7 +12,7 @@
 //! Each model takes token ids and an attention mask (1 for a real token, 0
 //! for padding, as Hugging Face's `attention_mask`), either one example's
 //! `[T]` (under `vmap`) or a batch `[B, T]`, and honours the mask in
-//! attention, positions and pooling. Each is a [`Module`](crate::nn::Module)
+//! attention, positions and pooling. Each is a [`Module`]
 //! too (ids alone, no mask), so `functional_call` and `stack_params` apply;
 //! its `params()` are named as in the checkpoint.
 //!
