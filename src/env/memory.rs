@@ -12,7 +12,7 @@ pub(super) fn available() -> Option<usize> {
 /// in bytes, once the heap's free pages are returned.
 pub(crate) fn resident_memory() -> Option<usize> {
     super::malloc::trim();
-    kib_field("/proc/self/status", "VmRSS:")
+    resident_now()
 }
 
 /// The process's resident memory now, as it stands (no trim: the cheap

@@ -358,8 +358,7 @@ pub(crate) struct Cond {
 impl Cond {
     /// The first branch's outputs (every branch gives the same types).
     pub(crate) fn results(&self) -> Vec<TensorType> {
-        let g = &self.branches[0];
-        g.outputs.iter().map(|&o| g.ty(o).clone()).collect()
+        self.branches[0].output_types()
     }
 
     pub(crate) fn name(&self) -> String {
@@ -398,8 +397,7 @@ impl While {
 
     /// The carries' types.
     pub(crate) fn results(&self) -> Vec<TensorType> {
-        let g = &self.body;
-        g.outputs.iter().map(|&o| g.ty(o).clone()).collect()
+        self.body.output_types()
     }
 
     pub(crate) fn name(&self) -> String {

@@ -204,6 +204,11 @@ impl Builder {
         if prim.is_tuple() || matches!(prim, Prim::Get(_)) {
             return Err(Error::internal(prim.name(), "emitted as one value"));
         }
+        self.push_inferred(prim, args)
+    }
+
+    /// Appends `prim(args)` with the type the rules infer for it.
+    fn push_inferred(&mut self, prim: Prim, args: &[VarId]) -> Result<VarId> {
         let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
         let ty = (self.ctx.infer)(&prim, &tys)?;
         Ok(self.push(prim, args.to_vec(), ty))
@@ -215,9 +220,7 @@ impl Builder {
         if !prim.is_tuple() {
             return Err(Error::internal(prim.name(), "emitted as a tuple"));
         }
-        let tys: Vec<&TensorType> = args.iter().map(|&a| &self.nodes[a].ty).collect();
-        let ty = (self.ctx.infer)(&prim, &tys)?;
-        Ok(self.push(prim, args.to_vec(), ty))
+        self.push_inferred(prim, args)
     }
 
     /// Result `k` of the tuple `t`.
@@ -230,11 +233,13 @@ impl Builder {
         Ok(self.push(Prim::Get(k), vec![t], ty))
     }
 
-    /// [`Builder::emit_tuple`], then every result.
+    /// [`Builder::emit_tuple`], then every result (their types worked out
+    /// once, not per result).
     pub(crate) fn emit_many(&mut self, prim: Prim, args: &[VarId]) -> Result<Vec<VarId>> {
-        let n = prim.results().map_or(0, |r| r.len());
+        let types = prim.results().unwrap_or_default();
         let t = self.emit_tuple(prim, args)?;
-        (0..n).map(|k| self.get(t, k)).collect()
+        let gets = types.into_iter().enumerate();
+        Ok(gets.map(|(k, ty)| self.push(Prim::Get(k), vec![t], ty)).collect())
     }
 
     /// The id of the value `v` in this builder, capturing it as an extra

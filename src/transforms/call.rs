@@ -73,7 +73,7 @@ pub(crate) fn flatten_call<S: ArgList, C: CallArgs<S>>(args: &C) -> Result<(Vec<
 /// on `device` (where the planner measures), with the outermost
 /// transform's options `given`; then warns once for each primitive that
 /// fell back to a per-example loop.
-pub(crate) fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
+fn trace_top<S: ArgList, F: Function<S> + ?Sized>(
     f: &F,
     (given, differentiated): (Options, bool),
     defs: &[TreeDef],

@@ -419,7 +419,10 @@ where
     let call = Call::of(f, &args)?;
     let traced = call.trace_as(f, true)?;
     let Call {
-        leaves, defs, device, ..
+        given,
+        leaves,
+        defs,
+        device,
     } = call;
     let fwd_graph = &traced.graph;
     let out_types = fwd_graph.output_types();
@@ -449,7 +452,7 @@ where
     // fused only now, after differentiation: fused nodes have no VJP rule;
     // a pre-activation the backward pass reads is an output of the forward
     // half and so stays unfused
-    let (outs, residuals, backward) = forward_now(&joint, &traced, f.own_options(), leaves, ("vjp", "vjp pullback"))?;
+    let (outs, residuals, backward) = forward_now(&joint, &traced, given, leaves, ("vjp", "vjp pullback"))?;
     let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
     let pullback = Pullback {
         residuals,

@@ -4,7 +4,7 @@
 
 use super::transformed::{Transform, Transformed};
 use super::tree::{ArgList, CallArgs, SymTree};
-use super::{flatten_call, trace_top, Call, Function};
+use super::{flatten_call, Call, Function};
 use crate::error::{Error, Result};
 use crate::interp::exec::Executable;
 use crate::ir::options::Options;
@@ -67,18 +67,21 @@ where
     F: Function<S>,
     C: CallArgs<S>,
 {
-    let (leaves, defs, device) = flatten_call(&primals)?;
+    let call = Call::of(f, &primals)?;
     let (tan_leaves, tan_defs, _) = flatten_call(&tangents)?;
     let types = |l: &[Vec<Tensor>]| -> Vec<TensorType> { l.iter().flatten().map(TensorType::of).collect() };
-    let (pt, tt) = (types(&leaves), types(&tan_leaves));
-    if defs != tan_defs || pt != tt {
+    let (pt, tt) = (types(&call.leaves), types(&tan_leaves));
+    if call.defs != tan_defs || pt != tt {
         return Err(Error::Tree {
             msg: format!("jvp: tangents {tt:?} do not match the primals {pt:?}"),
         });
     }
-    let traced = trace_top(f, (f.own_options(), true), &defs, &leaves, &device)?;
+    let traced = call.trace_as(f, true)?;
+    let Call {
+        given, leaves, device, ..
+    } = call;
     let n_out = traced.graph.outputs.len();
-    let joint = Executable::new(&joint_graph(&traced.graph, device)?, f.own_options().machine())
+    let joint = Executable::new(&joint_graph(&traced.graph, device)?, given.machine())
         .named("jvp")
         .seeded(traced.seed, Default::default());
     let flat: Vec<Tensor> = leaves.into_iter().chain(tan_leaves).flatten().collect();
@@ -301,17 +304,18 @@ pub fn linearize<S: ArgList, F: Function<S>, C: CallArgs<S>>(
     primals: C,
 ) -> Result<ValueAndLinear<S, F::Output>> {
     let call = Call::of(f, &primals)?;
-    let (
-        traced,
-        Call {
-            leaves, defs, device, ..
-        },
-    ) = (call.trace_as(f, true)?, call);
+    let traced = call.trace_as(f, true)?;
+    let Call {
+        given,
+        leaves,
+        defs,
+        device,
+    } = call;
     let in_types = traced.graph.input_types();
     let joint = joint_graph(&traced.graph, device)?;
     // the forward now, the tangent map at every call
     let names = ("linearize", "linearized map");
-    let (outs, residuals, tangent) = super::grad::forward_now(&joint, &traced, f.own_options(), leaves, names)?;
+    let (outs, residuals, tangent) = super::grad::forward_now(&joint, &traced, given, leaves, names)?;
     let value = F::Output::concrete_from(&traced.out_def, &mut outs.into_iter())?;
     let lin = Linearized {
         residuals,

@@ -25,7 +25,7 @@ pub(crate) mod vmap;
 pub(crate) use crate::trace::{innermost, next_builder_id};
 pub(crate) use cache::{CacheKey, GraphCache, Traced};
 pub use call::make_graph;
-pub(crate) use call::{call_concrete, flatten_call, planned_peak_of, trace_inner, trace_top, Call};
+pub(crate) use call::{call_concrete, flatten_call, planned_peak_of, trace_inner, Call};
 pub(crate) use function::ByRef;
 pub use function::Function;
 pub use jit::{jit, Jit, JitOf};

@@ -68,9 +68,10 @@ pub(super) fn stream_concats(g: Graph) -> Graph {
     if pieces.iter().all(Option::is_none) {
         return g;
     }
-    let streamed: Vec<bool> = (0..old.nodes.len())
-        .map(|v| pieces.iter().any(|p| p.is_some_and(|p| p.concat == v)))
-        .collect();
+    let mut streamed = vec![false; old.nodes.len()];
+    for p in pieces.iter().flatten() {
+        streamed[p.concat] = true;
+    }
     let mut plan = Plan::new(old.nodes.len());
     // each streamed concatenation's buffer so far: the node that wrote it
     // last, and where among that node's rewrite

@@ -19,8 +19,8 @@
 //!   index.
 
 use super::{
-    any_true, batched_graph, batched_outputs, body_facts, body_peak, from_taking, graph_of, input_types, keep_outputs,
-    lanes_graph, renumber, rows_mask, run_graph, scalar_value, shape_error, tuple_rule,
+    any_true, batched_graph, batched_outputs, body_facts, body_peak, from_taking, graph_of, keep_outputs, lanes_graph,
+    renumber, rows_mask, run_graph, scalar_value, shape_error, tuple_rule,
 };
 use crate::error::Result;
 use crate::ir::ops::Compare;
@@ -62,7 +62,7 @@ impl Cond {
             if ins != args[1..] {
                 return Err(bad(format!("branch {k} does not take the operands {:?}", &args[1..])));
             }
-            let outs: Vec<TensorType> = g.outputs.iter().map(|&o| g.ty(o).clone()).collect();
+            let outs = g.output_types();
             if outs != first {
                 return Err(bad(format!(
                     "the branches give {first:?} and {outs:?}: every branch must give the same types"
@@ -124,7 +124,7 @@ impl Cond {
                 let fed = from_taking(icx.b, ins[0].0, icx.size, &ins[1..])?;
                 batched_outputs(g, icx, &fed)
             })?;
-            let tys: Vec<TensorType> = run.outputs.iter().map(|&o| run.ty(o).clone()).collect();
+            let tys = run.output_types();
             // taken by no example: skipped, its (discarded) results zeros
             let skip = lanes_graph(cx, &types, |icx, _| {
                 tys.iter().map(|t| icx.b.zeros(t.shape.clone(), t.dtype)).collect()
@@ -193,7 +193,7 @@ impl Many for Cond {
         }
         let results = self.results();
         let back = self.map(|g| {
-            let mut types = input_types(g);
+            let mut types = g.input_types();
             types.extend(with.iter().map(|&k| results[k].clone()));
             let n = g.inputs.len();
             graph_of(b, &types, |sb, ins| {
@@ -224,7 +224,7 @@ impl Many for Cond {
         }
         super::deterministic("cond", "jvp", &self.branches())?;
         let fwd = self.map(|g| {
-            let mut types = input_types(g);
+            let mut types = g.input_types();
             types.extend(present.iter().map(|&k| g.ty(g.inputs[k - 1]).clone()));
             let n = g.inputs.len();
             graph_of(b, &types, |sb, ins| {

@@ -6,10 +6,7 @@
 //! rule batches the body; its VJP is a map of the body's per-example VJP.
 //! Each output of the body is a result of its own.
 
-use super::{
-    batched_outputs, body_facts, graph_of, input_types, keep_outputs, lanes_graph, renumber, run_graph, tuple_rule,
-    Rows,
-};
+use super::{batched_outputs, body_facts, graph_of, keep_outputs, lanes_graph, renumber, run_graph, tuple_rule, Rows};
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::options::Opts;
 use crate::ir::{Graph, Map, Prim, TensorType, VarId};
@@ -231,7 +228,7 @@ impl Many for Map {
     fn vjp_many(&self, b: &mut Builder, args: &[VarId], _out: VarId, cts: &[Option<VarId>]) -> Result<Option<Cts>> {
         let with: Vec<usize> = (0..cts.len()).filter(|&k| cts[k].is_some()).collect();
         let mut has = Vec::new();
-        let mut types = input_types(&self.body);
+        let mut types = self.body.input_types();
         types.extend(with.iter().map(|&k| self.body.ty(self.body.outputs[k]).clone()));
         let n = self.body.inputs.len();
         let graph = graph_of(b, &types, |sb, ins| {
@@ -268,7 +265,7 @@ impl Many for Map {
     /// in; the tangent of each result that has one out.
     fn jvp_many(&self, b: &mut Builder, args: &[VarId], tans: &[Tan], _out: VarId) -> Result<Option<Vec<Tan>>> {
         let present: Vec<usize> = (0..args.len()).filter(|&k| tans[k].is_some()).collect();
-        let mut types = input_types(&self.body);
+        let mut types = self.body.input_types();
         types.extend(present.iter().map(|&k| self.body.ty(self.body.inputs[k]).clone()));
         let n = self.body.inputs.len();
         let mut has = Vec::new();

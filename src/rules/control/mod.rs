@@ -227,16 +227,6 @@ fn graph_of(
     Ok(sb.finish(outs).0.eliminate_dead_code())
 }
 
-/// The input types of `g`.
-fn input_types(g: &Graph) -> Vec<TensorType> {
-    g.inputs.iter().map(|&i| g.ty(i).clone()).collect()
-}
-
-/// The output types of `g`.
-fn output_types(g: &Graph) -> Vec<TensorType> {
-    g.outputs.iter().map(|&o| g.ty(o).clone()).collect()
-}
-
 /// `g` keeping only the outputs `keep` flags (dead code removed).
 fn keep_outputs(g: &Graph, keep: &[bool]) -> Graph {
     Graph {

@@ -18,8 +18,8 @@
 //! mix of dtypes (an f32 state beside an i64 counter) needs no packing.
 
 use super::{
-    batched_graph, batched_outputs, body_facts, graph_of, input_types, keep_outputs, output_types, run_graph,
-    shape_error, tuple_rule, Rows,
+    batched_graph, batched_outputs, body_facts, graph_of, keep_outputs, renumber, run_graph, shape_error, tuple_rule,
+    Rows,
 };
 use crate::error::{CandleContext, Error, Result};
 use crate::ir::{Options, Prim, Scan, TensorType, VarId};
@@ -246,7 +246,7 @@ impl Many for Scan {
         let floats: Vec<usize> = (0..nc).filter(|&k| self.input_ty(k).dtype.is_float()).collect();
         let steps: Vec<usize> = (nc..nc + ns).filter(|&k| tans[k].is_some()).collect();
         let wholes: Vec<usize> = (nc + ns..args.len()).filter(|&k| tans[k].is_some()).collect();
-        let outs_ty = output_types(&self.body);
+        let outs_ty = self.body.output_types();
         let fys: Vec<usize> = (nc..outs_ty.len()).filter(|&j| outs_ty[j].dtype.is_float()).collect();
         let groups = [
             (0..nc).collect::<Vec<_>>(),
@@ -304,17 +304,13 @@ impl Many for Scan {
             reads,
             ..self.clone()
         };
-        let kept_ys = ys.iter().filter(|&&u| u).count();
-        let mut at = nc;
-        let mut to: Vec<Option<usize>> = (0..nc).map(Some).collect();
-        for &u in ys {
-            to.push(u.then_some(at));
-            at += usize::from(u);
-        }
-        for k in 0..nc {
-            to.push(reads.then_some(nc + kept_ys + k));
-        }
-        Some((Prim::Scan(Box::new(sc)), to))
+        // every final carry stays; the carries read all stay or all go
+        let read_results = if self.reads { nc } else { 0 };
+        let kept: Vec<bool> = keep
+            .into_iter()
+            .chain(std::iter::repeat_n(reads, read_results))
+            .collect();
+        Some((Prim::Scan(Box::new(sc)), renumber(&kept)))
     }
 }
 
@@ -327,7 +323,7 @@ impl Scan {
     fn jvp_body(&self, b: &Builder, groups: &[Vec<usize>; 6], fys: &[usize]) -> Result<crate::ir::Graph> {
         let nc = self.carries;
         let floats = &groups[1];
-        let all = input_types(&self.body);
+        let all = self.body.input_types();
         let types: Vec<TensorType> = groups.iter().flatten().map(|&k| all[k].clone()).collect();
         graph_of(b, &types, |sb, ins| {
             // where each group's inputs start

@@ -212,7 +212,7 @@ impl Layout {
         let (nc, ns) = (sc.carries, sc.scanned);
         let n = sc.body.inputs.len();
         let summed = self.of(Route::Summed);
-        let outs = super::output_types(&sc.body);
+        let outs = sc.body.output_types();
         let groups: [Vec<TensorType>; 7] = [
             self.floats.iter().map(|&k| sc.input_ty(k).clone()).collect(),
             summed.iter().map(|&k| sc.input_ty(k).clone()).collect(),

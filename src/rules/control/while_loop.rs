@@ -17,7 +17,7 @@
 
 use super::{
     any_true, batched_graph, batched_outputs, body_facts, body_peak, example_mask, from_taking, graph_of, holds,
-    input_types, run_graph, run_one, shape_error, tuple_rule,
+    run_graph, run_one, shape_error, tuple_rule,
 };
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Prim, TensorType, VarId, While};
@@ -157,7 +157,7 @@ impl Many for While {
         let present: Vec<usize> = (nc..args.len()).filter(|&k| tans[k].is_some()).collect();
         // inputs: carries, float carries' tangents, the rest, their tangents
         let graph = |g: &Graph, body: bool| -> Result<Graph> {
-            let all = input_types(g);
+            let all = g.input_types();
             let mut types = all[..nc].to_vec();
             types.extend(floats.iter().map(|&k| all[k].clone()));
             types.extend_from_slice(&all[nc..]);
