@@ -158,4 +158,12 @@ fn every_door_honours_the_callers_options() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("privatize") && err.contains("portable"), "{err}");
+    // bad settings are errors naming the setting, on either path
+    for (sigma, batch, what) in [(f64::NAN, 4.0, "noise_multiplier"), (0.5, 0.0, "expected_batch")] {
+        for portable in [true, false] {
+            let opts = Options::new().portable(portable);
+            let e = candle_func::dp::privatize_with(&per_sample, (1.0, sigma, batch), &mut rng, &opts).unwrap_err();
+            assert!(e.to_string().contains(what), "{e}");
+        }
+    }
 }

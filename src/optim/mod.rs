@@ -335,6 +335,17 @@ mod tests {
             portable.iter().zip(&fast).all(|(p, f)| p < &0.5 && f < p),
             "{portable:?} {fast:?}"
         );
+        // a gradient of another shape, or of no variable, is an error on
+        // either path, and the variable stays as it was
+        let bad: BTreeMap<String, Tensor> =
+            [("w".to_string(), Tensor::ones((4, 3), candle_core::DType::F32, &dev)?)].into();
+        let unknown: BTreeMap<String, Tensor> =
+            [("v".to_string(), Tensor::ones((3, 4), candle_core::DType::F32, &dev)?)].into();
+        for portable in [true, false] {
+            assert!(adamw.step_on(&bad, portable).is_err());
+            assert!(adamw.step_on(&unknown, portable).is_err());
+        }
+        assert_eq!(w.flatten_all()?.to_vec1::<f32>()?, fast);
         Ok(())
     }
 }
